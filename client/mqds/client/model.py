@@ -1,0 +1,157 @@
+"""The values the client API takes and returns."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from mqds.v1 import storage_pb2 as pb
+
+Properties = tuple[tuple[str, str], ...]
+
+
+def _properties(value: Mapping[str, str] | Iterable[tuple[str, str]] | None) -> Properties:
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple((str(k), str(v)) for k, v in items)
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """An MQTT message.
+
+    ``properties`` are MQTT 5 user properties; pass a dict or a sequence of
+    ``(name, value)`` pairs (names may repeat, order is kept). ``timestamp_us``
+    and ``shard`` are set on messages returned by the client, and ignored when
+    storing.
+    """
+
+    topic: str
+    payload: bytes = b""
+    sender: str = ""
+    qos: int = 0
+    retain: bool = False
+    properties: Properties = field(default=())
+    timestamp_us: int | None = None
+    shard: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.payload, bytes):
+            if isinstance(self.payload, (bytearray, memoryview)):
+                object.__setattr__(self, "payload", bytes(self.payload))
+            else:
+                raise TypeError(f"payload must be bytes, not {type(self.payload).__name__}; encode text first")
+        if not isinstance(self.properties, tuple) or any(
+            not isinstance(p, tuple) or len(p) != 2 for p in self.properties
+        ):
+            object.__setattr__(self, "properties", _properties(self.properties))
+
+    def to_pb(self) -> pb.Message:
+        return pb.Message(
+            topic=self.topic,
+            payload=self.payload,
+            sender=self.sender,
+            qos=self.qos,
+            retain=self.retain,
+            properties=[pb.UserProperty(key=k, value=v) for k, v in self.properties],
+        )
+
+    @classmethod
+    def from_pb(cls, m: pb.Message) -> Message:
+        props = m.properties
+        return cls(
+            m.topic,
+            m.payload,
+            m.sender,
+            m.qos,
+            m.retain,
+            tuple((p.key, p.value) for p in props) if props else (),
+            m.timestamp_us,
+            m.shard,
+        )
+
+
+class Rank(NamedTuple):
+    """The rank of a stream: replay different shards in parallel, generations of one shard in order."""
+
+    shard: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A stream of one generation of one shard; ``pattern`` is its topic structure."""
+
+    shard: int
+    generation: int
+    id: int
+    pattern: str
+
+    def to_pb(self) -> pb.Stream:
+        return pb.Stream(shard=self.shard, generation=self.generation, id=self.id, pattern=self.pattern)
+
+    @classmethod
+    def from_pb(cls, s: pb.Stream) -> Stream:
+        return cls(s.shard, s.generation, s.id, s.pattern)
+
+    @property
+    def rank(self) -> Rank:
+        return Rank(self.shard, self.generation)
+
+
+@dataclass(frozen=True)
+class Iterator:
+    """A serialisable position in a stream: save ``to_bytes()``, resume with ``Iterator.from_bytes``."""
+
+    shard: int
+    generation: int
+    state: bytes
+
+    def to_bytes(self) -> bytes:
+        return self.to_pb().SerializeToString()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Iterator:
+        token = pb.IteratorToken.FromString(raw)
+        return cls(token.shard, token.generation, token.state)
+
+    def to_pb(self) -> pb.IteratorToken:
+        return pb.IteratorToken(shard=self.shard, generation=self.generation, state=self.state)
+
+    @classmethod
+    def from_pb(cls, token: pb.IteratorToken) -> Iterator:
+        return cls(token.shard, token.generation, token.state)
+
+
+@dataclass(frozen=True)
+class NextResult:
+    """What ``Client.next`` returns.
+
+    ``end_of_stream`` is True once the stream's generation is closed and fully
+    read; an empty ``messages`` list without it means "nothing yet".
+    """
+
+    messages: list[Message]
+    iterator: Iterator
+    end_of_stream: bool
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A generation of a shard; ``until_us`` is None for the current one."""
+
+    shard: int
+    generation: int
+    since_us: int
+    until_us: int | None
+    created_at_us: int
+
+    @property
+    def current(self) -> bool:
+        return self.until_us is None
+
+    @classmethod
+    def from_pb(cls, g: pb.Generation) -> Generation:
+        return cls(g.shard, g.generation, g.since_us, None if g.current else g.until_us, g.created_at_us)

@@ -1,0 +1,213 @@
+"""The errors of mqds: one table, shared by every layer, mapped to gRPC here.
+
+Each failure has a :class:`Reason`. The table :data:`REASONS` says, for each,
+the gRPC status code it travels with, whether a client should retry it,
+whether the client's idea of who leads the shard is stale, and the exception
+class the caller sees. Servers raise :func:`error` with a reason and a message
+that says what was wrong; :func:`to_status` turns it into a gRPC status whose
+details carry a ``google.rpc.ErrorInfo`` (domain ``mqds``, the reason, and
+metadata such as a leader hint); :func:`from_rpc_error` turns a failed call
+back into the same exception on the client. Nothing else translates errors.
+
+Domain outcomes that are not failures (a client without state, an empty
+batch) are data in responses, never errors.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+DOMAIN = "mqds"
+
+
+class MqdsError(Exception):
+    """Base of every mqds error. ``reason`` says exactly what failed."""
+
+    def __init__(self, reason: Reason, message: str, metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.metadata: dict[str, str] = dict(metadata or {})
+
+    @property
+    def info(self) -> ReasonInfo:
+        return REASONS[self.reason]
+
+    @property
+    def retriable(self) -> bool:
+        """True when the same call may succeed if tried again later."""
+        return REASONS[self.reason].retriable
+
+    @property
+    def refresh_leader(self) -> bool:
+        """True when the caller's routing information is stale."""
+        return REASONS[self.reason].refresh_leader
+
+    @property
+    def code(self) -> grpc.StatusCode:
+        return REASONS[self.reason].code
+
+    def __str__(self) -> str:
+        return f"{self.reason.value}: {self.message}"
+
+
+class InvalidArgumentError(MqdsError, ValueError):
+    """The request is wrong and will stay wrong: fix it, do not retry."""
+
+
+class NotFoundError(MqdsError, LookupError):
+    """What the request names does not exist (any more)."""
+
+
+class GenerationDroppedError(NotFoundError):
+    """The generation an iterator or stream points into was dropped; call get_streams again."""
+
+
+class FailedPreconditionError(MqdsError):
+    """The request is valid but the state it needs does not hold."""
+
+
+class UnavailableError(MqdsError):
+    """The node cannot serve now; retry, possibly elsewhere."""
+
+
+class DeadlineExceededError(MqdsError, TimeoutError):
+    """The call did not finish in time; whether it took effect is unknown."""
+
+
+class InternalError(MqdsError):
+    """A failure inside the node (a bug or a storage fault)."""
+
+
+class Reason(enum.Enum):
+    """Why a call failed. The value is what travels in ErrorInfo.reason."""
+
+    # The request did not parse as the expected protobuf message (for example
+    # a string field that is not UTF-8).
+    MALFORMED_REQUEST = "MALFORMED_REQUEST"
+    # A topic name to store is empty, has wildcards, NUL, or is too long.
+    INVALID_TOPIC = "INVALID_TOPIC"
+    # A topic filter breaks the MQTT rules (e.g. "a/#/b").
+    INVALID_TOPIC_FILTER = "INVALID_TOPIC_FILTER"
+    # A message field other than topic or payload is wrong (qos out of range,
+    # clientid too long).
+    INVALID_MESSAGE = "INVALID_MESSAGE"
+    # A payload is larger than the node's max_payload_bytes.
+    PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
+    # A batch has more messages than the node's max_batch_messages.
+    BATCH_TOO_LARGE = "BATCH_TOO_LARGE"
+    # An iterator token is garbage, truncated, or from an unknown format.
+    INVALID_ITERATOR = "INVALID_ITERATOR"
+    # Another request field is out of range (e.g. batch_size 0).
+    INVALID_REQUEST = "INVALID_REQUEST"
+    # The shard number is not one of the database's shards.
+    UNKNOWN_SHARD = "UNKNOWN_SHARD"
+    # The generation never existed in the shard.
+    UNKNOWN_GENERATION = "UNKNOWN_GENERATION"
+    # The stream id is not known in the shard.
+    UNKNOWN_STREAM = "UNKNOWN_STREAM"
+    # The generation existed and was dropped (retention or DropGeneration).
+    GENERATION_DROPPED = "GENERATION_DROPPED"
+    # The operation needs a closed generation but got the current one.
+    CURRENT_GENERATION = "CURRENT_GENERATION"
+    # The node is shutting down.
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    # The node could not be reached (connection refused, reset, no route).
+    UNAVAILABLE = "UNAVAILABLE"
+    # The call did not complete before its deadline.
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    # The storage engine failed (I/O error, corruption detected).
+    STORAGE_ERROR = "STORAGE_ERROR"
+    # An unexpected failure inside the node: a bug.
+    INTERNAL = "INTERNAL"
+
+
+@dataclass(frozen=True)
+class ReasonInfo:
+    """How a reason travels and how a client reacts to it."""
+
+    code: grpc.StatusCode
+    retriable: bool
+    refresh_leader: bool
+    error_class: type[MqdsError]
+
+
+_IA = grpc.StatusCode.INVALID_ARGUMENT
+_NF = grpc.StatusCode.NOT_FOUND
+
+# reason -> (gRPC code, retry?, refresh leader?, exception class)
+REASONS: dict[Reason, ReasonInfo] = {
+    Reason.MALFORMED_REQUEST: ReasonInfo(_IA, False, False, InvalidArgumentError),
+    Reason.INVALID_TOPIC: ReasonInfo(_IA, False, False, InvalidArgumentError),
+    Reason.INVALID_TOPIC_FILTER: ReasonInfo(_IA, False, False, InvalidArgumentError),
+    Reason.INVALID_MESSAGE: ReasonInfo(_IA, False, False, InvalidArgumentError),
+    Reason.PAYLOAD_TOO_LARGE: ReasonInfo(_IA, False, False, InvalidArgumentError),
+    Reason.BATCH_TOO_LARGE: ReasonInfo(_IA, False, False, InvalidArgumentError),
+    Reason.INVALID_ITERATOR: ReasonInfo(_IA, False, False, InvalidArgumentError),
+    Reason.INVALID_REQUEST: ReasonInfo(_IA, False, False, InvalidArgumentError),
+    Reason.UNKNOWN_SHARD: ReasonInfo(_NF, False, False, NotFoundError),
+    Reason.UNKNOWN_GENERATION: ReasonInfo(_NF, False, False, NotFoundError),
+    Reason.UNKNOWN_STREAM: ReasonInfo(_NF, False, False, NotFoundError),
+    Reason.GENERATION_DROPPED: ReasonInfo(_NF, False, False, GenerationDroppedError),
+    Reason.CURRENT_GENERATION: ReasonInfo(grpc.StatusCode.FAILED_PRECONDITION, False, False, FailedPreconditionError),
+    Reason.SHUTTING_DOWN: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, True, UnavailableError),
+    Reason.UNAVAILABLE: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, True, UnavailableError),
+    Reason.DEADLINE_EXCEEDED: ReasonInfo(grpc.StatusCode.DEADLINE_EXCEEDED, True, True, DeadlineExceededError),
+    Reason.STORAGE_ERROR: ReasonInfo(grpc.StatusCode.INTERNAL, False, False, InternalError),
+    Reason.INTERNAL: ReasonInfo(grpc.StatusCode.INTERNAL, False, False, InternalError),
+}
+
+# A failed call without ErrorInfo (from gRPC itself, a proxy, or another
+# server) is classified by its status code alone.
+_BY_CODE: dict[grpc.StatusCode, Reason] = {
+    grpc.StatusCode.UNAVAILABLE: Reason.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Reason.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INVALID_ARGUMENT: Reason.INVALID_REQUEST,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Reason.INVALID_REQUEST,
+    grpc.StatusCode.NOT_FOUND: Reason.UNKNOWN_STREAM,
+    grpc.StatusCode.FAILED_PRECONDITION: Reason.CURRENT_GENERATION,
+    grpc.StatusCode.CANCELLED: Reason.UNAVAILABLE,
+}
+
+
+def error(reason: Reason, message: str, **metadata: str) -> MqdsError:
+    """The exception for ``reason``, of the class the table names."""
+    return REASONS[reason].error_class(reason, message, metadata)
+
+
+def to_status(err: MqdsError) -> grpc.Status:
+    """The gRPC status a server aborts with for ``err``."""
+    info = error_details_pb2.ErrorInfo(reason=err.reason.value, domain=DOMAIN, metadata=err.metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    code = REASONS[err.reason].code
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=err.message, details=[detail])
+    return rpc_status.to_status(status)
+
+
+def from_rpc_error(err: grpc.RpcError) -> MqdsError:
+    """The mqds exception for a failed gRPC call, from its ErrorInfo when present."""
+    call: grpc.Call = err
+    status = None
+    try:
+        status = rpc_status.from_call(call)
+    except ValueError:  # a status whose details do not agree with its code
+        status = None
+    code = call.code()
+    message = call.details() or (code.name if code is not None else "unknown error")
+    if status is not None:
+        for detail in status.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                if info.domain == DOMAIN and info.reason in Reason.__members__:
+                    return error(Reason[info.reason], status.message, **dict(info.metadata))
+    reason = _BY_CODE.get(code, Reason.INTERNAL) if code is not None else Reason.INTERNAL
+    return error(reason, message)

@@ -1,0 +1,201 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class UserProperty(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: str
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+
+class Message(_message.Message):
+    __slots__ = ("topic", "payload", "sender", "qos", "retain", "properties", "timestamp_us", "shard")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    QOS_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_FIELD_NUMBER: _ClassVar[int]
+    PROPERTIES_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_US_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    payload: bytes
+    sender: str
+    qos: int
+    retain: bool
+    properties: _containers.RepeatedCompositeFieldContainer[UserProperty]
+    timestamp_us: int
+    shard: int
+    def __init__(self, topic: _Optional[str] = ..., payload: _Optional[bytes] = ..., sender: _Optional[str] = ..., qos: _Optional[int] = ..., retain: _Optional[bool] = ..., properties: _Optional[_Iterable[_Union[UserProperty, _Mapping]]] = ..., timestamp_us: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+
+class StoreBatchRequest(_message.Message):
+    __slots__ = ("messages", "sync")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    sync: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sync: _Optional[bool] = ...) -> None: ...
+
+class MessagePosition(_message.Message):
+    __slots__ = ("shard", "timestamp_us")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_US_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    timestamp_us: int
+    def __init__(self, shard: _Optional[int] = ..., timestamp_us: _Optional[int] = ...) -> None: ...
+
+class StoreBatchResponse(_message.Message):
+    __slots__ = ("positions",)
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    positions: _containers.RepeatedCompositeFieldContainer[MessagePosition]
+    def __init__(self, positions: _Optional[_Iterable[_Union[MessagePosition, _Mapping]]] = ...) -> None: ...
+
+class Rank(_message.Message):
+    __slots__ = ("shard", "generation")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    generation: int
+    def __init__(self, shard: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class Stream(_message.Message):
+    __slots__ = ("shard", "generation", "id", "pattern")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATTERN_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    generation: int
+    id: int
+    pattern: str
+    def __init__(self, shard: _Optional[int] = ..., generation: _Optional[int] = ..., id: _Optional[int] = ..., pattern: _Optional[str] = ...) -> None: ...
+
+class GetStreamsRequest(_message.Message):
+    __slots__ = ("topic_filter", "start_time_us")
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    topic_filter: str
+    start_time_us: int
+    def __init__(self, topic_filter: _Optional[str] = ..., start_time_us: _Optional[int] = ...) -> None: ...
+
+class RankedStream(_message.Message):
+    __slots__ = ("rank", "stream")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    rank: Rank
+    stream: Stream
+    def __init__(self, rank: _Optional[_Union[Rank, _Mapping]] = ..., stream: _Optional[_Union[Stream, _Mapping]] = ...) -> None: ...
+
+class GetStreamsResponse(_message.Message):
+    __slots__ = ("streams",)
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    streams: _containers.RepeatedCompositeFieldContainer[RankedStream]
+    def __init__(self, streams: _Optional[_Iterable[_Union[RankedStream, _Mapping]]] = ...) -> None: ...
+
+class IteratorToken(_message.Message):
+    __slots__ = ("shard", "generation", "state")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    generation: int
+    state: bytes
+    def __init__(self, shard: _Optional[int] = ..., generation: _Optional[int] = ..., state: _Optional[bytes] = ...) -> None: ...
+
+class MakeIteratorRequest(_message.Message):
+    __slots__ = ("stream", "topic_filter", "start_time_us")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    stream: Stream
+    topic_filter: str
+    start_time_us: int
+    def __init__(self, stream: _Optional[_Union[Stream, _Mapping]] = ..., topic_filter: _Optional[str] = ..., start_time_us: _Optional[int] = ...) -> None: ...
+
+class MakeIteratorResponse(_message.Message):
+    __slots__ = ("iterator",)
+    ITERATOR_FIELD_NUMBER: _ClassVar[int]
+    iterator: IteratorToken
+    def __init__(self, iterator: _Optional[_Union[IteratorToken, _Mapping]] = ...) -> None: ...
+
+class NextRequest(_message.Message):
+    __slots__ = ("iterator", "batch_size")
+    ITERATOR_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    iterator: IteratorToken
+    batch_size: int
+    def __init__(self, iterator: _Optional[_Union[IteratorToken, _Mapping]] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class NextResponse(_message.Message):
+    __slots__ = ("messages", "iterator", "end_of_stream")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ITERATOR_FIELD_NUMBER: _ClassVar[int]
+    END_OF_STREAM_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    iterator: IteratorToken
+    end_of_stream: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., iterator: _Optional[_Union[IteratorToken, _Mapping]] = ..., end_of_stream: _Optional[bool] = ...) -> None: ...
+
+class Generation(_message.Message):
+    __slots__ = ("shard", "generation", "since_us", "until_us", "created_at_us", "current")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SINCE_US_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_US_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_US_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    generation: int
+    since_us: int
+    until_us: int
+    created_at_us: int
+    current: bool
+    def __init__(self, shard: _Optional[int] = ..., generation: _Optional[int] = ..., since_us: _Optional[int] = ..., until_us: _Optional[int] = ..., created_at_us: _Optional[int] = ..., current: _Optional[bool] = ...) -> None: ...
+
+class AddGenerationRequest(_message.Message):
+    __slots__ = ("shard", "all_shards")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    ALL_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    all_shards: bool
+    def __init__(self, shard: _Optional[int] = ..., all_shards: _Optional[bool] = ...) -> None: ...
+
+class AddGenerationResponse(_message.Message):
+    __slots__ = ("generations",)
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    generations: _containers.RepeatedCompositeFieldContainer[Generation]
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ...) -> None: ...
+
+class ListGenerationsRequest(_message.Message):
+    __slots__ = ("shard", "all_shards")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    ALL_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    all_shards: bool
+    def __init__(self, shard: _Optional[int] = ..., all_shards: _Optional[bool] = ...) -> None: ...
+
+class ListGenerationsResponse(_message.Message):
+    __slots__ = ("generations",)
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    generations: _containers.RepeatedCompositeFieldContainer[Generation]
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ...) -> None: ...
+
+class DropGenerationRequest(_message.Message):
+    __slots__ = ("shard", "generation")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    generation: int
+    def __init__(self, shard: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class DropGenerationResponse(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: Generation
+    def __init__(self, dropped: _Optional[_Union[Generation, _Mapping]] = ...) -> None: ...

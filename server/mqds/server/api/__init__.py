@@ -1,0 +1,1 @@
+"""The API layer: translates gRPC requests to the storage layer and errors to statuses."""

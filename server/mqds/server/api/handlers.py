@@ -1,0 +1,78 @@
+"""gRPC method handlers: parsing, and the one place errors become statuses.
+
+The generated ``add_StorageServicer_to_server`` would let a request that does
+not parse (for example a topic that is not UTF-8) fail inside gRPC with a
+status that says nothing useful. These handlers parse themselves, so such a
+request gets INVALID_ARGUMENT / MALFORMED_REQUEST naming the message type, and
+any ``MqdsError`` a method raises is sent with its reason in ErrorInfo.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from google.protobuf import message as protobuf_message
+
+from mqds.protocol import errors
+from mqds.protocol.errors import MqdsError, Reason
+from mqds.v1 import storage_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class _Malformed:
+    """A request that did not parse; the handler answers it with an error."""
+
+    def __init__(self, type_name: str, err: Exception) -> None:
+        self.type_name = type_name
+        self.err = err
+
+
+def _parser(cls: type[protobuf_message.Message]) -> Callable[[bytes], Any]:
+    def parse(raw: bytes) -> Any:
+        try:
+            return cls.FromString(raw)
+        except Exception as err:  # DecodeError, or a RuntimeError from upb
+            return _Malformed(cls.DESCRIPTOR.full_name, err)
+
+    return parse
+
+
+def _serialize(response: Any) -> bytes:
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def _unary(method: Callable[[Any], Any], request_cls: type[protobuf_message.Message]) -> grpc.RpcMethodHandler:
+    name = method.__name__
+
+    def handle(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            if isinstance(request, _Malformed):
+                raise errors.error(
+                    Reason.MALFORMED_REQUEST,
+                    f"request is not a valid {request.type_name} ({request.err}); "
+                    "string fields such as topics must be valid UTF-8",
+                )
+            return method(request)
+        except MqdsError as err:
+            context.abort_with_status(errors.to_status(err))
+        except Exception as err:
+            log.exception("%s failed", name)
+            context.abort_with_status(errors.to_status(errors.error(Reason.INTERNAL, f"{name} failed: {err}")))
+
+    return grpc.unary_unary_rpc_method_handler(
+        handle, request_deserializer=_parser(request_cls), response_serializer=_serialize
+    )
+
+
+def storage_handler(service: Any) -> grpc.GenericRpcHandler:
+    """The generic handler serving mqds.v1.Storage with ``service``'s methods."""
+    descriptor = pb.DESCRIPTOR.services_by_name["Storage"]
+    methods = {}
+    for method in descriptor.methods:
+        request_cls = getattr(pb, method.input_type.name)
+        methods[method.name] = _unary(getattr(service, method.name), request_cls)
+    return grpc.method_handlers_generic_handler(descriptor.full_name, methods)

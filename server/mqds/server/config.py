@@ -1,0 +1,189 @@
+"""The node's settings: one frozen dataclass, loaded from defaults < file < environment < flags.
+
+Every field documents its unit. ``load_config`` builds the command line from
+the fields, so ``mqds-server --help`` explains every option, and every option
+can also be set in a TOML file (``--config``) or as ``MQDS_<NAME>`` in the
+environment (``MQDS_DATA_DIR=/var/lib/mqds``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_PREFIX = "MQDS_"
+
+
+class ConfigError(ValueError):
+    """The settings are wrong; the message says which and why."""
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Settings of one mqds node."""
+
+    node_id: str = _opt("n1", "this node's id: letters, digits, '-', '_' or '.'")
+    listen: str = _opt("127.0.0.1:7101", "host:port of the gRPC server (public API, health, reflection)")
+    data_dir: str = _opt("data", "directory for this node's databases; created if missing")
+    n_shards: int = _opt(16, "number of shards, fixed when the data directory is first used")
+    generation_interval_s: float = _opt(
+        3600.0, "start a new generation in each shard this many seconds after the current one began; 0 = never"
+    )
+    retention_period_s: float = _opt(
+        0.0, "drop generations that ended more than this many seconds ago; 0 = keep everything"
+    )
+    maintenance_interval_s: float = _opt(1.0, "how often, in seconds, generation rotation and retention are checked")
+    lts_threshold_top: int = _opt(
+        100, "distinct values of a topic's first level before the level becomes a wildcard in a stream"
+    )
+    lts_threshold: int = _opt(10, "distinct values of a deeper topic level before it becomes a wildcard in a stream")
+    max_payload_bytes: int = _opt(1024 * 1024, "largest payload accepted, in bytes")
+    max_batch_messages: int = _opt(10_000, "most messages accepted in one StoreBatch call")
+    max_next_batch: int = _opt(10_000, "most messages one Next call returns; larger batch_size values are capped")
+    max_request_bytes: int = _opt(64 * 1024 * 1024, "largest gRPC message received or sent, in bytes")
+    grpc_workers: int = _opt(16, "threads serving gRPC calls")
+    block_cache_bytes: int = _opt(64 * 1024 * 1024, "RocksDB block cache shared by all shards, in bytes")
+    write_buffer_bytes: int = _opt(128 * 1024 * 1024, "RocksDB memtable memory for all shards together, in bytes")
+    shutdown_grace_s: float = _opt(5.0, "seconds in-flight calls get to finish on SIGTERM")
+    log_level: str = _opt("INFO", "logging level: DEBUG, INFO, WARNING or ERROR")
+
+    def validate(self) -> NodeConfig:
+        """Raise ConfigError with a precise message for the first bad setting."""
+        if not self.node_id or not all(c.isalnum() or c in "-_." for c in self.node_id):
+            raise ConfigError(f"node_id {self.node_id!r}: use letters, digits, '-', '_' or '.'")
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"listen {self.listen!r}: expected host:port with a port from 1 to 65535")
+        if not self.data_dir:
+            raise ConfigError("data_dir must not be empty")
+        positive = (
+            "n_shards",
+            "lts_threshold_top",
+            "lts_threshold",
+            "max_payload_bytes",
+            "max_batch_messages",
+            "max_next_batch",
+            "max_request_bytes",
+            "grpc_workers",
+            "block_cache_bytes",
+            "write_buffer_bytes",
+            "maintenance_interval_s",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be greater than 0, got {getattr(self, name)}")
+        for name in ("generation_interval_s", "retention_period_s", "shutdown_grace_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be 0 or more, got {getattr(self, name)}")
+        if self.n_shards > 4096:
+            raise ConfigError(f"n_shards {self.n_shards} is more than the supported 4096")
+        if self.max_payload_bytes + 65_536 > self.max_request_bytes:
+            raise ConfigError(
+                f"max_request_bytes ({self.max_request_bytes}) must exceed max_payload_bytes "
+                f"({self.max_payload_bytes}) by at least 65536"
+            )
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"log_level {self.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
+        return self
+
+    def to_toml(self) -> str:
+        """The settings as a TOML document that ``--config`` accepts."""
+        lines = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            text = f'"{value}"' if isinstance(value, str) else repr(value)
+            lines.append(f"# {f.metadata['help']}\n{f.name} = {text}")
+        return "\n".join(lines) + "\n"
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
+
+
+def _coerce(name: str, raw: Any, source: str) -> Any:
+    kind = type(_FIELDS[name].default)
+    try:
+        if kind is int and isinstance(raw, str):
+            return int(raw.replace("_", ""))
+        if kind is float and isinstance(raw, (int, str)) and not isinstance(raw, bool):
+            return float(raw)
+        if not isinstance(raw, kind) or isinstance(raw, bool) != (kind is bool):
+            raise TypeError
+        return raw
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {name} must be {kind.__name__}, got {raw!r}") from None
+
+
+def _from_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            doc = tomllib.load(fh)
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+    values = {}
+    for key, raw in doc.items():
+        if key not in _FIELDS:
+            known = ", ".join(sorted(_FIELDS))
+            raise ConfigError(f"config file {path}: unknown setting {key!r} (known: {known})")
+        values[key] = _coerce(key, raw, f"config file {path}")
+    return values
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    values = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
+            continue
+        name = key[len(ENV_PREFIX) :].lower()
+        if name in _FIELDS:
+            values[name] = _coerce(name, raw, f"environment variable {key}")
+    return values
+
+
+def build_parser(prog: str = "mqds-server") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "Run an mqds node: a gRPC server that stores MQTT messages in RocksDB and replays them. "
+            "Settings come from defaults, then --config FILE (TOML), then MQDS_<NAME> environment "
+            "variables, then these flags."
+        ),
+    )
+    parser.add_argument("--config", metavar="FILE", help="TOML file with settings (also MQDS_CONFIG)")
+    parser.add_argument("--print-config", action="store_true", help="print the effective settings as TOML and exit")
+    for f in dataclasses.fields(NodeConfig):
+        kind = type(f.default)
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=kind,
+            default=None,
+            metavar=f.name.upper(),
+            help=f"{f.metadata['help']} (default: {f.default})",
+        )
+    return parser
+
+
+def load_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[NodeConfig, argparse.Namespace]:
+    """Parse flags, read the file and the environment; return the validated config."""
+    environ = os.environ if environ is None else environ
+    args = build_parser().parse_args(argv)
+    values: dict[str, Any] = {}
+    config_file = args.config or environ.get(ENV_PREFIX + "CONFIG")
+    if config_file:
+        values.update(_from_file(config_file))
+    values.update(_from_env(environ))
+    values.update({name: getattr(args, name) for name in _FIELDS if getattr(args, name) is not None})
+    return NodeConfig(**values).validate(), args

@@ -1,0 +1,189 @@
+"""The RocksDB key layout of a shard: the one place it is defined.
+
+Each shard (vnode) is one RocksDB database. Its ``default`` column family holds
+the shard's metadata; each generation is a column family of its own, named
+``gen-<8 digit number>``, so dropping a generation drops the column family and
+frees its files without per-key deletes. All integers are big-endian so byte
+order is numeric order.
+
+=====================  ==========================================  =========================================
+column family          key                                         value
+=====================  ==========================================  =========================================
+default                ``m:format``                                u16 layout version of the database (1)
+default                ``m:shard``                                 u32 shard number
+default                ``m:last_ts``                               u64 last timestamp assigned (microseconds)
+default                ``m:applied``                               u64 last applied Raft index
+default                ``m:lts``                                   u32 thresholds: top level, other levels
+default                ``m:next_node``                             u32 next free trie node id
+default                ``g:`` u32 generation                       generation record (see ``GenerationRecord``)
+default                ``t:`` u32 parent node, token (UTF-8)       u32 child node id
+default                ``p:`` u32 generation, u32 stream           empty: the stream has data in the generation
+gen-NNNNNNNN           ``D`` u32 stream, u64 timestamp             message: a serialised ``mqds.v1.Message``
+                                                                   without ``timestamp_us`` and ``shard``
+gen-NNNNNNNN           ``I`` u32 stream, u8 level, 8-byte hash,    empty: the message at this timestamp has
+                       u64 timestamp                               this value at the stream's varying level
+=====================  ==========================================  =========================================
+
+A trie token is a literal topic level, ``+`` for the wildcard edge, or ``#``
+for the end of a topic; none of them can be a literal level, because topic
+names contain neither ``+`` nor ``#``. A stream's id is the id of the trie node
+its ``#`` edge leads to. The hash of a varying level is the first 8 bytes of
+BLAKE2b of its UTF-8 text; collisions only cost extra reads, because readers
+check the topic of each candidate message.
+
+Examples (these run as tests):
+
+>>> data_key(7, 1_700_000_000_000_000).hex()
+'440000000700060a24181e4000'
+>>> parse_data_key(data_key(7, 42))
+(7, 42)
+>>> index_prefix(7, 0, "42").hex()
+'49000000070057b43cf02666687a'
+>>> index_key(index_prefix(7, 0, "42"), 5)[-8:] == (5).to_bytes(8, "big")
+True
+>>> trie_edge_key(0, "sensor")
+b't:\\x00\\x00\\x00\\x00sensor'
+>>> generation_cf(3)
+'gen-00000003'
+>>> GenerationRecord.decode(GenerationRecord(since_us=10, until_us=None, created_at_us=9).encode())
+GenerationRecord(since_us=10, until_us=None, created_at_us=9)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+FORMAT_VERSION = 1
+GENERATION_RECORD_VERSION = 1
+
+META_FORMAT = b"m:format"
+META_SHARD = b"m:shard"
+META_LAST_TS = b"m:last_ts"
+META_APPLIED = b"m:applied"
+META_LTS = b"m:lts"
+META_NEXT_NODE = b"m:next_node"
+GENERATION_PREFIX = b"g:"
+TRIE_PREFIX = b"t:"
+PRESENCE_PREFIX = b"p:"
+
+DATA_TAG = b"D"
+INDEX_TAG = b"I"
+DATA_KEY_LEN = 1 + 4 + 8
+INDEX_PREFIX_LEN = 1 + 4 + 1 + 8
+
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+_STREAM_TS = struct.Struct(">IQ")
+_TWO_U32 = struct.Struct(">II")
+
+
+def u16(value: int) -> bytes:
+    return _U16.pack(value)
+
+
+def u32(value: int) -> bytes:
+    return _U32.pack(value)
+
+
+def u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def read_u16(raw: bytes) -> int:
+    return int(_U16.unpack(raw)[0])
+
+
+def read_u32(raw: bytes) -> int:
+    return int(_U32.unpack(raw)[0])
+
+
+def read_u64(raw: bytes) -> int:
+    return int(_U64.unpack(raw)[0])
+
+
+def generation_cf(generation: int) -> str:
+    """The column family that holds one generation's messages."""
+    return f"gen-{generation:08d}"
+
+
+def parse_generation_cf(name: str) -> int | None:
+    """The generation number of a column family name, or None for others."""
+    if name.startswith("gen-") and name[4:].isdigit():
+        return int(name[4:])
+    return None
+
+
+def generation_key(generation: int) -> bytes:
+    return GENERATION_PREFIX + u32(generation)
+
+
+def trie_edge_key(parent: int, token: str) -> bytes:
+    return TRIE_PREFIX + u32(parent) + token.encode("utf-8")
+
+
+def parse_trie_edge_key(key: bytes) -> tuple[int, str]:
+    return read_u32(key[2:6]), key[6:].decode("utf-8")
+
+
+def presence_key(generation: int, stream: int) -> bytes:
+    return PRESENCE_PREFIX + _TWO_U32.pack(generation, stream)
+
+
+def parse_presence_key(key: bytes) -> tuple[int, int]:
+    generation, stream = _TWO_U32.unpack(key[2:10])
+    return int(generation), int(stream)
+
+
+def data_prefix(stream: int) -> bytes:
+    """The common prefix of all data keys of a stream."""
+    return DATA_TAG + u32(stream)
+
+
+def data_key(stream: int, timestamp_us: int) -> bytes:
+    return DATA_TAG + _STREAM_TS.pack(stream, timestamp_us)
+
+
+def parse_data_key(key: bytes) -> tuple[int, int]:
+    stream, ts = _STREAM_TS.unpack(key[1:DATA_KEY_LEN])
+    return int(stream), int(ts)
+
+
+def level_hash(value: str) -> bytes:
+    """The 8-byte hash of a varying level's value used in index keys."""
+    return hashlib.blake2b(value.encode("utf-8"), digest_size=8).digest()
+
+
+def index_prefix(stream: int, level: int, value: str) -> bytes:
+    """The prefix of the index keys of messages with ``value`` at varying ``level``."""
+    return INDEX_TAG + u32(stream) + bytes((level,)) + level_hash(value)
+
+
+def index_key(prefix: bytes, timestamp_us: int) -> bytes:
+    return prefix + u64(timestamp_us)
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    """A generation's interval: messages with since_us <= timestamp < until_us.
+
+    Encoded as u8 version, u64 since, u64 until (0 while open), u64 created_at.
+    """
+
+    since_us: int
+    until_us: int | None
+    created_at_us: int
+
+    _FORMAT = struct.Struct(">BQQQ")
+
+    def encode(self) -> bytes:
+        return self._FORMAT.pack(GENERATION_RECORD_VERSION, self.since_us, self.until_us or 0, self.created_at_us)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> GenerationRecord:
+        version, since, until, created = cls._FORMAT.unpack(raw)
+        if version != GENERATION_RECORD_VERSION:
+            raise ValueError(f"generation record version {version} is not supported (expected 1)")
+        return cls(since_us=since, until_us=until or None, created_at_us=created)

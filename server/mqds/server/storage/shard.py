@@ -1,0 +1,570 @@
+"""One shard's storage: a RocksDB database cut into generations and streams.
+
+The storage layer knows nothing of Raft or gRPC requests. Every change comes
+in as a call with all its inputs (messages, the time to use, the log index it
+belongs to), so replaying the same calls gives the same content on every
+replica: timestamps come from ``now_us`` given by the caller, never from the
+clock; trie node ids come from creation order. Each change is one RocksDB
+write batch, which also records the applied log index when one is given.
+
+See ``keys.py`` for the key layout and ``DESIGN.md`` for the why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from rocksdict import (
+    BlockBasedOptions,
+    Cache,
+    DBCompressionType,
+    Options,
+    Rdict,
+    WriteBatch,
+    WriteBufferManager,
+    WriteOptions,
+)
+
+from mqds.protocol import errors
+from mqds.protocol.errors import Reason
+from mqds.protocol.topics import matches_levels
+from mqds.server.storage import keys
+from mqds.server.storage.iterators import IteratorState
+from mqds.server.storage.trie import TopicTrie, filter_constraints
+from mqds.v1 import storage_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# How many topic -> key-prefix routes a shard caches before starting over.
+_ROUTE_CACHE_LIMIT = 100_000
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """RocksDB tuning shared by all shards of a node."""
+
+    block_cache_bytes: int = 64 * 1024 * 1024
+    """Block cache shared by all shards, in bytes."""
+    write_buffer_bytes: int = 128 * 1024 * 1024
+    """Memtable memory for all shards together, in bytes."""
+    memtable_bytes: int = 8 * 1024 * 1024
+    """Size of one memtable (per column family), in bytes."""
+
+
+class Engine:
+    """The RocksDB options, cache and memtable budget shared by a node's shards."""
+
+    def __init__(self, options: EngineOptions | None = None) -> None:
+        self.options = options or EngineOptions()
+        self._cache = Cache(self.options.block_cache_bytes)
+        self._write_buffers = WriteBufferManager(self.options.write_buffer_bytes, False)
+        self.sync_write = WriteOptions()
+        self.sync_write.sync = True
+        self.async_write = WriteOptions()
+
+    def db_options(self) -> Options:
+        opts = self.cf_options()
+        opts.create_if_missing(True)
+        opts.create_missing_column_families(True)
+        opts.set_write_buffer_manager(self._write_buffers)
+        opts.set_max_background_jobs(2)
+        opts.set_keep_log_file_num(2)
+        opts.set_max_total_wal_size(64 * 1024 * 1024)
+        return opts
+
+    def cf_options(self) -> Options:
+        opts = Options(raw_mode=True)
+        table = BlockBasedOptions()
+        table.set_block_cache(self._cache)
+        table.set_bloom_filter(10, False)
+        opts.set_block_based_table_factory(table)
+        opts.set_write_buffer_size(self.options.memtable_bytes)
+        opts.set_compression_type(DBCompressionType.lz4())
+        return opts
+
+
+@dataclass(frozen=True)
+class GenerationInfo:
+    """A generation of a shard and the time interval it covers."""
+
+    shard: int
+    generation: int
+    since_us: int
+    until_us: int | None
+    created_at_us: int
+
+    @property
+    def current(self) -> bool:
+        return self.until_us is None
+
+
+@dataclass
+class _Generation:
+    number: int
+    record: keys.GenerationRecord
+    cf: Rdict
+    handle: object
+    present: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """What ``next`` read: (timestamp, stored message bytes) pairs, oldest first."""
+
+    entries: list[tuple[int, bytes]]
+    state: IteratorState
+    end_of_stream: bool
+
+
+@dataclass(frozen=True)
+class StreamRef:
+    generation: int
+    stream: int
+    pattern: str
+
+
+class ShardStorage:
+    """The storage of one shard: generations, streams, iterators."""
+
+    def __init__(
+        self,
+        path: str,
+        shard: int,
+        engine: Engine,
+        *,
+        lts_threshold_top: int = 100,
+        lts_threshold: int = 10,
+    ) -> None:
+        self.path = path
+        self.shard = shard
+        self._engine = engine
+        self._lock = threading.RLock()
+        self._routes: dict[str, tuple[bytes, tuple[bytes, ...], int]] = {}
+        self._gens: dict[int, _Generation] = {}
+        self._current = 0
+        self.last_ts = 0
+        self.applied_index = 0
+        self.keys_read = 0
+        """Keys read by ``next`` since the shard was opened (a cost measure)."""
+
+        os.makedirs(path, exist_ok=True)
+        existing = Rdict.list_cf(path) if os.path.exists(os.path.join(path, "CURRENT")) else ["default"]
+        cf_opts = {name: engine.cf_options() for name in existing if name != "default"}
+        self._db = Rdict(path, engine.db_options(), column_families=cf_opts or None)
+        self._meta_handle = self._db.get_column_family_handle("default")
+        self.trie = self._load(lts_threshold_top, lts_threshold, existing)
+
+    # -- opening -------------------------------------------------------------
+
+    def _load(self, threshold_top: int, threshold: int, cf_names: list[str]) -> TopicTrie:
+        db = self._db
+        fmt = db.get(keys.META_FORMAT)
+        if fmt is None:
+            batch = WriteBatch(raw_mode=True)
+            batch.put(keys.META_FORMAT, keys.u16(keys.FORMAT_VERSION), self._meta_handle)
+            batch.put(keys.META_SHARD, keys.u32(self.shard), self._meta_handle)
+            batch.put(keys.META_LTS, keys.u32(threshold_top) + keys.u32(threshold), self._meta_handle)
+            db.write(batch, self._engine.sync_write)
+        else:
+            version = keys.read_u16(fmt)
+            if version != keys.FORMAT_VERSION:
+                raise errors.error(
+                    Reason.STORAGE_ERROR,
+                    f"{self.path}: storage format version {version} is not supported by this node (it reads 1)",
+                )
+            stored_shard = keys.read_u32(db[keys.META_SHARD])
+            if stored_shard != self.shard:
+                raise errors.error(
+                    Reason.STORAGE_ERROR, f"{self.path} holds shard {stored_shard}, not shard {self.shard}"
+                )
+        lts = db[keys.META_LTS]
+        trie = TopicTrie(threshold_top=keys.read_u32(lts[:4]), threshold=keys.read_u32(lts[4:8]))
+        for key, value in self._scan(db, keys.TRIE_PREFIX):
+            parent, token = keys.parse_trie_edge_key(key)
+            trie.restore_edge(parent, token, keys.read_u32(value))
+        raw = db.get(keys.META_NEXT_NODE)
+        if raw is not None:
+            trie.next_node = keys.read_u32(raw)
+        raw = db.get(keys.META_LAST_TS)
+        self.last_ts = keys.read_u64(raw) if raw is not None else 0
+        raw = db.get(keys.META_APPLIED)
+        self.applied_index = keys.read_u64(raw) if raw is not None else 0
+
+        records = {
+            keys.read_u32(key[len(keys.GENERATION_PREFIX) :]): keys.GenerationRecord.decode(value)
+            for key, value in self._scan(db, keys.GENERATION_PREFIX)
+        }
+        for name in cf_names:
+            number = keys.parse_generation_cf(name)
+            if number is not None and number not in records:
+                # Created by a rotation that crashed before its metadata was
+                # written, or left by a drop that crashed after it: not part of
+                # the shard's state either way.
+                log.warning("shard %d: dropping orphan column family %s", self.shard, name)
+                db.drop_column_family(name)
+        for number, record in sorted(records.items()):
+            self._open_generation(number, record)
+        for key, _ in self._scan(db, keys.PRESENCE_PREFIX):
+            generation, stream = keys.parse_presence_key(key)
+            if generation in self._gens:
+                self._gens[generation].present.add(stream)
+        if self._gens:
+            self._current = max(self._gens)
+        return trie
+
+    @staticmethod
+    def _scan(cf: Rdict, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        for key, value in cf.items(from_key=prefix):
+            if not key.startswith(prefix):
+                return
+            yield key, value
+
+    def _open_generation(self, number: int, record: keys.GenerationRecord) -> _Generation:
+        name = keys.generation_cf(number)
+        try:
+            cf = self._db.get_column_family(name)
+        except Exception:  # a record without its column family: created now
+            cf = self._db.create_column_family(name, self._engine.cf_options())
+        gen = _Generation(number, record, cf, self._db.get_column_family_handle(name))
+        self._gens[number] = gen
+        return gen
+
+    def close(self) -> None:
+        """Close the database. Column family handles go first, or RocksDB stays locked."""
+        with self._lock:
+            self._gens.clear()
+            self._meta_handle = None
+            db, self._db = self._db, None
+            if db is not None:
+                db.close()
+
+    # -- writes (deterministic state transitions) -----------------------------
+
+    def _write(self, batch: WriteBatch, sync: bool, applied_index: int | None) -> None:
+        if applied_index is not None:
+            batch.put(keys.META_APPLIED, keys.u64(applied_index), self._meta_handle)
+        try:
+            self._db.write(batch, self._engine.sync_write if sync else self._engine.async_write)
+        except Exception as err:
+            raise errors.error(Reason.STORAGE_ERROR, f"shard {self.shard}: write failed: {err}") from err
+        if applied_index is not None:
+            self.applied_index = applied_index
+
+    def initialize(self, now_us: int, *, applied_index: int | None = None) -> GenerationInfo:
+        """Create generation 1 if the shard has none; return the current generation."""
+        with self._lock:
+            if not self._gens:
+                record = keys.GenerationRecord(since_us=0, until_us=None, created_at_us=now_us)
+                self._db.create_column_family(keys.generation_cf(1), self._engine.cf_options())
+                batch = WriteBatch(raw_mode=True)
+                batch.put(keys.generation_key(1), record.encode(), self._meta_handle)
+                self._write(batch, True, applied_index)
+                self._open_generation(1, record)
+                self._current = 1
+            return self._info(self._gens[self._current])
+
+    def store(
+        self,
+        messages: Sequence[pb.Message],
+        now_us: int,
+        *,
+        sync: bool = False,
+        applied_index: int | None = None,
+    ) -> int:
+        """Store messages in the current generation; return the first timestamp.
+
+        Message ``i`` gets timestamp ``first + i``. Messages must be valid
+        (the API layer checks them) and ``timestamp_us``/``shard`` unset.
+        """
+        with self._lock:
+            gen = self._gens[self._current]
+            first = max(now_us, self.last_ts + 1)
+            handle = gen.handle
+            present = gen.present
+            routes = self._routes
+            if len(routes) > _ROUTE_CACHE_LIMIT:
+                routes.clear()
+            batch = WriteBatch(raw_mode=True)
+            put = batch.put
+            new_edges: list[tuple[int, str, int]] = []
+            new_streams: list[int] = []
+            ts = first
+            for message in messages:
+                topic = message.topic
+                route = routes.get(topic)
+                if route is None:
+                    route = self._route(topic, new_edges)
+                dprefix, iprefixes, stream = route
+                tsb = ts.to_bytes(8, "big")
+                put(dprefix + tsb, message.SerializeToString(), handle)
+                for iprefix in iprefixes:
+                    put(iprefix + tsb, b"", handle)
+                if stream not in present:
+                    present.add(stream)
+                    new_streams.append(stream)
+                ts += 1
+            meta = self._meta_handle
+            for parent, token, child in new_edges:
+                put(keys.trie_edge_key(parent, token), keys.u32(child), meta)
+            if new_edges:
+                put(keys.META_NEXT_NODE, keys.u32(self.trie.next_node), meta)
+            for stream in new_streams:
+                put(keys.presence_key(gen.number, stream), b"", meta)
+            last = ts - 1 if messages else self.last_ts
+            put(keys.META_LAST_TS, keys.u64(last), meta)
+            try:
+                self._write(batch, sync, applied_index)
+            except BaseException:
+                present.difference_update(new_streams)
+                self._routes.clear()
+                raise
+            self.last_ts = last
+            return first
+
+    def _route(self, topic: str, new_edges: list[tuple[int, str, int]]) -> tuple[bytes, tuple[bytes, ...], int]:
+        learned = self.trie.learn(topic.split("/"), new_edges)
+        route = (
+            keys.data_prefix(learned.stream),
+            tuple(keys.index_prefix(learned.stream, i, value) for i, value in enumerate(learned.varying)),
+            learned.stream,
+        )
+        self._routes[topic] = route
+        return route
+
+    def add_generation(self, now_us: int, *, applied_index: int | None = None) -> GenerationInfo:
+        """Close the current generation and open a new one starting now."""
+        with self._lock:
+            old = self._gens[self._current]
+            since = max(now_us, self.last_ts + 1, old.record.since_us + 1)
+            number = self._current + 1
+            closed = keys.GenerationRecord(old.record.since_us, since, old.record.created_at_us)
+            record = keys.GenerationRecord(since_us=since, until_us=None, created_at_us=now_us)
+            self._db.create_column_family(keys.generation_cf(number), self._engine.cf_options())
+            batch = WriteBatch(raw_mode=True)
+            batch.put(keys.generation_key(old.number), closed.encode(), self._meta_handle)
+            batch.put(keys.generation_key(number), record.encode(), self._meta_handle)
+            batch.put(keys.META_LAST_TS, keys.u64(since - 1), self._meta_handle)
+            self._write(batch, True, applied_index)
+            old.record = closed
+            self.last_ts = since - 1
+            self._open_generation(number, record)
+            self._current = number
+            return self._info(self._gens[number])
+
+    def drop_generation(self, number: int, *, applied_index: int | None = None) -> GenerationInfo:
+        """Drop a closed generation: its metadata, then its column family."""
+        with self._lock:
+            gen = self._generation(number)
+            if number == self._current:
+                raise errors.error(
+                    Reason.CURRENT_GENERATION,
+                    f"generation {number} is the current generation of shard {self.shard}; "
+                    "add a generation first, then drop this one",
+                )
+            info = self._info(gen)
+            batch = WriteBatch(raw_mode=True)
+            batch.delete(keys.generation_key(number), self._meta_handle)
+            batch.delete_range(keys.presence_key(number, 0), keys.presence_key(number + 1, 0), self._meta_handle)
+            self._write(batch, True, applied_index)
+            del self._gens[number]
+            # Readers holding the column family keep reading it until they
+            # let go; RocksDB deletes the files after that.
+            self._db.drop_column_family(keys.generation_cf(number))
+            return info
+
+    def record_applied(self, applied_index: int) -> None:
+        """Record a log index whose command changed nothing in this shard."""
+        with self._lock:
+            self._write(WriteBatch(raw_mode=True), False, applied_index)
+
+    # -- reads ---------------------------------------------------------------
+
+    def _info(self, gen: _Generation) -> GenerationInfo:
+        r = gen.record
+        return GenerationInfo(self.shard, gen.number, r.since_us, r.until_us, r.created_at_us)
+
+    def _generation(self, number: int) -> _Generation:
+        gen = self._gens.get(number)
+        if gen is not None:
+            return gen
+        if 0 < number < self._current:
+            raise errors.error(
+                Reason.GENERATION_DROPPED,
+                f"generation {number} of shard {self.shard} was dropped; call GetStreams again for current streams",
+            )
+        raise errors.error(
+            Reason.UNKNOWN_GENERATION,
+            f"shard {self.shard} has no generation {number} (current is {self._current})",
+        )
+
+    @property
+    def current_generation(self) -> int:
+        return self._current
+
+    def generations(self) -> list[GenerationInfo]:
+        with self._lock:
+            return [self._info(self._gens[n]) for n in sorted(self._gens)]
+
+    def expired_generations(self, now_us: int, retention_us: int) -> list[int]:
+        """Closed generations whose interval ended before ``now_us - retention_us``."""
+        with self._lock:
+            horizon = now_us - retention_us
+            return [
+                n
+                for n, gen in sorted(self._gens.items())
+                if gen.record.until_us is not None and gen.record.until_us <= horizon
+            ]
+
+    def get_streams(self, filter_levels: list[str], start_time_us: int) -> list[StreamRef]:
+        """Streams with data that may match the filter, by generation then stream id."""
+        with self._lock:
+            candidates = self.trie.match(filter_levels)
+            gens = [self._gens[n] for n in sorted(self._gens)]
+        found = []
+        for gen in gens:
+            until = gen.record.until_us
+            if until is not None and until <= start_time_us:
+                continue
+            for stream in sorted(stream for stream, _ in candidates if stream in gen.present):
+                found.append(StreamRef(gen.number, stream, self.trie.pattern(stream)))
+        return found
+
+    def make_iterator(self, generation: int, stream: int, topic_filter: str, start_time_us: int) -> IteratorState:
+        with self._lock:
+            self._generation(generation)
+            if not self.trie.is_stream(stream):
+                raise errors.error(Reason.UNKNOWN_STREAM, f"shard {self.shard} has no stream {stream}")
+            pattern = self.trie.pattern(stream)
+        if filter_constraints(pattern, topic_filter.split("/")) is None:
+            raise errors.error(
+                Reason.INVALID_TOPIC_FILTER,
+                f"topic filter {topic_filter!r} cannot match stream {stream} ({pattern!r}); "
+                "use a stream that GetStreams returned for this filter",
+            )
+        return IteratorState(self.shard, generation, stream, topic_filter, start_time_us)
+
+    def next(self, state: IteratorState, batch_size: int) -> ReadResult:
+        """Read up to ``batch_size`` messages after the iterator's position."""
+        with self._lock:
+            gen = self._generation(state.generation)
+            if not self.trie.is_stream(state.stream):
+                raise errors.error(Reason.UNKNOWN_STREAM, f"shard {self.shard} has no stream {state.stream}")
+            pattern = self.trie.pattern(state.stream)
+            # Read before scanning: a generation closed after this point is
+            # reported as ended by the next call, never too early.
+            closed = gen.record.until_us is not None
+        filter_levels = state.topic_filter.split("/")
+        constraints = filter_constraints(pattern, filter_levels)
+        if constraints is None:
+            return ReadResult([], state, closed)
+        if constraints:
+            entries, next_ts, exhausted = self._scan_index(gen, state, constraints, filter_levels, batch_size)
+        else:
+            entries, next_ts, exhausted = self._scan_stream(gen, state, batch_size)
+        return ReadResult(entries, state.advanced(next_ts), closed and exhausted)
+
+    def _scan_stream(
+        self, gen: _Generation, state: IteratorState, batch_size: int
+    ) -> tuple[list[tuple[int, bytes]], int, bool]:
+        prefix = keys.data_prefix(state.stream)
+        entries: list[tuple[int, bytes]] = []
+        exhausted = True
+        for key, value in gen.cf.items(from_key=prefix + keys.u64(state.next_ts)):
+            if not key.startswith(prefix):
+                break
+            if len(entries) == batch_size:
+                exhausted = False
+                break
+            entries.append((int.from_bytes(key[5:13], "big"), value))
+        self.keys_read += len(entries) + (0 if exhausted else 1)
+        next_ts = entries[-1][0] + 1 if entries else state.next_ts
+        return entries, next_ts, exhausted
+
+    def _scan_index(
+        self,
+        gen: _Generation,
+        state: IteratorState,
+        constraints: dict[int, str],
+        filter_levels: list[str],
+        batch_size: int,
+    ) -> tuple[list[tuple[int, bytes]], int, bool]:
+        level = min(constraints)
+        prefix = keys.index_prefix(state.stream, level, constraints[level])
+        width = len(prefix)
+        index = gen.cf.items(from_key=prefix + keys.u64(state.next_ts))
+        entries: list[tuple[int, bytes]] = []
+        next_ts = state.next_ts
+        exhausted = False
+        parse = pb.Message.FromString
+        while len(entries) < batch_size and not exhausted:
+            wanted = batch_size - len(entries)
+            stamps: list[int] = []
+            for key, _ in index:
+                if not key.startswith(prefix):
+                    exhausted = True
+                    break
+                stamps.append(int.from_bytes(key[width : width + 8], "big"))
+                if len(stamps) == wanted:
+                    break
+            else:
+                exhausted = True
+            if not stamps:
+                break
+            values = gen.cf.get([keys.data_key(state.stream, ts) for ts in stamps])
+            self.keys_read += 2 * len(stamps)
+            for ts, value in zip(stamps, values, strict=True):
+                next_ts = ts + 1
+                # The hash may collide and other constrained levels are not
+                # indexed: check the topic itself.
+                if value is not None and matches_levels(filter_levels, parse(value).topic.split("/")):
+                    entries.append((ts, value))
+        if not exhausted:
+            for key, _ in index:
+                exhausted = not key.startswith(prefix)
+                self.keys_read += 1
+                break
+            else:
+                exhausted = True
+        return entries, next_ts, exhausted
+
+    # -- inspection ----------------------------------------------------------
+
+    def dump(self) -> Iterator[tuple[str, bytes, bytes]]:
+        """Every (column family, key, value), in a stable order: the shard's whole content."""
+        with self._lock:
+            cfs = [("default", self._db)] + [(keys.generation_cf(n), self._gens[n].cf) for n in sorted(self._gens)]
+        for name, cf in cfs:
+            for key, value in cf.items():
+                yield name, key, value
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_TS_TAG = b"\x38"  # field 7 (timestamp_us), varint
+_SHARD_TAG = b"\x40"  # field 8 (shard), varint
+
+
+def message_wire(stored: bytes, timestamp_us: int, shard: int) -> bytes:
+    """The serialised mqds.v1.Message for a stored one: fields appended, last wins."""
+    return stored + _TS_TAG + _varint(timestamp_us) + _SHARD_TAG + _varint(shard)
+
+
+def decode_message(stored: bytes, timestamp_us: int, shard: int) -> pb.Message:
+    """A stored message as an mqds.v1.Message with its timestamp and shard."""
+    return pb.Message.FromString(message_wire(stored, timestamp_us, shard))
+
+
+def repeated_field(tag: bytes, items: list[bytes]) -> bytes:
+    """Encode ``items`` as a repeated length-delimited protobuf field."""
+    return b"".join(tag + _varint(len(item)) + item for item in items)
