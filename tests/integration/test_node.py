@@ -16,7 +16,6 @@ from mqds.client import Client, Iterator, Message, Rank, Stream
 from mqds.client import errors as E
 from mqds.protocol.errors import from_rpc_error
 from mqds.protocol.sharding import shard_of
-from mqds.v1 import storage_pb2 as pb
 
 pytestmark = pytest.mark.integration
 

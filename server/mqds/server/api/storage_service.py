@@ -16,8 +16,8 @@ from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_filter, validate_topic
-from mqds.server.storage import GenerationInfo, IteratorDecodeError, IteratorState, ShardStorage, message_wire
-from mqds.server.storage.shard import repeated_field
+from mqds.server.storage import GenerationInfo, IteratorDecodeError, IteratorState, ShardStorage
+from mqds.server.storage.shard import encode_messages, repeated_field
 from mqds.v1 import storage_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class StorageService:
             )
         result = storage.next(state, min(request.batch_size, self.max_next_batch))
         shard = storage.shard
-        body = repeated_field(_MESSAGES_TAG, [message_wire(value, ts, shard) for ts, value in result.entries])
+        body = encode_messages(_MESSAGES_TAG, result.entries, shard)
         token_bytes = pb.IteratorToken(
             shard=shard, generation=state.generation, state=result.state.encode()
         ).SerializeToString()

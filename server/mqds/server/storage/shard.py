@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -533,6 +535,26 @@ class ShardStorage:
 
     # -- inspection ----------------------------------------------------------
 
+    def flush(self, wait_s: float = 120) -> None:
+        """Flush every memtable to disk and wait (bounded) for background compactions."""
+        with self._lock:
+            cfs = [self._db] + [gen.cf for gen in self._gens.values()]
+            for cf in cfs:
+                cf.flush()
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            busy = sum(
+                self._db.property_int_value(name) or 0
+                for name in (
+                    "rocksdb.num-running-compactions",
+                    "rocksdb.num-running-flushes",
+                    "rocksdb.compaction-pending",
+                )
+            )
+            if not busy:
+                return
+            time.sleep(0.05)
+
     def dump(self) -> Iterator[tuple[str, bytes, bytes]]:
         """Every (column family, key, value), in a stable order: the shard's whole content."""
         with self._lock:
@@ -551,13 +573,28 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-_TS_TAG = b"\x38"  # field 7 (timestamp_us), varint
+# Varint encodings of small lengths, looked up instead of computed per message.
+_SMALL_VARINTS = [_varint(n) for n in range(1 << 14)]
+
+
+def varint(value: int) -> bytes:
+    """The protobuf varint encoding of a non-negative integer."""
+    return _SMALL_VARINTS[value] if value < 16384 else _varint(value)
+
+
+_TS_TAG = b"\x39"  # field 7 (timestamp_us), fixed64
 _SHARD_TAG = b"\x40"  # field 8 (shard), varint
+_pack_ts = struct.Struct("<Q").pack
+
+
+def shard_field(shard: int) -> bytes:
+    """The encoded ``shard`` field of mqds.v1.Message."""
+    return _SHARD_TAG + varint(shard)
 
 
 def message_wire(stored: bytes, timestamp_us: int, shard: int) -> bytes:
     """The serialised mqds.v1.Message for a stored one: fields appended, last wins."""
-    return stored + _TS_TAG + _varint(timestamp_us) + _SHARD_TAG + _varint(shard)
+    return stored + _TS_TAG + _pack_ts(timestamp_us) + shard_field(shard)
 
 
 def decode_message(stored: bytes, timestamp_us: int, shard: int) -> pb.Message:
@@ -565,6 +602,16 @@ def decode_message(stored: bytes, timestamp_us: int, shard: int) -> pb.Message:
     return pb.Message.FromString(message_wire(stored, timestamp_us, shard))
 
 
+def encode_messages(tag: bytes, entries: list[tuple[int, bytes]], shard: int) -> bytes:
+    """Stored entries as a repeated mqds.v1.Message field with number ``tag``, ready to send."""
+    tail = shard_field(shard)
+    parts = []
+    for ts, stored in entries:
+        item = stored + _TS_TAG + _pack_ts(ts) + tail
+        parts.append(tag + varint(len(item)) + item)
+    return b"".join(parts)
+
+
 def repeated_field(tag: bytes, items: list[bytes]) -> bytes:
     """Encode ``items`` as a repeated length-delimited protobuf field."""
-    return b"".join(tag + _varint(len(item)) + item for item in items)
+    return b"".join(tag + varint(len(item)) + item for item in items)
