@@ -24,6 +24,10 @@ gen-NNNNNNNN           ``I`` u32 stream, u8 level, 8-byte hash,    empty: the me
                        u64 timestamp                               this value at the stream's varying level
 =====================  ==========================================  =========================================
 
+Only the first ``MAX_INDEXED_LEVELS`` varying levels of a topic get index keys
+(the level number is one byte, and each index key costs a write); a filter that
+constrains only deeper varying levels scans the stream and checks each topic.
+
 A trie token is a literal topic level, ``+`` for the wildcard edge, or ``#``
 for the end of a topic; none of them can be a literal level, because topic
 names contain neither ``+`` nor ``#``. A stream's id is the id of the trie node
@@ -67,6 +71,8 @@ META_NEXT_NODE = b"m:next_node"
 GENERATION_PREFIX = b"g:"
 TRIE_PREFIX = b"t:"
 PRESENCE_PREFIX = b"p:"
+
+MAX_INDEXED_LEVELS = 16
 
 DATA_TAG = b"D"
 INDEX_TAG = b"I"
@@ -158,6 +164,8 @@ def level_hash(value: str) -> bytes:
 
 def index_prefix(stream: int, level: int, value: str) -> bytes:
     """The prefix of the index keys of messages with ``value`` at varying ``level``."""
+    if not 0 <= level < MAX_INDEXED_LEVELS:
+        raise ValueError(f"varying level {level} is not indexed (only the first {MAX_INDEXED_LEVELS} are)")
     return INDEX_TAG + u32(stream) + bytes((level,)) + level_hash(value)
 
 

@@ -261,10 +261,15 @@ class ShardStorage:
         with self._lock:
             if not self._gens:
                 record = keys.GenerationRecord(since_us=0, until_us=None, created_at_us=now_us)
-                self._db.create_column_family(keys.generation_cf(1), self._engine.cf_options())
+                name = keys.generation_cf(1)
+                self._db.create_column_family(name, self._engine.cf_options())
                 batch = WriteBatch(raw_mode=True)
                 batch.put(keys.generation_key(1), record.encode(), self._meta_handle)
-                self._write(batch, True, applied_index)
+                try:
+                    self._write(batch, True, applied_index)
+                except BaseException:
+                    self._db.drop_column_family(name)
+                    raise
                 self._open_generation(1, record)
                 self._current = 1
             return self._info(self._gens[self._current])
@@ -321,7 +326,11 @@ class ShardStorage:
             try:
                 self._write(batch, sync, applied_index)
             except BaseException:
+                # Nothing of the batch is on disk: forget what it taught the
+                # trie too, or a later store would route through edges that
+                # were never persisted.
                 present.difference_update(new_streams)
+                self.trie.forget(new_edges)
                 self._routes.clear()
                 raise
             self.last_ts = last
@@ -331,7 +340,10 @@ class ShardStorage:
         learned = self.trie.learn(topic.split("/"), new_edges)
         route = (
             keys.data_prefix(learned.stream),
-            tuple(keys.index_prefix(learned.stream, i, value) for i, value in enumerate(learned.varying)),
+            tuple(
+                keys.index_prefix(learned.stream, i, value)
+                for i, value in enumerate(learned.varying[: keys.MAX_INDEXED_LEVELS])
+            ),
             learned.stream,
         )
         self._routes[topic] = route
@@ -345,12 +357,19 @@ class ShardStorage:
             number = self._current + 1
             closed = keys.GenerationRecord(old.record.since_us, since, old.record.created_at_us)
             record = keys.GenerationRecord(since_us=since, until_us=None, created_at_us=now_us)
-            self._db.create_column_family(keys.generation_cf(number), self._engine.cf_options())
+            name = keys.generation_cf(number)
+            self._db.create_column_family(name, self._engine.cf_options())
             batch = WriteBatch(raw_mode=True)
             batch.put(keys.generation_key(old.number), closed.encode(), self._meta_handle)
             batch.put(keys.generation_key(number), record.encode(), self._meta_handle)
             batch.put(keys.META_LAST_TS, keys.u64(since - 1), self._meta_handle)
-            self._write(batch, True, applied_index)
+            try:
+                self._write(batch, True, applied_index)
+            except BaseException:
+                # Without its record the column family is an orphan: drop it
+                # now so a retry can create it again.
+                self._db.drop_column_family(name)
+                raise
             old.record = closed
             self.last_ts = since - 1
             self._open_generation(number, record)
@@ -463,27 +482,37 @@ class ShardStorage:
         constraints = filter_constraints(pattern, filter_levels)
         if constraints is None:
             return ReadResult([], state, closed)
-        if constraints:
-            entries, next_ts, exhausted = self._scan_index(gen, state, constraints, filter_levels, batch_size)
+        indexed = {level: value for level, value in constraints.items() if level < keys.MAX_INDEXED_LEVELS}
+        if indexed:
+            entries, next_ts, exhausted = self._scan_index(gen, state, indexed, filter_levels, batch_size)
         else:
-            entries, next_ts, exhausted = self._scan_stream(gen, state, batch_size)
+            # Constraints only on levels too deep to be indexed: scan the
+            # stream and check each topic.
+            check = filter_levels if constraints else None
+            entries, next_ts, exhausted = self._scan_stream(gen, state, batch_size, check)
         return ReadResult(entries, state.advanced(next_ts), closed and exhausted)
 
     def _scan_stream(
-        self, gen: _Generation, state: IteratorState, batch_size: int
+        self, gen: _Generation, state: IteratorState, batch_size: int, check: list[str] | None
     ) -> tuple[list[tuple[int, bytes]], int, bool]:
         prefix = keys.data_prefix(state.stream)
         entries: list[tuple[int, bytes]] = []
         exhausted = True
+        next_ts = state.next_ts
+        scanned = 0
+        parse = pb.Message.FromString
         for key, value in gen.cf.items(from_key=prefix + keys.u64(state.next_ts)):
             if not key.startswith(prefix):
                 break
             if len(entries) == batch_size:
                 exhausted = False
                 break
-            entries.append((int.from_bytes(key[5:13], "big"), value))
-        self.keys_read += len(entries) + (0 if exhausted else 1)
-        next_ts = entries[-1][0] + 1 if entries else state.next_ts
+            scanned += 1
+            ts = int.from_bytes(key[5:13], "big")
+            next_ts = ts + 1
+            if check is None or matches_levels(check, parse(value).topic.split("/")):
+                entries.append((ts, value))
+        self.keys_read += scanned + (0 if exhausted else 1)
         return entries, next_ts, exhausted
 
     def _scan_index(

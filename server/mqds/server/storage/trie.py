@@ -82,6 +82,22 @@ class TopicTrie:
             self._literal_count[parent] = self._literal_count.get(parent, 0) + 1
         self.next_node = max(self.next_node, child + 1)
 
+    def forget(self, new_edges: list[tuple[int, str, int]]) -> None:
+        """Undo edges ``learn`` reported, newest first, when they could not be persisted.
+
+        Node ids are handed out again afterwards, exactly as if the edges had
+        never been learned, so the in-memory trie matches what is on disk.
+        """
+        for parent, token, child in reversed(new_edges):
+            del self._children[parent][token]
+            del self._children[child]
+            del self._literal_count[child]
+            del self._parent[child]
+            self._patterns.pop(child, None)
+            if token not in (WILDCARD, END):
+                self._literal_count[parent] -= 1
+            self.next_node = min(self.next_node, child)
+
     def _add_edge(self, parent: int, token: str, on_new_edge: list[tuple[int, str, int]]) -> int:
         child = self.next_node
         self.next_node += 1

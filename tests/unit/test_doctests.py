@@ -1,0 +1,20 @@
+"""The examples in the docstrings of the protocol and storage modules run and hold."""
+
+from __future__ import annotations
+
+import doctest
+from types import ModuleType
+
+import pytest
+
+from mqds.protocol import sharding, topics
+from mqds.server.storage import iterators, keys, trie
+
+MODULES = [topics, sharding, keys, trie, iterators]
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_doctests_pass(module: ModuleType) -> None:
+    result = doctest.testmod(module, verbose=False, report=True)
+    assert result.attempted > 0, f"{module.__name__} has no doctest examples"
+    assert result.failed == 0, f"{result.failed} of {result.attempted} doctest examples failed in {module.__name__}"
