@@ -1,20 +1,24 @@
-"""The synchronous mqds client."""
+"""The synchronous mqds client: one API over every vnode of a cluster."""
 
 from __future__ import annotations
 
 import heapq
 import logging
-import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Iterator as AbcIterator
+from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
 
 from mqds.client.model import Generation, Iterator, Message, NextResult, Rank, Stream
+from mqds.client.routing import Backoff, Router
 from mqds.protocol import errors
+from mqds.protocol.errors import MqdsError, Reason
+from mqds.protocol.sharding import shard_of
+from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import storage_pb2 as pb
-from mqds.v1 import storage_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +41,14 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
 
 
 class Client:
-    """Stores and replays MQTT messages on an mqds node.
+    """Stores and replays MQTT messages on an mqds cluster.
 
-    ``endpoints`` is a list of ``"host:port"`` strings or one comma-separated
-    string. Reads that fail because a node is unreachable are tried on the
-    next endpoint; writes are not retried (a write whose reply was lost may
-    have been stored). Failures raise :class:`mqds.client.errors.MqdsError`
+    ``endpoints`` is a list of ``"host:port"`` strings (any subset of the
+    cluster's nodes) or one comma-separated string. The client learns the
+    cluster map from them, sends each write to its shard's leader, follows
+    leader changes and retries what is safe to retry within ``timeout_s``.
+    Reads go to the shard's leader (linearizable); pass ``stale_ok=True`` to
+    let any replica answer. Failures raise :class:`mqds.client.errors.MqdsError`
     subclasses. The client is thread-safe; close it, or use it as a context
     manager, to release its connections.
     """
@@ -53,56 +59,94 @@ class Client:
         *,
         timeout_s: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        backoff: Backoff | None = None,
     ) -> None:
         self.endpoints = parse_endpoints(endpoints)
         self.timeout_s = timeout_s
-        self._options = [
+        options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
-        self._lock = threading.Lock()
-        self._active = 0
-        self._channels: dict[str, grpc.Channel] = {}
-        self._stubs: dict[str, pb_grpc.StorageStub] = {}
+        self._router = Router(self.endpoints, channel_options=options, backoff=backoff)
 
     # -- plumbing ------------------------------------------------------------
 
-    def _stub(self, endpoint: str) -> pb_grpc.StorageStub:
-        with self._lock:
-            stub = self._stubs.get(endpoint)
-            if stub is None:
-                channel = grpc.insecure_channel(endpoint, options=self._options)
-                self._channels[endpoint] = channel
-                stub = self._stubs[endpoint] = pb_grpc.StorageStub(channel)
-            return stub
+    def _deadline(self, timeout_s: float | None) -> float:
+        return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
 
-    def _call(self, method: str, request: Any, *, retry_elsewhere: bool = True) -> Any:
-        start = self._active
-        attempts = len(self.endpoints) if retry_elsewhere else 1
-        last: errors.MqdsError | None = None
-        for step in range(attempts):
-            index = (start + step) % len(self.endpoints)
-            endpoint = self.endpoints[index]
-            try:
-                response = getattr(self._stub(endpoint), method)(request, timeout=self.timeout_s)
-            except grpc.RpcError as rpc_err:
-                err = errors.from_rpc_error(rpc_err)
-                if err.reason is not errors.Reason.UNAVAILABLE or step == attempts - 1:
-                    raise err from None
-                log.info("%s unreachable (%s); trying the next endpoint", endpoint, err.message)
-                last = err
-                continue
-            self._active = index
-            return response
-        assert last is not None
-        raise last
+    def _rpc(self, address: str, method: str, request: Any, timeout_s: float) -> Any:
+        try:
+            return getattr(self._router.storage(address), method)(request, timeout=timeout_s)
+        except grpc.RpcError as err:
+            raise errors.from_rpc_error(err) from None
+
+    def _on_shard(
+        self, shard: int, method: str, request: Any, deadline: float, *, stale_ok: bool = False, write: bool = False
+    ) -> Any:
+        self._router.ensure_map(max(0.1, deadline - time.monotonic()))
+        return self._router.call(
+            shard,
+            lambda address, remaining: self._rpc(address, method, request, remaining),
+            deadline,
+            any_replica=stale_ok,
+            retry_unavailable=True,
+        )
+
+    def _n_shards(self, deadline: float) -> int:
+        return self._router.ensure_map(max(0.1, deadline - time.monotonic())).n_shards
+
+    def _per_leader(
+        self, shards: Iterable[int], call: Callable[[list[int], str, float], T], deadline: float, stale_ok: bool = False
+    ) -> list[T]:
+        """Run ``call(shards, address, timeout)`` once per node leading some of ``shards``, in parallel.
+
+        Shards whose call failed with a retriable error are regrouped by their
+        (new) leaders and tried again until the deadline.
+        """
+        pending = sorted(set(shards))
+        results: list[T] = []
+        delays = self._router.backoff.delays()
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.error(Reason.DEADLINE_EXCEEDED, "the call did not succeed before its deadline")
+            groups: dict[str, list[int]] = {}
+            for shard in pending:
+                if stale_ok:
+                    address = (self._router.replica_addresses(shard) or self._router.known_addresses())[0]
+                else:
+                    address = self._router.leader_of(shard) or self._router.known_addresses()[0]
+                groups.setdefault(address, []).append(shard)
+            jobs = {self._router.submit(call, group, address, remaining): group for address, group in groups.items()}
+            failed: list[int] = []
+            last: MqdsError | None = None
+            for job in futures.as_completed(jobs):
+                group = jobs[job]
+                try:
+                    results.append(job.result())
+                except MqdsError as err:
+                    if not err.retriable:
+                        raise
+                    last = err
+                    failed.extend(group)
+                    shard_hint = err.metadata.get("shard")
+                    if shard_hint is not None and self._router.learn(err, int(shard_hint)):
+                        continue
+                    for shard in group:
+                        self._router.forget_leader(shard)
+            pending = sorted(failed)
+            if pending:
+                assert last is not None
+                if last.reason not in (Reason.NOT_LEADER, Reason.NOT_HOSTED) or "shard" not in last.metadata:
+                    self._router._refresh_quietly(remaining)
+                    delay = next(delays)
+                    if time.monotonic() + delay >= deadline:
+                        raise last
+                    time.sleep(delay)
+        return results
 
     def close(self) -> None:
-        with self._lock:
-            for channel in self._channels.values():
-                channel.close()
-            self._channels.clear()
-            self._stubs.clear()
+        self._router.close()
 
     def __enter__(self) -> Client:
         return self
@@ -110,55 +154,120 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- the cluster ------------------------------------------------------------
+
+    def cluster_map(self, timeout_s: float | None = None) -> clpb.ClusterMap:
+        """The cluster map as the nodes see it now (nodes, placement, leaders)."""
+        view = self._router.refresh(timeout_s or self.timeout_s, force=True)
+        cmap = clpb.ClusterMap(
+            cluster_id=view.cluster_id, n_shards=view.n_shards, version=view.version, meta_leader=view.meta_leader
+        )
+        for node_id, address in sorted(view.addresses.items()):
+            cmap.nodes.add(id=node_id, address=address)
+        for shard in range(view.n_shards):
+            term, leader = view.leaders.get(shard, (0, ""))
+            cmap.vnodes.add(shard=shard, replicas=view.replicas.get(shard, []), leader=leader, term=term)
+        return cmap
+
     # -- writes --------------------------------------------------------------
 
-    def store_batch(self, messages: Iterable[Message], sync: bool = True) -> list[Message]:
+    def store_batch(
+        self, messages: Iterable[Message], sync: bool = True, timeout_s: float | None = None
+    ) -> list[Message]:
         """Store messages; return them with ``timestamp_us`` and ``shard`` set.
 
-        With ``sync=True`` the call returns once the batch is on disk.
+        The call returns once every message is committed (fsynced on a
+        majority of its shard's replicas) and applied on the leader. Messages
+        are sent to their shards' leaders in parallel. ``sync`` is accepted
+        for compatibility; every acknowledged write is durable.
         """
         batch = list(messages)
-        request = pb.StoreBatchRequest(messages=[m.to_pb() for m in batch], sync=sync)
-        response = self._call("StoreBatch", request, retry_elsewhere=False)
-        return [
-            Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, p.timestamp_us, p.shard)
-            for m, p in zip(batch, response.positions, strict=True)
-        ]
+        deadline = self._deadline(timeout_s)
+        n_shards = self._n_shards(deadline)
+        by_shard: dict[int, list[int]] = {}
+        for index, message in enumerate(batch):
+            by_shard.setdefault(shard_of(message.sender, n_shards), []).append(index)
+        encoded = [m.to_pb() for m in batch]
+        positions: dict[int, tuple[int, int]] = {}
+
+        def send(shards: list[int], address: str, remaining: float) -> None:
+            indexes = [i for shard in shards for i in by_shard[shard]]
+            request = pb.StoreBatchRequest(messages=[encoded[i] for i in indexes], sync=sync)
+            response = self._rpc(address, "StoreBatch", request, remaining)
+            for index, position in zip(indexes, response.positions, strict=True):
+                positions[index] = (position.timestamp_us, position.shard)
+
+        self._per_leader(by_shard, send, deadline)
+        out = []
+        for index, m in enumerate(batch):
+            ts, shard = positions[index]
+            out.append(Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, ts, shard))
+        return out
 
     # -- reads ---------------------------------------------------------------
 
-    def get_streams(self, topic_filter: str, start_time_us: int = 0) -> list[tuple[Rank, Stream]]:
-        """The streams that may hold messages matching ``topic_filter`` at or after ``start_time_us``."""
-        response = self._call(
-            "GetStreams", pb.GetStreamsRequest(topic_filter=topic_filter, start_time_us=start_time_us)
-        )
-        return [(Rank(s.rank.shard, s.rank.generation), Stream.from_pb(s.stream)) for s in response.streams]
+    def get_streams(
+        self, topic_filter: str, start_time_us: int = 0, *, stale_ok: bool = False, timeout_s: float | None = None
+    ) -> list[tuple[Rank, Stream]]:
+        """The streams that may hold messages matching ``topic_filter`` at or after ``start_time_us``, by rank."""
+        deadline = self._deadline(timeout_s)
+        n_shards = self._n_shards(deadline)
 
-    def make_iterator(self, stream: Stream, topic_filter: str, start_time_us: int = 0) -> Iterator:
+        def fetch(shards: list[int], address: str, remaining: float) -> list[tuple[Rank, Stream]]:
+            request = pb.GetStreamsRequest(
+                topic_filter=topic_filter, start_time_us=start_time_us, shards=shards, stale_ok=stale_ok
+            )
+            response = self._rpc(address, "GetStreams", request, remaining)
+            return [(Rank(s.rank.shard, s.rank.generation), Stream.from_pb(s.stream)) for s in response.streams]
+
+        found = [item for part in self._per_leader(range(n_shards), fetch, deadline, stale_ok) for item in part]
+        return sorted(found, key=lambda item: (item[0], item[1].id))
+
+    def make_iterator(
+        self,
+        stream: Stream,
+        topic_filter: str,
+        start_time_us: int = 0,
+        *,
+        stale_ok: bool = False,
+        timeout_s: float | None = None,
+    ) -> Iterator:
         """An iterator over ``stream``'s messages matching ``topic_filter`` from ``start_time_us``."""
-        request = pb.MakeIteratorRequest(stream=stream.to_pb(), topic_filter=topic_filter, start_time_us=start_time_us)
-        return Iterator.from_pb(self._call("MakeIterator", request).iterator)
+        request = pb.MakeIteratorRequest(
+            stream=stream.to_pb(), topic_filter=topic_filter, start_time_us=start_time_us, stale_ok=stale_ok
+        )
+        response = self._on_shard(stream.shard, "MakeIterator", request, self._deadline(timeout_s), stale_ok=stale_ok)
+        return Iterator.from_pb(response.iterator)
 
-    def next(self, iterator: Iterator, batch_size: int = 100) -> NextResult:
-        """Up to ``batch_size`` messages after ``iterator``, and the advanced iterator."""
-        response = self._call("Next", pb.NextRequest(iterator=iterator.to_pb(), batch_size=batch_size))
+    def next(
+        self, iterator: Iterator, batch_size: int = 100, *, stale_ok: bool = False, timeout_s: float | None = None
+    ) -> NextResult:
+        """Up to ``batch_size`` messages after ``iterator``, and the advanced iterator.
+
+        Iterators are positions, not sessions: after a leader change the call
+        continues on the new leader, with no message skipped or repeated.
+        """
+        request = pb.NextRequest(iterator=iterator.to_pb(), batch_size=batch_size, stale_ok=stale_ok)
+        response = self._on_shard(iterator.shard, "Next", request, self._deadline(timeout_s), stale_ok=stale_ok)
         from_pb = Message.from_pb
         return NextResult(
             [from_pb(m) for m in response.messages], Iterator.from_pb(response.iterator), response.end_of_stream
         )
 
     def _stream_messages(
-        self, stream: Stream, topic_filter: str, start_time_us: int, batch_size: int
+        self, stream: Stream, topic_filter: str, start_time_us: int, batch_size: int, stale_ok: bool
     ) -> AbcIterator[Message]:
-        iterator = self.make_iterator(stream, topic_filter, start_time_us)
+        iterator = self.make_iterator(stream, topic_filter, start_time_us, stale_ok=stale_ok)
         while True:
-            result = self.next(iterator, batch_size)
+            result = self.next(iterator, batch_size, stale_ok=stale_ok)
             yield from result.messages
             iterator = result.iterator
             if result.end_of_stream or not result.messages:
                 return
 
-    def replay(self, topic_filter: str, start_time_us: int = 0, batch_size: int = 1000) -> AbcIterator[Message]:
+    def replay(
+        self, topic_filter: str, start_time_us: int = 0, batch_size: int = 1000, *, stale_ok: bool = False
+    ) -> AbcIterator[Message]:
         """Every stored message matching ``topic_filter``, in rank order.
 
         Shards come one after the other; within a shard, generations in order,
@@ -167,31 +276,51 @@ class Client:
         while the replay runs may or may not be included.
         """
         by_rank: dict[Rank, list[Stream]] = {}
-        for rank, stream in self.get_streams(topic_filter, start_time_us):
+        for rank, stream in self.get_streams(topic_filter, start_time_us, stale_ok=stale_ok):
             by_rank.setdefault(rank, []).append(stream)
         key: Callable[[Message], int] = _timestamp
         for rank in sorted(by_rank):
             sources = [
-                self._stream_messages(stream, topic_filter, start_time_us, batch_size) for stream in by_rank[rank]
+                self._stream_messages(stream, topic_filter, start_time_us, batch_size, stale_ok)
+                for stream in by_rank[rank]
             ]
             yield from heapq.merge(*sources, key=key) if len(sources) > 1 else sources[0]
 
     # -- generations ---------------------------------------------------------
 
-    def add_generation(self, shard: int | None = None) -> list[Generation]:
+    def add_generation(self, shard: int | None = None, timeout_s: float | None = None) -> list[Generation]:
         """Start a new generation in ``shard``, or in every shard; return the new ones."""
-        request = pb.AddGenerationRequest(shard=shard or 0, all_shards=shard is None)
-        return [Generation.from_pb(g) for g in self._call("AddGeneration", request, retry_elsewhere=False).generations]
+        deadline = self._deadline(timeout_s)
+        shards = range(self._n_shards(deadline)) if shard is None else [shard]
 
-    def list_generations(self, shard: int | None = None) -> list[Generation]:
+        def rotate(group: list[int], address: str, remaining: float) -> list[Generation]:
+            request = pb.AddGenerationRequest(shards=group)
+            return [Generation.from_pb(g) for g in self._rpc(address, "AddGeneration", request, remaining).generations]
+
+        found = [g for part in self._per_leader(shards, rotate, deadline) for g in part]
+        return sorted(found, key=lambda g: g.shard)
+
+    def list_generations(
+        self, shard: int | None = None, *, stale_ok: bool = False, timeout_s: float | None = None
+    ) -> list[Generation]:
         """The generations of ``shard``, or of every shard, in order."""
-        request = pb.ListGenerationsRequest(shard=shard or 0, all_shards=shard is None)
-        return [Generation.from_pb(g) for g in self._call("ListGenerations", request).generations]
+        deadline = self._deadline(timeout_s)
+        shards = range(self._n_shards(deadline)) if shard is None else [shard]
 
-    def drop_generation(self, shard: int, generation: int) -> Generation:
+        def fetch(group: list[int], address: str, remaining: float) -> list[Generation]:
+            request = pb.ListGenerationsRequest(shards=group, stale_ok=stale_ok)
+            return [
+                Generation.from_pb(g) for g in self._rpc(address, "ListGenerations", request, remaining).generations
+            ]
+
+        found = [g for part in self._per_leader(shards, fetch, deadline, stale_ok) for g in part]
+        return sorted(found, key=lambda g: (g.shard, g.generation))
+
+    def drop_generation(self, shard: int, generation: int, timeout_s: float | None = None) -> Generation:
         """Drop a closed generation of a shard and free its disk; return it as it was."""
         request = pb.DropGenerationRequest(shard=shard, generation=generation)
-        return Generation.from_pb(self._call("DropGeneration", request, retry_elsewhere=False).dropped)
+        response = self._on_shard(shard, "DropGeneration", request, self._deadline(timeout_s), write=True)
+        return Generation.from_pb(response.dropped)
 
 
 def _timestamp(message: Message) -> int:

@@ -8,6 +8,7 @@ server.
 
 from mqds.protocol.errors import (
     REASONS,
+    AuthenticationError,
     DeadlineExceededError,
     FailedPreconditionError,
     GenerationDroppedError,
@@ -15,12 +16,14 @@ from mqds.protocol.errors import (
     InvalidArgumentError,
     MqdsError,
     NotFoundError,
+    NotLeaderError,
     Reason,
     UnavailableError,
 )
 
 __all__ = [
     "REASONS",
+    "AuthenticationError",
     "DeadlineExceededError",
     "FailedPreconditionError",
     "GenerationDroppedError",
@@ -28,6 +31,7 @@ __all__ = [
     "InvalidArgumentError",
     "MqdsError",
     "NotFoundError",
+    "NotLeaderError",
     "Reason",
     "UnavailableError",
 ]

@@ -78,6 +78,22 @@ class UnavailableError(MqdsError):
     """The node cannot serve now; retry, possibly elsewhere."""
 
 
+class NotLeaderError(UnavailableError):
+    """The node is not the leader of the shard; ``leader`` and ``leader_address`` say who is, when known."""
+
+    @property
+    def leader(self) -> str | None:
+        return self.metadata.get("leader") or None
+
+    @property
+    def leader_address(self) -> str | None:
+        return self.metadata.get("leader_address") or None
+
+
+class AuthenticationError(MqdsError):
+    """The caller did not prove it may make this call (a wrong or missing cluster secret)."""
+
+
 class DeadlineExceededError(MqdsError, TimeoutError):
     """The call did not finish in time; whether it took effect is unknown."""
 
@@ -117,6 +133,26 @@ class Reason(enum.Enum):
     GENERATION_DROPPED = "GENERATION_DROPPED"
     # The operation needs a closed generation but got the current one.
     CURRENT_GENERATION = "CURRENT_GENERATION"
+    # The node is not the leader of the shard (or of the metadata group); the
+    # ErrorInfo metadata names the leader when the node knows it.
+    NOT_LEADER = "NOT_LEADER"
+    # The shard has no leader right now (an election is in progress, or a
+    # majority of its replicas cannot be reached).
+    NO_LEADER = "NO_LEADER"
+    # The node holds no replica of the shard; the metadata lists the nodes
+    # that do ("replicas").
+    NOT_HOSTED = "NOT_HOSTED"
+    # Too much is waiting to be committed; back off and retry.
+    OVERLOADED = "OVERLOADED"
+    # Another membership change of the group is not committed yet.
+    MEMBERSHIP_CHANGE_IN_PROGRESS = "MEMBERSHIP_CHANGE_IN_PROGRESS"
+    # A node id that is not a member of the cluster.
+    UNKNOWN_NODE = "UNKNOWN_NODE"
+    # The request would break a rule of the cluster (e.g. remove the last
+    # node, or a node that still holds replicas).
+    MEMBERSHIP_REFUSED = "MEMBERSHIP_REFUSED"
+    # The peer did not present the cluster's credentials.
+    UNAUTHENTICATED = "UNAUTHENTICATED"
     # The node is shutting down.
     SHUTTING_DOWN = "SHUTTING_DOWN"
     # The node could not be reached (connection refused, reset, no route).
@@ -157,6 +193,14 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.UNKNOWN_STREAM: ReasonInfo(_NF, False, False, NotFoundError),
     Reason.GENERATION_DROPPED: ReasonInfo(_NF, False, False, GenerationDroppedError),
     Reason.CURRENT_GENERATION: ReasonInfo(grpc.StatusCode.FAILED_PRECONDITION, False, False, FailedPreconditionError),
+    Reason.NOT_LEADER: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, True, NotLeaderError),
+    Reason.NO_LEADER: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, True, UnavailableError),
+    Reason.NOT_HOSTED: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, True, NotLeaderError),
+    Reason.OVERLOADED: ReasonInfo(grpc.StatusCode.RESOURCE_EXHAUSTED, True, False, UnavailableError),
+    Reason.MEMBERSHIP_CHANGE_IN_PROGRESS: ReasonInfo(grpc.StatusCode.ABORTED, True, False, FailedPreconditionError),
+    Reason.UNKNOWN_NODE: ReasonInfo(_NF, False, False, NotFoundError),
+    Reason.MEMBERSHIP_REFUSED: ReasonInfo(grpc.StatusCode.FAILED_PRECONDITION, False, False, FailedPreconditionError),
+    Reason.UNAUTHENTICATED: ReasonInfo(grpc.StatusCode.UNAUTHENTICATED, False, False, AuthenticationError),
     Reason.SHUTTING_DOWN: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, True, UnavailableError),
     Reason.UNAVAILABLE: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, True, UnavailableError),
     Reason.DEADLINE_EXCEEDED: ReasonInfo(grpc.StatusCode.DEADLINE_EXCEEDED, True, True, DeadlineExceededError),
@@ -174,6 +218,8 @@ _BY_CODE: dict[grpc.StatusCode, Reason] = {
     grpc.StatusCode.NOT_FOUND: Reason.UNKNOWN_STREAM,
     grpc.StatusCode.FAILED_PRECONDITION: Reason.CURRENT_GENERATION,
     grpc.StatusCode.CANCELLED: Reason.UNAVAILABLE,
+    grpc.StatusCode.ABORTED: Reason.MEMBERSHIP_CHANGE_IN_PROGRESS,
+    grpc.StatusCode.UNAUTHENTICATED: Reason.UNAUTHENTICATED,
 }
 
 

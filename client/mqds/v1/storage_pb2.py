@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15mqds/v1/storage.proto\x12\x07mqds.v1\"*\n\x0cUserProperty\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\xa6\x01\n\x07Message\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x0e\n\x06sender\x18\x03 \x01(\t\x12\x0b\n\x03qos\x18\x04 \x01(\r\x12\x0e\n\x06retain\x18\x05 \x01(\x08\x12)\n\nproperties\x18\x06 \x03(\x0b\x32\x15.mqds.v1.UserProperty\x12\x14\n\x0ctimestamp_us\x18\x07 \x01(\x06\x12\r\n\x05shard\x18\x08 \x01(\r\"E\n\x11StoreBatchRequest\x12\"\n\x08messages\x18\x01 \x03(\x0b\x32\x10.mqds.v1.Message\x12\x0c\n\x04sync\x18\x02 \x01(\x08\"6\n\x0fMessagePosition\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x14\n\x0ctimestamp_us\x18\x02 \x01(\x04\"A\n\x12StoreBatchResponse\x12+\n\tpositions\x18\x01 \x03(\x0b\x32\x18.mqds.v1.MessagePosition\")\n\x04Rank\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\r\"H\n\x06Stream\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\r\x12\n\n\x02id\x18\x03 \x01(\r\x12\x0f\n\x07pattern\x18\x04 \x01(\t\"@\n\x11GetStreamsRequest\x12\x14\n\x0ctopic_filter\x18\x01 \x01(\t\x12\x15\n\rstart_time_us\x18\x02 \x01(\x04\"L\n\x0cRankedStream\x12\x1b\n\x04rank\x18\x01 \x01(\x0b\x32\r.mqds.v1.Rank\x12\x1f\n\x06stream\x18\x02 \x01(\x0b\x32\x0f.mqds.v1.Stream\"<\n\x12GetStreamsResponse\x12&\n\x07streams\x18\x01 \x03(\x0b\x32\x15.mqds.v1.RankedStream\"A\n\rIteratorToken\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\r\x12\r\n\x05state\x18\x03 \x01(\x0c\"c\n\x13MakeIteratorRequest\x12\x1f\n\x06stream\x18\x01 \x01(\x0b\x32\x0f.mqds.v1.Stream\x12\x14\n\x0ctopic_filter\x18\x02 \x01(\t\x12\x15\n\rstart_time_us\x18\x03 \x01(\x04\"@\n\x14MakeIteratorResponse\x12(\n\x08iterator\x18\x01 \x01(\x0b\x32\x16.mqds.v1.IteratorToken\"K\n\x0bNextRequest\x12(\n\x08iterator\x18\x01 \x01(\x0b\x32\x16.mqds.v1.IteratorToken\x12\x12\n\nbatch_size\x18\x02 \x01(\r\"s\n\x0cNextResponse\x12\"\n\x08messages\x18\x01 \x03(\x0b\x32\x10.mqds.v1.Message\x12(\n\x08iterator\x18\x02 \x01(\x0b\x32\x16.mqds.v1.IteratorToken\x12\x15\n\rend_of_stream\x18\x03 \x01(\x08\"{\n\nGeneration\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\r\x12\x10\n\x08since_us\x18\x03 \x01(\x04\x12\x10\n\x08until_us\x18\x04 \x01(\x04\x12\x15\n\rcreated_at_us\x18\x05 \x01(\x04\x12\x0f\n\x07\x63urrent\x18\x06 \x01(\x08\"9\n\x14\x41\x64\x64GenerationRequest\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x12\n\nall_shards\x18\x02 \x01(\x08\"A\n\x15\x41\x64\x64GenerationResponse\x12(\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x13.mqds.v1.Generation\";\n\x16ListGenerationsRequest\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x12\n\nall_shards\x18\x02 \x01(\x08\"C\n\x17ListGenerationsResponse\x12(\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x13.mqds.v1.Generation\":\n\x15\x44ropGenerationRequest\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\r\">\n\x16\x44ropGenerationResponse\x12$\n\x07\x64ropped\x18\x01 \x01(\x0b\x32\x13.mqds.v1.Generation2\x92\x04\n\x07Storage\x12\x45\n\nStoreBatch\x12\x1a.mqds.v1.StoreBatchRequest\x1a\x1b.mqds.v1.StoreBatchResponse\x12\x45\n\nGetStreams\x12\x1a.mqds.v1.GetStreamsRequest\x1a\x1b.mqds.v1.GetStreamsResponse\x12K\n\x0cMakeIterator\x12\x1c.mqds.v1.MakeIteratorRequest\x1a\x1d.mqds.v1.MakeIteratorResponse\x12\x33\n\x04Next\x12\x14.mqds.v1.NextRequest\x1a\x15.mqds.v1.NextResponse\x12N\n\rAddGeneration\x12\x1d.mqds.v1.AddGenerationRequest\x1a\x1e.mqds.v1.AddGenerationResponse\x12T\n\x0fListGenerations\x12\x1f.mqds.v1.ListGenerationsRequest\x1a .mqds.v1.ListGenerationsResponse\x12Q\n\x0e\x44ropGeneration\x12\x1e.mqds.v1.DropGenerationRequest\x1a\x1f.mqds.v1.DropGenerationResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15mqds/v1/storage.proto\x12\x07mqds.v1\"*\n\x0cUserProperty\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\xa6\x01\n\x07Message\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x0e\n\x06sender\x18\x03 \x01(\t\x12\x0b\n\x03qos\x18\x04 \x01(\r\x12\x0e\n\x06retain\x18\x05 \x01(\x08\x12)\n\nproperties\x18\x06 \x03(\x0b\x32\x15.mqds.v1.UserProperty\x12\x14\n\x0ctimestamp_us\x18\x07 \x01(\x06\x12\r\n\x05shard\x18\x08 \x01(\r\"E\n\x11StoreBatchRequest\x12\"\n\x08messages\x18\x01 \x03(\x0b\x32\x10.mqds.v1.Message\x12\x0c\n\x04sync\x18\x02 \x01(\x08\"6\n\x0fMessagePosition\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x14\n\x0ctimestamp_us\x18\x02 \x01(\x04\"A\n\x12StoreBatchResponse\x12+\n\tpositions\x18\x01 \x03(\x0b\x32\x18.mqds.v1.MessagePosition\")\n\x04Rank\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\r\"H\n\x06Stream\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\r\x12\n\n\x02id\x18\x03 \x01(\r\x12\x0f\n\x07pattern\x18\x04 \x01(\t\"b\n\x11GetStreamsRequest\x12\x14\n\x0ctopic_filter\x18\x01 \x01(\t\x12\x15\n\rstart_time_us\x18\x02 \x01(\x04\x12\x0e\n\x06shards\x18\x03 \x03(\r\x12\x10\n\x08stale_ok\x18\x04 \x01(\x08\"L\n\x0cRankedStream\x12\x1b\n\x04rank\x18\x01 \x01(\x0b\x32\r.mqds.v1.Rank\x12\x1f\n\x06stream\x18\x02 \x01(\x0b\x32\x0f.mqds.v1.Stream\"<\n\x12GetStreamsResponse\x12&\n\x07streams\x18\x01 \x03(\x0b\x32\x15.mqds.v1.RankedStream\"A\n\rIteratorToken\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\r\x12\r\n\x05state\x18\x03 \x01(\x0c\"u\n\x13MakeIteratorRequest\x12\x1f\n\x06stream\x18\x01 \x01(\x0b\x32\x0f.mqds.v1.Stream\x12\x14\n\x0ctopic_filter\x18\x02 \x01(\t\x12\x15\n\rstart_time_us\x18\x03 \x01(\x04\x12\x10\n\x08stale_ok\x18\x04 \x01(\x08\"@\n\x14MakeIteratorResponse\x12(\n\x08iterator\x18\x01 \x01(\x0b\x32\x16.mqds.v1.IteratorToken\"]\n\x0bNextRequest\x12(\n\x08iterator\x18\x01 \x01(\x0b\x32\x16.mqds.v1.IteratorToken\x12\x12\n\nbatch_size\x18\x02 \x01(\r\x12\x10\n\x08stale_ok\x18\x03 \x01(\x08\"s\n\x0cNextResponse\x12\"\n\x08messages\x18\x01 \x03(\x0b\x32\x10.mqds.v1.Message\x12(\n\x08iterator\x18\x02 \x01(\x0b\x32\x16.mqds.v1.IteratorToken\x12\x15\n\rend_of_stream\x18\x03 \x01(\x08\"{\n\nGeneration\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\r\x12\x10\n\x08since_us\x18\x03 \x01(\x04\x12\x10\n\x08until_us\x18\x04 \x01(\x04\x12\x15\n\rcreated_at_us\x18\x05 \x01(\x04\x12\x0f\n\x07\x63urrent\x18\x06 \x01(\x08\"I\n\x14\x41\x64\x64GenerationRequest\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x12\n\nall_shards\x18\x02 \x01(\x08\x12\x0e\n\x06shards\x18\x03 \x03(\r\"A\n\x15\x41\x64\x64GenerationResponse\x12(\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x13.mqds.v1.Generation\"]\n\x16ListGenerationsRequest\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x12\n\nall_shards\x18\x02 \x01(\x08\x12\x0e\n\x06shards\x18\x03 \x03(\r\x12\x10\n\x08stale_ok\x18\x04 \x01(\x08\"C\n\x17ListGenerationsResponse\x12(\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x13.mqds.v1.Generation\":\n\x15\x44ropGenerationRequest\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\r\">\n\x16\x44ropGenerationResponse\x12$\n\x07\x64ropped\x18\x01 \x01(\x0b\x32\x13.mqds.v1.Generation2\x92\x04\n\x07Storage\x12\x45\n\nStoreBatch\x12\x1a.mqds.v1.StoreBatchRequest\x1a\x1b.mqds.v1.StoreBatchResponse\x12\x45\n\nGetStreams\x12\x1a.mqds.v1.GetStreamsRequest\x1a\x1b.mqds.v1.GetStreamsResponse\x12K\n\x0cMakeIterator\x12\x1c.mqds.v1.MakeIteratorRequest\x1a\x1d.mqds.v1.MakeIteratorResponse\x12\x33\n\x04Next\x12\x14.mqds.v1.NextRequest\x1a\x15.mqds.v1.NextResponse\x12N\n\rAddGeneration\x12\x1d.mqds.v1.AddGenerationRequest\x1a\x1e.mqds.v1.AddGenerationResponse\x12T\n\x0fListGenerations\x12\x1f.mqds.v1.ListGenerationsRequest\x1a .mqds.v1.ListGenerationsResponse\x12Q\n\x0e\x44ropGeneration\x12\x1e.mqds.v1.DropGenerationRequest\x1a\x1f.mqds.v1.DropGenerationResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,35 +46,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAM']._serialized_start=484
   _globals['_STREAM']._serialized_end=556
   _globals['_GETSTREAMSREQUEST']._serialized_start=558
-  _globals['_GETSTREAMSREQUEST']._serialized_end=622
-  _globals['_RANKEDSTREAM']._serialized_start=624
-  _globals['_RANKEDSTREAM']._serialized_end=700
-  _globals['_GETSTREAMSRESPONSE']._serialized_start=702
-  _globals['_GETSTREAMSRESPONSE']._serialized_end=762
-  _globals['_ITERATORTOKEN']._serialized_start=764
-  _globals['_ITERATORTOKEN']._serialized_end=829
-  _globals['_MAKEITERATORREQUEST']._serialized_start=831
-  _globals['_MAKEITERATORREQUEST']._serialized_end=930
-  _globals['_MAKEITERATORRESPONSE']._serialized_start=932
-  _globals['_MAKEITERATORRESPONSE']._serialized_end=996
-  _globals['_NEXTREQUEST']._serialized_start=998
-  _globals['_NEXTREQUEST']._serialized_end=1073
-  _globals['_NEXTRESPONSE']._serialized_start=1075
-  _globals['_NEXTRESPONSE']._serialized_end=1190
-  _globals['_GENERATION']._serialized_start=1192
-  _globals['_GENERATION']._serialized_end=1315
-  _globals['_ADDGENERATIONREQUEST']._serialized_start=1317
-  _globals['_ADDGENERATIONREQUEST']._serialized_end=1374
-  _globals['_ADDGENERATIONRESPONSE']._serialized_start=1376
-  _globals['_ADDGENERATIONRESPONSE']._serialized_end=1441
-  _globals['_LISTGENERATIONSREQUEST']._serialized_start=1443
-  _globals['_LISTGENERATIONSREQUEST']._serialized_end=1502
-  _globals['_LISTGENERATIONSRESPONSE']._serialized_start=1504
-  _globals['_LISTGENERATIONSRESPONSE']._serialized_end=1571
-  _globals['_DROPGENERATIONREQUEST']._serialized_start=1573
-  _globals['_DROPGENERATIONREQUEST']._serialized_end=1631
-  _globals['_DROPGENERATIONRESPONSE']._serialized_start=1633
-  _globals['_DROPGENERATIONRESPONSE']._serialized_end=1695
-  _globals['_STORAGE']._serialized_start=1698
-  _globals['_STORAGE']._serialized_end=2228
+  _globals['_GETSTREAMSREQUEST']._serialized_end=656
+  _globals['_RANKEDSTREAM']._serialized_start=658
+  _globals['_RANKEDSTREAM']._serialized_end=734
+  _globals['_GETSTREAMSRESPONSE']._serialized_start=736
+  _globals['_GETSTREAMSRESPONSE']._serialized_end=796
+  _globals['_ITERATORTOKEN']._serialized_start=798
+  _globals['_ITERATORTOKEN']._serialized_end=863
+  _globals['_MAKEITERATORREQUEST']._serialized_start=865
+  _globals['_MAKEITERATORREQUEST']._serialized_end=982
+  _globals['_MAKEITERATORRESPONSE']._serialized_start=984
+  _globals['_MAKEITERATORRESPONSE']._serialized_end=1048
+  _globals['_NEXTREQUEST']._serialized_start=1050
+  _globals['_NEXTREQUEST']._serialized_end=1143
+  _globals['_NEXTRESPONSE']._serialized_start=1145
+  _globals['_NEXTRESPONSE']._serialized_end=1260
+  _globals['_GENERATION']._serialized_start=1262
+  _globals['_GENERATION']._serialized_end=1385
+  _globals['_ADDGENERATIONREQUEST']._serialized_start=1387
+  _globals['_ADDGENERATIONREQUEST']._serialized_end=1460
+  _globals['_ADDGENERATIONRESPONSE']._serialized_start=1462
+  _globals['_ADDGENERATIONRESPONSE']._serialized_end=1527
+  _globals['_LISTGENERATIONSREQUEST']._serialized_start=1529
+  _globals['_LISTGENERATIONSREQUEST']._serialized_end=1622
+  _globals['_LISTGENERATIONSRESPONSE']._serialized_start=1624
+  _globals['_LISTGENERATIONSRESPONSE']._serialized_end=1691
+  _globals['_DROPGENERATIONREQUEST']._serialized_start=1693
+  _globals['_DROPGENERATIONREQUEST']._serialized_end=1751
+  _globals['_DROPGENERATIONRESPONSE']._serialized_start=1753
+  _globals['_DROPGENERATIONRESPONSE']._serialized_end=1815
+  _globals['_STORAGE']._serialized_start=1818
+  _globals['_STORAGE']._serialized_end=2348
 # @@protoc_insertion_point(module_scope)

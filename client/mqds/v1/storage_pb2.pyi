@@ -77,12 +77,16 @@ class Stream(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., generation: _Optional[int] = ..., id: _Optional[int] = ..., pattern: _Optional[str] = ...) -> None: ...
 
 class GetStreamsRequest(_message.Message):
-    __slots__ = ("topic_filter", "start_time_us")
+    __slots__ = ("topic_filter", "start_time_us", "shards", "stale_ok")
     TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
     START_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    STALE_OK_FIELD_NUMBER: _ClassVar[int]
     topic_filter: str
     start_time_us: int
-    def __init__(self, topic_filter: _Optional[str] = ..., start_time_us: _Optional[int] = ...) -> None: ...
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    stale_ok: bool
+    def __init__(self, topic_filter: _Optional[str] = ..., start_time_us: _Optional[int] = ..., shards: _Optional[_Iterable[int]] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
 
 class RankedStream(_message.Message):
     __slots__ = ("rank", "stream")
@@ -109,14 +113,16 @@ class IteratorToken(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., generation: _Optional[int] = ..., state: _Optional[bytes] = ...) -> None: ...
 
 class MakeIteratorRequest(_message.Message):
-    __slots__ = ("stream", "topic_filter", "start_time_us")
+    __slots__ = ("stream", "topic_filter", "start_time_us", "stale_ok")
     STREAM_FIELD_NUMBER: _ClassVar[int]
     TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
     START_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    STALE_OK_FIELD_NUMBER: _ClassVar[int]
     stream: Stream
     topic_filter: str
     start_time_us: int
-    def __init__(self, stream: _Optional[_Union[Stream, _Mapping]] = ..., topic_filter: _Optional[str] = ..., start_time_us: _Optional[int] = ...) -> None: ...
+    stale_ok: bool
+    def __init__(self, stream: _Optional[_Union[Stream, _Mapping]] = ..., topic_filter: _Optional[str] = ..., start_time_us: _Optional[int] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
 
 class MakeIteratorResponse(_message.Message):
     __slots__ = ("iterator",)
@@ -125,12 +131,14 @@ class MakeIteratorResponse(_message.Message):
     def __init__(self, iterator: _Optional[_Union[IteratorToken, _Mapping]] = ...) -> None: ...
 
 class NextRequest(_message.Message):
-    __slots__ = ("iterator", "batch_size")
+    __slots__ = ("iterator", "batch_size", "stale_ok")
     ITERATOR_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STALE_OK_FIELD_NUMBER: _ClassVar[int]
     iterator: IteratorToken
     batch_size: int
-    def __init__(self, iterator: _Optional[_Union[IteratorToken, _Mapping]] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    stale_ok: bool
+    def __init__(self, iterator: _Optional[_Union[IteratorToken, _Mapping]] = ..., batch_size: _Optional[int] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
 
 class NextResponse(_message.Message):
     __slots__ = ("messages", "iterator", "end_of_stream")
@@ -159,12 +167,14 @@ class Generation(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., generation: _Optional[int] = ..., since_us: _Optional[int] = ..., until_us: _Optional[int] = ..., created_at_us: _Optional[int] = ..., current: _Optional[bool] = ...) -> None: ...
 
 class AddGenerationRequest(_message.Message):
-    __slots__ = ("shard", "all_shards")
+    __slots__ = ("shard", "all_shards", "shards")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     ALL_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     shard: int
     all_shards: bool
-    def __init__(self, shard: _Optional[int] = ..., all_shards: _Optional[bool] = ...) -> None: ...
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shard: _Optional[int] = ..., all_shards: _Optional[bool] = ..., shards: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AddGenerationResponse(_message.Message):
     __slots__ = ("generations",)
@@ -173,12 +183,16 @@ class AddGenerationResponse(_message.Message):
     def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ...) -> None: ...
 
 class ListGenerationsRequest(_message.Message):
-    __slots__ = ("shard", "all_shards")
+    __slots__ = ("shard", "all_shards", "shards", "stale_ok")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     ALL_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    STALE_OK_FIELD_NUMBER: _ClassVar[int]
     shard: int
     all_shards: bool
-    def __init__(self, shard: _Optional[int] = ..., all_shards: _Optional[bool] = ...) -> None: ...
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    stale_ok: bool
+    def __init__(self, shard: _Optional[int] = ..., all_shards: _Optional[bool] = ..., shards: _Optional[_Iterable[int]] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
 
 class ListGenerationsResponse(_message.Message):
     __slots__ = ("generations",)

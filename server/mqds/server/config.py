@@ -32,9 +32,38 @@ class NodeConfig:
     """Settings of one mqds node."""
 
     node_id: str = _opt("n1", "this node's id: letters, digits, '-', '_' or '.'")
-    listen: str = _opt("127.0.0.1:7101", "host:port of the gRPC server (public API, health, reflection)")
+    listen: str = _opt(
+        "127.0.0.1:7101", "host:port the gRPC server binds (public API, cluster API, Raft, health, reflection)"
+    )
+    advertise: str = _opt("", "host:port other nodes and clients dial to reach this node; empty = listen")
     data_dir: str = _opt("data", "directory for this node's databases; created if missing")
-    n_shards: int = _opt(16, "number of shards, fixed when the data directory is first used")
+    peers: str = _opt(
+        "",
+        "the founding nodes of the cluster as id=host:port,... (e.g. n1=10.0.0.1:7101,n2=10.0.0.2:7101); "
+        "empty = a cluster of this node alone. A node not in the list joins an existing cluster "
+        "(after 'mqds admin join')",
+    )
+    n_shards: int = _opt(16, "number of shards (vnodes), fixed when the cluster is created")
+    replication_factor: int = _opt(3, "replicas per vnode, on distinct nodes (fewer while the cluster is smaller)")
+    cluster_secret: str = _opt(
+        "", "shared secret nodes present to each other on every internal call; required with peers unless dev_mode"
+    )
+    dev_mode: bool = _opt(False, "allow internal calls without a cluster_secret (development only)")
+    raft_heartbeat_s: float = _opt(0.2, "how often a Raft leader sends heartbeats, in seconds")
+    raft_election_timeout_s: float = _opt(
+        1.0, "a follower that hears no leader for this long (to twice as long, at random) starts an election, seconds"
+    )
+    raft_log_max_bytes: int = _opt(
+        16 * 1024 * 1024, "snapshot a group and compact its Raft journal once the journal holds this many bytes"
+    )
+    write_timeout_s: float = _opt(10.0, "how long a write waits to be committed before DEADLINE_EXCEEDED, seconds")
+    read_timeout_s: float = _opt(5.0, "how long a read waits to confirm leadership, seconds")
+    leader_balance_interval_s: float = _opt(
+        5.0,
+        "how often a leader hands leadership back to its vnode's preferred replica when that one is caught up; "
+        "0 = never",
+    )
+    fault_injection: bool = _opt(False, "accept InjectFault calls that drop Raft traffic (tests and chaos runs only)")
     generation_interval_s: float = _opt(
         3600.0, "start a new generation in each shard this many seconds after the current one began; 0 = never"
     )
@@ -50,7 +79,7 @@ class NodeConfig:
     max_batch_messages: int = _opt(10_000, "most messages accepted in one StoreBatch call")
     max_next_batch: int = _opt(10_000, "most messages one Next call returns; larger batch_size values are capped")
     max_request_bytes: int = _opt(64 * 1024 * 1024, "largest gRPC message received or sent, in bytes")
-    grpc_workers: int = _opt(16, "threads serving gRPC calls")
+    grpc_workers: int = _opt(32, "threads serving gRPC calls (each peer's Raft stream holds one)")
     block_cache_bytes: int = _opt(64 * 1024 * 1024, "RocksDB block cache shared by all shards, in bytes")
     write_buffer_bytes: int = _opt(128 * 1024 * 1024, "RocksDB memtable memory for all shards together, in bytes")
     shutdown_grace_s: float = _opt(5.0, "seconds in-flight calls get to finish on SIGTERM")
@@ -60,9 +89,18 @@ class NodeConfig:
         """Raise ConfigError with a precise message for the first bad setting."""
         if not self.node_id or not all(c.isalnum() or c in "-_." for c in self.node_id):
             raise ConfigError(f"node_id {self.node_id!r}: use letters, digits, '-', '_' or '.'")
-        host, sep, port = self.listen.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"listen {self.listen!r}: expected host:port with a port from 1 to 65535")
+        for name in ("listen", "advertise"):
+            value = getattr(self, name)
+            if name == "advertise" and not value:
+                continue
+            if not _is_address(value):
+                raise ConfigError(f"{name} {value!r}: expected host:port with a port from 1 to 65535")
+        peers = self.peer_map()
+        if len(set(peers) - {self.node_id}) and not self.cluster_secret and not self.dev_mode:
+            raise ConfigError(
+                "cluster_secret is required when the cluster has other nodes (set the same secret on every "
+                "node, e.g. MQDS_CLUSTER_SECRET), or set dev_mode for a development cluster"
+            )
         if not self.data_dir:
             raise ConfigError("data_dir must not be empty")
         positive = (
@@ -77,11 +115,21 @@ class NodeConfig:
             "block_cache_bytes",
             "write_buffer_bytes",
             "maintenance_interval_s",
+            "replication_factor",
+            "raft_heartbeat_s",
+            "raft_log_max_bytes",
+            "write_timeout_s",
+            "read_timeout_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be greater than 0, got {getattr(self, name)}")
-        for name in ("generation_interval_s", "retention_period_s", "shutdown_grace_s"):
+        if self.raft_election_timeout_s < 3 * self.raft_heartbeat_s:
+            raise ConfigError(
+                f"raft_election_timeout_s ({self.raft_election_timeout_s}) must be at least three heartbeats "
+                f"(raft_heartbeat_s = {self.raft_heartbeat_s})"
+            )
+        for name in ("generation_interval_s", "retention_period_s", "shutdown_grace_s", "leader_balance_interval_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.n_shards > 4096:
@@ -95,12 +143,29 @@ class NodeConfig:
             raise ConfigError(f"log_level {self.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
         return self
 
+    @property
+    def advertised(self) -> str:
+        """The address peers and clients use for this node."""
+        return self.advertise or self.listen
+
+    def peer_map(self) -> dict[str, str]:
+        """``peers`` parsed: node id -> address (empty when the node is alone)."""
+        return parse_peers(self.peers)
+
     def to_toml(self) -> str:
         """The settings as a TOML document that ``--config`` accepts."""
         lines = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            text = f'"{value}"' if isinstance(value, str) else repr(value)
+            if f.name == "cluster_secret" and value:
+                lines.append(f"# {f.metadata['help']}\n# cluster_secret is set (not shown)")
+                continue
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = f'"{value}"'
+            else:
+                text = repr(value)
             lines.append(f"# {f.metadata['help']}\n{f.name} = {text}")
         return "\n".join(lines) + "\n"
 
@@ -108,9 +173,48 @@ class NodeConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
 
 
+def _is_address(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def parse_peers(text: str) -> dict[str, str]:
+    """``"n1=h:1,n2=h:2"`` -> ``{"n1": "h:1", "n2": "h:2"}``, with a ConfigError naming a bad item.
+
+    >>> parse_peers("n1=127.0.0.1:7101, n2=127.0.0.1:7102")
+    {'n1': '127.0.0.1:7101', 'n2': '127.0.0.1:7102'}
+    """
+    peers: dict[str, str] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        node_id, sep, address = item.partition("=")
+        node_id, address = node_id.strip(), address.strip()
+        if not sep or not node_id or not all(c.isalnum() or c in "-_." for c in node_id):
+            raise ConfigError(f"peers: {item!r} is not id=host:port")
+        if not _is_address(address):
+            raise ConfigError(f"peers: {item!r}: expected host:port with a port from 1 to 65535")
+        if node_id in peers:
+            raise ConfigError(f"peers: node {node_id!r} is listed twice")
+        peers[node_id] = address
+    return peers
+
+
+def parse_bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {raw!r}")
+
+
 def _coerce(name: str, raw: Any, source: str) -> Any:
     kind = type(_FIELDS[name].default)
     try:
+        if kind is bool and isinstance(raw, str):
+            return parse_bool(raw)
         if kind is int and isinstance(raw, str):
             return int(raw.replace("_", ""))
         if kind is float and isinstance(raw, (int, str)) and not isinstance(raw, bool):
@@ -163,13 +267,15 @@ def build_parser(prog: str = "mqds-server") -> argparse.ArgumentParser:
     parser.add_argument("--print-config", action="store_true", help="print the effective settings as TOML and exit")
     for f in dataclasses.fields(NodeConfig):
         kind = type(f.default)
+        extra: dict[str, Any] = {"nargs": "?", "const": True} if kind is bool else {}
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f.name,
-            type=kind,
+            type=parse_bool if kind is bool else kind,
             default=None,
-            metavar=f.name.upper(),
+            metavar="BOOL" if kind is bool else f.name.upper(),
             help=f"{f.metadata['help']} (default: {f.default})",
+            **extra,
         )
     return parser
 

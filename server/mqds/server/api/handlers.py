@@ -9,16 +9,18 @@ any ``MqdsError`` a method raises is sent with its reason in ErrorInfo.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import grpc
+from google.protobuf import descriptor as protobuf_descriptor
 from google.protobuf import message as protobuf_message
 
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
-from mqds.v1 import storage_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +47,9 @@ def _serialize(response: Any) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
 
 
-def _unary(method: Callable[[Any], Any], request_cls: type[protobuf_message.Message]) -> grpc.RpcMethodHandler:
+def _unary(method: Callable[..., Any], request_cls: type[protobuf_message.Message]) -> grpc.RpcMethodHandler:
     name = method.__name__
+    wants_context = len(inspect.signature(method).parameters) >= 2
 
     def handle(request: Any, context: grpc.ServicerContext) -> Any:
         try:
@@ -56,7 +59,7 @@ def _unary(method: Callable[[Any], Any], request_cls: type[protobuf_message.Mess
                     f"request is not a valid {request.type_name} ({request.err}); "
                     "string fields such as topics must be valid UTF-8",
                 )
-            return method(request)
+            return method(request, context) if wants_context else method(request)
         except MqdsError as err:
             context.abort_with_status(errors.to_status(err))
         except Exception as err:
@@ -68,11 +71,25 @@ def _unary(method: Callable[[Any], Any], request_cls: type[protobuf_message.Mess
     )
 
 
-def storage_handler(service: Any) -> grpc.GenericRpcHandler:
-    """The generic handler serving mqds.v1.Storage with ``service``'s methods."""
-    descriptor = pb.DESCRIPTOR.services_by_name["Storage"]
+def unary_handlers(
+    descriptor: protobuf_descriptor.ServiceDescriptor, impl: Any, module: ModuleType
+) -> dict[str, grpc.RpcMethodHandler]:
+    """Handlers for the unary methods of a service, calling ``impl``'s methods of the same names.
+
+    A method of ``impl`` takes the parsed request, and the call context if it
+    has a second parameter.
+    """
     methods = {}
     for method in descriptor.methods:
-        request_cls = getattr(pb, method.input_type.name)
-        methods[method.name] = _unary(getattr(service, method.name), request_cls)
-    return grpc.method_handlers_generic_handler(descriptor.full_name, methods)
+        if method.client_streaming or method.server_streaming:
+            continue
+        request_cls = getattr(module, method.input_type.name)
+        methods[method.name] = _unary(getattr(impl, method.name), request_cls)
+    return methods
+
+
+def service_handler(
+    descriptor: protobuf_descriptor.ServiceDescriptor, impl: Any, module: ModuleType
+) -> grpc.GenericRpcHandler:
+    """The generic handler serving every (unary) method of a service with ``impl``."""
+    return grpc.method_handlers_generic_handler(descriptor.full_name, unary_handlers(descriptor, impl, module))

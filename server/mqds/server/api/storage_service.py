@@ -1,22 +1,31 @@
-"""The public Storage service: checks requests and translates them to the storage layer.
+"""The public Storage service: checks requests and translates them to Raft commands and reads.
 
 Each method takes a parsed request and returns a response message (or its
 serialised bytes, on the replay path where building protobuf objects per
 message would cost more than the read itself). Failures are raised as
 ``MqdsError`` with a reason; ``handlers.py`` turns them into gRPC statuses.
+
+Writes become commands proposed to the shard's Raft group on its leader and
+answer once committed and applied there. Reads run on the shard's leader
+after a read index confirmed it still leads (or on any replica with
+``stale_ok``). Requests that need a leader this node is not get NOT_LEADER
+with the leader's id and address in the error metadata.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_filter, validate_topic
-from mqds.server.storage import GenerationInfo, IteratorDecodeError, IteratorState, ShardStorage
+from mqds.server.cluster.v1 import commands_pb2 as cpb
+from mqds.server.raft.group import PendingRead, Proposal
+from mqds.server.storage import GenerationInfo, IteratorDecodeError, IteratorState
 from mqds.server.storage.shard import encode_messages, repeated_field
 from mqds.v1 import storage_pb2 as pb
 
@@ -31,19 +40,57 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
+class Replica(Protocol):
+    """A vnode replica as the API sees it (``mqds.server.cluster.vnode.VnodeReplica``)."""
+
+    def reading(self) -> Any: ...
+
+
+class Group(Protocol):
+    def propose(self, body: bytes) -> Proposal: ...
+
+
+class VnodeView(Protocol):
+    @property
+    def shard(self) -> int: ...
+
+    @property
+    def replica(self) -> Replica: ...
+
+    @property
+    def group(self) -> Group: ...
+
+
+class Shards(Protocol):
+    """What the node gives the API: its vnode replicas and the rules to reach them."""
+
+    @property
+    def n_shards(self) -> int: ...
+
+    @property
+    def write_timeout_s(self) -> float: ...
+
+    @property
+    def read_timeout_s(self) -> float: ...
+
+    def leader_vnode(self, shard: int) -> VnodeView: ...
+
+    def begin_read(self, shard: int, stale_ok: bool) -> tuple[VnodeView, PendingRead | None]: ...
+
+
 class StorageService:
-    """Implements mqds.v1.Storage over the shards of one node."""
+    """Implements mqds.v1.Storage over the vnodes of one node."""
 
     def __init__(
         self,
-        shards: Sequence[ShardStorage],
+        shards: Shards,
         *,
         max_payload_bytes: int,
         max_batch_messages: int,
         max_next_batch: int,
         clock: Callable[[], int] = now_us,
     ) -> None:
-        self.shards = list(shards)
+        self.shards = shards
         self.max_payload_bytes = max_payload_bytes
         self.max_batch_messages = max_batch_messages
         self.max_next_batch = max_next_batch
@@ -51,15 +98,27 @@ class StorageService:
 
     # -- helpers -------------------------------------------------------------
 
-    def _shard(self, shard: int) -> ShardStorage:
-        if not 0 <= shard < len(self.shards):
-            raise errors.error(
-                Reason.UNKNOWN_SHARD, f"shard {shard} does not exist; shards are 0 to {len(self.shards) - 1}"
-            )
-        return self.shards[shard]
+    def _shard_numbers(self, shard: int, all_shards: bool, shards: Iterable[int] = ()) -> list[int]:
+        n = self.shards.n_shards
+        chosen = list(shards) or (list(range(n)) if all_shards else [shard])
+        for number in chosen:
+            if not 0 <= number < n:
+                raise errors.error(Reason.UNKNOWN_SHARD, f"shard {number} does not exist; shards are 0 to {n - 1}")
+        return chosen
 
-    def _shards(self, shard: int, all_shards: bool) -> list[ShardStorage]:
-        return self.shards if all_shards else [self._shard(shard)]
+    def _read(self, shard_numbers: list[int], stale_ok: bool) -> list[VnodeView]:
+        """The vnodes to read, once each may be read (read index confirmed on all of them together)."""
+        started = [self.shards.begin_read(shard, stale_ok) for shard in shard_numbers]
+        for _, pending in started:
+            if pending is not None:
+                pending.wait(self.shards.read_timeout_s)
+        return [vnode for vnode, _ in started]
+
+    def _propose_all(self, commands: list[tuple[int, bytes]]) -> list[Any]:
+        """Propose one command per shard (leaders checked first); the results, in order."""
+        vnodes = [self.shards.leader_vnode(shard) for shard, _ in commands]
+        proposals = [vnode.group.propose(body) for vnode, (_, body) in zip(vnodes, commands, strict=True)]
+        return [p.wait(self.shards.write_timeout_s) for p in proposals]
 
     @staticmethod
     def _filter(topic_filter: str) -> list[str]:
@@ -105,34 +164,48 @@ class StorageService:
                 f"batch has {len(messages)} messages, over the limit of {self.max_batch_messages} "
                 "(max_batch_messages); split it",
             )
-        n_shards = len(self.shards)
+        n_shards = self.shards.n_shards
         by_shard: dict[int, list[int]] = {}
+        shard_cache: dict[str, int] = {}
         for index, message in enumerate(messages):
             self._check_message(index, message)
             if message.timestamp_us or message.shard:
                 message.ClearField("timestamp_us")
                 message.ClearField("shard")
-            by_shard.setdefault(shard_of(message.sender, n_shards), []).append(index)
-        response = pb.StoreBatchResponse()
+            sender = message.sender
+            shard = shard_cache.get(sender)
+            if shard is None:
+                shard = shard_cache[sender] = shard_of(sender, n_shards)
+            by_shard.setdefault(shard, []).append(index)
+        now = self.clock()
+        order = sorted(by_shard)
+        commands = []
+        for shard in order:
+            cmd = cpb.VnodeCommand()
+            cmd.store.now_us = now
+            cmd.store.messages.extend(messages[i] for i in by_shard[shard])
+            commands.append((shard, cmd.SerializeToString()))
+        firsts = self._propose_all(commands)
         positions = [pb.MessagePosition() for _ in messages]
-        for shard, indexes in sorted(by_shard.items()):
-            first = self.shards[shard].store([messages[i] for i in indexes], self.clock(), sync=request.sync)
-            for offset, index in enumerate(indexes):
+        for shard, first in zip(order, firsts, strict=True):
+            for offset, index in enumerate(by_shard[shard]):
                 positions[index].shard = shard
                 positions[index].timestamp_us = first + offset
+        response = pb.StoreBatchResponse()
         response.positions.extend(positions)
         return response
 
     def GetStreams(self, request: pb.GetStreamsRequest) -> pb.GetStreamsResponse:
         levels = self._filter(request.topic_filter)
         response = pb.GetStreamsResponse()
-        for storage in self.shards:
-            for ref in storage.get_streams(levels, request.start_time_us):
+        numbers = self._shard_numbers(0, True, request.shards)
+        for vnode in self._read(sorted(numbers), request.stale_ok):
+            with vnode.replica.reading() as storage:
+                refs = storage.get_streams(levels, request.start_time_us)
+            for ref in refs:
                 response.streams.add(
-                    rank=pb.Rank(shard=storage.shard, generation=ref.generation),
-                    stream=pb.Stream(
-                        shard=storage.shard, generation=ref.generation, id=ref.stream, pattern=ref.pattern
-                    ),
+                    rank=pb.Rank(shard=vnode.shard, generation=ref.generation),
+                    stream=pb.Stream(shard=vnode.shard, generation=ref.generation, id=ref.stream, pattern=ref.pattern),
                 )
         return response
 
@@ -141,9 +214,9 @@ class StorageService:
             raise errors.error(Reason.INVALID_REQUEST, "stream is required: pass a stream returned by GetStreams")
         self._filter(request.topic_filter)
         stream = request.stream
-        state = self._shard(stream.shard).make_iterator(
-            stream.generation, stream.id, request.topic_filter, request.start_time_us
-        )
+        (vnode,) = self._read(self._shard_numbers(stream.shard, False), request.stale_ok)
+        with vnode.replica.reading() as storage:
+            state = storage.make_iterator(stream.generation, stream.id, request.topic_filter, request.start_time_us)
         token = pb.IteratorToken(shard=state.shard, generation=state.generation, state=state.encode())
         return pb.MakeIteratorResponse(iterator=token)
 
@@ -151,7 +224,6 @@ class StorageService:
         if request.batch_size < 1:
             raise errors.error(Reason.INVALID_REQUEST, "batch_size must be at least 1")
         token = request.iterator
-        storage = self._shard(token.shard)
         try:
             state = IteratorState.decode(token.state)
         except IteratorDecodeError as err:
@@ -162,9 +234,11 @@ class StorageService:
                 f"iterator token says shard {token.shard} generation {token.generation} but its state is for "
                 f"shard {state.shard} generation {state.generation}",
             )
-        result = storage.next(state, min(request.batch_size, self.max_next_batch))
-        shard = storage.shard
-        body = encode_messages(_MESSAGES_TAG, result.entries, shard)
+        (vnode,) = self._read(self._shard_numbers(state.shard, False), request.stale_ok)
+        with vnode.replica.reading() as storage:
+            result = storage.next(state, min(request.batch_size, self.max_next_batch))
+            shard = storage.shard
+            body = encode_messages(_MESSAGES_TAG, result.entries, shard)
         token_bytes = pb.IteratorToken(
             shard=shard, generation=state.generation, state=result.state.encode()
         ).SerializeToString()
@@ -174,20 +248,31 @@ class StorageService:
         return body
 
     def AddGeneration(self, request: pb.AddGenerationRequest) -> pb.AddGenerationResponse:
+        numbers = self._shard_numbers(request.shard, request.all_shards, request.shards)
+        commands = []
+        now = self.clock()
+        for shard in numbers:
+            with self.shards.leader_vnode(shard).replica.reading() as storage:
+                current = storage.current_generation
+            cmd = cpb.VnodeCommand(add_generation=cpb.AddGeneration(now_us=now, if_current=current))
+            commands.append((shard, cmd.SerializeToString()))
         response = pb.AddGenerationResponse()
-        for storage in self._shards(request.shard, request.all_shards):
-            info = storage.add_generation(self.clock())
-            log.info("shard %d: started generation %d", storage.shard, info.generation)
+        for info in self._propose_all(commands):
+            log.info("shard %d: started generation %d", info.shard, info.generation)
             response.generations.append(self._generation(info))
         return response
 
     def ListGenerations(self, request: pb.ListGenerationsRequest) -> pb.ListGenerationsResponse:
         response = pb.ListGenerationsResponse()
-        for storage in self._shards(request.shard, request.all_shards):
-            response.generations.extend(self._generation(info) for info in storage.generations())
+        numbers = self._shard_numbers(request.shard, request.all_shards, request.shards)
+        for vnode in self._read(numbers, request.stale_ok):
+            with vnode.replica.reading() as storage:
+                response.generations.extend(self._generation(info) for info in storage.generations())
         return response
 
     def DropGeneration(self, request: pb.DropGenerationRequest) -> pb.DropGenerationResponse:
-        info = self._shard(request.shard).drop_generation(request.generation)
+        (shard,) = self._shard_numbers(request.shard, False)
+        cmd = cpb.VnodeCommand(drop_generation=cpb.DropGeneration(generation=request.generation))
+        (info,) = self._propose_all([(shard, cmd.SerializeToString())])
         log.info("shard %d: dropped generation %d", info.shard, info.generation)
         return pb.DropGenerationResponse(dropped=self._generation(info))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from rocksdict import (
     BlockBasedOptions,
     Cache,
+    Checkpoint,
     DBCompressionType,
     Options,
     Rdict,
@@ -561,6 +562,30 @@ class ShardStorage:
             else:
                 exhausted = True
         return entries, next_ts, exhausted
+
+    # -- durability and copies ------------------------------------------------
+
+    def sync_wal(self) -> None:
+        """fsync RocksDB's write-ahead log: everything applied so far survives a machine crash."""
+        with self._lock:
+            try:
+                self._db.flush_wal(True)
+            except Exception as err:
+                raise errors.error(Reason.STORAGE_ERROR, f"shard {self.shard}: WAL sync failed: {err}") from err
+
+    def checkpoint(self, path: str) -> int:
+        """Write a consistent copy of the shard to ``path`` (hard links where possible); its applied index."""
+        with self._lock:
+            try:
+                Checkpoint(self._db).create_checkpoint(path)
+            except Exception as err:
+                raise errors.error(Reason.STORAGE_ERROR, f"shard {self.shard}: checkpoint failed: {err}") from err
+            return self.applied_index
+
+    @property
+    def initialized(self) -> bool:
+        """True once the shard has a generation (the first logged command creates it)."""
+        return bool(self._gens)
 
     # -- inspection ----------------------------------------------------------
 

@@ -1,0 +1,310 @@
+"""Membership changes and replica moves, run by the leader of the metadata group.
+
+A replica move of shard ``s`` from node ``a`` to node ``b`` never lets the
+vnode drop below its replication factor, because it adds before it removes:
+
+1. the metadata places ``s`` on ``b`` as well (``b`` opens an empty replica
+   that stays quiet until the vnode's leader contacts it);
+2. the vnode's leader adds ``b`` to the Raft group (a logged membership
+   change) and ``b`` catches up, by snapshot if the log was compacted;
+3. once ``b``'s log matches the leader's, leadership leaves ``a`` if it had it;
+4. the leader removes ``a`` from the Raft group;
+5. the metadata drops ``a`` from the placement, and ``a`` deletes its copy.
+
+Every step checks the current state first, so a move interrupted by a crash
+(of any node, including the metadata leader) can be run again from the top.
+Moves run one at a time, under one lock, on the metadata leader.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+
+from mqds.protocol import errors
+from mqds.protocol.errors import MqdsError, Reason
+from mqds.server.cluster import meta as meta_mod
+from mqds.server.cluster import placement
+from mqds.server.cluster.v1 import commands_pb2 as cpb
+from mqds.server.raft.v1 import raft_pb2 as rpb
+from mqds.v1 import cluster_pb2 as clpb
+
+if TYPE_CHECKING:
+    from mqds.server.node import Node
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# How long one step of a move may take (a catch-up may need a big snapshot).
+STEP_TIMEOUT_S = 1800.0
+_POLL_S = 0.2
+
+
+class Membership:
+    """join, leave, forget and rebalance, as the Cluster service exposes them."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self._lock = threading.Lock()
+
+    # -- the operations --------------------------------------------------------
+
+    def join(self, node_id: str, address: str) -> clpb.MembershipResponse:
+        self._check_id(node_id)
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise errors.error(Reason.INVALID_REQUEST, f"address {address!r} is not host:port")
+        with self._leading():
+            self.node.propose_meta(cpb.MetaCommand(add_node=cpb.AddNode(node_id=node_id, address=address)))
+            self.node.router.set_address(node_id, address)
+            self._meta_member(node_id, add=True)
+            log.info("node %s (%s) joined; run a rebalance to give it replicas", node_id, address)
+            return self._response([], [])
+
+    def leave(self, node_id: str) -> clpb.MembershipResponse:
+        return self._remove(node_id, forget=False)
+
+    def forget(self, node_id: str) -> clpb.MembershipResponse:
+        return self._remove(node_id, forget=True)
+
+    def rebalance(self) -> clpb.MembershipResponse:
+        with self._leading():
+            moves = self._converge()
+            leader_moves = self._balance_leaders()
+            return self._response(moves, leader_moves)
+
+    # -- helpers -------------------------------------------------------------------
+
+    @staticmethod
+    def _check_id(node_id: str) -> None:
+        if not node_id or not all(c.isalnum() or c in "-_." for c in node_id):
+            raise errors.error(Reason.INVALID_REQUEST, f"node id {node_id!r}: use letters, digits, '-', '_' or '.'")
+
+    def _leading(self) -> _Leading:
+        return _Leading(self)
+
+    def _map(self) -> clpb.ClusterMap:
+        assert self.node.meta is not None
+        return self.node.meta.map
+
+    def _response(self, moves: list[str], leader_moves: list[str]) -> clpb.MembershipResponse:
+        return clpb.MembershipResponse(moves=moves, leader_moves=leader_moves, map=self.node.cluster_map())
+
+    def _remove(self, node_id: str, forget: bool) -> clpb.MembershipResponse:
+        self._check_id(node_id)
+        with self._leading():
+            cmap = self._map()
+            if not any(n.id == node_id for n in cmap.nodes):
+                raise errors.error(Reason.UNKNOWN_NODE, f"node {node_id!r} is not a member of the cluster")
+            if len(cmap.nodes) == 1:
+                raise errors.error(Reason.MEMBERSHIP_REFUSED, "the last node of a cluster cannot leave")
+            if node_id == self.node.node_id:
+                # The metadata leader is the one leaving: hand the job over.
+                self._hand_over_meta()
+                raise self.node.meta_group.not_leader_error()  # type: ignore[union-attr]
+            self.node.propose_meta(cpb.MetaCommand(set_state=cpb.SetNodeState(node_id=node_id, state=meta_mod.LEAVING)))
+            verb = "forgetting" if forget else "moving replicas off"
+            log.info("%s node %s", verb, node_id)
+            moves = self._converge()
+            self.node.propose_meta(cpb.MetaCommand(remove_node=cpb.RemoveNode(node_id=node_id)))
+            self._meta_member(node_id, add=False)
+            self.node.router.forget(node_id)
+            log.info("node %s removed from the cluster", node_id)
+            return self._response(moves, [])
+
+    def _hand_over_meta(self) -> None:
+        group = self.node.meta_group
+        assert group is not None
+        others = [m for m in group.members if m != self.node.node_id]
+        for target in others:
+            if group.match_index(target) >= group.last_log_index:
+                group.transfer_leadership(target)
+                return
+        raise errors.error(Reason.NO_LEADER, "no other metadata replica is caught up to take over; retry")
+
+    def _meta_member(self, node_id: str, add: bool) -> None:
+        group = self.node.meta_group
+        assert group is not None
+        if add == (node_id in group.members):
+            return
+        self._retry(lambda: group.change_membership(add, node_id).wait(self.node.config.write_timeout_s))
+
+    def _converge(self) -> list[str]:
+        done: list[str] = []
+        rf = self._map().replication_factor
+        while True:
+            cmap = self._map()
+            active = [n.id for n in cmap.nodes if n.state == meta_mod.ACTIVE]
+            move = placement.next_move(meta_mod.placement_of(cmap), active, rf)
+            if move is None:
+                return done
+            log.info("moving replica: %s", move)
+            started = time.monotonic()
+            self._execute(move)
+            done.append(str(move))
+            log.info("moved replica: %s in %.1fs", move, time.monotonic() - started)
+
+    def _balance_leaders(self) -> list[str]:
+        cmap = self._map()
+        current = meta_mod.placement_of(cmap)
+        balanced = placement.balance_leaders(current)
+        for shard, replicas in sorted(balanced.items()):
+            if replicas != current[shard]:
+                self._set_replicas(shard, replicas)
+        moved = []
+        for shard, replicas in sorted(balanced.items()):
+            leader = self._vnode_leader(shard)
+            target = replicas[0]
+            if leader != target:
+                self._retry(functools.partial(self._transfer, shard, target))
+                moved.append(f"shard {shard}: {leader} -> {target}")
+        return moved
+
+    def _set_replicas(self, shard: int, replicas: list[str]) -> None:
+        self.node.propose_meta(cpb.MetaCommand(set_replicas=cpb.SetReplicas(shard=shard, replicas=replicas)))
+
+    def _execute(self, move: placement.Move) -> None:
+        shard, source, target = move.shard, move.source, move.target
+        replicas = meta_mod.placement_of(self._map())[shard]
+        if target:
+            if target not in replicas:
+                self._set_replicas(shard, [*replicas, target])
+            self._retry(lambda: self._change(shard, target, add=True))
+            self._wait_caught_up(shard, target)
+        if source:
+            if self._vnode_leader(shard) == source:
+                members = self._members(shard)
+                heir = target or next((m for m in members if m != source), "")
+                self._retry(lambda: self._transfer(shard, heir))
+            self._retry(lambda: self._change(shard, source, add=False))
+        final = placement.apply_move({shard: replicas}, move)[shard]
+        self._set_replicas(shard, final)
+
+    # -- talking to vnode leaders --------------------------------------------------
+
+    def _vnode_leader(self, shard: int) -> str:
+        """The current leader of a vnode, asked of the nodes that host it."""
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while True:
+            local = self.node.vnodes.get(shard)
+            if local is not None and local.group.leader_id:
+                return local.group.leader_id
+            replicas = meta_mod.placement_of(self._map())[shard]
+            best: tuple[int, str] | None = None
+            for replica in replicas:
+                try:
+                    cmap = self.node.cluster_stub(replica).GetClusterMap(clpb.GetClusterMapRequest(), timeout=2)
+                except (grpc.RpcError, MqdsError):
+                    continue
+                for info in cmap.vnodes:
+                    if info.shard == shard and info.leader and (best is None or info.term > best[0]):
+                        best = (info.term, info.leader)
+            if best is not None:
+                return best[1]
+            if time.monotonic() > deadline:
+                raise errors.error(Reason.NO_LEADER, f"shard {shard} has no leader")
+            time.sleep(_POLL_S)
+
+    def _status(self, node_id: str, shard: int) -> clpb.ReplicaStatus | None:
+        try:
+            status = self.node.cluster_stub(node_id).GetNodeStatus(clpb.GetNodeStatusRequest(), timeout=5)
+        except grpc.RpcError:
+            return None
+        return next((r for r in status.replicas if r.group == shard), None)
+
+    def _members(self, shard: int) -> list[str]:
+        leader = self._vnode_leader(shard)
+        status = self._status(leader, shard)
+        return list(status.members) if status is not None else []
+
+    def _change(self, shard: int, node_id: str, add: bool) -> None:
+        leader = self._vnode_leader(shard)
+        stub = self.node.internal_stub(leader)
+        kind = rpb.MembershipChange.KIND_ADD if add else rpb.MembershipChange.KIND_REMOVE
+        try:
+            stub.ChangeMembership(
+                rpb.ChangeMembershipRequest(group=shard, kind=kind, node_id=node_id),
+                timeout=self.node.config.write_timeout_s + 5,
+                metadata=self.node.auth.metadata(),
+            )
+        except grpc.RpcError as err:
+            raise errors.from_rpc_error(err) from None
+
+    def _transfer(self, shard: int, target: str) -> None:
+        leader = self._vnode_leader(shard)
+        if leader == target:
+            return
+        try:
+            self.node.internal_stub(leader).TransferLeadership(
+                rpb.TransferLeadershipRequest(group=shard, node_id=target),
+                timeout=10,
+                metadata=self.node.auth.metadata(),
+            )
+        except grpc.RpcError as err:
+            raise errors.from_rpc_error(err) from None
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self._vnode_leader(shard) == target:
+                return
+            time.sleep(_POLL_S)
+        raise errors.error(Reason.NO_LEADER, f"shard {shard}: leadership did not move to {target}")
+
+    def _wait_caught_up(self, shard: int, target: str) -> None:
+        """Until the leader's log and the target's match (the target applied what the leader has)."""
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        last_report = time.monotonic()
+        while time.monotonic() < deadline:
+            leader = self._vnode_leader(shard)
+            status = self._status(leader, shard)
+            if status is not None and target in status.members:
+                lag = status.follower_lag.get(target)
+                if lag == 0:
+                    target_status = self._status(target, shard)
+                    if target_status is not None and target_status.applied_index >= status.commit_index - 1:
+                        return
+                if time.monotonic() - last_report > 5:
+                    log.info("shard %d: %s catching up (%s entries behind)", shard, target, lag)
+                    last_report = time.monotonic()
+            time.sleep(_POLL_S)
+        raise errors.error(Reason.DEADLINE_EXCEEDED, f"shard {shard}: {target} did not catch up in time")
+
+    def _retry(self, step: Callable[[], T]) -> T:
+        """Run a step until it works, retrying what is worth retrying, within STEP_TIMEOUT_S."""
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        delay = _POLL_S
+        while True:
+            try:
+                return step()
+            except MqdsError as err:
+                if not err.retriable or time.monotonic() > deadline:
+                    raise
+                log.info("retrying after: %s", err)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+
+class _Leading:
+    """Hold the membership lock while this node leads the metadata group."""
+
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+
+    def __enter__(self) -> None:
+        node = self.membership.node
+        group = node.meta_group
+        if group is None:
+            raise errors.error(Reason.NO_LEADER, f"node {node.node_id} has not joined a cluster yet")
+        if not group.is_leader:
+            raise group.not_leader_error()
+        if not self.membership._lock.acquire(timeout=STEP_TIMEOUT_S):
+            raise errors.error(Reason.MEMBERSHIP_CHANGE_IN_PROGRESS, "another membership change is running")
+
+    def __exit__(self, *exc: Any) -> None:
+        self.membership._lock.release()

@@ -1,0 +1,103 @@
+from mqds.v1 import cluster_pb2 as _cluster_pb2
+from mqds.v1 import storage_pb2 as _storage_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VnodeCommand(_message.Message):
+    __slots__ = ("store", "add_generation", "drop_generation")
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DROP_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    store: StoreMessages
+    add_generation: AddGeneration
+    drop_generation: DropGeneration
+    def __init__(self, store: _Optional[_Union[StoreMessages, _Mapping]] = ..., add_generation: _Optional[_Union[AddGeneration, _Mapping]] = ..., drop_generation: _Optional[_Union[DropGeneration, _Mapping]] = ...) -> None: ...
+
+class StoreMessages(_message.Message):
+    __slots__ = ("now_us", "messages")
+    NOW_US_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    now_us: int
+    messages: _containers.RepeatedCompositeFieldContainer[_storage_pb2.Message]
+    def __init__(self, now_us: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[_storage_pb2.Message, _Mapping]]] = ...) -> None: ...
+
+class AddGeneration(_message.Message):
+    __slots__ = ("now_us", "if_current")
+    NOW_US_FIELD_NUMBER: _ClassVar[int]
+    IF_CURRENT_FIELD_NUMBER: _ClassVar[int]
+    now_us: int
+    if_current: int
+    def __init__(self, now_us: _Optional[int] = ..., if_current: _Optional[int] = ...) -> None: ...
+
+class DropGeneration(_message.Message):
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...
+
+class MetaCommand(_message.Message):
+    __slots__ = ("set_address", "add_node", "set_state", "remove_node", "set_replicas")
+    SET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ADD_NODE_FIELD_NUMBER: _ClassVar[int]
+    SET_STATE_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_NODE_FIELD_NUMBER: _ClassVar[int]
+    SET_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    set_address: SetNodeAddress
+    add_node: AddNode
+    set_state: SetNodeState
+    remove_node: RemoveNode
+    set_replicas: SetReplicas
+    def __init__(self, set_address: _Optional[_Union[SetNodeAddress, _Mapping]] = ..., add_node: _Optional[_Union[AddNode, _Mapping]] = ..., set_state: _Optional[_Union[SetNodeState, _Mapping]] = ..., remove_node: _Optional[_Union[RemoveNode, _Mapping]] = ..., set_replicas: _Optional[_Union[SetReplicas, _Mapping]] = ...) -> None: ...
+
+class SetNodeAddress(_message.Message):
+    __slots__ = ("node_id", "address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class AddNode(_message.Message):
+    __slots__ = ("node_id", "address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class SetNodeState(_message.Message):
+    __slots__ = ("node_id", "state")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    state: _cluster_pb2.NodeState
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[_cluster_pb2.NodeState, str]] = ...) -> None: ...
+
+class RemoveNode(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class SetReplicas(_message.Message):
+    __slots__ = ("shard", "replicas")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    replicas: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, shard: _Optional[int] = ..., replicas: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ClusterState(_message.Message):
+    __slots__ = ("format", "applied_index", "map")
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MAP_FIELD_NUMBER: _ClassVar[int]
+    format: int
+    applied_index: int
+    map: _cluster_pb2.ClusterMap
+    def __init__(self, format: _Optional[int] = ..., applied_index: _Optional[int] = ..., map: _Optional[_Union[_cluster_pb2.ClusterMap, _Mapping]] = ...) -> None: ...

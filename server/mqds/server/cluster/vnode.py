@@ -1,0 +1,193 @@
+"""A vnode replica's state machine: Raft log entries in, RocksDB storage out.
+
+``apply`` is the only way data changes, and it is deterministic: every input
+(the leader's clock, the messages, the generation numbers) is in the logged
+command, so every replica builds byte-identical RocksDB content, and the
+applied log index is written in the same write batch as the change. Entries
+at or below the applied index are skipped, which makes replaying the journal
+after a restart (or after installing a snapshot) idempotent.
+
+A follower too far behind installs a snapshot: a RocksDB checkpoint fetched
+from a replica that has applied at least up to the manifest's index, written
+beside the shard, then swapped in while no reader holds the old database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from mqds.protocol import errors
+from mqds.protocol.errors import MqdsError, Reason
+from mqds.server.cluster.v1 import commands_pb2 as cpb
+from mqds.server.storage import Engine, GenerationInfo, ShardStorage
+
+log = logging.getLogger(__name__)
+
+# fetch(node_id, shard, min_index, dest_dir) -> applied index of the copy
+SnapshotFetcher = Callable[[str, int, int, str], int]
+
+
+class VnodeReplica:
+    """One shard's storage on this node, fed by its Raft group."""
+
+    def __init__(
+        self,
+        shard: int,
+        path: str,
+        engine: Engine,
+        *,
+        node_id: str,
+        fetch_snapshot: SnapshotFetcher,
+        lts_threshold_top: int,
+        lts_threshold: int,
+    ) -> None:
+        self.shard = shard
+        self.path = path
+        self.node_id = node_id
+        self._engine = engine
+        self._fetch = fetch_snapshot
+        self._lts = (lts_threshold_top, lts_threshold)
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._swapping = False
+        self.stopping = threading.Event()
+        self.storage = self._open()
+
+    def _open(self) -> ShardStorage:
+        return ShardStorage(
+            self.path, self.shard, self._engine, lts_threshold_top=self._lts[0], lts_threshold=self._lts[1]
+        )
+
+    def close(self) -> None:
+        self.stopping.set()
+        with self._cond:
+            self._swapping = True
+            while self._readers:
+                self._cond.wait()
+            self.storage.close()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[ShardStorage]:
+        """The storage, guaranteed open (not being swapped or closed) while the block runs."""
+        with self._cond:
+            while self._swapping:
+                if self.stopping.is_set():
+                    raise errors.error(Reason.SHUTTING_DOWN, f"replica of shard {self.shard} is closing")
+                self._cond.wait(1.0)
+            self._readers += 1
+            storage = self.storage
+        try:
+            yield storage
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    # -- the state machine -----------------------------------------------------
+
+    @property
+    def applied_index(self) -> int:
+        return self.storage.applied_index
+
+    def apply(self, command: bytes, index: int) -> Any:
+        storage = self.storage
+        if index <= storage.applied_index:
+            return None
+        cmd = cpb.VnodeCommand.FromString(command)
+        kind = cmd.WhichOneof("kind")
+        if kind == "store":
+            store = cmd.store
+            if not storage.initialized:
+                storage.initialize(store.now_us)
+            return storage.store(store.messages, store.now_us, applied_index=index)
+        if kind == "add_generation":
+            add = cmd.add_generation
+            if not storage.initialized:
+                return storage.initialize(add.now_us, applied_index=index)
+            if add.if_current != storage.current_generation:
+                # Logged against another generation (a duplicate, or a second
+                # initialisation): the rotation already happened.
+                return storage.generations()[-1]
+            return storage.add_generation(add.now_us, applied_index=index)
+        if kind == "drop_generation":
+            try:
+                return storage.drop_generation(cmd.drop_generation.generation, applied_index=index)
+            except MqdsError as err:
+                if err.reason is Reason.STORAGE_ERROR:
+                    raise
+                # A refusal (current generation, already dropped) is the same
+                # on every replica and changes nothing: the proposer gets it.
+                return err
+        raise errors.error(Reason.INTERNAL, f"shard {self.shard}: log entry {index} holds an unknown command")
+
+    def snapshot(self) -> bytes:
+        self.storage.sync_wal()
+        return b""
+
+    def install(self, payload: bytes, index: int, source: str, members: list[str]) -> None:
+        candidates = [source] + [m for m in members if m not in (source, self.node_id)]
+        incoming = self.path + ".incoming"
+        backoff = 0.2
+        while not self.stopping.is_set():
+            for node in candidates:
+                if node == self.node_id or self.stopping.is_set():
+                    continue
+                shutil.rmtree(incoming, ignore_errors=True)
+                try:
+                    started = time.monotonic()
+                    applied = self._fetch(node, self.shard, index, incoming)
+                except Exception as err:
+                    log.warning("shard %d: snapshot from %s failed: %s", self.shard, node, err)
+                    continue
+                self._swap(incoming)
+                log.info(
+                    "shard %d: installed snapshot from %s at index %d in %.1fs",
+                    self.shard,
+                    node,
+                    applied,
+                    time.monotonic() - started,
+                )
+                return
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+        raise errors.error(Reason.SHUTTING_DOWN, f"shard {self.shard}: stopped while installing a snapshot")
+
+    def _swap(self, incoming: str) -> None:
+        old = self.path + ".old"
+        with self._cond:
+            self._swapping = True
+            while self._readers:
+                self._cond.wait()
+            try:
+                self.storage.close()
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(self.path, old)
+                os.replace(incoming, self.path)
+                _fsync_dir(os.path.dirname(self.path))
+                self.storage = self._open()
+            finally:
+                self._swapping = False
+                self._cond.notify_all()
+        shutil.rmtree(old, ignore_errors=True)
+
+    # -- reads used by the node ------------------------------------------------
+
+    def generations(self) -> list[GenerationInfo]:
+        with self.reading() as storage:
+            return storage.generations()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

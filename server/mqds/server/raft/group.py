@@ -1,0 +1,710 @@
+"""One Raft group: a pysyncobj ``SyncObj`` driven by a thread of its own.
+
+A group replicates one state machine (a vnode's storage, or the cluster
+metadata). Its contract with pysyncobj, and where it departs from pysyncobj's
+defaults (see DESIGN.md for why):
+
+- **One replicated entry point taking bytes.** ``propose(body)`` logs
+  ``0x00 + body``; applying calls ``machine.apply(body, index)``. Nothing in
+  the log is pickled: membership changes are ``0x02 + MembershipChange``
+  protobuf, decoded here instead of by pysyncobj's unpickler (the two
+  name-mangled methods below replace pysyncobj's).
+- **Durable before anything leaves.** The group thread runs cycles: deliver
+  the messages that arrived, tick pysyncobj, then ``journal.sync()``
+  (fdatasync of new entries, term, vote) and only then hand the messages
+  pysyncobj produced to the network. A follower's acknowledgement and a vote
+  are never sent for something that is not on disk.
+- **Woken, not polled.** A message, a proposal or a read wakes the thread at
+  once; the timeout only serves Raft's timers.
+- **Snapshots are the machine's.** pysyncobj's "dump file" is a small manifest
+  (last two entries, members, the machine's payload) written by
+  ``machine.snapshot()``; a follower that receives one calls
+  ``machine.install()``, which for a vnode fetches a RocksDB checkpoint.
+- **Linearizable reads** use a read index: ``read_barrier()`` on the leader
+  waits until a majority answered a heartbeat sent after the read arrived (the
+  transport echoes round numbers) and the state machine applied everything
+  committed before it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import pysyncobj.journal
+import pysyncobj.syncobj
+from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf
+from pysyncobj.monotonic import monotonic as raft_clock
+from pysyncobj.node import Node
+from pysyncobj.transport import Transport
+
+from mqds.protocol import errors
+from mqds.protocol.errors import Reason
+from mqds.server.raft import codec
+from mqds.server.raft.journal import RaftJournal, write_atomically
+
+log = logging.getLogger(__name__)
+
+META_GROUP = 0xFFFFFFFF
+
+_original_create_journal = pysyncobj.syncobj.createJournal
+
+
+def _create_journal(journal_file: Any) -> Any:
+    """Let a SyncObjConf carry a ready journal object in ``journalFile``."""
+    if isinstance(journal_file, pysyncobj.journal.Journal):
+        return journal_file
+    return _original_create_journal(journal_file)
+
+
+pysyncobj.syncobj.createJournal = _create_journal
+
+ROLE_FOLLOWER, ROLE_CANDIDATE, ROLE_LEADER = 0, 1, 2
+ROLE_NAMES = {ROLE_FOLLOWER: "follower", ROLE_CANDIDATE: "candidate", ROLE_LEADER: "leader"}
+
+
+def group_name(group: int) -> str:
+    return "meta" if group == META_GROUP else f"shard {group}"
+
+
+class PeerNode(Node):
+    """A Raft member, known by its node id; its address lives in the router's address book."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(node_id)
+
+
+class StateMachine(Protocol):
+    """What a group replicates. Apply must be deterministic: same entries, same state, on every replica."""
+
+    @property
+    def applied_index(self) -> int:
+        """The last log index whose effect is in the machine's storage (0 if none)."""
+
+    def apply(self, command: bytes, index: int) -> Any:
+        """Apply one regular entry; skip it if ``index <= applied_index``. The result goes to the proposer."""
+
+    def snapshot(self) -> bytes:
+        """Make everything applied durable and return the manifest payload describing it."""
+
+    def install(self, payload: bytes, index: int, source: str, members: list[str]) -> None:
+        """Replace the state with one that includes log index ``index`` (from ``source``'s manifest).
+
+        Blocks until done; called on the group's thread, only when
+        ``applied_index < index``. Must not return before the state is installed.
+        """
+
+
+@dataclass
+class PendingRead:
+    """A linearizable read waiting for its read index; ``wait`` returns once it may be served."""
+
+    group: int
+    done: threading.Event = field(default_factory=threading.Event)
+    round: int = 0
+    term: int = 0
+    read_index: int = 0
+    error: errors.MqdsError | None = None
+
+    def wait(self, timeout_s: float) -> None:
+        if not self.done.wait(timeout_s):
+            raise errors.error(
+                Reason.DEADLINE_EXCEEDED, f"{group_name(self.group)}: could not confirm leadership in time"
+            )
+        if self.error is not None:
+            raise self.error
+
+
+@dataclass
+class Proposal:
+    """A command handed to Raft; ``wait`` returns the machine's result."""
+
+    group: int
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    fail: int | None = None
+
+    def on_result(self, result: Any, fail: int) -> None:
+        if fail == FAIL_REASON.SUCCESS:
+            self.result = result
+        else:
+            self.fail = fail
+        self.done.set()
+
+    def wait(self, timeout_s: float) -> Any:
+        if not self.done.wait(timeout_s):
+            raise errors.error(
+                Reason.DEADLINE_EXCEEDED,
+                f"{group_name(self.group)}: not committed within {timeout_s:g}s; it may still be applied",
+            )
+        if self.fail is not None:
+            raise _fail_error(self.group, self.fail)
+        if isinstance(self.result, errors.MqdsError):
+            raise self.result
+        return self.result
+
+
+def _fail_error(group: int, fail: int) -> errors.MqdsError:
+    name = group_name(group)
+    if fail == FAIL_REASON.QUEUE_FULL:
+        return errors.error(Reason.OVERLOADED, f"{name}: too many commands waiting; retry later")
+    if fail in (FAIL_REASON.MISSING_LEADER, FAIL_REASON.NOT_LEADER):
+        return errors.error(Reason.NO_LEADER, f"{name}: no leader now (election in progress); retry")
+    if fail == FAIL_REASON.DISCARDED:
+        return errors.error(Reason.NO_LEADER, f"{name}: leader changed before the command committed; retry")
+    if fail == FAIL_REASON.REQUEST_DENIED:
+        return errors.error(
+            Reason.MEMBERSHIP_CHANGE_IN_PROGRESS, f"{name}: another membership change is not committed yet; retry"
+        )
+    return errors.error(
+        Reason.DEADLINE_EXCEEDED, f"{name}: leader changed while the command was in flight; it may have been applied"
+    )
+
+
+@dataclass(frozen=True)
+class RaftTiming:
+    """Raft timers, in seconds."""
+
+    heartbeat_s: float = 0.1
+    """How often a leader sends append-entries when idle."""
+    election_timeout_min_s: float = 0.5
+    """A follower that hears nothing for a random time between min and max starts an election."""
+    election_timeout_max_s: float = 1.0
+    tick_s: float = 0.05
+    """Longest a group sleeps when nothing wakes it (Raft's timers run on this)."""
+    log_max_bytes: int = 16 * 1024 * 1024
+    """Compact (snapshot) the journal once its commands exceed this many bytes."""
+    compaction_interval_s: float = 600.0
+    """Compact at least this often when anything was applied."""
+    max_entry_bytes: int = 65 * 1024 * 1024
+    """Largest command; pysyncobj would chunk (and pickle) larger ones."""
+
+
+_MANIFEST_MAGIC = b"MQDSSNP1"
+_MANIFEST_ENTRY = struct.Struct("<QQI")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+
+
+def encode_manifest(
+    group: int,
+    source: str,
+    last: tuple[bytes, int, int],
+    prev: tuple[bytes, int, int],
+    members: list[str],
+    payload: bytes,
+) -> bytes:
+    parts = [_MANIFEST_MAGIC, _U32.pack(group)]
+    raw = source.encode("utf-8")
+    parts += [_U16.pack(len(raw)), raw]
+    for cmd, idx, term in (last, prev):
+        parts += [_MANIFEST_ENTRY.pack(idx, term, len(cmd)), cmd]
+    parts.append(_U16.pack(len(members)))
+    for member in members:
+        raw = member.encode("utf-8")
+        parts += [_U16.pack(len(raw)), raw]
+    parts += [_U32.pack(len(payload)), payload]
+    body = b"".join(parts)
+    return body + _U32.pack(zlib.crc32(body))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    group: int
+    source: str
+    last: tuple[bytes, int, int]
+    prev: tuple[bytes, int, int]
+    members: list[str]
+    payload: bytes
+
+
+def decode_manifest(raw: bytes) -> Manifest:
+    if len(raw) < len(_MANIFEST_MAGIC) + 8 or not raw.startswith(_MANIFEST_MAGIC):
+        raise ValueError("not an mqds snapshot manifest")
+    body, crc = raw[:-4], _U32.unpack(raw[-4:])[0]
+    if zlib.crc32(body) != crc:
+        raise ValueError("snapshot manifest checksum mismatch")
+    pos = len(_MANIFEST_MAGIC)
+    (group,) = _U32.unpack_from(body, pos)
+    pos += 4
+
+    def text() -> str:
+        nonlocal pos
+        (size,) = _U16.unpack_from(body, pos)
+        pos += 2
+        value = body[pos : pos + size].decode("utf-8")
+        pos += size
+        return value
+
+    source = text()
+    entries = []
+    for _ in range(2):
+        idx, term, size = _MANIFEST_ENTRY.unpack_from(body, pos)
+        pos += _MANIFEST_ENTRY.size
+        entries.append((bytes(body[pos : pos + size]), idx, term))
+        pos += size
+    (count,) = _U16.unpack_from(body, pos)
+    pos += 2
+    members = [text() for _ in range(count)]
+    (size,) = _U32.unpack_from(body, pos)
+    pos += 4
+    payload = bytes(body[pos : pos + size])
+    for cmd, _, _ in entries:
+        codec.check_command(cmd)
+    return Manifest(group, source, entries[0], entries[1], members, payload)
+
+
+class Outbox(Protocol):
+    """Where a group's messages go once they may leave the node (the router)."""
+
+    def send(self, group: int, messages: list[tuple[str, bytes]]) -> None: ...
+
+    def is_connected(self, node_id: str) -> bool: ...
+
+    def address_of(self, node_id: str) -> str | None: ...
+
+
+class GroupTransport(Transport):
+    """pysyncobj's transport for one group: encodes and holds messages until the group's cycle ends."""
+
+    def __init__(self, group: RaftGroup) -> None:
+        super().__init__(None, None, None)
+        self._group = group
+        self.outbox: list[tuple[str, bytes]] = []
+
+    def send(self, node: Node, message: dict[str, Any]) -> bool:
+        group = self._group
+        kind = message["type"]
+        if kind == "append_entries":
+            echo = group.echo_round
+        elif kind == "next_node_idx":
+            echo = group.last_echo_from.get(node.id, 0)
+        else:
+            echo = 0
+        try:
+            raw = codec.encode(message, echo)
+        except ValueError:
+            log.exception("%s: cannot send %s to %s", group.name, kind, node.id)
+            return False
+        self.outbox.append((node.id, raw))
+        return True
+
+    def addNode(self, node: Node) -> None:
+        self._group.on_member_added(node.id)
+
+    def dropNode(self, node: Node) -> None:
+        pass
+
+
+_MESSAGE, _CONNECTED, _DISCONNECTED, _TRANSFER = 0, 1, 2, 3
+
+
+class RaftGroup(SyncObj):
+    """A Raft group replicating ``machine``, with this node as one member."""
+
+    def __init__(
+        self,
+        group: int,
+        node_id: str,
+        members: list[str],
+        machine: StateMachine,
+        directory: str,
+        outbox: Outbox,
+        timing: RaftTiming | None = None,
+        on_role_change: Callable[[RaftGroup, int, int], None] | None = None,
+        joining: bool = False,
+    ) -> None:
+        self.group = group
+        self.name = group_name(group)
+        self.node_id = node_id
+        self.machine = machine
+        self.timing = timing or RaftTiming()
+        self.directory = directory
+        self._outbox = outbox
+        self._on_role_change = on_role_change
+        self.echo_round = 0
+        self.last_echo_from: dict[str, int] = {}
+        self._acked_round: dict[str, int] = {}
+        self._acks_term = -1
+        self._reads_new: list[PendingRead] = []
+        self._reads: list[PendingRead] = []
+        self._reads_lock = threading.Lock()
+        self._inbox: collections.deque[tuple[int, str, Any]] = collections.deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._last_compaction = time.monotonic()
+        self.snapshots_installed = 0
+        self.dropped_messages = 0
+        self.leader_changes = 0
+        self._role = ROLE_FOLLOWER
+        os.makedirs(directory, exist_ok=True)
+        self.journal = RaftJournal(os.path.join(directory, "log"))
+        recorded = self.journal.members
+        initial = recorded if recorded is not None else sorted(set(members) | {node_id})
+        if recorded is None:
+            self.journal.set_members(initial)
+        self._members_recorded = set(initial)
+        # A replica with an empty journal may be new in a group that has a
+        # leader (a move, or a node whose disk was wiped): it stays quiet,
+        # neither campaigning nor voting, until it hears from a leader. That
+        # keeps it from disturbing the group with a higher term, and from
+        # voting twice in a term it voted in before the wipe. A replica of a
+        # new cluster gives up waiting after two election timeouts.
+        self._heard_leader = len(self.journal) > 0
+        self._quiet_until = float("inf") if joining else raft_clock() + 2 * self.timing.election_timeout_max_s
+        t = self.timing
+        conf = SyncObjConf(
+            autoTick=False,
+            appendEntriesUseBatch=False,
+            appendEntriesPeriod=t.heartbeat_s,
+            raftMinTimeout=t.election_timeout_min_s,
+            raftMaxTimeout=t.election_timeout_max_s,
+            leaderFallbackTimeout=t.election_timeout_max_s,
+            connectionTimeout=max(3.5, t.election_timeout_max_s),
+            commandsWaitLeader=False,
+            dynamicMembershipChange=True,
+            journalFile=self.journal,
+            fullDumpFile=os.path.join(directory, "snapshot"),
+            serializer=self._write_manifest,
+            deserializer=self._read_manifest,
+            logCompactionMinEntries=2**62,
+            logCompactionMinTime=t.compaction_interval_s,
+            logCompactionBatchSize=1024 * 1024,
+            appendEntriesBatchSizeBytes=t.max_entry_bytes,
+            onStateChanged=self._state_changed,
+        )
+        self._transport = GroupTransport(self)
+        others = [PeerNode(m) for m in initial if m != node_id]
+        super().__init__(PeerNode(node_id), others, conf, nodeClass=PeerNode, transport=self._transport)
+        if not others:
+            # Alone in the group: nobody else can lead it, so campaign at once.
+            self._heard_leader = True
+            self._SyncObj__raftElectionDeadline = 0
+        self._thread = threading.Thread(target=self._run, name=f"raft-{self.name}", daemon=True)
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the group's thread and close its journal."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        with self._reads_lock:
+            for read in self._reads_new + self._reads:
+                read.error = errors.error(Reason.SHUTTING_DOWN, f"{self.name}: replica is stopping")
+                read.done.set()
+            self._reads_new, self._reads = [], []
+        self._doDestroy()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    # -- inputs from other threads ---------------------------------------------
+
+    def deliver(self, node_id: str, message: dict[str, Any], echo: int) -> None:
+        """A decoded message from a peer (any thread)."""
+        self._inbox.append((_MESSAGE, node_id, (message, echo)))
+        self._wake.set()
+
+    def count_dropped(self) -> None:
+        self.dropped_messages += 1
+
+    def peer_connected(self, node_id: str, connected: bool) -> None:
+        self._inbox.append((_CONNECTED if connected else _DISCONNECTED, node_id, None))
+        self._wake.set()
+
+    def propose(self, body: bytes) -> Proposal:
+        """Log a regular command; the returned proposal's ``wait`` gives the result of applying it."""
+        proposal = Proposal(self.group)
+        if not self._isLeader():
+            raise self.not_leader_error()
+        self._applyCommand(body, proposal.on_result, codec.COMMAND_REGULAR)
+        self._wake.set()
+        return proposal
+
+    def change_membership(self, add: bool, node_id: str) -> Proposal:
+        """Add or remove one member (Raft's single-server change)."""
+        proposal = Proposal(self.group)
+        if not self._isLeader():
+            raise self.not_leader_error()
+        kind = codec.rpb.MembershipChange.KIND_ADD if add else codec.rpb.MembershipChange.KIND_REMOVE
+        self._applyCommand(codec.encode_membership(kind, node_id), proposal.on_result, codec.COMMAND_MEMBERSHIP)
+        self._wake.set()
+        return proposal
+
+    def begin_read(self) -> PendingRead:
+        """Start a linearizable read; its ``wait`` returns once it may be served here.
+
+        Raises NOT_LEADER or NO_LEADER at once when this replica is not the
+        leader; ``wait`` raises them when leadership was lost meanwhile.
+        """
+        if not self._isLeader():
+            raise self.not_leader_error()
+        read = PendingRead(self.group)
+        with self._reads_lock:
+            self._reads_new.append(read)
+        self._wake.set()
+        return read
+
+    def transfer_leadership(self, node_id: str | None) -> None:
+        result: list[int] = []
+        done = threading.Event()
+
+        def callback(_: Any, fail: int) -> None:
+            result.append(fail)
+            done.set()
+
+        self._inbox.append((_TRANSFER, node_id or "", callback))
+        self._wake.set()
+        if not done.wait(5) or result[0] != FAIL_REASON.SUCCESS:
+            raise errors.error(
+                Reason.NO_LEADER, f"{self.name}: leadership transfer to {node_id or 'a follower'} was refused"
+            )
+
+    # -- state -----------------------------------------------------------------
+
+    @property
+    def role(self) -> int:
+        return self._role
+
+    @property
+    def is_leader(self) -> bool:
+        return bool(self._isLeader())
+
+    @property
+    def leader_id(self) -> str | None:
+        leader = self._getLeader()
+        return None if leader is None else str(leader.id)
+
+    @property
+    def members(self) -> list[str]:
+        return sorted([self.node_id, *(n.id for n in self.otherNodes)])
+
+    def not_leader_error(self) -> errors.MqdsError:
+        leader = self.leader_id
+        if leader is None or leader == self.node_id:
+            return errors.error(Reason.NO_LEADER, f"{self.name} has no leader now (election in progress); retry")
+        return errors.error(
+            Reason.NOT_LEADER,
+            f"this node is not the leader of {self.name}; its leader is {leader}",
+            leader=leader,
+            leader_address=self._outbox.address_of(leader) or "",
+            group=str(self.group),
+        )
+
+    def status(self) -> dict[str, Any]:
+        raw = self.getStatus()
+        last = raw["log_len"] and self._SyncObj__raftLog[-1][1]
+        lag = {}
+        if self.is_leader:
+            for node in self.otherNodes:
+                lag[node.id] = max(0, last - raw.get(f"match_idx_server_{node.id}", 0))
+        return {
+            "role": self._role,
+            "term": raw["raft_term"],
+            "leader": self.leader_id or "",
+            "commit_index": raw["commit_idx"],
+            "applied_index": self.machine.applied_index,
+            "last_applied": raw["last_applied"],
+            "last_log_index": last,
+            "log_entries": raw["log_len"],
+            "log_bytes": self.journal.size_bytes,
+            "members": self.members,
+            "follower_lag": lag,
+        }
+
+    def match_index(self, node_id: str) -> int:
+        return int(self._SyncObj__raftMatchIndex.get(PeerNode(node_id), 0))
+
+    @property
+    def last_log_index(self) -> int:
+        return int(self._SyncObj__raftLog[-1][1])
+
+    # -- the group's thread -----------------------------------------------------
+
+    def _sleep_s(self) -> float:
+        """How long nothing needs doing unless woken: until the next heartbeat or election deadline."""
+        now = raft_clock()
+        due = self._SyncObj__newAppendEntriesTime if self._isLeader() else self._SyncObj__raftElectionDeadline
+        return max(min(due - now, 1.0), 0.001)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.wait(self._sleep_s())
+            self._wake.clear()
+            if self._stopping:
+                break
+            try:
+                self._cycle()
+            except Exception:
+                log.exception("%s: Raft cycle failed; retrying", self.name)
+                time.sleep(0.5)
+        try:
+            self.journal.sync()
+        except OSError:
+            log.exception("%s: final journal sync failed", self.name)
+
+    def _cycle(self) -> None:
+        members = self._members_set()
+        inbox = self._inbox
+        while inbox:
+            kind, node_id, payload = inbox.popleft()
+            if kind == _MESSAGE:
+                if node_id not in members:
+                    # A node that is not (or no longer) a member must not
+                    # disturb the group, e.g. with a vote request.
+                    self.dropped_messages += 1
+                    continue
+                message, echo = payload
+                self._receive(node_id, message, echo)
+            elif kind == _CONNECTED:
+                if node_id in members:
+                    self._transport._onNodeConnected(PeerNode(node_id))
+            elif kind == _DISCONNECTED:
+                self._transport._onNodeDisconnected(PeerNode(node_id))
+            elif kind == _TRANSFER:
+                self.transferLeadership(node_id or None, payload)
+        if not self._heard_leader:
+            now = raft_clock()
+            if now < self._quiet_until:
+                self._SyncObj__raftElectionDeadline = now + self.timing.election_timeout_max_s
+        self._onTick(0)
+        self._serve_reads()
+        if self.journal.size_bytes > self.timing.log_max_bytes:
+            self.forceLogCompaction()
+        current = set(self.members)
+        if current != self._members_recorded:
+            self.journal.set_members(sorted(current))
+            self._members_recorded = current
+        self.journal.sync()
+        outbox = self._transport.outbox
+        if outbox:
+            self._transport.outbox = []
+            self._outbox.send(self.group, outbox)
+        if self._isLeader() and not self.otherNodes and self.raftCommitIndex < self.last_log_index:
+            # Alone in the group: nobody's answer will wake us to commit what
+            # was just appended (and synced), so go round again at once.
+            self._wake.set()
+
+    def _members_set(self) -> set[str]:
+        return {n.id for n in self.otherNodes}
+
+    def _receive(self, node_id: str, message: dict[str, Any], echo: int) -> None:
+        kind = message["type"]
+        if kind == "request_vote" and not self._heard_leader and raft_clock() < self._quiet_until:
+            return
+        if kind == "append_entries":
+            self._heard_leader = True
+            self.last_echo_from[node_id] = echo
+        elif kind == "next_node_idx" and echo > self._acked_round.get(node_id, 0):
+            self._acked_round[node_id] = echo
+        self._transport._onMessageReceived(PeerNode(node_id), message)
+
+    def _serve_reads(self) -> None:
+        with self._reads_lock:
+            new, self._reads_new = self._reads_new, []
+            if not new and not self._reads:
+                return
+        term = self.raftCurrentTerm
+        if term != self._acks_term:
+            self._acked_round = {}
+            self._acks_term = term
+        if not self.is_leader:
+            for read in new + self._reads:
+                read.error = self.not_leader_error()
+                read.done.set()
+            self._reads = []
+            return
+        if new:
+            self.echo_round += 1
+            for read in new:
+                read.round, read.term, read.read_index = self.echo_round, term, self.raftCommitIndex
+            self._reads.extend(new)
+            # A heartbeat now, stamped with the new round, instead of waiting
+            # for the next period.
+            self._SyncObj__sendAppendEntries()
+        others = [n.id for n in self.otherNodes]
+        noop = self._SyncObj__noopIDx
+        ready_commit = noop is not None and self.raftCommitIndex >= noop
+        waiting = []
+        for read in self._reads:
+            if read.term != term:
+                read.error = self.not_leader_error()
+                read.done.set()
+                continue
+            acks = 1 + sum(1 for n in others if self._acked_round.get(n, 0) >= read.round)
+            if 2 * acks > len(others) + 1 and ready_commit and self.raftLastApplied >= read.read_index:
+                read.done.set()
+            else:
+                waiting.append(read)
+        self._reads = waiting
+
+    def _state_changed(self, old: int, new: int) -> None:
+        self._role = new
+        if new == ROLE_LEADER or old == ROLE_LEADER:
+            self.leader_changes += 1
+        log.info("%s: %s -> %s (term %d)", self.name, ROLE_NAMES[old], ROLE_NAMES[new], self.raftCurrentTerm)
+        if self._on_role_change is not None:
+            self._on_role_change(self, old, new)
+
+    def on_member_added(self, node_id: str) -> None:
+        """pysyncobj added a member: treat it as connected if the router is."""
+        if self._outbox.is_connected(node_id):
+            self._inbox.append((_CONNECTED, node_id, None))
+
+    # -- pysyncobj overrides (name-mangled private methods of SyncObj) -----------
+
+    def _SyncObj__parseChangeClusterRequest(self, command: bytes) -> tuple[str, str] | None:
+        if not command or command[0] != codec.COMMAND_MEMBERSHIP:
+            return None
+        return codec.decode_membership(command[1:])
+
+    def _SyncObj__doApplyCommand(self, command: bytes) -> Any:
+        kind = command[0]
+        if kind == codec.COMMAND_REGULAR:
+            return self.machine.apply(command[1:], self.raftLastApplied + 1)
+        if kind == codec.COMMAND_MEMBERSHIP:
+            # After a restart the journal is replayed: apply the change again
+            # (a no-op when already in effect).
+            self._SyncObj__doChangeCluster(codec.decode_membership(command[1:]))
+        return None
+
+    # -- snapshots ---------------------------------------------------------------
+
+    def _write_manifest(self, tmp_file: str, data: tuple[Any, Any, Any]) -> None:
+        last, prev, cluster = data
+        payload = self.machine.snapshot()
+        members = sorted(str(n.id) for n in cluster)
+        raw = encode_manifest(self.group, self.node_id, tuple(last), tuple(prev), members, payload)
+        write_atomically(tmp_file, raw)
+        self._last_compaction = time.monotonic()
+        log.debug("%s: snapshot at index %d", self.name, last[1])
+
+    def _read_manifest(self, file_name: str) -> tuple[Any, Any, list[str]]:
+        with open(file_name, "rb") as fh:
+            manifest = decode_manifest(fh.read())
+        index = manifest.last[1]
+        if self.machine.applied_index < index:
+            log.info(
+                "%s: installing snapshot at index %d from %s (applied here: %d)",
+                self.name,
+                index,
+                manifest.source,
+                self.machine.applied_index,
+            )
+            self.machine.install(manifest.payload, index, manifest.source, manifest.members)
+            self.snapshots_installed += 1
+        return manifest.last, manifest.prev, manifest.members

@@ -1,0 +1,344 @@
+"""Raft messages between nodes, over the node's own gRPC port.
+
+Each node keeps one long-lived ``Raft.Stream`` call open to every peer it
+knows (a :class:`_PeerLink` with a thread of its own). Groups hand the router
+their encoded messages once their journal is synced; the router packs every
+message queued for a peer, whatever its group, into one ``Frame``, so a busy
+node sends few gRPC messages. Envelopes are built at the wire level (tag,
+length, bytes), so a message is serialised once, by the group that sent it.
+
+Receiving runs in the gRPC server's thread for that stream: a frame is parsed
+with protobuf, each message decoded by the restricted decoder
+(:mod:`mqds.server.raft.codec`) and appended to its group's inbox, which wakes
+the group. A frame or message that does not parse, or names a group this node
+does not host, is dropped and counted; it never reaches pysyncobj.
+
+Peers authenticate with the cluster secret in the call metadata (compared in
+constant time); without a secret only ``dev_mode`` lets internal calls in.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from mqds.protocol import errors
+from mqds.protocol.errors import Reason
+from mqds.server.raft import codec
+from mqds.server.raft.group import RaftGroup
+from mqds.server.raft.v1 import raft_pb2 as rpb
+
+log = logging.getLogger(__name__)
+
+SECRET_HEADER = "x-mqds-cluster-secret"
+NODE_HEADER = "x-mqds-node-id"
+ADDRESS_HEADER = "x-mqds-node-address"
+STREAM_METHOD = "/mqds.server.raft.v1.Raft/Stream"
+
+# A peer's queue is cleared when it holds more than this (Raft resends).
+_MAX_QUEUED_BYTES = 256 * 1024 * 1024
+_RECONNECT_MIN_S = 0.05
+_RECONNECT_MAX_S = 1.0
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 512 * 1024 * 1024),
+    ("grpc.max_send_message_length", 512 * 1024 * 1024),
+    # Notice a peer that vanished without closing its connection (a
+    # partition, a paused process) within a few seconds.
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def envelope(group: int, raw_message: bytes) -> bytes:
+    """A serialised ``Frame.messages`` item (tag included) for an encoded RaftMessage."""
+    body = b"\x08" + _varint(group) + b"\x12" + _varint(len(raw_message)) + raw_message
+    return b"\x0a" + _varint(len(body)) + body
+
+
+class ClusterAuth:
+    """The cluster secret: checked on every internal call, sent with every outgoing one."""
+
+    def __init__(self, node_id: str, address: str, secret: str, dev_mode: bool) -> None:
+        self.node_id = node_id
+        self.address = address
+        self._secret = secret.encode("utf-8")
+        self.dev_mode = dev_mode
+
+    def metadata(self) -> list[tuple[str, str]]:
+        md = [(NODE_HEADER, self.node_id), (ADDRESS_HEADER, self.address)]
+        if self._secret:
+            md.append((SECRET_HEADER, self._secret.decode("utf-8")))
+        return md
+
+    def check(self, context: grpc.ServicerContext) -> tuple[str, str]:
+        """The calling node's (id, address); raises UNAUTHENTICATED unless it proved it is one of us."""
+        md = {key: value for key, value in context.invocation_metadata()}
+        if self._secret:
+            given = md.get(SECRET_HEADER, "")
+            if not hmac.compare_digest(given.encode("utf-8"), self._secret):
+                raise errors.error(
+                    Reason.UNAUTHENTICATED, "internal call without the right cluster secret (cluster_secret)"
+                )
+        elif not self.dev_mode:
+            raise errors.error(
+                Reason.UNAUTHENTICATED,
+                "this node has no cluster_secret and is not in dev_mode: it accepts no internal calls",
+            )
+        return str(md.get(NODE_HEADER, "")), str(md.get(ADDRESS_HEADER, ""))
+
+
+class _PeerLink:
+    """The outgoing stream to one peer, with its queue and thread."""
+
+    def __init__(self, router: PeerRouter, node_id: str, address: str) -> None:
+        self.router = router
+        self.node_id = node_id
+        self.address = address
+        self.connected = False
+        self._queue: collections.deque[bytes] = collections.deque()
+        self._queued_bytes = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._call_done = threading.Event()
+        self.sent_frames = 0
+        self._thread = threading.Thread(target=self._run, name=f"raft-link-{node_id}", daemon=True)
+        self._thread.start()
+
+    def enqueue(self, items: list[bytes]) -> None:
+        with self._cond:
+            if not self.connected:
+                return
+            for item in items:
+                self._queue.append(item)
+                self._queued_bytes += len(item)
+            if self._queued_bytes > _MAX_QUEUED_BYTES:
+                log.warning("raft link to %s: %d bytes queued; dropping them", self.node_id, self._queued_bytes)
+                self._queue.clear()
+                self._queued_bytes = 0
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _frames(self) -> Iterator[bytes]:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed and not self._call_done.is_set():
+                    self._cond.wait(1.0)
+                if self._closed or self._call_done.is_set():
+                    return
+                items = list(self._queue)
+                self._queue.clear()
+                self._queued_bytes = 0
+            self.sent_frames += 1
+            yield b"".join(items)
+
+    def _set_connected(self, connected: bool) -> None:
+        with self._cond:
+            if self.connected == connected:
+                return
+            self.connected = connected
+            if not connected:
+                self._queue.clear()
+                self._queued_bytes = 0
+        log.info("raft link to %s (%s) %s", self.node_id, self.address, "up" if connected else "down")
+        self.router.link_changed(self.node_id, connected)
+
+    def _run(self) -> None:
+        backoff = _RECONNECT_MIN_S
+        while not self._closed:
+            address = self.address
+            channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            try:
+                grpc.channel_ready_future(channel).result(timeout=1.0)
+            except grpc.FutureTimeoutError:
+                channel.close()
+                time.sleep(backoff)
+                backoff = min(backoff * 2, _RECONNECT_MAX_S)
+                continue
+            stream = channel.stream_unary(
+                STREAM_METHOD, request_serializer=lambda b: b, response_deserializer=rpb.StreamClosed.FromString
+            )
+            self._call_done.clear()
+            future = stream.future(self._frames(), metadata=self.router.auth.metadata())
+            future.add_done_callback(lambda _: self._call_done.set())
+            self._set_connected(True)
+            backoff = _RECONNECT_MIN_S
+            while not self._closed and not self._call_done.wait(0.5):
+                if self.address != address:
+                    break  # the peer moved: reconnect to its new address
+            self._set_connected(False)
+            future.cancel()
+            self._call_done.set()
+            with self._cond:
+                self._cond.notify_all()
+            if not self._closed:
+                try:
+                    future.result(timeout=0)
+                except Exception as err:  # the reason the stream ended, for the log
+                    log.debug("raft link to %s ended: %s", self.node_id, err)
+            channel.close()
+            if not self._closed:
+                time.sleep(backoff)
+
+
+class PeerRouter:
+    """Every Raft message a node sends or receives goes through here."""
+
+    def __init__(self, auth: ClusterAuth, group_lookup: Callable[[int], RaftGroup | None]) -> None:
+        self.auth = auth
+        self.node_id = auth.node_id
+        self._lookup = group_lookup
+        self._links: dict[str, _PeerLink] = {}
+        self._addresses: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._blocked: frozenset[str] = frozenset()
+        self._listeners: list[Callable[[str, bool], None]] = []
+        self.dropped_messages = 0
+        self.dropped_frames = 0
+
+    # -- address book ----------------------------------------------------------
+
+    def set_address(self, node_id: str, address: str) -> None:
+        """Learn (or update) where a peer listens; opens a link to it."""
+        if node_id == self.node_id or not address:
+            return
+        with self._lock:
+            if self._addresses.get(node_id) == address:
+                return
+            self._addresses[node_id] = address
+            link = self._links.get(node_id)
+            if link is None:
+                self._links[node_id] = _PeerLink(self, node_id, address)
+            else:
+                link.address = address
+        log.info("peer %s is at %s", node_id, address)
+
+    def forget(self, node_id: str) -> None:
+        with self._lock:
+            self._addresses.pop(node_id, None)
+            link = self._links.pop(node_id, None)
+        if link is not None:
+            link.close()
+
+    def address_of(self, node_id: str) -> str | None:
+        if node_id == self.node_id:
+            return self.auth.address
+        return self._addresses.get(node_id)
+
+    def peers(self) -> dict[str, str]:
+        return dict(self._addresses)
+
+    def on_link_change(self, listener: Callable[[str, bool], None]) -> None:
+        self._listeners.append(listener)
+
+    def link_changed(self, node_id: str, connected: bool) -> None:
+        for listener in self._listeners:
+            listener(node_id, connected)
+
+    def is_connected(self, node_id: str) -> bool:
+        link = self._links.get(node_id)
+        return link is not None and link.connected and node_id not in self._blocked
+
+    def close(self) -> None:
+        with self._lock:
+            links = list(self._links.values())
+            self._links.clear()
+        for link in links:
+            link.close()
+
+    # -- faults (tests) --------------------------------------------------------
+
+    def block(self, node_ids: list[str]) -> None:
+        """Drop all Raft traffic to and from these peers (an empty list heals)."""
+        before = self._blocked
+        self._blocked = frozenset(node_ids)
+        for node_id in before | self._blocked:
+            if (node_id in before) != (node_id in self._blocked):
+                link = self._links.get(node_id)
+                self.link_changed(node_id, link is not None and link.connected and node_id not in self._blocked)
+
+    # -- sending ---------------------------------------------------------------
+
+    def send(self, group: int, messages: list[tuple[str, bytes]]) -> None:
+        by_peer: dict[str, list[bytes]] = {}
+        for node_id, raw in messages:
+            by_peer.setdefault(node_id, []).append(envelope(group, raw))
+        blocked = self._blocked
+        for node_id, items in by_peer.items():
+            link = self._links.get(node_id)
+            if link is not None and node_id not in blocked:
+                link.enqueue(items)
+
+    # -- receiving (the server side of Raft.Stream) ------------------------------
+
+    def serve_stream(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> rpb.StreamClosed:
+        sender, address = self.auth.check(context)
+        if not sender:
+            raise errors.error(Reason.INVALID_REQUEST, "Raft stream without a node id")
+        if address and sender != self.node_id:
+            self.set_address(sender, address)
+        for raw in frames:
+            if sender in self._blocked:
+                continue
+            self._receive_frame(sender, raw)
+        return rpb.StreamClosed()
+
+    def _receive_frame(self, sender: str, raw: bytes) -> None:
+        try:
+            frame = rpb.Frame.FromString(raw)
+        except Exception as err:  # DecodeError, or RuntimeError from upb
+            self.dropped_frames += 1
+            log.warning("dropped a Raft frame from %s that does not parse: %s", sender, err)
+            return
+        for env in frame.messages:
+            group = self._lookup(env.group)
+            if group is None:
+                self.dropped_messages += 1
+                continue
+            try:
+                message = codec.decode_message(env.message)
+            except codec.MalformedMessage as err:
+                self.dropped_messages += 1
+                group.count_dropped()
+                log.warning("dropped a malformed Raft message from %s for group %d: %s", sender, env.group, err)
+                continue
+            group.deliver(sender, message, env.message.echo)
+
+
+def raft_stream_handler(router: PeerRouter) -> Any:
+    """The gRPC method handler of Raft.Stream: frames arrive as bytes, parsed by the router."""
+
+    def handle(frames: Iterator[bytes], context: grpc.ServicerContext) -> rpb.StreamClosed:
+        try:
+            return router.serve_stream(frames, context)
+        except errors.MqdsError as err:
+            context.abort_with_status(errors.to_status(err))
+            raise  # not reached: abort raises
+
+    return grpc.stream_unary_rpc_method_handler(
+        handle, request_deserializer=lambda b: b, response_serializer=rpb.StreamClosed.SerializeToString
+    )
