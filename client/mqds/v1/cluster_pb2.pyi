@@ -78,8 +78,15 @@ class GetNodeStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("group", "role", "term", "leader", "commit_index", "applied_index", "last_log_index", "log_entries", "log_bytes", "members", "follower_lag", "snapshots_installed")
+    __slots__ = ("group", "role", "term", "leader", "commit_index", "applied_index", "last_log_index", "log_entries", "log_bytes", "members", "follower_lag", "snapshots_installed", "last_applied", "match_index")
     class FollowerLagEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class MatchIndexEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +105,8 @@ class ReplicaStatus(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     FOLLOWER_LAG_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_INSTALLED_FIELD_NUMBER: _ClassVar[int]
+    LAST_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    MATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     group: int
     role: RaftRole
     term: int
@@ -110,7 +119,9 @@ class ReplicaStatus(_message.Message):
     members: _containers.RepeatedScalarFieldContainer[str]
     follower_lag: _containers.ScalarMap[str, int]
     snapshots_installed: int
-    def __init__(self, group: _Optional[int] = ..., role: _Optional[_Union[RaftRole, str]] = ..., term: _Optional[int] = ..., leader: _Optional[str] = ..., commit_index: _Optional[int] = ..., applied_index: _Optional[int] = ..., last_log_index: _Optional[int] = ..., log_entries: _Optional[int] = ..., log_bytes: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., follower_lag: _Optional[_Mapping[str, int]] = ..., snapshots_installed: _Optional[int] = ...) -> None: ...
+    last_applied: int
+    match_index: _containers.ScalarMap[str, int]
+    def __init__(self, group: _Optional[int] = ..., role: _Optional[_Union[RaftRole, str]] = ..., term: _Optional[int] = ..., leader: _Optional[str] = ..., commit_index: _Optional[int] = ..., applied_index: _Optional[int] = ..., last_log_index: _Optional[int] = ..., log_entries: _Optional[int] = ..., log_bytes: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., follower_lag: _Optional[_Mapping[str, int]] = ..., snapshots_installed: _Optional[int] = ..., last_applied: _Optional[int] = ..., match_index: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("node_id", "address", "replicas", "dropped_raft_messages", "ready")

@@ -384,6 +384,9 @@ class Node:
             raise
         vnode = Vnode(shard, replica, group)
         self.vnodes[shard] = vnode
+        log.info(
+            "shard %d: replica opened, members %s%s", shard, ",".join(group.members), " (joining)" if joining else ""
+        )
         group.start()
         return vnode
 
@@ -674,6 +677,8 @@ class Node:
                 log_bytes=st["log_bytes"],
                 members=st["members"],
                 follower_lag=st["follower_lag"],
+                match_index=st["match_index"],
+                last_applied=st["last_applied"],
                 snapshots_installed=group.snapshots_installed,
             )
         status.dropped_raft_messages = self.router.dropped_messages + self.router.dropped_frames

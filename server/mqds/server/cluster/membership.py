@@ -180,9 +180,7 @@ class Membership:
             self._wait_caught_up(shard, target)
         if source:
             if self._vnode_leader(shard) == source:
-                members = self._members(shard)
-                heir = target or next((m for m in members if m != source), "")
-                self._retry(lambda: self._transfer(shard, heir))
+                self._retry(lambda: self._transfer(shard, target))
             self._retry(lambda: self._change(shard, source, add=False))
         final = placement.apply_move({shard: replicas}, move)[shard]
         self._set_replicas(shard, final)
@@ -219,11 +217,6 @@ class Membership:
             return None
         return next((r for r in status.replicas if r.group == shard), None)
 
-    def _members(self, shard: int) -> list[str]:
-        leader = self._vnode_leader(shard)
-        status = self._status(leader, shard)
-        return list(status.members) if status is not None else []
-
     def _change(self, shard: int, node_id: str, add: bool) -> None:
         leader = self._vnode_leader(shard)
         stub = self.node.internal_stub(leader)
@@ -238,6 +231,7 @@ class Membership:
             raise errors.from_rpc_error(err) from None
 
     def _transfer(self, shard: int, target: str) -> None:
+        """Move leadership of ``shard`` to ``target`` (any other member when empty) and wait for it."""
         leader = self._vnode_leader(shard)
         if leader == target:
             return
@@ -251,26 +245,30 @@ class Membership:
             raise errors.from_rpc_error(err) from None
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            if self._vnode_leader(shard) == target:
+            now = self._vnode_leader(shard)
+            if now == target or (not target and now != leader):
                 return
             time.sleep(_POLL_S)
-        raise errors.error(Reason.NO_LEADER, f"shard {shard}: leadership did not move to {target}")
+        raise errors.error(Reason.NO_LEADER, f"shard {shard}: leadership did not move to {target or 'another replica'}")
 
     def _wait_caught_up(self, shard: int, target: str) -> None:
-        """Until the leader's log and the target's match (the target applied what the leader has)."""
+        """Until the target holds and applied everything committed when the wait began."""
         deadline = time.monotonic() + STEP_TIMEOUT_S
         last_report = time.monotonic()
+        goal: int | None = None
         while time.monotonic() < deadline:
             leader = self._vnode_leader(shard)
             status = self._status(leader, shard)
             if status is not None and target in status.members:
-                lag = status.follower_lag.get(target)
-                if lag == 0:
+                if goal is None:
+                    goal = status.commit_index
+                match = status.match_index.get(target, 0)
+                if match >= goal:
                     target_status = self._status(target, shard)
-                    if target_status is not None and target_status.applied_index >= status.commit_index - 1:
+                    if target_status is not None and target_status.last_applied >= goal:
                         return
                 if time.monotonic() - last_report > 5:
-                    log.info("shard %d: %s catching up (%s entries behind)", shard, target, lag)
+                    log.info("shard %d: %s catching up (%d of %d)", shard, target, match, goal)
                     last_report = time.monotonic()
             time.sleep(_POLL_S)
         raise errors.error(Reason.DEADLINE_EXCEEDED, f"shard {shard}: {target} did not catch up in time")

@@ -509,9 +509,11 @@ class RaftGroup(SyncObj):
         raw = self.getStatus()
         last = raw["log_len"] and self._SyncObj__raftLog[-1][1]
         lag = {}
+        match = {}
         if self.is_leader:
             for node in self.otherNodes:
-                lag[node.id] = max(0, last - raw.get(f"match_idx_server_{node.id}", 0))
+                match[node.id] = raw.get(f"match_idx_server_{node.id}", 0)
+                lag[node.id] = max(0, last - match[node.id])
         return {
             "role": self._role,
             "term": raw["raft_term"],
@@ -524,6 +526,7 @@ class RaftGroup(SyncObj):
             "log_bytes": self.journal.size_bytes,
             "members": self.members,
             "follower_lag": lag,
+            "match_index": match,
         }
 
     def match_index(self, node_id: str) -> int:
@@ -563,14 +566,20 @@ class RaftGroup(SyncObj):
         while inbox:
             kind, node_id, payload = inbox.popleft()
             if kind == _MESSAGE:
+                message, echo = payload
                 if node_id not in members:
+                    members = self._members_set()  # a change applied earlier in this cycle?
+                if node_id not in members and message["type"] != "append_entries":
                     # A node that is not (or no longer) a member must not
-                    # disturb the group, e.g. with a vote request.
+                    # disturb the group with a vote request, or count in an
+                    # election or a commit. Append-entries are the exception:
+                    # a leader may know of a membership change this replica
+                    # has not received yet, and only its entries can tell it.
                     self.dropped_messages += 1
                     continue
-                message, echo = payload
                 self._receive(node_id, message, echo)
             elif kind == _CONNECTED:
+                members = self._members_set()
                 if node_id in members:
                     self._transport._onNodeConnected(PeerNode(node_id))
             elif kind == _DISCONNECTED:
