@@ -8,9 +8,12 @@ from types import ModuleType
 import pytest
 
 from mqds.protocol import sharding, topics
+from mqds.server import config
+from mqds.server.cluster import placement
+from mqds.server.raft import codec, journal
 from mqds.server.storage import iterators, keys, trie
 
-MODULES = [topics, sharding, keys, trie, iterators]
+MODULES = [topics, sharding, keys, trie, iterators, placement, codec, journal, config]
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

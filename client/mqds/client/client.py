@@ -66,6 +66,13 @@ class Client:
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # A node that restarts is back in a second or two: retry the
+            # connection that often, not on gRPC's default backoff (up to 2
+            # minutes), and keep the backoff state per client.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         self._router = Router(self.endpoints, channel_options=options, backoff=backoff)
 

@@ -14,7 +14,7 @@ All functions are pure and deterministic: every node computes the same
 result from the same inputs.
 
 >>> initial_placement(["n1", "n2", "n3"], 4, 2)
-{0: ['n1', 'n2'], 1: ['n2', 'n3'], 2: ['n3', 'n1'], 3: ['n1', 'n2']}
+{0: ['n1', 'n2'], 1: ['n3', 'n1'], 2: ['n2', 'n3'], 3: ['n1', 'n2']}
 >>> next_move({0: ["n1", "n2"], 1: ["n1", "n2"]}, ["n1", "n2", "n3"], 2)
 Move(shard=0, source='n1', target='n3')
 """
@@ -46,12 +46,14 @@ class Move:
 
 
 def initial_placement(nodes: Sequence[str], n_shards: int, replication_factor: int) -> Placement:
-    """Replicas of shard s on nodes s, s+1, ... (sorted ids, wrapping): even replicas and leaders."""
+    """Deal replicas round the sorted nodes, shard after shard, then spread the preferred leaders."""
     ordered = sorted(nodes)
     if not ordered:
         raise ValueError("no nodes to place replicas on")
-    width = min(replication_factor, len(ordered))
-    return {s: [ordered[(s + k) % len(ordered)] for k in range(width)] for s in range(n_shards)}
+    n = len(ordered)
+    width = min(replication_factor, n)
+    dealt = {s: [ordered[(s * width + k) % n] for k in range(width)] for s in range(n_shards)}
+    return balance_leaders(dealt)
 
 
 def replica_counts(placement: Mapping[int, Sequence[str]], nodes: Sequence[str]) -> Counter[str]:
@@ -124,6 +126,15 @@ def balance_leaders(placement: Mapping[int, Sequence[str]]) -> Placement:
     """
     out = {s: list(r) for s, r in placement.items()}
     nodes = sorted({n for r in out.values() for n in r})
+    # First pass: each vnode, in order, is led by its replica that leads the
+    # fewest so far (keeping the current order on ties); then local swaps.
+    counts: Counter[str] = Counter({n: 0 for n in nodes})
+    for shard in sorted(out):
+        replicas = out[shard]
+        if replicas:
+            best = min(range(len(replicas)), key=lambda i: (counts[replicas[i]], i))
+            replicas.insert(0, replicas.pop(best))
+            counts[replicas[0]] += 1
     while True:
         leaders = Counter({n: 0 for n in nodes})
         leaders.update(r[0] for r in out.values() if r)

@@ -14,10 +14,10 @@ drops it and counts it.
 >>> msg = {"type": "request_vote", "term": 3, "last_log_index": 10, "last_log_term": 2}
 >>> decode(encode(msg)) == {**msg, "transfer": False}
 True
->>> decode(b"\\xff\\xff")
+>>> decode(b"\\xff\\xff")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-mqds.server.raft.codec.MalformedMessage: not a RaftMessage: Error parsing message
+mqds.server.raft.codec.MalformedMessage: not a RaftMessage: Error parsing message...
 """
 
 from __future__ import annotations

@@ -1,0 +1,305 @@
+"""Clusters of real mqds-server processes on loopback: failover, restarts, snapshots, membership, partitions."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mqds.client import Client, Message
+from mqds.client import errors as E
+from mqds.protocol.errors import from_rpc_error
+from mqds.protocol.sharding import shard_of
+from mqds.server.localproc import LocalCluster, wait_until
+from mqds.server.raft.transport import NODE_HEADER, SECRET_HEADER
+from mqds.server.raft.v1 import raft_pb2 as rpb
+from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
+from mqds.v1 import cluster_pb2 as clpb
+from mqds.v1 import storage_pb2 as pb
+from mqds.v1 import storage_pb2_grpc as pb_grpc
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    with LocalCluster(tmp_path / "c", 3, n_shards=4) as c:
+        c.start()
+        yield c
+
+
+def messages(publisher: str, start: int, count: int) -> list[Message]:
+    return [
+        Message(topic=f"dev/{publisher}/seq", payload=str(seq).encode(), sender=publisher, qos=1)
+        for seq in range(start, start + count)
+    ]
+
+
+class Publishers:
+    """Publishers writing (publisher, sequence) messages until stopped; records what was acknowledged."""
+
+    def __init__(self, client: Client, names: list[str], batch: int = 20) -> None:
+        self.client = client
+        self.names = names
+        self.batch = batch
+        self.acked: dict[str, list[int]] = defaultdict(list)
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(n,), daemon=True) for n in names]
+
+    def _run(self, name: str) -> None:
+        seq = 0
+        while not self._stop.is_set():
+            try:
+                self.client.store_batch(messages(name, seq, self.batch), timeout_s=15)
+            except E.MqdsError as err:
+                self.failures.append(f"{name}@{seq}: {err}")
+                continue  # the same sequence numbers again
+            self.acked[name].extend(range(seq, seq + self.batch))
+            seq += self.batch
+
+    def __enter__(self) -> Publishers:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+    def total(self) -> int:
+        return sum(len(v) for v in self.acked.values())
+
+
+def check_every_acked_message(client: Client, acked: dict[str, list[int]], stale_ok: bool = False) -> None:
+    """Every acknowledged (publisher, seq) is stored, in publish order per publisher."""
+    seen: dict[str, list[int]] = defaultdict(list)
+    for m in client.replay("dev/#", stale_ok=stale_ok):
+        seen[m.sender].append(int(m.payload))
+    for name, seqs in acked.items():
+        stored = seen[name]
+        missing = set(seqs) - set(stored)
+        assert not missing, f"{name}: {len(missing)} acknowledged messages lost, e.g. {sorted(missing)[:5]}"
+        # A batch retried after an unknown outcome (its leader died after
+        # committing it) may be stored twice until writes carry producer ids;
+        # the first copies must still come back in publish order.
+        first = list(dict.fromkeys(stored))
+        assert first == sorted(first), f"{name}: replay out of publish order"
+
+
+@pytest.mark.parametrize("n_nodes", [3, 5])
+def test_writes_survive_killing_the_leader_and_it_catches_up(tmp_path: Path, n_nodes: int) -> None:
+    with LocalCluster(tmp_path / "c", n_nodes, n_shards=4) as cluster:
+        cluster.start()
+        _kill_leader_during_writes(cluster)
+
+
+def _kill_leader_during_writes(cluster: LocalCluster) -> None:
+    client = cluster.client(timeout_s=20)
+    publishers = [f"pub-{i}" for i in range(6)]
+    shard = shard_of(publishers[0], cluster.n_shards)
+    with Publishers(client, publishers) as pubs:
+        wait_until("some writes", lambda: pubs.total() > 200, 30)
+        victim = cluster.wait_for_leader(shard)
+        cluster.kill(victim)
+        killed_at = time.monotonic()
+        new_leader = cluster.wait_for_leader(shard, exclude=[victim])
+        failover_s = time.monotonic() - killed_at
+        before = len(pubs.acked[publishers[0]])
+        wait_until("writes to the shard resuming", lambda: len(pubs.acked[publishers[0]]) > before + 40, 30)
+    assert new_leader != victim
+    assert failover_s < 10, failover_s
+    check_every_acked_message(client, pubs.acked)
+
+    cluster.restart(victim)
+    cluster.assert_replicas_identical(timeout_s=60)
+    # The restarted replica holds everything too: read it from that node alone.
+    with Client([cluster.nodes[victim].address]) as alone:
+        status = cluster.status(victim)
+        assert all(r.applied_index > 0 for r in status.replicas if r.group < cluster.n_shards)
+        check_every_acked_message(alone, pubs.acked, stale_ok=True)
+
+
+def test_wiped_replica_comes_back_by_snapshot(tmp_path: Path) -> None:
+    with LocalCluster(tmp_path / "c", 3, n_shards=2, args=["--raft-log-max-bytes", "50000"]) as cluster:
+        cluster.start()
+        client = cluster.client()
+        acked: dict[str, list[int]] = defaultdict(list)
+        for round_ in range(20):
+            for name in ("a", "b", "c"):
+                client.store_batch(messages(name, round_ * 50, 50))
+                acked[name].extend(range(round_ * 50, round_ * 50 + 50))
+        # The journals were compacted: a new replica cannot be fed from the log alone.
+        assert all(r.log_bytes < 200_000 for r in cluster.status("n1").replicas)
+        cluster.wipe("n3")
+        client.store_batch(messages("a", 1000, 50))
+        acked["a"].extend(range(1000, 1050))
+        cluster.start_node("n3")
+        cluster.assert_replicas_identical(timeout_s=60)
+        status = cluster.status("n3")
+        assert sum(r.snapshots_installed for r in status.replicas if r.group < 2) >= 1
+        with Client([cluster.nodes["n3"].address]) as alone:
+            check_every_acked_message(alone, acked, stale_ok=True)
+
+
+def test_restart_of_all_nodes_loses_nothing(cluster: LocalCluster) -> None:
+    client = cluster.client()
+    acked: dict[str, list[int]] = defaultdict(list)
+    for name in ("x", "y", "z", "w"):
+        client.store_batch(messages(name, 0, 300))
+        acked[name].extend(range(300))
+    cluster.kill_all()
+    cluster.start()
+    check_every_acked_message(client, acked)
+    cluster.assert_replicas_identical()
+    # Generations and iterators survive too.
+    gens = client.list_generations()
+    assert len(gens) == cluster.n_shards and all(g.current for g in gens)
+
+
+def test_a_minority_accepts_no_writes_and_serves_no_stale_reads(cluster: LocalCluster) -> None:
+    client = cluster.client()
+    client.store_batch(messages("p", 0, 10))
+    # Give n1 leadership of a shard, then cut it off from the others.
+    shard = next(s for s in range(cluster.n_shards) if cluster.replicas(s)[0] == "n1")
+    wait_until("n1 leading its preferred shard", lambda: cluster.leader(shard) == "n1", 30)
+    cluster.partition(["n1"], ["n2", "n3"])
+    stub = pb_grpc.StorageStub(grpc.insecure_channel(cluster.nodes["n1"].address))
+
+    def read_on_minority() -> E.MqdsError:
+        try:
+            stub.GetStreams(pb.GetStreamsRequest(topic_filter="#", shards=[shard]), timeout=5)
+        except grpc.RpcError as err:
+            return from_rpc_error(err)
+        raise AssertionError("the cut-off node served a linearizable read")
+
+    # At once (before it notices) and later: the old leader cannot confirm a majority.
+    assert read_on_minority().retriable
+    new_leader = cluster.wait_for_leader(shard, exclude=["n1"], timeout_s=30)
+    assert read_on_minority().reason in (E.Reason.NOT_LEADER, E.Reason.NO_LEADER, E.Reason.DEADLINE_EXCEEDED)
+    sender = next(f"p{i}" for i in range(1000) if shard_of(f"p{i}", cluster.n_shards) == shard)
+    request = pb.StoreBatchRequest(messages=[m.to_pb() for m in messages(sender, 0, 1)])
+    with pytest.raises(grpc.RpcError) as info:
+        stub.StoreBatch(request, timeout=15)
+    assert from_rpc_error(info.value).reason in (E.Reason.NOT_LEADER, E.Reason.NO_LEADER)
+    # The majority side keeps taking writes for every shard.
+    with Client([cluster.nodes["n2"].address, cluster.nodes["n3"].address], timeout_s=30) as majority:
+        majority.store_batch([m for name in ("q", "r", "s", "t") for m in messages(name, 0, 5)])
+    assert new_leader in ("n2", "n3")
+    cluster.heal()
+    cluster.assert_replicas_identical(timeout_s=60)
+
+
+def test_join_rebalance_leave_and_forget(cluster: LocalCluster) -> None:
+    client = cluster.client()
+    acked: dict[str, list[int]] = defaultdict(list)
+
+    def write(round_: int) -> None:
+        for name in ("a", "b", "c", "d"):
+            client.store_batch(messages(name, round_ * 100, 100))
+            acked[name].extend(range(round_ * 100, round_ * 100 + 100))
+
+    write(0)
+    n4 = cluster.add_node("n4")
+    meta = cluster.cluster_map().meta_leader
+    admin = cluster.cluster_stub(meta)
+    joined = admin.JoinNode(clpb.JoinNodeRequest(node_id="n4", address=n4.address), timeout=30)
+    assert "n4" in [n.id for n in joined.map.nodes]
+    n4.wait(60)
+    rebalanced = admin.Rebalance(clpb.RebalanceRequest(), timeout=300)
+    assert rebalanced.moves, "a rebalance onto an empty node moves replicas"
+    placement = {v.shard: list(v.replicas) for v in rebalanced.map.vnodes}
+    counts = defaultdict(int)
+    for replicas in placement.values():
+        assert len(replicas) == len(set(replicas)) == 3
+        for node in replicas:
+            counts[node] += 1
+    assert max(counts.values()) - min(counts.values()) <= 1, counts
+    write(1)
+    cluster.assert_replicas_identical(timeout_s=60)
+
+    # n2 leaves: its replicas move away first (never fewer than three), then it is removed.
+    meta = cluster.cluster_map().meta_leader
+    leaving = "n2" if meta != "n2" else "n3"
+    left = cluster.cluster_stub(meta).LeaveNode(clpb.LeaveNodeRequest(node_id=leaving), timeout=300)
+    assert leaving not in [n.id for n in left.map.nodes]
+    assert all(leaving not in v.replicas and len(v.replicas) == 3 for v in left.map.vnodes)
+    cluster.nodes.pop(leaving).stop()
+    write(2)
+    cluster.assert_replicas_identical(timeout_s=60)
+
+    # A node that died for good is forgotten; with two nodes left, each vnode keeps two replicas.
+    meta = cluster.cluster_map().meta_leader
+    gone = next(n for n in cluster.live() if n != meta)
+    cluster.kill(gone)
+    forgot = cluster.cluster_stub(meta).ForgetNode(clpb.ForgetNodeRequest(node_id=gone), timeout=300)
+    cluster.nodes.pop(gone)
+    assert gone not in [n.id for n in forgot.map.nodes]
+    write(3)
+    cluster.assert_replicas_identical(timeout_s=60)
+    check_every_acked_message(client, acked)
+
+
+def test_five_replicas_survive_losing_two_nodes(tmp_path: Path) -> None:
+    # Five nodes and five replicas per vnode: any two nodes may die and every
+    # shard still has a majority. (With three replicas, two dead nodes that
+    # share a vnode stop that vnode's writes, and lose nothing.)
+    with LocalCluster(tmp_path / "c", 5, n_shards=5, replication_factor=5) as cluster:
+        cluster.start()
+        client = cluster.client(timeout_s=30)
+        acked: dict[str, list[int]] = defaultdict(list)
+        for name in ("a", "b", "c", "d", "e"):
+            client.store_batch(messages(name, 0, 100))
+            acked[name].extend(range(100))
+        cluster.kill("n1")
+        cluster.kill("n2")
+        for name in ("a", "b", "c", "d", "e"):
+            client.store_batch(messages(name, 100, 100))
+            acked[name].extend(range(100, 200))
+        check_every_acked_message(client, acked)
+        cluster.start_node("n1")
+        cluster.start_node("n2")
+        cluster.assert_replicas_identical(timeout_s=60)
+
+
+def test_internal_calls_need_the_cluster_secret_and_garbage_is_dropped(cluster: LocalCluster) -> None:
+    channel = grpc.insecure_channel(cluster.nodes["n1"].address)
+    raft = rpb_grpc.RaftStub(channel)
+    with pytest.raises(grpc.RpcError) as info:
+        raft.InjectFault(rpb.InjectFaultRequest(), timeout=5, metadata=[(SECRET_HEADER, "wrong"), (NODE_HEADER, "x")])
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as info:
+        list(raft.FetchSnapshot(rpb.FetchSnapshotRequest(group=0), timeout=5))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    # A peer with the secret that sends garbage: frames that do not parse, a
+    # pickled membership change, an unknown command type. All dropped and counted.
+    metadata = [(SECRET_HEADER, cluster.secret), (NODE_HEADER, "n2")]
+    evil = rpb.RaftMessage()
+    evil.append_entries.term = 10**6
+    evil.append_entries.prev_log_index = 1
+    evil.append_entries.entries.add(command=b"\x02" + b"\x80\x02cos\nsystem\n", index=2, term=10**6)
+    unknown = rpb.RaftMessage()
+    unknown.append_entries.entries.add(command=b"\x03\x80\x02K\x07.", index=1, term=1)
+    frames = [
+        b"\xff\xfe garbage",
+        rpb.Frame(messages=[rpb.Envelope(group=0, message=evil)]).SerializeToString(),
+        rpb.Frame(messages=[rpb.Envelope(group=0, message=unknown)]).SerializeToString(),
+        rpb.Frame(messages=[rpb.Envelope(group=12345, message=rpb.RaftMessage())]).SerializeToString(),
+    ]
+    stream = channel.stream_unary(
+        "/mqds.server.raft.v1.Raft/Stream", request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
+    stream(iter(frames), timeout=10, metadata=metadata)
+    status = cluster.status("n1")
+    assert status.dropped_raft_messages >= 4
+    # The node still works, and its term was not pushed by the forged message.
+    client = cluster.client()
+    client.store_batch(messages("after", 0, 5))
+    assert all(r.term < 10**6 for r in cluster.status("n1").replicas)
