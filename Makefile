@@ -8,13 +8,14 @@ STAMP  := $(VENV)/.installed-stamp
 # Tests that start processes use loopback ports; PYTEST_ARGS narrows a run.
 PYTEST_ARGS ?=
 
-.PHONY: help install lint test test-unit test-integration chaos proto bench-storage demo server clean
+.PHONY: help install lint test test-unit test-integration chaos proto bench-storage bench-cluster demo server cluster clean
 
 help:
 	@echo "make demo            set up, start a local node, store and replay messages, stop"
 	@echo "make test            set up, lint (ruff, mypy), check generated code, run the tests"
 	@echo "make lint            ruff and mypy only"
 	@echo "make bench-storage   storage-layer benchmark: 1,000,000 messages vs raw rocksdict"
+	@echo "make bench-cluster   replicated writes: 3 nodes x 3 replicas vs 1 node, failover time"
 	@echo "make server          run one node in the foreground on 127.0.0.1:7101 (data in ./data/n1)"
 	@echo "make proto           regenerate client/mqds/v1 from proto/"
 	@echo "make chaos           long fault-injection runs (pytest -m chaos)"
@@ -31,7 +32,7 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check client server tests proto chaos
 	$(BIN)/ruff format --check client server tests proto chaos
-	$(BIN)/mypy -p mqds.protocol -p mqds.client -p mqds.server
+	$(BIN)/mypy -p mqds.protocol -p mqds.client -p mqds.server -m mqds.cli
 
 test: lint
 	$(BIN)/python proto/generate.py --check
@@ -51,6 +52,9 @@ proto: $(STAMP)
 
 bench-storage: $(STAMP)
 	$(BIN)/python -m mqds.server.storage.bench
+
+bench-cluster: $(STAMP)
+	$(BIN)/python -m mqds.server.bench_cluster
 
 server: $(STAMP)
 	$(BIN)/mqds-server --node-id n1 --listen 127.0.0.1:7101 --data-dir data/n1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -19,11 +21,12 @@ from mqds.server.localproc import LocalCluster, wait_until
 from mqds.server.raft.transport import NODE_HEADER, SECRET_HEADER
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
-from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MQDS = str(Path(sys.executable).with_name("mqds"))
 
 
 @pytest.fixture
@@ -196,6 +199,14 @@ def test_a_minority_accepts_no_writes_and_serves_no_stale_reads(cluster: LocalCl
     cluster.assert_replicas_identical(timeout_s=60)
 
 
+def mqds_cli(cluster: LocalCluster, *args: str) -> str:
+    """Run the `mqds` command against the cluster (any live node as endpoint); its output."""
+    endpoints = ",".join(cluster.nodes[n].address for n in cluster.live())
+    result = subprocess.run([MQDS, "--endpoints", endpoints, *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
 def test_join_rebalance_leave_and_forget(cluster: LocalCluster) -> None:
     client = cluster.client()
     acked: dict[str, list[int]] = defaultdict(list)
@@ -207,15 +218,13 @@ def test_join_rebalance_leave_and_forget(cluster: LocalCluster) -> None:
 
     write(0)
     n4 = cluster.add_node("n4")
-    meta = cluster.cluster_map().meta_leader
-    admin = cluster.cluster_stub(meta)
-    joined = admin.JoinNode(clpb.JoinNodeRequest(node_id="n4", address=n4.address), timeout=30)
-    assert "n4" in [n.id for n in joined.map.nodes]
+    out = mqds_cli(cluster, "admin", "join", "n4", "--address", n4.address)
+    assert "node n4 joined" in out and "n4" in out.splitlines()[-1]
     n4.wait(60)
-    rebalanced = admin.Rebalance(clpb.RebalanceRequest(), timeout=300)
-    assert rebalanced.moves, "a rebalance onto an empty node moves replicas"
-    placement = {v.shard: list(v.replicas) for v in rebalanced.map.vnodes}
-    counts = defaultdict(int)
+    out = mqds_cli(cluster, "admin", "rebalance")
+    assert "moved replica" in out, "a rebalance onto an empty node moves replicas"
+    placement = {v.shard: list(v.replicas) for v in cluster.cluster_map().vnodes}
+    counts: dict[str, int] = defaultdict(int)
     for replicas in placement.values():
         assert len(replicas) == len(set(replicas)) == 3
         for node in replicas:
@@ -223,24 +232,27 @@ def test_join_rebalance_leave_and_forget(cluster: LocalCluster) -> None:
     assert max(counts.values()) - min(counts.values()) <= 1, counts
     write(1)
     cluster.assert_replicas_identical(timeout_s=60)
+    status = mqds_cli(cluster, "status")
+    assert "4 nodes" in status and "NONE" not in status, status
 
     # n2 leaves: its replicas move away first (never fewer than three), then it is removed.
-    meta = cluster.cluster_map().meta_leader
-    leaving = "n2" if meta != "n2" else "n3"
-    left = cluster.cluster_stub(meta).LeaveNode(clpb.LeaveNodeRequest(node_id=leaving), timeout=300)
-    assert leaving not in [n.id for n in left.map.nodes]
-    assert all(leaving not in v.replicas and len(v.replicas) == 3 for v in left.map.vnodes)
+    leaving = "n2"
+    out = mqds_cli(cluster, "admin", "leave", leaving)
+    assert f"node {leaving} left" in out
+    cmap = cluster.cluster_map()
+    assert leaving not in [n.id for n in cmap.nodes]
+    assert all(leaving not in v.replicas and len(v.replicas) == 3 for v in cmap.vnodes)
     cluster.nodes.pop(leaving).stop()
     write(2)
     cluster.assert_replicas_identical(timeout_s=60)
 
     # A node that died for good is forgotten; with two nodes left, each vnode keeps two replicas.
-    meta = cluster.cluster_map().meta_leader
-    gone = next(n for n in cluster.live() if n != meta)
+    gone = next(n for n in cluster.live() if n != cluster.cluster_map().meta_leader)
     cluster.kill(gone)
-    forgot = cluster.cluster_stub(meta).ForgetNode(clpb.ForgetNodeRequest(node_id=gone), timeout=300)
     cluster.nodes.pop(gone)
-    assert gone not in [n.id for n in forgot.map.nodes]
+    out = mqds_cli(cluster, "admin", "forget", gone)
+    assert f"node {gone} forgotten" in out
+    assert gone not in [n.id for n in cluster.cluster_map().nodes]
     write(3)
     cluster.assert_replicas_identical(timeout_s=60)
     check_every_acked_message(client, acked)

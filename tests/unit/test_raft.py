@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -14,70 +13,102 @@ from hypothesis import strategies as st
 from mqds.server.cluster import placement
 from mqds.server.raft import codec
 from mqds.server.raft.group import PeerNode, RaftGroup, RaftTiming, decode_manifest, encode_manifest
-from mqds.server.raft.journal import JournalCorrupt, RaftJournal
+from mqds.server.raft.journal import JournalCorrupt, NodeLog
 
 # -- journal -------------------------------------------------------------------
 
 
-def test_journal_keeps_only_what_was_synced_and_cuts_a_torn_tail(tmp_path: Path) -> None:
-    j = RaftJournal(str(tmp_path))
+def test_only_synced_changes_survive_and_a_torn_tail_is_cut(tmp_path: Path) -> None:
+    log = NodeLog(str(tmp_path))
+    j = log.journal(1)
     j.add(b"\x01", 1, 0)
     j.add(b"\x00one", 2, 1)
     j.setCurrentTerm(1, "n2")
     j.sync()
     j.add(b"\x00two", 3, 1)  # never synced: a crash loses it, and nothing was acknowledged for it
-    os.close(j._fd)  # crash: no final sync
-    j._fd = -1
-    again = RaftJournal(str(tmp_path))
-    assert [e[1] for e in again] == [1, 2]
-    assert again.getCurrentTerm() == 1 and again.getVotedForNodeId() == "n2"
-    again._destroy()
+    log.close()
+    again = NodeLog(str(tmp_path))
+    j = again.journal(1)
+    assert [e[1] for e in j] == [1, 2]
+    assert j.getCurrentTerm() == 1 and j.getVotedForNodeId() == "n2"
+    again.close()
     # A record cut in half by a crash during the write.
-    path = tmp_path / "journal"
-    data = path.read_bytes()
-    path.write_bytes(data + b"\x30\x00\x00\x00\x01partial")
-    third = RaftJournal(str(tmp_path))
-    assert [e[1] for e in third] == [1, 2]
-    third.add(b"\x00three", 3, 2)
-    third._destroy()
-    assert [e[1] for e in RaftJournal(str(tmp_path))] == [1, 2, 3]
+    (segment,) = tmp_path.glob("wal-*")
+    segment.write_bytes(segment.read_bytes() + b"\x30\x00\x00\x00\x01\x00\x00\x00partial")
+    third = NodeLog(str(tmp_path))
+    j = third.journal(1)
+    assert [e[1] for e in j] == [1, 2]
+    j.add(b"\x00three", 3, 2)
+    j.sync()
+    third.close()
+    assert [e[1] for e in NodeLog(str(tmp_path)).journal(1)] == [1, 2, 3]
 
 
-def test_journal_truncation_compaction_and_clear_survive_reopening(tmp_path: Path) -> None:
-    j = RaftJournal(str(tmp_path))
+def test_groups_share_the_log_and_keep_their_own_history(tmp_path: Path) -> None:
+    log = NodeLog(str(tmp_path))
+    a, b = log.journal(1), log.journal(2)
     for i in range(1, 11):
-        j.add(b"\x00" + bytes([i]), i, 1)
-    j.sync()
-    j.deleteEntriesFrom(7)  # entries 8.. rejected by a new leader
-    j.add(b"\x00new", 8, 2)
-    j.sync()
-    j.deleteEntriesTo(3)  # compacted after a snapshot at index 4
-    j.sync()
-    assert [e[1] for e in j] == [4, 5, 6, 7, 8]
-    assert j.size_bytes == sum(len(e[0]) for e in j)
-    j.set_members(["n2", "n1"])
-    j.sync()
-    j._destroy()
-    again = RaftJournal(str(tmp_path))
-    assert [(e[1], e[2]) for e in again] == [(4, 1), (5, 1), (6, 1), (7, 1), (8, 2)]
-    assert again[-1][0] == b"\x00new"
-    assert again.members == ["n1", "n2"]
-    again.clear()
-    again.add(b"\x01", 20, 3)
-    again._destroy()
-    assert [e[1] for e in RaftJournal(str(tmp_path))] == [20]
+        a.add(b"\x00" + bytes([i]), i, 1)
+        b.add(b"\x00b", i, 1)
+    a.sync()
+    b.sync()
+    a.deleteEntriesFrom(7)  # entries 8.. rejected by a new leader
+    a.add(b"\x00new", 8, 2)
+    a.deleteEntriesTo(3)  # compacted after a snapshot at index 4
+    a.set_members(["n2", "n1"])
+    a.sync()
+    b.clear()
+    b.add(b"\x01", 20, 3)
+    b.sync()
+    assert [e[1] for e in a] == [4, 5, 6, 7, 8]
+    assert a.size_bytes == sum(len(e[0]) for e in a)
+    log.close()
+    again = NodeLog(str(tmp_path))
+    a, b = again.journal(1), again.journal(2)
+    assert [(e[1], e[2]) for e in a] == [(4, 1), (5, 1), (6, 1), (7, 1), (8, 2)]
+    assert a[-1][0] == b"\x00new" and a.members == ["n1", "n2"]
+    assert [e[1] for e in b] == [20]
+    again.drop_group(2)
+    again.close()
+    assert len(NodeLog(str(tmp_path)).journal(2)) == 0
 
 
-def test_journal_refuses_a_foreign_or_damaged_state_file(tmp_path: Path) -> None:
-    j = RaftJournal(str(tmp_path))
-    j.setCurrentTerm(5, None)
-    j._destroy()
-    state = tmp_path / "state"
-    raw = bytearray(state.read_bytes())
-    raw[10] ^= 0xFF
-    state.write_bytes(bytes(raw))
-    with pytest.raises(JournalCorrupt, match="checksum"):
-        RaftJournal(str(tmp_path))
+def test_a_new_segment_keeps_every_groups_live_state(tmp_path: Path) -> None:
+    log = NodeLog(str(tmp_path), segment_bytes=2000)
+    journals = [log.journal(g) for g in range(3)]
+    for i in range(1, 60):
+        for g, j in enumerate(journals):
+            j.add(b"\x00" + bytes([g]) * 50, i, 1)
+            if i % 10 == 0:
+                j.deleteEntriesTo(len(j) - 3)
+            j.setCurrentTerm(1, f"n{g}")
+            j.sync()
+    expected = [[e[1] for e in j] for j in journals]
+    assert log.flushes < 3 * 59 + 1
+    segments = list(tmp_path.glob("wal-*"))
+    assert len(segments) == 1 and int(segments[0].name[4:]) > 1, "old segments are deleted"
+    log.close()
+    again = NodeLog(str(tmp_path))
+    for g in range(3):
+        j = again.journal(g)
+        assert [e[1] for e in j] == expected[g]
+        assert j.getVotedForNodeId() == f"n{g}"
+
+
+def test_damage_in_the_middle_of_the_log_refuses_to_start(tmp_path: Path) -> None:
+    log = NodeLog(str(tmp_path))
+    j = log.journal(1)
+    for i in range(1, 5):
+        j.add(b"\x00cmd", i, 1)
+    j.sync()
+    log.close()
+    (segment,) = tmp_path.glob("wal-*")
+    (tmp_path / "wal-00000002").write_bytes(b"MQDSWAL1")  # a later segment: the damage is not at the end
+    raw = bytearray(segment.read_bytes())
+    raw[20] ^= 0xFF
+    segment.write_bytes(bytes(raw))
+    with pytest.raises(JournalCorrupt, match="damaged record"):
+        NodeLog(str(tmp_path))
 
 
 # -- codec -----------------------------------------------------------------------
@@ -247,7 +278,8 @@ class _Outbox:
 
 def _group(tmp_path: Path, members: list[str]) -> tuple[RaftGroup, _Machine, _Outbox]:
     machine, outbox = _Machine(), _Outbox()
-    group = RaftGroup(0, "n3", members, machine, str(tmp_path), outbox, RaftTiming())
+    log = NodeLog(str(tmp_path / "wal"))
+    group = RaftGroup(0, "n3", members, machine, str(tmp_path / "g"), log.journal(0), outbox, RaftTiming())
     return group, machine, outbox
 
 
@@ -283,8 +315,8 @@ def test_entries_are_durable_before_the_acknowledgement_leaves(tmp_path: Path) -
     acks = [m for _, node, m in outbox.sent if m["type"] == "next_node_idx"]
     assert acks and acks[-1]["success"] and acks[-1]["next_node_idx"] == 3
     assert group.journal.syncs > syncs_before
-    # The journal on disk already holds the entry the ack promises.
-    assert [e[1] for e in RaftJournal(str(tmp_path / "log"))][-1] == 2
+    # The log on disk already holds the entry the ack promises.
+    assert b"hello" in next((tmp_path / "wal").glob("wal-*")).read_bytes()
     # Committed by the leader's next message: applied with its index.
     group.deliver("n1", {**entry, "commit_index": 2, "prevLogIdx": 2, "prevLogTerm": 1, "entries": []}, 8)
     group._cycle()

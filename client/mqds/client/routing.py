@@ -151,20 +151,29 @@ class Router:
                     return self.view
                 if not force and self._refreshed_at >= started - _MIN_REFRESH_INTERVAL_S:
                     return self.view
-            addresses = self.known_addresses()
-            pending = {self.submit(self._fetch_map, a, timeout_s): a for a in addresses}
-            maps = []
-            for done in futures.as_completed(pending, timeout=timeout_s + 1):
-                cmap = done.result()
-                if cmap is not None:
-                    maps.append(cmap)
-            if not maps:
+            asked: set[str] = set()
+            answered = 0
+            # Ask every node known; the answers may name nodes not known
+            # before (a seed list of one node), so ask those too.
+            while True:
+                addresses = [a for a in self.known_addresses() if a not in asked]
+                if not addresses:
+                    break
+                asked.update(addresses)
+                pending = {self.submit(self._fetch_map, a, timeout_s): a for a in addresses}
+                maps = []
+                for done in futures.as_completed(pending, timeout=timeout_s + 1):
+                    cmap = done.result()
+                    if cmap is not None:
+                        maps.append(cmap)
+                answered += len(maps)
+                with self._lock:
+                    for cmap in maps:
+                        self.view.merge(cmap)
+            if not answered:
                 raise errors.error(
-                    Reason.UNAVAILABLE, f"no mqds node answered at {', '.join(addresses)}; is the cluster running?"
+                    Reason.UNAVAILABLE, f"no mqds node answered at {', '.join(sorted(asked))}; is the cluster running?"
                 )
-            with self._lock:
-                for cmap in maps:
-                    self.view.merge(cmap)
             self._refreshed_at = time.monotonic()
             return self.view
 

@@ -48,6 +48,7 @@ from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.cluster.vnode import VnodeReplica
 from mqds.server.config import NodeConfig
 from mqds.server.raft.group import META_GROUP, ROLE_LEADER, PendingRead, RaftGroup, RaftTiming
+from mqds.server.raft.journal import NodeLog
 from mqds.server.raft.transport import CHANNEL_OPTIONS, ClusterAuth, PeerRouter, raft_stream_handler
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
@@ -148,6 +149,7 @@ class Node:
             log_max_bytes=config.raft_log_max_bytes,
             max_entry_bytes=config.max_request_bytes + 1024 * 1024,
         )
+        self.raft_log = NodeLog(os.path.join(config.data_dir, "raft", "wal"))
         self.auth = ClusterAuth(config.node_id, config.advertised, config.cluster_secret, config.dev_mode)
         self.router = PeerRouter(self.auth, self._group_of)
         self.router.on_link_change(self._link_changed)
@@ -280,6 +282,7 @@ class Node:
             self.meta_group.stop()
             self.meta_group = None
         self._groups.clear()
+        self.raft_log.close()
         self.router.close()
         for channel in self._channels.values():
             channel.close()
@@ -320,6 +323,7 @@ class Node:
             members,
             machine,
             directory,
+            self.raft_log.journal(group_id),
             self.router,
             self.timing,
             on_role_change=self._role_changed,
@@ -400,6 +404,7 @@ class Node:
         vnode.group.stop()
         vnode.replica.close()
         if delete:
+            self.raft_log.drop_group(shard)
             for path in self._vnode_paths(shard):
                 shutil.rmtree(path, ignore_errors=True)
             log.info("shard %d: replica removed from this node", shard)

@@ -317,6 +317,7 @@ class RaftGroup(SyncObj):
         members: list[str],
         machine: StateMachine,
         directory: str,
+        journal: RaftJournal,
         outbox: Outbox,
         timing: RaftTiming | None = None,
         on_role_change: Callable[[RaftGroup, int, int], None] | None = None,
@@ -346,7 +347,7 @@ class RaftGroup(SyncObj):
         self.leader_changes = 0
         self._role = ROLE_FOLLOWER
         os.makedirs(directory, exist_ok=True)
-        self.journal = RaftJournal(os.path.join(directory, "log"))
+        self.journal = journal
         recorded = self.journal.members
         initial = recorded if recorded is not None else sorted(set(members) | {node_id})
         if recorded is None:
@@ -699,6 +700,9 @@ class RaftGroup(SyncObj):
         members = sorted(str(n.id) for n in cluster)
         raw = encode_manifest(self.group, self.node_id, tuple(last), tuple(prev), members, payload)
         write_atomically(tmp_file, raw)
+        # pysyncobj renames it into place and then drops the entries it
+        # covers: the rename must be on disk before that drop is.
+        self.journal.sync_directory_first(self.directory)
         self._last_compaction = time.monotonic()
         log.debug("%s: snapshot at index %d", self.name, last[1])
 

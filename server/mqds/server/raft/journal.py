@@ -1,33 +1,51 @@
-"""The durable Raft journal of one group: what pysyncobj's log rests on.
+"""The durable Raft journals of a node: one write-ahead log shared by every group.
 
 pysyncobj's own file journal writes entries into an mmap it does not flush
 before acknowledging them, and stores term and vote with a rename but no
-fsync. This journal keeps the same interface (``pysyncobj.journal.Journal``)
-with a different contract: every change is buffered, and :meth:`sync` makes
-all of them durable (``fdatasync``) before the group lets any message leave
-the node. So a follower's acknowledgement and a vote are only ever sent for
+fsync. Here every group gets a :class:`RaftJournal` with pysyncobj's
+interface (``pysyncobj.journal.Journal``) and a different contract: changes
+are kept in memory and recorded, and :meth:`RaftJournal.sync` returns once
+all of them are on disk. A group calls it before it lets any message leave
+the node, so a follower's acknowledgement and a vote are only ever sent for
 what is on disk.
 
-Files in the group's directory:
+All groups of a node write to one log (:class:`NodeLog`) with group commit:
+a sync hands the group's records to the log's writer thread, which writes
+everything queued by every group with one ``write`` and one ``fdatasync``,
+then wakes them all. Sixteen groups syncing at once cost one disk flush,
+not sixteen (measured on the development machine: concurrent flushes of
+separate files took 8 ms at the median and 35 ms at p99, one flush of
+their combined data about 1 ms).
 
-``journal``
-    ``b"MQDSJRN1"``, then records ``u32 length | u8 kind | body | u32 crc32``
-    (little-endian; the CRC covers kind and body). Kind 1 is an entry
-    (``u64 index, u64 term, command``), kind 2 removes the entries from an
-    index on (a rejected tail). A torn record at the end (a crash during a
-    write) is cut off on open. Compaction and ``clear`` rewrite the file.
-``state``
-    ``b"MQDSRST1"``, ``u64 term``, ``u64 commit index``, ``u16`` length and
-    UTF-8 of the node voted for (empty: none), ``u16`` count and the member
-    ids of the group, each ``u16`` length + UTF-8, and a CRC-32. Replaced
-    atomically (write, fsync, rename, fsync of the directory).
+On disk, ``<dir>/wal-<8 digits>`` segments hold records
+``u32 length | u32 group | u8 kind | body | u32 crc32`` (little-endian; the
+CRC covers group, kind and body) after an 8-byte magic ``MQDSWAL1``:
+
+====  ========  ===================================================================
+kind  name      body
+====  ========  ===================================================================
+1     ENTRY     u64 index, u64 term, command: replaces entries from ``index`` on
+2     TRUNCATE  u64 index: entries from ``index`` on are gone (rejected by a leader)
+3     HEAD      u64 index: entries before ``index`` are gone (compacted)
+4     CLEAR     the group's log is empty (a snapshot was installed)
+5     STATE     u64 term, u64 commit index, u16 + UTF-8 vote, u16 count + 1 (0: no
+                member list) and each member as u16 + UTF-8
+6     DROP      the replica was deleted from this node: forget the group
+====  ========  ===================================================================
+
+A record cut short at the end of the last segment (a crash during a write)
+is cut off on open; damage anywhere else refuses to start. When the active
+segment grows past its size, the writer starts a new one beginning with
+every group's live state (STATE, CLEAR and its entries), after which the
+older segments are deleted.
 
 >>> import tempfile
 >>> with tempfile.TemporaryDirectory() as d:
-...     j = RaftJournal(d)
+...     log = NodeLog(d)
+...     j = log.journal(7)
 ...     j.add(b"\\x01", 1, 0); j.add(b"\\x00cmd", 2, 3); j.setCurrentTerm(3, "n2"); j.sync()
-...     j._destroy()
-...     again = RaftJournal(d)
+...     log.close()
+...     again = NodeLog(d).journal(7)
 ...     (again[-1], again.getCurrentTerm(), again.getVotedForNodeId())
 ((b'\\x00cmd', 2, 3), 3, 'n2')
 """
@@ -37,34 +55,46 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from pysyncobj.journal import Journal
 
 log = logging.getLogger(__name__)
 
-JOURNAL_MAGIC = b"MQDSJRN1"
-STATE_MAGIC = b"MQDSRST1"
-KIND_ENTRY = 1
-KIND_TRUNCATE = 2
+MAGIC = b"MQDSWAL1"
+ENTRY, TRUNCATE, HEAD, CLEAR, STATE, DROP = 1, 2, 3, 4, 5, 6
 
 _LEN = struct.Struct("<I")
-_ENTRY_HEAD = struct.Struct("<BQQ")
-_TRUNCATE = struct.Struct("<BQ")
-_STATE_HEAD = struct.Struct("<QQ")
+_HEAD = struct.Struct("<IB")  # group, kind
+_ENTRY = struct.Struct("<QQ")
+_U64 = struct.Struct("<Q")
+_STATE = struct.Struct("<QQ")
 _U16 = struct.Struct("<H")
 
-# How often a changed commit index alone is written to the state file.
-_COMMIT_PERSIST_INTERVAL_S = 1.0
+DEFAULT_SEGMENT_BYTES = 256 * 1024 * 1024
+# How often a changed commit index alone is recorded.
+_COMMIT_RECORD_INTERVAL_S = 1.0
 
 Entry = tuple[bytes, int, int]
 
 
-def _record(body: bytes) -> bytes:
-    return _LEN.pack(len(body)) + body + _LEN.pack(zlib.crc32(body))
+class JournalCorrupt(RuntimeError):
+    """The log cannot be read; the message says where and why."""
+
+
+def _record(group: int, kind: int, body: bytes = b"") -> bytes:
+    inner = _HEAD.pack(group, kind) + body
+    return _LEN.pack(len(inner)) + inner + _LEN.pack(zlib.crc32(inner))
+
+
+def _text(value: str) -> bytes:
+    raw = value.encode("utf-8")
+    return _U16.pack(len(raw)) + raw
 
 
 def _fsync_dir(path: str) -> None:
@@ -86,139 +116,300 @@ def write_atomically(path: str, data: bytes) -> None:
     _fsync_dir(os.path.dirname(path) or ".")
 
 
-class JournalCorrupt(RuntimeError):
-    """The journal or state file cannot be read; the message says which and why."""
+@dataclass
+class _Recovered:
+    entries: list[Entry] = field(default_factory=list)
+    term: int = 0
+    commit: int = 1
+    voted_for: str | None = None
+    members: list[str] | None = None
+
+    def apply(self, kind: int, body: bytes) -> None:
+        entries = self.entries
+        if kind == ENTRY:
+            index, term = _ENTRY.unpack_from(body)
+            while entries and entries[-1][1] >= index:
+                entries.pop()
+            entries.append((bytes(body[_ENTRY.size :]), index, term))
+        elif kind == TRUNCATE:
+            (index,) = _U64.unpack_from(body)
+            while entries and entries[-1][1] >= index:
+                entries.pop()
+        elif kind == HEAD:
+            (index,) = _U64.unpack_from(body)
+            keep = next((i for i, e in enumerate(entries) if e[1] >= index), len(entries))
+            del entries[:keep]
+        elif kind == CLEAR:
+            entries.clear()
+        elif kind == STATE:
+            self.term, self.commit = _STATE.unpack_from(body)
+            pos = _STATE.size
+            voted, pos = _read_text(body, pos)
+            self.voted_for = voted or None
+            (count,) = _U16.unpack_from(body, pos)
+            pos += 2
+            if count:
+                members = []
+                for _ in range(count - 1):
+                    member, pos = _read_text(body, pos)
+                    members.append(member)
+                self.members = members
+        else:
+            raise ValueError(f"unknown record kind {kind}")
+
+
+def _read_text(body: bytes, pos: int) -> tuple[str, int]:
+    (size,) = _U16.unpack_from(body, pos)
+    pos += 2
+    return bytes(body[pos : pos + size]).decode("utf-8"), pos + size
+
+
+class NodeLog:
+    """The write-ahead log of every Raft group on a node, with group commit."""
+
+    def __init__(self, directory: str, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+        self.directory = directory
+        self.segment_bytes = segment_bytes
+        os.makedirs(directory, exist_ok=True)
+        self._cond = threading.Condition()
+        self._queue: list[bytes] = []
+        self._queued_round = 1
+        self._durable_round = 0
+        self._error: BaseException | None = None
+        self._closed = False
+        self._journals: dict[int, RaftJournal] = {}
+        self.flushes = 0
+        self.bytes_written = 0
+        self._recovered = self._recover()
+        self._open_active()
+        self._writer = threading.Thread(target=self._run, name="raft-wal", daemon=True)
+        self._writer.start()
+
+    # -- files -------------------------------------------------------------------
+
+    def _segments(self) -> list[str]:
+        names = sorted(n for n in os.listdir(self.directory) if n.startswith("wal-") and n[4:].isdigit())
+        return [os.path.join(self.directory, n) for n in names]
+
+    def _recover(self) -> dict[int, _Recovered]:
+        groups: dict[int, _Recovered] = {}
+        segments = self._segments()
+        for number, path in enumerate(segments):
+            last = number == len(segments) - 1
+            for group, kind, body in self._read_segment(path, last):
+                if kind == DROP:
+                    groups.pop(group, None)
+                else:
+                    groups.setdefault(group, _Recovered()).apply(kind, body)
+        return groups
+
+    def _read_segment(self, path: str, last: bool) -> Iterator[tuple[int, int, bytes]]:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        if not raw.startswith(MAGIC):
+            if last and len(raw) < len(MAGIC):
+                os.remove(path)  # created but never written: a crash during rotation
+                return
+            raise JournalCorrupt(f"{path}: not an mqds Raft log segment")
+        pos = len(MAGIC)
+        end = len(raw)
+        while pos + 4 <= end:
+            (size,) = _LEN.unpack_from(raw, pos)
+            stop = pos + 4 + size + 4
+            if size < _HEAD.size or stop > end:
+                break
+            inner = raw[pos + 4 : pos + 4 + size]
+            if zlib.crc32(inner) != _LEN.unpack_from(raw, pos + 4 + size)[0]:
+                break
+            group, kind = _HEAD.unpack_from(inner)
+            if kind not in (ENTRY, TRUNCATE, HEAD, CLEAR, STATE, DROP):
+                break
+            yield group, kind, memoryview(inner)[_HEAD.size :].tobytes()
+            pos = stop
+        if pos != end:
+            if not last:
+                raise JournalCorrupt(f"{path}: damaged record at byte {pos} (not at the end of the log)")
+            # A record cut short by a crash: everything acknowledged before it
+            # was synced whole, so cut it off.
+            log.warning("%s: cutting %d bytes of a torn record at the end", path, end - pos)
+            with open(path, "r+b") as out:
+                out.truncate(pos)
+                out.flush()
+                os.fsync(out.fileno())
+
+    def _open_active(self) -> None:
+        segments = self._segments()
+        if segments:
+            self._active = segments[-1]
+        else:
+            self._active = os.path.join(self.directory, "wal-00000001")
+            write_atomically(self._active, MAGIC)
+        self._fd = os.open(self._active, os.O_WRONLY | os.O_APPEND)
+        self._active_size = os.fstat(self._fd).st_size
+
+    # -- journals ------------------------------------------------------------------
+
+    def journal(self, group: int) -> RaftJournal:
+        """The journal of ``group`` (with what the log held for it)."""
+        recovered = self._recovered.pop(group, None) or _Recovered()
+        journal = RaftJournal(self, group, recovered)
+        self._journals[group] = journal
+        return journal
+
+    def drop_group(self, group: int) -> None:
+        """Forget a group for good (its replica was deleted); durable when this returns."""
+        self._journals.pop(group, None)
+        self._recovered.pop(group, None)
+        self.persist([_record(group, DROP)])
+
+    def persist(self, records: list[bytes]) -> None:
+        """Write records and return once they are on disk (with whatever other groups queued)."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the Raft log is closed")
+            self._queue.extend(records)
+            mine = self._queued_round
+            self._cond.notify_all()
+            while self._durable_round < mine and self._error is None:
+                self._cond.wait()
+            if self._durable_round < mine and self._error is not None:
+                raise OSError(f"writing the Raft log failed: {self._error}")
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._writer.join(timeout=30)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    # -- the writer ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue and self._closed:
+                    return
+                batch, self._queue = self._queue, []
+                round_ = self._queued_round
+                self._queued_round += 1
+            try:
+                data = b"".join(batch)
+                view = memoryview(data)
+                while view:
+                    written = os.write(self._fd, view)
+                    view = view[written:]
+                os.fdatasync(self._fd)
+                self.flushes += 1
+                self.bytes_written += len(data)
+                self._active_size += len(data)
+                if self._active_size > self.segment_bytes:
+                    self._rotate()
+            except BaseException as err:
+                log.exception("writing the Raft log failed")
+                with self._cond:
+                    self._error = err
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._durable_round = round_
+                self._cond.notify_all()
+
+    def _rotate(self) -> None:
+        """Start a segment with every group's live state; delete the older ones."""
+        old = self._segments()
+        number = int(os.path.basename(self._active)[4:]) + 1
+        path = os.path.join(self.directory, f"wal-{number:08d}")
+        parts = [MAGIC]
+        for journal in list(self._journals.values()):
+            parts.extend(journal.checkpoint_records())
+        for group, recovered in self._recovered.items():
+            # Groups recovered but not opened (yet): keep them whole too.
+            parts.extend(_checkpoint(group, recovered.entries, recovered))
+        write_atomically(path, b"".join(parts))
+        os.close(self._fd)
+        self._active = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self._active_size = os.fstat(self._fd).st_size
+        for segment in old:
+            os.remove(segment)
+        _fsync_dir(self.directory)
+        log.info("Raft log: started segment %d (%d bytes of live state)", number, self._active_size)
+
+
+def _state_body(term: int, commit: int, voted_for: str | None, members: list[str] | None) -> bytes:
+    parts = [_STATE.pack(term, commit), _text(voted_for or "")]
+    if members is None:
+        parts.append(_U16.pack(0))
+    else:
+        parts.append(_U16.pack(len(members) + 1))
+        parts.extend(_text(m) for m in members)
+    return b"".join(parts)
+
+
+def _checkpoint(group: int, entries: Sequence[Entry], state: Any) -> list[bytes]:
+    records = [
+        _record(group, STATE, _state_body(state.term, state.commit, state.voted_for, state.members)),
+        _record(group, CLEAR),
+    ]
+    records.extend(_record(group, ENTRY, _ENTRY.pack(idx, term) + cmd) for cmd, idx, term in entries)
+    return records
 
 
 class RaftJournal(Journal):
     """Raft log, term, vote and membership of one group, durable on :meth:`sync`."""
 
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        os.makedirs(directory, exist_ok=True)
-        self._path = os.path.join(directory, "journal")
-        self._state_path = os.path.join(directory, "state")
-        self._entries: list[Entry] = []
-        self._bytes = 0
+    def __init__(self, node_log: NodeLog, group: int, recovered: _Recovered) -> None:
+        self._log = node_log
+        self.group = group
+        self._lock = threading.Lock()
+        self._entries: list[Entry] = recovered.entries
+        self._bytes = sum(len(e[0]) for e in self._entries)
+        self.term = recovered.term
+        self.voted_for = recovered.voted_for
+        self.commit = recovered.commit
+        self._members = recovered.members
         self._pending: list[bytes] = []
-        self._rewrite = False
-        self._term = 0
-        self._voted_for: str | None = None
-        self._commit = 1
-        self._members: list[str] | None = None
         self._state_dirty = False
         self._commit_dirty = False
-        self._state_written_at = 0.0
-        self._load_state()
-        self._load_entries()
-        self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND)
+        self._state_recorded_at = 0.0
+        self._dir_to_sync: str | None = None
         self.syncs = 0
-
-    # -- loading -------------------------------------------------------------
-
-    def _load_state(self) -> None:
-        try:
-            with open(self._state_path, "rb") as fh:
-                raw = fh.read()
-        except FileNotFoundError:
-            return
-        if len(raw) < len(STATE_MAGIC) + _STATE_HEAD.size + 4 or not raw.startswith(STATE_MAGIC):
-            raise JournalCorrupt(f"{self._state_path}: not an mqds Raft state file")
-        body, crc = raw[:-4], _LEN.unpack(raw[-4:])[0]
-        if zlib.crc32(body) != crc:
-            raise JournalCorrupt(f"{self._state_path}: checksum mismatch")
-        pos = len(STATE_MAGIC)
-        self._term, self._commit = _STATE_HEAD.unpack_from(body, pos)
-        pos += _STATE_HEAD.size
-        voted, pos = self._read_str(body, pos)
-        self._voted_for = voted or None
-        (count,) = _U16.unpack_from(body, pos)
-        pos += 2
-        if count:
-            members = []
-            for _ in range(count - 1):
-                member, pos = self._read_str(body, pos)
-                members.append(member)
-            self._members = members
-
-    @staticmethod
-    def _read_str(body: bytes, pos: int) -> tuple[str, int]:
-        (size,) = _U16.unpack_from(body, pos)
-        pos += 2
-        return body[pos : pos + size].decode("utf-8"), pos + size
-
-    def _load_entries(self) -> None:
-        if not os.path.exists(self._path):
-            write_atomically(self._path, JOURNAL_MAGIC)
-            return
-        with open(self._path, "rb") as fh:
-            raw = fh.read()
-        if not raw.startswith(JOURNAL_MAGIC):
-            raise JournalCorrupt(f"{self._path}: not an mqds Raft journal")
-        pos = len(JOURNAL_MAGIC)
-        entries: list[Entry] = []
-        end = len(raw)
-        good = pos
-        while pos + 8 <= end:
-            (size,) = _LEN.unpack_from(raw, pos)
-            if pos + 8 + size > end:
-                break
-            body = raw[pos + 4 : pos + 4 + size]
-            if zlib.crc32(body) != _LEN.unpack_from(raw, pos + 4 + size)[0]:
-                break
-            kind = body[0]
-            if kind == KIND_ENTRY:
-                _, index, term = _ENTRY_HEAD.unpack_from(body)
-                entries.append((bytes(body[_ENTRY_HEAD.size :]), index, term))
-            elif kind == KIND_TRUNCATE:
-                _, index = _TRUNCATE.unpack_from(body)
-                while entries and entries[-1][1] >= index:
-                    entries.pop()
-            else:
-                break
-            pos += 8 + size
-            good = pos
-        if good != end:
-            # A record cut short by a crash, or garbage after it: everything
-            # acknowledged before it was synced whole, so cut it off.
-            log.warning("%s: cutting %d bytes of a torn record at the end", self._path, end - good)
-            with open(self._path, "r+b") as fh:
-                fh.truncate(good)
-                fh.flush()
-                os.fsync(fh.fileno())
-        self._entries = entries
-        self._bytes = sum(len(e[0]) for e in entries)
 
     # -- pysyncobj's Journal interface -----------------------------------------
 
     def add(self, command: bytes, idx: int, term: int) -> None:
-        self._entries.append((command, idx, term))
-        self._bytes += len(command)
-        if not self._rewrite:
-            self._pending.append(_record(_ENTRY_HEAD.pack(KIND_ENTRY, idx, term) + command))
+        with self._lock:
+            self._entries.append((command, idx, term))
+            self._bytes += len(command)
+            self._pending.append(_record(self.group, ENTRY, _ENTRY.pack(idx, term) + command))
 
     def clear(self) -> None:
-        self._entries = []
-        self._bytes = 0
-        self._pending = []
-        self._rewrite = True
+        with self._lock:
+            self._entries = []
+            self._bytes = 0
+            self._pending.append(_record(self.group, CLEAR))
 
     def deleteEntriesFrom(self, entryFrom: int) -> None:
-        if entryFrom >= len(self._entries):
-            return
-        index = self._entries[entryFrom][1]
-        self._bytes -= sum(len(e[0]) for e in self._entries[entryFrom:])
-        del self._entries[entryFrom:]
-        if not self._rewrite:
-            self._pending.append(_record(_TRUNCATE.pack(KIND_TRUNCATE, index)))
+        with self._lock:
+            if entryFrom >= len(self._entries):
+                return
+            index = self._entries[entryFrom][1]
+            self._bytes -= sum(len(e[0]) for e in self._entries[entryFrom:])
+            del self._entries[entryFrom:]
+            self._pending.append(_record(self.group, TRUNCATE, _U64.pack(index)))
 
     def deleteEntriesTo(self, entryTo: int) -> None:
-        # Called after a snapshot covering these entries was written; the
-        # rewrite in sync() makes the snapshot's rename durable first.
-        self._bytes -= sum(len(e[0]) for e in self._entries[:entryTo])
-        del self._entries[:entryTo]
-        self._pending = []
-        self._rewrite = True
+        with self._lock:
+            if entryTo <= 0:
+                return
+            self._bytes -= sum(len(e[0]) for e in self._entries[:entryTo])
+            del self._entries[:entryTo]
+            head = self._entries[0][1] if self._entries else 0
+            self._pending.append(_record(self.group, HEAD, _U64.pack(head)))
 
     def __getitem__(self, item: Any) -> Any:
         return self._entries[item]
@@ -227,31 +418,26 @@ class RaftJournal(Journal):
         return len(self._entries)
 
     def _destroy(self) -> None:
-        if self._fd >= 0:
-            try:
-                self.sync()
-            finally:
-                os.close(self._fd)
-                self._fd = -1
+        self.sync()
 
     def setRaftCommitIndex(self, raftCommitIndex: int) -> None:
-        if raftCommitIndex != self._commit:
-            self._commit = raftCommitIndex
+        if raftCommitIndex != self.commit:
+            self.commit = raftCommitIndex
             self._commit_dirty = True
 
     def getRaftCommitIndex(self) -> int:
-        return self._commit
+        return self.commit
 
     def setCurrentTerm(self, term: int, votedForNodeId: str | None) -> None:
-        self._term = term
-        self._voted_for = votedForNodeId
+        self.term = term
+        self.voted_for = votedForNodeId
         self._state_dirty = True
 
     def getCurrentTerm(self) -> int:
-        return self._term
+        return self.term
 
     def getVotedForNodeId(self) -> str | None:
-        return self._voted_for
+        return self.voted_for
 
     def onOneSecondTimer(self) -> None:
         pass
@@ -273,55 +459,30 @@ class RaftJournal(Journal):
         """Bytes of commands held (what compaction is triggered by)."""
         return self._bytes
 
-    @property
-    def dirty(self) -> bool:
-        return bool(self._pending or self._rewrite or self._state_dirty)
+    def sync_directory_first(self, path: str) -> None:
+        """Make the next sync fsync ``path`` first (a snapshot renamed into it must outlive what it replaces)."""
+        self._dir_to_sync = path
 
     def sync(self) -> None:
         """Make every change so far durable. Call before any message leaves the node."""
-        if self._rewrite:
-            self._rewrite_file()
-        elif self._pending:
-            data = b"".join(self._pending)
-            self._pending = []
-            view = memoryview(data)
-            while view:
-                written = os.write(self._fd, view)
-                view = view[written:]
-            os.fdatasync(self._fd)
-            self.syncs += 1
-        if self._state_dirty or (
-            self._commit_dirty and time.monotonic() - self._state_written_at > _COMMIT_PERSIST_INTERVAL_S
-        ):
-            self._write_state()
-
-    def _rewrite_file(self) -> None:
-        # The snapshot (dump file) that made a head compaction possible was
-        # renamed into place just before: make that rename durable before the
-        # entries it replaces disappear.
-        _fsync_dir(self.directory)
-        parts = [JOURNAL_MAGIC]
-        parts.extend(_record(_ENTRY_HEAD.pack(KIND_ENTRY, idx, term) + cmd) for cmd, idx, term in self._entries)
-        os.close(self._fd)
-        self._fd = -1
-        write_atomically(self._path, b"".join(parts))
-        self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND)
-        self._rewrite = False
-        self._pending = []
+        with self._lock:
+            if self._state_dirty or (
+                self._commit_dirty and time.monotonic() - self._state_recorded_at > _COMMIT_RECORD_INTERVAL_S
+            ):
+                body = _state_body(self.term, self.commit, self.voted_for, self._members)
+                self._pending.append(_record(self.group, STATE, body))
+                self._state_dirty = self._commit_dirty = False
+                self._state_recorded_at = time.monotonic()
+            records, self._pending = self._pending, []
+        if not records:
+            return
+        if self._dir_to_sync is not None:
+            _fsync_dir(self._dir_to_sync)
+            self._dir_to_sync = None
+        self._log.persist(records)
         self.syncs += 1
 
-    def _write_state(self) -> None:
-        voted = (self._voted_for or "").encode("utf-8")
-        parts = [STATE_MAGIC, _STATE_HEAD.pack(self._term, self._commit), _U16.pack(len(voted)), voted]
-        if self._members is None:
-            parts.append(_U16.pack(0))
-        else:
-            parts.append(_U16.pack(len(self._members) + 1))
-            for member in self._members:
-                raw = member.encode("utf-8")
-                parts += [_U16.pack(len(raw)), raw]
-        body = b"".join(parts)
-        write_atomically(self._state_path, body + _LEN.pack(zlib.crc32(body)))
-        self._state_dirty = False
-        self._commit_dirty = False
-        self._state_written_at = time.monotonic()
+    def checkpoint_records(self) -> list[bytes]:
+        """Records that rebuild this journal as it is in memory (for a new log segment)."""
+        with self._lock:
+            return _checkpoint(self.group, list(self._entries), self)
