@@ -17,7 +17,7 @@ from mqds.client import Client, Message
 from mqds.client import errors as E
 from mqds.protocol.errors import from_rpc_error
 from mqds.protocol.sharding import shard_of
-from mqds.server.localproc import LocalCluster, wait_until
+from mqds.server.localproc import LocalCluster, free_port, wait_until
 from mqds.server.raft.transport import NODE_HEADER, SECRET_HEADER
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
@@ -164,6 +164,41 @@ def test_restart_of_all_nodes_loses_nothing(cluster: LocalCluster) -> None:
     # Generations and iterators survive too.
     gens = client.list_generations()
     assert len(gens) == cluster.n_shards and all(g.current for g in gens)
+
+
+def test_a_node_restarted_at_a_new_address_rejoins(cluster: LocalCluster) -> None:
+    client = cluster.client()
+    client.store_batch(messages("m", 0, 50))
+    moved = cluster.nodes["n3"]
+    moved.kill()
+    moved.port = free_port()
+    moved.start(60)
+    wait_until(
+        "the cluster map showing n3's new address",
+        lambda: next(n.address for n in cluster.cluster_map("n2").nodes if n.id == "n3") == moved.address,
+        30,
+    )
+    # With n1 gone, every vnode needs n3 at its new address for a majority.
+    cluster.kill("n1")
+    with Client([cluster.nodes["n2"].address, moved.address], timeout_s=30) as survivors:
+        survivors.store_batch([m for name in ("p", "q", "r", "s") for m in messages(name, 0, 20)])
+    cluster.start_node("n1")
+    cluster.assert_replicas_identical(timeout_s=60)
+
+
+def test_a_replica_down_during_rotation_and_retention_converges(cluster: LocalCluster) -> None:
+    client = cluster.client()
+    client.store_batch([m for name in ("a", "b", "c", "d") for m in messages(name, 0, 20)])
+    cluster.kill("n2")
+    client.add_generation()
+    client.store_batch([m for name in ("a", "b", "c", "d") for m in messages(name, 20, 20)])
+    dropped = [client.drop_generation(s, 1) for s in range(cluster.n_shards)]
+    assert all(g.generation == 1 for g in dropped)
+    cluster.start_node("n2")
+    cluster.assert_replicas_identical(timeout_s=60)
+    with Client([cluster.nodes["n2"].address]) as alone:
+        gens = alone.list_generations(stale_ok=True)
+        assert [(g.shard, g.generation) for g in gens] == [(s, 2) for s in range(cluster.n_shards)]
 
 
 def test_a_minority_accepts_no_writes_and_serves_no_stale_reads(cluster: LocalCluster) -> None:
