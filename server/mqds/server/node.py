@@ -709,8 +709,9 @@ class Node:
                 if chunk.HasField("header"):
                     header = chunk.header
                     for i, f in enumerate(header.files):
-                        path = os.path.normpath(os.path.join(dest, f.name))
-                        if not path.startswith(os.path.abspath(dest)) and not path.startswith(dest):
+                        root = os.path.abspath(dest)
+                        path = os.path.abspath(os.path.join(root, f.name))
+                        if os.path.isabs(f.name) or os.path.commonpath([root, path]) != root or path == root:
                             raise errors.error(
                                 Reason.INVALID_REQUEST, f"snapshot file {f.name!r} escapes its directory"
                             )

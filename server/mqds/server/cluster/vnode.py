@@ -26,6 +26,7 @@ from typing import Any
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.cluster.v1 import commands_pb2 as cpb
+from mqds.server.raft.journal import fsync_dir
 from mqds.server.storage import Engine, GenerationInfo, ShardStorage
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,7 @@ class VnodeReplica:
                 shutil.rmtree(old, ignore_errors=True)
                 os.replace(self.path, old)
                 os.replace(incoming, self.path)
-                _fsync_dir(os.path.dirname(self.path))
+                fsync_dir(os.path.dirname(self.path))
                 self.storage = self._open()
             finally:
                 self._swapping = False
@@ -183,11 +184,3 @@ class VnodeReplica:
     def generations(self) -> list[GenerationInfo]:
         with self.reading() as storage:
             return storage.generations()
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -97,7 +97,7 @@ def _text(value: str) -> bytes:
     return _U16.pack(len(raw)) + raw
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -113,7 +113,7 @@ def write_atomically(path: str, data: bytes) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    fsync_dir(os.path.dirname(path) or ".")
 
 
 @dataclass
@@ -336,7 +336,7 @@ class NodeLog:
         self._active_size = os.fstat(self._fd).st_size
         for segment in old:
             os.remove(segment)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         log.info("Raft log: started segment %d (%d bytes of live state)", number, self._active_size)
 
 
@@ -477,7 +477,7 @@ class RaftJournal(Journal):
         if not records:
             return
         if self._dir_to_sync is not None:
-            _fsync_dir(self._dir_to_sync)
+            fsync_dir(self._dir_to_sync)
             self._dir_to_sync = None
         self._log.persist(records)
         self.syncs += 1

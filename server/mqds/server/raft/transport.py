@@ -34,6 +34,7 @@ from mqds.protocol.errors import Reason
 from mqds.server.raft import codec
 from mqds.server.raft.group import RaftGroup
 from mqds.server.raft.v1 import raft_pb2 as rpb
+from mqds.server.storage.shard import varint
 
 log = logging.getLogger(__name__)
 
@@ -61,19 +62,10 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def envelope(group: int, raw_message: bytes) -> bytes:
     """A serialised ``Frame.messages`` item (tag included) for an encoded RaftMessage."""
-    body = b"\x08" + _varint(group) + b"\x12" + _varint(len(raw_message)) + raw_message
-    return b"\x0a" + _varint(len(body)) + body
+    body = b"\x08" + varint(group) + b"\x12" + varint(len(raw_message)) + raw_message
+    return b"\x0a" + varint(len(body)) + body
 
 
 class ClusterAuth:
