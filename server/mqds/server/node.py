@@ -413,9 +413,8 @@ class Node:
         group = self.meta_group
         if group is None or group.leader_id is None:
             return False
-        status = group.getStatus()
-        leader_commit = status.get("leader_commit_idx") or 0
-        return bool(group.raftLastApplied >= max(leader_commit, group.raftCommitIndex))
+        status = group.status()
+        return bool(status["last_applied"] >= max(status["leader_commit"], status["commit_index"]))
 
     def _reconcile(self) -> None:
         """Open the replicas the metadata places here; delete the ones moved away."""

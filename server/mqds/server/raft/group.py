@@ -507,7 +507,15 @@ class RaftGroup(SyncObj):
         )
 
     def status(self) -> dict[str, Any]:
-        raw = self.getStatus()
+        """The group's Raft state, read from another thread."""
+        for _ in range(10):
+            try:
+                raw = self.getStatus()
+                break
+            except RuntimeError:  # a dict changed size while pysyncobj's thread updated it
+                time.sleep(0.001)
+        else:
+            raw = self.getStatus()
         last = raw["log_len"] and self._SyncObj__raftLog[-1][1]
         lag = {}
         match = {}
@@ -528,6 +536,7 @@ class RaftGroup(SyncObj):
             "members": self.members,
             "follower_lag": lag,
             "match_index": match,
+            "leader_commit": raw.get("leader_commit_idx") or 0,
         }
 
     def match_index(self, node_id: str) -> int:
