@@ -241,9 +241,6 @@ class PeerRouter:
             return self.auth.address
         return self._addresses.get(node_id)
 
-    def peers(self) -> dict[str, str]:
-        return dict(self._addresses)
-
     def on_link_change(self, listener: Callable[[str, bool], None]) -> None:
         self._listeners.append(listener)
 
