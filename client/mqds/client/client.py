@@ -145,7 +145,7 @@ class Client:
             if pending:
                 assert last is not None
                 if last.reason not in (Reason.NOT_LEADER, Reason.NOT_HOSTED) or "shard" not in last.metadata:
-                    self._router._refresh_quietly(remaining)
+                    self._router.refresh_quietly(remaining)
                     delay = next(delays)
                     if time.monotonic() + delay >= deadline:
                         raise last

@@ -261,21 +261,21 @@ class Router:
                     tried_replicas += 1
                     if shard is not None:
                         self.forget_leader(shard)
-                    self._refresh_quietly(remaining)
+                    self.refresh_quietly(remaining)
                 elif err.reason in (Reason.NOT_LEADER, Reason.NOT_HOSTED):
                     if self.learn(err, shard):
                         continue
-                    self._refresh_quietly(remaining)
+                    self.refresh_quietly(remaining)
                 else:  # NO_LEADER, OVERLOADED, ...
                     if shard is not None:
                         self.forget_leader(shard)
-                    self._refresh_quietly(remaining)
+                    self.refresh_quietly(remaining)
                 delay = next(delays)
                 if time.monotonic() + delay >= deadline:
                     raise
                 time.sleep(delay)
 
-    def _refresh_quietly(self, remaining: float) -> None:
+    def refresh_quietly(self, remaining: float) -> None:
         try:
             self.refresh(min(2.0, max(remaining, 0.1)), force=True)
         except MqdsError as err:

@@ -23,19 +23,18 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from mqds.client.routing import ClusterView
+from mqds.client.routing import Router
 from mqds.protocol import errors
-from mqds.protocol.errors import Reason
+from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.server.localproc import LocalCluster
-from mqds.v1 import cluster_pb2 as clpb
-from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 from mqds.v1 import storage_pb2 as pb
 
 STORE_METHOD = "/mqds.v1.Storage/StoreBatch"
@@ -64,36 +63,25 @@ def _request(sender: str, batch: int, size: int) -> bytes:
     return request.SerializeToString()
 
 
-def _leader(addresses: list[str], shard: int) -> str:
-    view = ClusterView()
-    for address in addresses:
-        try:
-            with grpc.insecure_channel(address) as channel:
-                view.merge(clpb_grpc.ClusterStub(channel).GetClusterMap(clpb.GetClusterMapRequest(), timeout=2))
-        except grpc.RpcError:
-            continue
-    leader = view.leaders.get(shard)
-    node = leader[1] if leader else view.replicas[shard][0]
-    return view.addresses[node]
-
-
 def _publish(args: tuple[list[str], str, int, int, int, float, float, float, Any]) -> dict[str, Any]:
     """One publisher process: store batches until the end time; latencies and failures."""
     addresses, sender, n_shards, batch, size, start_at, end_at, interval_s, results = args
     raw = _request(sender, batch, size)
     shard = shard_of(sender, n_shards)
-    channels: dict[str, grpc.Channel] = {}
+    router = Router(
+        addresses,
+        channel_options=[("grpc.max_send_message_length", 64 << 20), ("grpc.initial_reconnect_backoff_ms", 100)],
+    )
+
+    def leader() -> str:
+        with contextlib.suppress(MqdsError):
+            router.refresh(2, force=True)
+        return router.leader_of(shard) or addresses[0]
 
     def call(address: str) -> Any:
-        channel = channels.get(address)
-        if channel is None:
-            channel = channels[address] = grpc.insecure_channel(
-                address,
-                options=[("grpc.max_send_message_length", 64 << 20), ("grpc.initial_reconnect_backoff_ms", 100)],
-            )
-        return channel.unary_unary(STORE_METHOD, request_serializer=None, response_deserializer=None)
+        return router.channel(address).unary_unary(STORE_METHOD, request_serializer=None, response_deserializer=None)
 
-    address = _leader(addresses, shard)
+    address = leader()
     latencies: list[float] = []
     outages: list[tuple[float, float]] = []
     failing_since: float | None = None
@@ -101,7 +89,7 @@ def _publish(args: tuple[list[str], str, int, int, int, float, float, float, Any
         time.sleep(0.001)
     # Paced publishers spread their sends over the interval instead of all
     # sending at the same instant.
-    next_at = time.monotonic() + interval_s * (abs(hash(sender)) % 1000) / 1000
+    next_at = time.monotonic() + interval_s * (zlib.crc32(sender.encode()) % 1000) / 1000
     while time.time() < end_at:
         if interval_s:
             next_at += interval_s
@@ -115,20 +103,17 @@ def _publish(args: tuple[list[str], str, int, int, int, float, float, float, Any
             err = errors.from_rpc_error(rpc_err)
             if failing_since is None:
                 failing_since = time.time()
-            leader = err.metadata.get("leader_address")
-            if err.reason is Reason.NOT_LEADER and leader:
-                address = leader
+            if err.reason is Reason.NOT_LEADER and router.learn(err, shard):
+                address = router.leader_of(shard) or address
             else:
                 time.sleep(0.05)
-                with contextlib.suppress(KeyError, IndexError):
-                    address = _leader(addresses, shard)
+                address = leader()
             continue
         latencies.append(time.perf_counter() - t0)
         if failing_since is not None:
             outages.append((failing_since, time.time()))
             failing_since = None
-    for channel in channels.values():
-        channel.close()
+    router.close()
     out = {"sender": sender, "shard": shard, "latencies": latencies, "outages": outages, "batch": batch}
     results.put(out)
     return out

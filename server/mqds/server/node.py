@@ -145,7 +145,6 @@ class Node:
             heartbeat_s=config.raft_heartbeat_s,
             election_timeout_min_s=t,
             election_timeout_max_s=2 * t,
-            tick_s=config.raft_heartbeat_s / 2,
             log_max_bytes=config.raft_log_max_bytes,
             max_entry_bytes=config.max_request_bytes + 1024 * 1024,
         )
@@ -158,21 +157,17 @@ class Node:
         self.meta: meta_mod.MetaMachine | None = None
         self.meta_group: RaftGroup | None = None
         self._channels: dict[str, grpc.Channel] = {}
-        self._last_rotation_check = 0.0
         self._last_leader_balance = time.monotonic()
         self._address_reported = False
         self.membership = Membership(self)
 
         meta_state = os.path.join(config.data_dir, "meta", "state")
         peers = config.peer_map() or {config.node_id: config.advertised}
-        self._founder = config.node_id in peers
-        self._genesis = None
         try:
             if os.path.exists(meta_state):
                 self._open_meta(None, joining=False)
-            elif self._founder:
-                self._genesis = meta_mod.genesis(peers, config.n_shards, config.replication_factor)
-                self._open_meta(self._genesis, joining=False)
+            elif config.node_id in peers:
+                self._open_meta(meta_mod.genesis(peers, config.n_shards, config.replication_factor), joining=False)
             for node_id, address in peers.items():
                 self.router.set_address(node_id, address)
             if self.meta is not None:
@@ -180,12 +175,8 @@ class Node:
         except MqdsError as err:
             self._close_all()
             raise StartupError(str(err)) from None
-        except Exception as err:
+        except Exception:
             self._close_all()
-            if "lock" in str(err).lower():
-                raise StartupError(
-                    f"data directory {config.data_dir} is in use by another mqds-server process"
-                ) from None
             raise
 
         self.storage_service = StorageService(
@@ -440,7 +431,11 @@ class Node:
     def _background(self) -> None:
         interval = self.config.maintenance_interval_s
         while not self._stopping.is_set():
-            self._changed.wait(interval if self.ready() else min(interval, 0.1))
+            # Catching up (replicas without a leader or uninitialised): look
+            # again soon, so readiness follows quickly. A joiner polls its
+            # peers at the normal pace.
+            catching_up = self.meta is not None and not self.ready()
+            self._changed.wait(min(interval, 0.1) if catching_up else interval)
             self._changed.clear()
             if self._stopping.is_set():
                 return

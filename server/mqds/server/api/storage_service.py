@@ -170,21 +170,26 @@ class StorageService:
         shard_cache: dict[str, int] = {}
         for index, message in enumerate(messages):
             topic = message.topic
-            # The common case checked cheaply (16,383 characters are at most
-            # 65,535 UTF-8 bytes); anything else gets the full check and its
-            # precise error.
-            if not (0 < len(topic) <= 16383 and "+" not in topic and "#" not in topic and "\x00" not in topic):
+            sender = message.sender
+            shard = shard_cache.get(sender)
+            # The common case is checked cheaply (16,383 characters are at
+            # most 65,535 UTF-8 bytes; a sender's length once); anything else
+            # gets the full check and its precise error.
+            if (
+                shard is None
+                or not 0 < len(topic) <= 16383
+                or "+" in topic
+                or "#" in topic
+                or "\x00" in topic
+                or len(message.payload) > max_payload
+                or message.qos > 2
+            ):
                 self._check_message(index, message)
-            if len(message.payload) > max_payload or message.qos > 2:
-                self._check_message(index, message)
+            if shard is None:
+                shard = shard_cache[sender] = shard_of(sender, n_shards)
             if message.timestamp_us or message.shard:
                 message.ClearField("timestamp_us")
                 message.ClearField("shard")
-            sender = message.sender
-            shard = shard_cache.get(sender)
-            if shard is None:
-                self._check_message(index, message)
-                shard = shard_cache[sender] = shard_of(sender, n_shards)
             by_shard.setdefault(shard, []).append(index)
         now = self.clock()
         order = sorted(by_shard)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
+from mqds.client.routing import ClusterView
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.cluster import meta as meta_mod
@@ -194,18 +195,14 @@ class Membership:
             local = self.node.vnodes.get(shard)
             if local is not None and local.group.leader_id:
                 return local.group.leader_id
-            replicas = meta_mod.placement_of(self._map())[shard]
-            best: tuple[int, str] | None = None
-            for replica in replicas:
+            view = ClusterView()
+            for replica in meta_mod.placement_of(self._map())[shard]:
                 try:
-                    cmap = self.node.cluster_stub(replica).GetClusterMap(clpb.GetClusterMapRequest(), timeout=2)
+                    view.merge(self.node.cluster_stub(replica).GetClusterMap(clpb.GetClusterMapRequest(), timeout=2))
                 except (grpc.RpcError, MqdsError):
                     continue
-                for info in cmap.vnodes:
-                    if info.shard == shard and info.leader and (best is None or info.term > best[0]):
-                        best = (info.term, info.leader)
-            if best is not None:
-                return best[1]
+            if shard in view.leaders:
+                return view.leaders[shard][1]
             if time.monotonic() > deadline:
                 raise errors.error(Reason.NO_LEADER, f"shard {shard} has no leader")
             time.sleep(_POLL_S)

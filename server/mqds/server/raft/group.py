@@ -178,8 +178,6 @@ class RaftTiming:
     election_timeout_min_s: float = 0.5
     """A follower that hears nothing for a random time between min and max starts an election."""
     election_timeout_max_s: float = 1.0
-    tick_s: float = 0.05
-    """Longest a group sleeps when nothing wakes it (Raft's timers run on this)."""
     log_max_bytes: int = 16 * 1024 * 1024
     """Compact (snapshot) the journal once its commands exceed this many bytes."""
     compaction_interval_s: float = 600.0
@@ -341,10 +339,8 @@ class RaftGroup(SyncObj):
         self._inbox: collections.deque[tuple[int, str, Any]] = collections.deque()
         self._wake = threading.Event()
         self._stopping = False
-        self._last_compaction = time.monotonic()
         self.snapshots_installed = 0
         self.dropped_messages = 0
-        self.leader_changes = 0
         self._role = ROLE_FOLLOWER
         os.makedirs(directory, exist_ok=True)
         self.journal = journal
@@ -419,9 +415,6 @@ class RaftGroup(SyncObj):
         """A decoded message from a peer (any thread)."""
         self._inbox.append((_MESSAGE, node_id, (message, echo)))
         self._wake.set()
-
-    def count_dropped(self) -> None:
-        self.dropped_messages += 1
 
     def peer_connected(self, node_id: str, connected: bool) -> None:
         self._inbox.append((_CONNECTED if connected else _DISCONNECTED, node_id, None))
@@ -673,8 +666,6 @@ class RaftGroup(SyncObj):
 
     def _state_changed(self, old: int, new: int) -> None:
         self._role = new
-        if new == ROLE_LEADER or old == ROLE_LEADER:
-            self.leader_changes += 1
         log.info("%s: %s -> %s (term %d)", self.name, ROLE_NAMES[old], ROLE_NAMES[new], self.raftCurrentTerm)
         if self._on_role_change is not None:
             self._on_role_change(self, old, new)
@@ -712,7 +703,6 @@ class RaftGroup(SyncObj):
         # pysyncobj renames it into place and then drops the entries it
         # covers: the rename must be on disk before that drop is.
         self.journal.sync_directory_first(self.directory)
-        self._last_compaction = time.monotonic()
         log.debug("%s: snapshot at index %d", self.name, last[1])
 
     def _read_manifest(self, file_name: str) -> tuple[Any, Any, list[str]]:

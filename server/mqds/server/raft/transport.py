@@ -312,7 +312,6 @@ class PeerRouter:
                 message = codec.decode_message(env.message)
             except codec.MalformedMessage as err:
                 self.dropped_messages += 1
-                group.count_dropped()
                 log.warning("dropped a malformed Raft message from %s for group %d: %s", sender, env.group, err)
                 continue
             group.deliver(sender, message, env.message.echo)
