@@ -16,6 +16,8 @@ from mqds.client import Client, Iterator, Message, Rank, Stream
 from mqds.client import errors as E
 from mqds.protocol.errors import from_rpc_error
 from mqds.protocol.sharding import shard_of
+from mqds.v1 import storage_pb2 as pb
+from mqds.v1 import storage_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -291,3 +293,28 @@ def test_time_based_rotation_and_retention(tmp_path: Path) -> None:
             assert replayed(c, "r/#") == []
     finally:
         proc.stop()
+
+
+def test_a_repeated_producer_sequence_is_stored_once(server: ServerProcess, client: Client) -> None:
+    """The same request sent twice (a retry after a lost answer) stores once and answers the same."""
+    request = pb.StoreBatchRequest(
+        messages=[pb.Message(topic=f"once/{i}", payload=b"x", sender=f"s{i}") for i in range(40)],
+        producer_id="producer-a",
+        sequence=1,
+    )
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.StorageStub(channel)
+        first = stub.StoreBatch(request, timeout=10)
+        second = stub.StoreBatch(request, timeout=10)
+        assert list(second.positions) == list(first.positions)
+        assert not first.failures and not second.failures
+        request.sequence = 2
+        third = stub.StoreBatch(request, timeout=10)
+        assert all(t.timestamp_us > f.timestamp_us for t, f in zip(third.positions, first.positions, strict=True))
+        for producer, sequence, words in [("p" * 129, 1, "over 128 bytes"), ("p", 0, "1 or more")]:
+            bad = pb.StoreBatchRequest(messages=request.messages[:1], producer_id=producer, sequence=sequence)
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.StoreBatch(bad, timeout=10)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert words in (exc.value.details() or "")
+    assert len(replayed(client, "once/#")) == 80

@@ -11,7 +11,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -1113,3 +1113,98 @@ def test_iterator_with_empty_filter_and_exact_minimum_size_decodes() -> None:
     raw = _with_crc(struct.pack(">3sBIIIQ", b"MQI", 1, 9, 8, 7, 6))
     assert len(raw) == 28
     assert IteratorState.decode(raw) == IteratorState(9, 8, 7, "", 6)
+
+
+# -- exactly-once: (producer, sequence) deduplication ----------------------------
+
+MINUTE_US = 60_000_000
+
+
+def test_a_repeated_producer_sequence_is_stored_once(tmp_path: Path, engine: Engine) -> None:
+    path = str(tmp_path / "shard")
+    storage = ShardStorage(path, 0, engine)
+    storage.initialize(1)
+    batch = [msg("dev/1/t", b"a"), msg("dev/1/t", b"b")]
+    first = storage.store(batch, 10 * MINUTE_US, applied_index=2, dedup=(b"p1", 1))
+    again = storage.store(batch, 10 * MINUTE_US + 5, applied_index=3, dedup=(b"p1", 1))
+    assert again == first
+    assert storage.applied_index == 3, "a deduplicated entry still counts as applied"
+    # Another sequence, or another producer with the same sequence, is new.
+    other_seq = storage.store(batch, 10 * MINUTE_US + 6, applied_index=4, dedup=(b"p1", 2))
+    other_producer = storage.store(batch, 10 * MINUTE_US + 7, applied_index=5, dedup=(b"p2", 1))
+    assert len({first, other_seq, other_producer}) == 3
+    assert [r.message.payload for r in replay(storage, "#")] == [b"a", b"b"] * 3
+    storage.close()
+    # The records are part of the shard's state: they survive a restart.
+    reopened = ShardStorage(path, 0, engine)
+    assert reopened.store(batch, 11 * MINUTE_US, applied_index=6, dedup=(b"p2", 1)) == other_producer
+    assert len(replay(reopened, "#")) == 6
+    reopened.close()
+
+
+def test_reusing_a_sequence_for_another_batch_is_refused(shard: ShardStorage) -> None:
+    shard.store([msg("a/b")], MINUTE_US, applied_index=2, dedup=(b"p", 7))
+    with pytest.raises(InvalidArgumentError, match="sequence 7 was stored with 1 messages"):
+        shard.store([msg("a/b"), msg("a/c")], MINUTE_US + 1, applied_index=3, dedup=(b"p", 7))
+    assert shard.applied_index == 3
+    assert len(replay(shard, "#")) == 1
+
+
+def test_dedup_records_expire_after_the_window_and_are_pruned(shard: ShardStorage) -> None:
+    from mqds.server.storage.shard import DEDUP_WINDOW_US
+
+    start = 100 * MINUTE_US
+    first = shard.store([msg("a/b")], start, dedup=(b"p", 1))
+    inside = shard.store([msg("a/b")], start + DEDUP_WINDOW_US, dedup=(b"p", 1))
+    assert inside == first
+    # Past the window the pair is new again (whether or not pruned yet).
+    after = shard.store([msg("a/b")], start + DEDUP_WINDOW_US + 1, dedup=(b"p", 1))
+    assert after != first
+    assert len(replay(shard, "#")) == 2
+    # A store one prune period later deletes the expired records and their index.
+    later = start + 3 * DEDUP_WINDOW_US
+    shard.store([msg("a/b")], later, dedup=(b"q", 1))
+    dedup_keys = [k for k, _ in shard_meta(shard, keys.DEDUP_PREFIX)]
+    expiry_keys = [k for k, _ in shard_meta(shard, keys.DEDUP_EXPIRY_PREFIX)]
+    assert dedup_keys == [keys.dedup_key(b"q", 1)]
+    assert expiry_keys == [keys.dedup_expiry_key(later, keys.dedup_key(b"q", 1))]
+
+
+def test_dedup_is_the_same_on_replicas_whatever_their_restarts(tmp_path: Path, engine: Engine) -> None:
+    """Two replicas apply the same log; one restarts in the middle. Their contents stay identical."""
+    from mqds.server.storage.shard import DEDUP_WINDOW_US
+
+    rng = random.Random(7)
+    log = []
+    now = MINUTE_US
+    for index in range(2, 200):
+        now += rng.choice([1, MINUTE_US // 3, DEDUP_WINDOW_US // 4])
+        log.append((index, now, rng.randrange(1, 6), (b"p%d" % rng.randrange(3), rng.randrange(1, 20))))
+    a = ShardStorage(str(tmp_path / "a"), 0, engine)
+    b = ShardStorage(str(tmp_path / "b"), 0, engine)
+    for storage in (a, b):
+        storage.initialize(1, applied_index=1)
+    for step, (index, now_us, count, dedup) in enumerate(log):
+        batch = [msg(f"t/{index}/{i}") for i in range(count)]
+        for storage in (a, b):
+            with suppress(InvalidArgumentError):  # a pair reused for another count: refused on both
+                storage.store(batch, now_us, applied_index=index, dedup=dedup)
+        if step == len(log) // 2:
+            b.close()
+            b = ShardStorage(str(tmp_path / "b"), 0, engine)
+    contents = []
+    for storage in (a, b):
+        contents.append(
+            (
+                [(r.ts, r.message.topic) for r in replay(storage, "#")],
+                list(shard_meta(storage, keys.DEDUP_PREFIX)),
+                list(shard_meta(storage, keys.DEDUP_EXPIRY_PREFIX)),
+            )
+        )
+        storage.close()
+    assert contents[0] == contents[1]
+    assert contents[0][1], "the log left some dedup records"
+
+
+def shard_meta(storage: ShardStorage, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    return storage._scan(storage._db, prefix)

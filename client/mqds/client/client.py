@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Iterator as AbcIterator
 from concurrent import futures
@@ -15,7 +17,7 @@ import grpc
 from mqds.client.model import Generation, Iterator, Message, NextResult, Rank, Stream
 from mqds.client.routing import Backoff, Router
 from mqds.protocol import errors
-from mqds.protocol.errors import MqdsError, Reason
+from mqds.protocol.errors import MqdsError, PartialBatchError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import storage_pb2 as pb
@@ -75,6 +77,9 @@ class Client:
             ("grpc.use_local_subchannel_pool", 1),
         ]
         self._router = Router(self.endpoints, channel_options=options, backoff=backoff)
+        self.producer_id = uuid.uuid4().hex
+        """Names this client's writes for exactly-once storage (see ``store_batch``)."""
+        self._sequences = itertools.count(1)
 
     # -- plumbing ------------------------------------------------------------
 
@@ -108,15 +113,32 @@ class Client:
         """Run ``call(shards, address, timeout)`` once per node leading some of ``shards``, in parallel.
 
         Shards whose call failed with a retriable error are regrouped by their
-        (new) leaders and tried again until the deadline.
+        (new) leaders and tried again until the deadline; then the first
+        failure is raised.
+        """
+        results, failures = self._per_leader_partial(shards, call, deadline, stale_ok)
+        if failures:
+            raise next(iter(failures.values()))
+        return results
+
+    def _per_leader_partial(
+        self, shards: Iterable[int], call: Callable[[list[int], str, float], T], deadline: float, stale_ok: bool = False
+    ) -> tuple[list[T], dict[int, MqdsError]]:
+        """Like ``_per_leader``, but returns what succeeded and each failed shard's final error.
+
+        ``call`` may raise :class:`ShardFailures` to fail some of its shards
+        while the others succeeded (their results it records itself).
         """
         pending = sorted(set(shards))
         results: list[T] = []
+        failures: dict[int, MqdsError] = {}
         delays = self._router.backoff.delays()
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise errors.error(Reason.DEADLINE_EXCEEDED, "the call did not succeed before its deadline")
+                timeout = errors.error(Reason.DEADLINE_EXCEEDED, "the call did not succeed before its deadline")
+                failures.update((shard, timeout) for shard in pending)
+                break
             groups: dict[str, list[int]] = {}
             for shard in pending:
                 if stale_ok:
@@ -125,32 +147,38 @@ class Client:
                     address = self._router.leader_of(shard) or self._router.known_addresses()[0]
                 groups.setdefault(address, []).append(shard)
             jobs = {self._router.submit(call, group, address, remaining): group for address, group in groups.items()}
-            failed: list[int] = []
-            last: MqdsError | None = None
+            failed: dict[int, MqdsError] = {}
             for job in futures.as_completed(jobs):
                 group = jobs[job]
                 try:
                     results.append(job.result())
+                except ShardFailures as some:
+                    failed.update(some.errors)
                 except MqdsError as err:
-                    if not err.retriable:
-                        raise
-                    last = err
-                    failed.extend(group)
-                    shard_hint = err.metadata.get("shard")
-                    if shard_hint is not None and self._router.learn(err, int(shard_hint)):
-                        continue
-                    for shard in group:
-                        self._router.forget_leader(shard)
-            pending = sorted(failed)
-            if pending:
-                assert last is not None
-                if last.reason not in (Reason.NOT_LEADER, Reason.NOT_HOSTED) or "shard" not in last.metadata:
-                    self._router.refresh_quietly(remaining)
-                    delay = next(delays)
-                    if time.monotonic() + delay >= deadline:
-                        raise last
-                    time.sleep(delay)
-        return results
+                    failed.update((shard, err) for shard in group)
+            retry: list[int] = []
+            hinted = True
+            for problem, failed_shards in _by_error(failed).items():
+                if not problem.retriable:
+                    failures.update((shard, problem) for shard in failed_shards)
+                    continue
+                retry.extend(failed_shards)
+                shard_hint = problem.metadata.get("shard")
+                if shard_hint is not None and self._router.learn(problem, int(shard_hint)):
+                    continue
+                # No usable hint: forget the leaders, refresh the map and back off.
+                for shard in failed_shards:
+                    self._router.forget_leader(shard)
+                hinted = False
+            pending = sorted(retry)
+            if pending and not hinted:
+                self._router.refresh_quietly(remaining)
+                delay = next(delays)
+                if time.monotonic() + delay >= deadline:
+                    failures.update((shard, failed[shard]) for shard in pending)
+                    break
+                time.sleep(delay)
+        return results, failures
 
     def close(self) -> None:
         self._router.close()
@@ -179,7 +207,12 @@ class Client:
     # -- writes --------------------------------------------------------------
 
     def store_batch(
-        self, messages: Iterable[Message], sync: bool = True, timeout_s: float | None = None
+        self,
+        messages: Iterable[Message],
+        sync: bool = True,
+        timeout_s: float | None = None,
+        *,
+        sequence: int | None = None,
     ) -> list[Message]:
         """Store messages; return them with ``timestamp_us`` and ``shard`` set.
 
@@ -187,8 +220,20 @@ class Client:
         majority of its shard's replicas) and applied on the leader. Messages
         are sent to their shards' leaders in parallel. ``sync`` is accepted
         for compatibility; every acknowledged write is durable.
+
+        Exactly once: each call carries this client's ``producer_id`` and a
+        new ``sequence`` number (or the one given), and every retry of the
+        call reuses them, so a part whose first attempt committed before its
+        answer was lost is not stored again. When some shards' parts were
+        stored and others failed, :class:`~mqds.client.errors.PartialBatchError`
+        says which; any other failure raised here carries the call's sequence
+        in ``err.metadata["sequence"]``. Calling again with that ``sequence``
+        and the same (or the failed) messages is a safe retry.
         """
         batch = list(messages)
+        seq = next(self._sequences) if sequence is None else sequence
+        if seq < 1:
+            raise ValueError(f"sequence must be 1 or more, got {seq}")
         deadline = self._deadline(timeout_s)
         n_shards = self._n_shards(deadline)
         by_shard: dict[int, list[int]] = {}
@@ -199,17 +244,35 @@ class Client:
 
         def send(shards: list[int], address: str, remaining: float) -> None:
             indexes = [i for shard in shards for i in by_shard[shard]]
-            request = pb.StoreBatchRequest(messages=[encoded[i] for i in indexes], sync=sync)
+            request = pb.StoreBatchRequest(
+                messages=[encoded[i] for i in indexes], sync=sync, producer_id=self.producer_id, sequence=seq
+            )
             response = self._rpc(address, "StoreBatch", request, remaining)
             for index, position in zip(indexes, response.positions, strict=True):
-                positions[index] = (position.timestamp_us, position.shard)
+                if position.timestamp_us:
+                    positions[index] = (position.timestamp_us, position.shard)
+            if response.failures:
+                raise ShardFailures({f.shard: errors.from_failure(f) for f in response.failures})
 
-        self._per_leader(by_shard, send, deadline)
-        out = []
+        _, failures = self._per_leader_partial(by_shard, send, deadline)
+        stored: list[Message] = []
+        failed: list[tuple[Message, MqdsError]] = []
         for index, m in enumerate(batch):
-            ts, shard = positions[index]
-            out.append(Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, ts, shard))
-        return out
+            if index in positions:
+                ts, shard = positions[index]
+                stored.append(Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, ts, shard))
+            else:
+                shard = shard_of(m.sender, n_shards)
+                failed.append(
+                    (Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, None, shard), failures[shard])
+                )
+        if not failed:
+            return stored
+        if not stored:
+            err = failed[0][1]
+            err.metadata["sequence"] = str(seq)
+            raise err
+        raise PartialBatchError(stored, failed, seq)
 
     # -- reads ---------------------------------------------------------------
 
@@ -328,6 +391,22 @@ class Client:
         request = pb.DropGenerationRequest(shard=shard, generation=generation)
         response = self._on_shard(shard, "DropGeneration", request, self._deadline(timeout_s), write=True)
         return Generation.from_pb(response.dropped)
+
+
+class ShardFailures(MqdsError):
+    """Raised inside a per-leader call: these shards failed, the call's other shards succeeded."""
+
+    def __init__(self, failed: dict[int, MqdsError]) -> None:
+        first = next(iter(failed.values()))
+        super().__init__(first.reason, first.message, first.metadata)
+        self.errors = failed
+
+
+def _by_error(failed: dict[int, MqdsError]) -> dict[MqdsError, list[int]]:
+    grouped: dict[MqdsError, list[int]] = {}
+    for shard, err in failed.items():
+        grouped.setdefault(err, []).append(shard)
+    return grouped
 
 
 def _timestamp(message: Message) -> int:

@@ -17,6 +17,7 @@ from mqds.protocol.errors import (
     MqdsError,
     NotFoundError,
     NotLeaderError,
+    PartialBatchError,
     Reason,
     UnavailableError,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "MqdsError",
     "NotFoundError",
     "NotLeaderError",
+    "PartialBatchError",
     "Reason",
     "UnavailableError",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from google.protobuf import any_pb2
@@ -100,6 +101,38 @@ class DeadlineExceededError(MqdsError, TimeoutError):
 
 class InternalError(MqdsError):
     """A failure inside the node (a bug or a storage fault)."""
+
+
+class PartialBatchError(MqdsError):
+    """Some shards' parts of a ``store_batch`` were stored and others were not.
+
+    ``stored`` holds the stored messages (with ``timestamp_us`` and ``shard``
+    set); ``failed`` pairs every other message with the error its shard's part
+    failed with. ``reason`` and ``retriable`` are those of the failures (retriable
+    only if every failure is). Retrying just the failed messages with the same
+    ``sequence`` (``client.store_batch(err.failed_messages, sequence=err.sequence)``)
+    cannot store a message twice, even where the outcome was unknown.
+    """
+
+    def __init__(self, stored: list[Any], failed: list[tuple[Any, MqdsError]], sequence: int) -> None:
+        first = failed[0][1]
+        shards = sorted({int(m.shard) for m, _ in failed if m.shard is not None})
+        super().__init__(
+            first.reason,
+            f"{len(stored)} messages stored, {len(failed)} not (shards {shards}): {first.message}",
+            first.metadata,
+        )
+        self.stored = stored
+        self.failed = failed
+        self.sequence = sequence
+
+    @property
+    def failed_messages(self) -> list[Any]:
+        return [message for message, _ in self.failed]
+
+    @property
+    def retriable(self) -> bool:
+        return all(err.retriable for _, err in self.failed)
 
 
 class Reason(enum.Enum):
@@ -257,3 +290,11 @@ def from_rpc_error(err: grpc.RpcError) -> MqdsError:
                     return error(Reason[info.reason], status.message, **dict(info.metadata))
     reason = _BY_CODE.get(code, Reason.INTERNAL) if code is not None else Reason.INTERNAL
     return error(reason, message)
+
+
+def from_failure(failure: Any) -> MqdsError:
+    """The exception for one shard's failure in a ``StoreBatchResponse`` (an ``mqds.v1.ShardFailure``)."""
+    reason = Reason[failure.reason] if failure.reason in Reason.__members__ else Reason.INTERNAL
+    metadata = dict(failure.metadata)
+    metadata.setdefault("shard", str(failure.shard))
+    return error(reason, failure.message, **metadata)

@@ -35,12 +35,16 @@ class Message(_message.Message):
     def __init__(self, topic: _Optional[str] = ..., payload: _Optional[bytes] = ..., sender: _Optional[str] = ..., qos: _Optional[int] = ..., retain: _Optional[bool] = ..., properties: _Optional[_Iterable[_Union[UserProperty, _Mapping]]] = ..., timestamp_us: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class StoreBatchRequest(_message.Message):
-    __slots__ = ("messages", "sync")
+    __slots__ = ("messages", "sync", "producer_id", "sequence")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     sync: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sync: _Optional[bool] = ...) -> None: ...
+    producer_id: str
+    sequence: int
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sync: _Optional[bool] = ..., producer_id: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class MessagePosition(_message.Message):
     __slots__ = ("shard", "timestamp_us")
@@ -51,10 +55,31 @@ class MessagePosition(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., timestamp_us: _Optional[int] = ...) -> None: ...
 
 class StoreBatchResponse(_message.Message):
-    __slots__ = ("positions",)
+    __slots__ = ("positions", "failures")
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
     positions: _containers.RepeatedCompositeFieldContainer[MessagePosition]
-    def __init__(self, positions: _Optional[_Iterable[_Union[MessagePosition, _Mapping]]] = ...) -> None: ...
+    failures: _containers.RepeatedCompositeFieldContainer[ShardFailure]
+    def __init__(self, positions: _Optional[_Iterable[_Union[MessagePosition, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[ShardFailure, _Mapping]]] = ...) -> None: ...
+
+class ShardFailure(_message.Message):
+    __slots__ = ("shard", "reason", "message", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    reason: str
+    message: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, shard: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Rank(_message.Message):
     __slots__ = ("shard", "generation")

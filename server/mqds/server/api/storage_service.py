@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from mqds.protocol import errors
-from mqds.protocol.errors import Reason
+from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_filter, validate_topic
 from mqds.server.cluster.v1 import commands_pb2 as cpb
@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 _MESSAGES_TAG = b"\x0a"  # NextResponse.messages, field 1, length-delimited
 _ITERATOR_TAG = b"\x12"  # NextResponse.iterator, field 2, length-delimited
 _END_OF_STREAM = b"\x18\x01"  # NextResponse.end_of_stream = true
+
+
+MAX_PRODUCER_ID_BYTES = 128
 
 
 def now_us() -> int:
@@ -120,6 +123,26 @@ class StorageService:
         proposals = [vnode.group.propose(body) for vnode, (_, body) in zip(vnodes, commands, strict=True)]
         return [p.wait(self.shards.write_timeout_s) for p in proposals]
 
+    def _propose_each(self, commands: list[tuple[int, bytes]]) -> list[Any]:
+        """Propose one command per shard; each result, or the ``MqdsError`` that shard's part failed with."""
+        started: list[Any] = []
+        for shard, body in commands:
+            try:
+                started.append(self.shards.leader_vnode(shard).group.propose(body))
+            except MqdsError as err:
+                started.append(err)
+        deadline = time.monotonic() + self.shards.write_timeout_s
+        results: list[Any] = []
+        for item in started:
+            if isinstance(item, MqdsError):
+                results.append(item)
+                continue
+            try:
+                results.append(item.wait(max(0.0, deadline - time.monotonic())))
+            except MqdsError as err:
+                results.append(err)
+        return results
+
     @staticmethod
     def _filter(topic_filter: str) -> list[str]:
         try:
@@ -164,6 +187,14 @@ class StorageService:
                 f"batch has {len(messages)} messages, over the limit of {self.max_batch_messages} "
                 "(max_batch_messages); split it",
             )
+        producer = request.producer_id
+        if producer:
+            if len(producer.encode("utf-8")) > MAX_PRODUCER_ID_BYTES:
+                raise errors.error(
+                    Reason.INVALID_REQUEST, f"producer_id is over {MAX_PRODUCER_ID_BYTES} bytes; use a shorter id"
+                )
+            if request.sequence == 0:
+                raise errors.error(Reason.INVALID_REQUEST, "sequence must be 1 or more when producer_id is set")
         n_shards = self.shards.n_shards
         max_payload = self.max_payload_bytes
         by_shard: dict[int, list[int]] = {}
@@ -196,24 +227,34 @@ class StorageService:
         commands = []
         for shard in order:
             cmd = cpb.VnodeCommand()
-            cmd.store.now_us = now
+            store = cmd.store
+            store.now_us = now
+            if producer:
+                store.producer_id = producer
+                store.sequence = request.sequence
             indexes = by_shard[shard]
             if len(order) == 1:
-                cmd.store.messages.extend(messages)
+                store.messages.extend(messages)
             else:
-                cmd.store.messages.extend([messages[i] for i in indexes])
+                store.messages.extend([messages[i] for i in indexes])
             commands.append((shard, cmd.SerializeToString()))
-        firsts = self._propose_all(commands)
+        results = self._propose_each(commands)
+        failed = [(shard, r) for shard, r in zip(order, results, strict=True) if isinstance(r, MqdsError)]
+        if len(failed) == len(order):
+            raise failed[0][1]
         timestamps = [0] * len(messages)
         shards = [0] * len(messages)
-        for shard, first in zip(order, firsts, strict=True):
+        for shard, first in zip(order, results, strict=True):
+            stored = not isinstance(first, MqdsError)
             for offset, index in enumerate(by_shard[shard]):
-                timestamps[index] = first + offset
+                timestamps[index] = first + offset if stored else 0
                 shards[index] = shard
         response = pb.StoreBatchResponse()
         add = response.positions.add
         for ts, shard in zip(timestamps, shards, strict=True):
             add(shard=shard, timestamp_us=ts)
+        for shard, err in failed:
+            response.failures.add(shard=shard, reason=err.reason.value, message=err.message, metadata=err.metadata)
         return response
 
     def GetStreams(self, request: pb.GetStreamsRequest) -> pb.GetStreamsResponse:

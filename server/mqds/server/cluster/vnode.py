@@ -108,7 +108,13 @@ class VnodeReplica:
             store = cmd.store
             if not storage.initialized:
                 storage.initialize(store.now_us)
-            return storage.store(store.messages, store.now_us, applied_index=index)
+            dedup = (store.producer_id.encode(), store.sequence) if store.producer_id else None
+            try:
+                return storage.store(store.messages, store.now_us, applied_index=index, dedup=dedup)
+            except MqdsError as err:
+                if err.reason is Reason.STORAGE_ERROR:
+                    raise
+                return err  # a reused sequence number: refused alike everywhere
         if kind == "add_generation":
             add = cmd.add_generation
             if not storage.initialized:

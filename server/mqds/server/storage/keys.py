@@ -18,6 +18,9 @@ default                ``m:next_node``                             u32 next free
 default                ``g:`` u32 generation                       generation record (see ``GenerationRecord``)
 default                ``t:`` u32 parent node, token (UTF-8)       u32 child node id
 default                ``p:`` u32 generation, u32 stream           empty: the stream has data in the generation
+default                ``d:`` u16 len, producer id, u64 sequence   ``DedupRecord``: a batch already stored
+default                ``e:`` u64 stored at, ``d:`` key suffix     empty: the time index that expires ``d:`` keys
+default                ``m:dedup_pruned``                          u64 last pruning round (stored-at / prune period)
 gen-NNNNNNNN           ``D`` u32 stream, u64 timestamp             message: a serialised ``mqds.v1.Message``
                                                                    without ``timestamp_us`` and ``shard``
 gen-NNNNNNNN           ``I`` u32 stream, u8 level, 8-byte hash,    empty: the message at this timestamp has
@@ -71,6 +74,9 @@ META_NEXT_NODE = b"m:next_node"
 GENERATION_PREFIX = b"g:"
 TRIE_PREFIX = b"t:"
 PRESENCE_PREFIX = b"p:"
+DEDUP_PREFIX = b"d:"
+DEDUP_EXPIRY_PREFIX = b"e:"
+META_DEDUP_PRUNED = b"m:dedup_pruned"
 
 MAX_INDEXED_LEVELS = 16
 
@@ -171,6 +177,33 @@ def index_prefix(stream: int, level: int, value: str) -> bytes:
 
 def index_key(prefix: bytes, timestamp_us: int) -> bytes:
     return prefix + u64(timestamp_us)
+
+
+def dedup_key(producer: bytes, sequence: int) -> bytes:
+    return DEDUP_PREFIX + u16(len(producer)) + producer + u64(sequence)
+
+
+def dedup_expiry_key(stored_at_us: int, dedup: bytes) -> bytes:
+    """The time-index key of the ``d:`` key ``dedup``, stored at ``stored_at_us``."""
+    return DEDUP_EXPIRY_PREFIX + u64(stored_at_us) + dedup[len(DEDUP_PREFIX) :]
+
+
+@dataclass(frozen=True)
+class DedupRecord:
+    """What a shard answered a (producer, sequence) batch: u64 first timestamp, u32 count, u64 stored at."""
+
+    first_ts: int
+    count: int
+    stored_at_us: int
+
+    _FORMAT = struct.Struct(">QIQ")
+
+    def encode(self) -> bytes:
+        return self._FORMAT.pack(self.first_ts, self.count, self.stored_at_us)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> DedupRecord:
+        return cls(*cls._FORMAT.unpack(raw))
 
 
 @dataclass(frozen=True)

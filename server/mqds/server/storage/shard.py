@@ -45,6 +45,12 @@ log = logging.getLogger(__name__)
 # How many topic -> key-prefix routes a shard caches before starting over.
 _ROUTE_CACHE_LIMIT = 100_000
 
+DEDUP_WINDOW_US = 600_000_000
+"""How long a shard remembers a (producer, sequence) batch it stored: 10 minutes
+of the leader's clock, far longer than any client retries one call."""
+DEDUP_PRUNE_PERIOD_US = 60_000_000
+"""Forgotten records are deleted at most once per period (of logged time)."""
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -154,6 +160,7 @@ class ShardStorage:
         self._current = 0
         self.last_ts = 0
         self.applied_index = 0
+        self._dedup_pruned = 0
         self.keys_read = 0
         """Keys read by ``next`` since the shard was opened (a cost measure)."""
 
@@ -199,6 +206,8 @@ class ShardStorage:
         self.last_ts = keys.read_u64(raw) if raw is not None else 0
         raw = db.get(keys.META_APPLIED)
         self.applied_index = keys.read_u64(raw) if raw is not None else 0
+        raw = db.get(keys.META_DEDUP_PRUNED)
+        self._dedup_pruned = keys.read_u64(raw) if raw is not None else 0
 
         records = {
             keys.read_u32(key[len(keys.GENERATION_PREFIX) :]): keys.GenerationRecord.decode(value)
@@ -285,13 +294,31 @@ class ShardStorage:
         *,
         sync: bool = False,
         applied_index: int | None = None,
+        dedup: tuple[bytes, int] | None = None,
     ) -> int:
         """Store messages in the current generation; return the first timestamp.
 
         Message ``i`` gets timestamp ``first + i``. Messages must be valid
         (the API layer checks them) and ``timestamp_us``/``shard`` unset.
+        With ``dedup=(producer, sequence)``, a pair stored less than
+        ``DEDUP_WINDOW_US`` before ``now_us`` is not stored again: the first
+        timestamp it got then is returned. Every input is in the Raft log,
+        so every replica decides the same.
         """
         with self._lock:
+            dedup_key = None
+            if dedup is not None:
+                dedup_key = keys.dedup_key(*dedup)
+                seen = self._seen(dedup_key, now_us)
+                if seen is not None:
+                    self._write(WriteBatch(raw_mode=True), False, applied_index)
+                    if seen.count != len(messages):
+                        raise errors.error(
+                            Reason.INVALID_REQUEST,
+                            f"producer {dedup[0]!r} sequence {dedup[1]} was stored with {seen.count} messages "
+                            f"in shard {self.shard}, not {len(messages)}: a sequence number was reused",
+                        )
+                    return seen.first_ts
             gen = self._gens[self._current]
             first = max(now_us, self.last_ts + 1)
             handle = gen.handle
@@ -327,6 +354,10 @@ class ShardStorage:
                 put(keys.presence_key(gen.number, stream), b"", meta)
             last = ts - 1 if messages else self.last_ts
             put(keys.META_LAST_TS, keys.u64(last), meta)
+            if dedup_key is not None:
+                put(dedup_key, keys.DedupRecord(first, len(messages), now_us).encode(), meta)
+                put(keys.dedup_expiry_key(now_us, dedup_key), b"", meta)
+            pruned = self._prune_dedup(batch, now_us)
             try:
                 self._write(batch, sync, applied_index)
             except BaseException:
@@ -338,7 +369,33 @@ class ShardStorage:
                 self._routes.clear()
                 raise
             self.last_ts = last
+            self._dedup_pruned = pruned
             return first
+
+    def _seen(self, dedup_key: bytes, now_us: int) -> keys.DedupRecord | None:
+        raw = self._db.get(dedup_key)
+        if raw is None:
+            return None
+        record = keys.DedupRecord.decode(raw)
+        # Expired records count as absent whether or not pruned yet, so the
+        # answer never depends on when a replica last pruned.
+        return record if now_us - record.stored_at_us <= DEDUP_WINDOW_US else None
+
+    def _prune_dedup(self, batch: WriteBatch, now_us: int) -> int:
+        """Delete expired dedup records in ``batch``, once per prune period; the period now."""
+        period = now_us // DEDUP_PRUNE_PERIOD_US
+        if period <= self._dedup_pruned:
+            return self._dedup_pruned
+        meta = self._meta_handle
+        bound = keys.dedup_expiry_key(max(0, now_us - DEDUP_WINDOW_US), keys.DEDUP_PREFIX)
+        start = len(keys.DEDUP_EXPIRY_PREFIX) + 8
+        for key, _ in self._scan(self._db, keys.DEDUP_EXPIRY_PREFIX):
+            if key >= bound:
+                break
+            batch.delete(key, meta)
+            batch.delete(keys.DEDUP_PREFIX + key[start:], meta)
+        batch.put(keys.META_DEDUP_PRUNED, keys.u64(period), meta)
+        return period
 
     def _route(self, topic: str, new_edges: list[tuple[int, str, int]]) -> tuple[bytes, tuple[bytes, ...], int]:
         learned = self.trie.learn(topic.split("/"), new_edges)
