@@ -13,7 +13,7 @@ import inspect
 import logging
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import descriptor as protobuf_descriptor
@@ -33,12 +33,32 @@ class _Malformed:
         self.err = err
 
 
-def _parser(cls: type[protobuf_message.Message]) -> Callable[[bytes], Any]:
+class _WithRaw:
+    """A parsed request and the bytes it was parsed from."""
+
+    __slots__ = ("parsed", "raw")
+
+    def __init__(self, parsed: Any, raw: bytes) -> None:
+        self.parsed = parsed
+        self.raw = raw
+
+
+T = TypeVar("T", bound=Callable[..., Any])
+
+
+def takes_raw_request(method: T) -> T:
+    """Mark a service method that takes ``(request, raw)``: the parsed request and its bytes."""
+    method.takes_raw_request = True  # type: ignore[attr-defined]
+    return method
+
+
+def _parser(cls: type[protobuf_message.Message], keep_raw: bool) -> Callable[[bytes], Any]:
     def parse(raw: bytes) -> Any:
         try:
-            return cls.FromString(raw)
+            parsed = cls.FromString(raw)
         except Exception as err:  # DecodeError, or a RuntimeError from upb
             return _Malformed(cls.DESCRIPTOR.full_name, err)
+        return _WithRaw(parsed, raw) if keep_raw else parsed
 
     return parse
 
@@ -49,7 +69,8 @@ def _serialize(response: Any) -> bytes:
 
 def _unary(method: Callable[..., Any], request_cls: type[protobuf_message.Message]) -> grpc.RpcMethodHandler:
     name = method.__name__
-    wants_context = len(inspect.signature(method).parameters) >= 2
+    keep_raw = getattr(method, "takes_raw_request", False)
+    wants_context = not keep_raw and len(inspect.signature(method).parameters) >= 2
 
     def handle(request: Any, context: grpc.ServicerContext) -> Any:
         try:
@@ -59,6 +80,8 @@ def _unary(method: Callable[..., Any], request_cls: type[protobuf_message.Messag
                     f"request is not a valid {request.type_name} ({request.err}); "
                     "string fields such as topics must be valid UTF-8",
                 )
+            if keep_raw:
+                return method(request.parsed, request.raw)
             return method(request, context) if wants_context else method(request)
         except MqdsError as err:
             context.abort_with_status(errors.to_status(err))
@@ -67,7 +90,7 @@ def _unary(method: Callable[..., Any], request_cls: type[protobuf_message.Messag
             context.abort_with_status(errors.to_status(errors.error(Reason.INTERNAL, f"{name} failed: {err}")))
 
     return grpc.unary_unary_rpc_method_handler(
-        handle, request_deserializer=_parser(request_cls), response_serializer=_serialize
+        handle, request_deserializer=_parser(request_cls, keep_raw), response_serializer=_serialize
     )
 
 

@@ -23,10 +23,11 @@ from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_filter, validate_topic
+from mqds.server.api.handlers import takes_raw_request
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.group import PendingRead, Proposal
 from mqds.server.storage import GenerationInfo, IteratorDecodeError, IteratorState
-from mqds.server.storage.shard import encode_messages, repeated_field
+from mqds.server.storage.shard import encode_messages, repeated_field, varint
 from mqds.v1 import storage_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,35 @@ _END_OF_STREAM = b"\x18\x01"  # NextResponse.end_of_stream = true
 
 
 MAX_PRODUCER_ID_BYTES = 128
+
+_STORE_TAG = b"\x0a"  # VnodeCommand.store, field 1, length-delimited
+_NOW_US_TAG = b"\x28"  # StoreMessages.now_us, field 5, varint
+_POSITION_TAG = b"\x0a"  # StoreBatchResponse.positions, field 1, length-delimited
+
+
+def positions_bytes(shard: int, first: int, count: int) -> bytes:
+    """An encoded StoreBatchResponse for ``count`` messages stored in ``shard`` from timestamp ``first`` on.
+
+    Built without a protobuf object per message: consecutive timestamps share
+    every varint byte but the first within each run of 128.
+    """
+    head = (b"\x08" + varint(shard) if shard else b"") + b"\x10"
+    out: list[bytes] = []
+    ts, end = first, first + count
+    while ts < end:
+        high = ts >> 7
+        stop = min(end, (high + 1) << 7)
+        if high == 0:
+            out.extend(_POSITION_TAG + varint(len(head) + len(varint(t))) + head + varint(t) for t in range(ts, stop))
+        else:
+            tail = varint(high)
+            lead = _POSITION_TAG + varint(len(head) + 1 + len(tail)) + head
+            out.extend(lead + _LOW7[t & 0x7F] + tail for t in range(ts, stop))
+        ts = stop
+    return b"".join(out)
+
+
+_LOW7 = [bytes((0x80 | low,)) for low in range(128)]
 
 
 def now_us() -> int:
@@ -179,7 +209,9 @@ class StorageService:
 
     # -- RPCs ----------------------------------------------------------------
 
-    def StoreBatch(self, request: pb.StoreBatchRequest) -> pb.StoreBatchResponse:
+    @takes_raw_request
+    def StoreBatch(self, request: pb.StoreBatchRequest, raw: bytes | None = None) -> pb.StoreBatchResponse | bytes:
+        """Store a batch; ``raw`` (the request's bytes) lets a single-shard batch be logged as it came."""
         messages = request.messages
         if len(messages) > self.max_batch_messages:
             raise errors.error(
@@ -197,6 +229,9 @@ class StorageService:
                 raise errors.error(Reason.INVALID_REQUEST, "sequence must be 1 or more when producer_id is set")
         n_shards = self.shards.n_shards
         max_payload = self.max_payload_bytes
+        # No payload can be over the limit when the whole request is not.
+        check_payload = raw is None or len(raw) > max_payload
+        as_sent = raw is not None
         by_shard: dict[int, list[int]] = {}
         shard_cache: dict[str, int] = {}
         for index, message in enumerate(messages):
@@ -212,8 +247,8 @@ class StorageService:
                 or "+" in topic
                 or "#" in topic
                 or "\x00" in topic
-                or len(message.payload) > max_payload
                 or message.qos > 2
+                or (check_payload and len(message.payload) > max_payload)
             ):
                 self._check_message(index, message)
             if shard is None:
@@ -221,27 +256,36 @@ class StorageService:
             if message.timestamp_us or message.shard:
                 message.ClearField("timestamp_us")
                 message.ClearField("shard")
+                as_sent = False
             by_shard.setdefault(shard, []).append(index)
         now = self.clock()
         order = sorted(by_shard)
         commands = []
-        for shard in order:
-            cmd = cpb.VnodeCommand()
-            store = cmd.store
-            store.now_us = now
-            if producer:
-                store.producer_id = producer
-                store.sequence = request.sequence
-            indexes = by_shard[shard]
-            if len(order) == 1:
-                store.messages.extend(messages)
-            else:
-                store.messages.extend([messages[i] for i in indexes])
-            commands.append((shard, cmd.SerializeToString()))
+        if len(order) == 1 and as_sent and raw is not None:
+            # StoreMessages is wire-compatible with the request: its bytes
+            # plus now_us are the command (see commands.proto).
+            inner = raw + _NOW_US_TAG + varint(now)
+            commands.append((order[0], _STORE_TAG + varint(len(inner)) + inner))
+        else:
+            for shard in order:
+                cmd = cpb.VnodeCommand()
+                store = cmd.store
+                store.now_us = now
+                if producer:
+                    store.producer_id = producer
+                    store.sequence = request.sequence
+                indexes = by_shard[shard]
+                if len(order) == 1:
+                    store.messages.extend(messages)
+                else:
+                    store.messages.extend([messages[i] for i in indexes])
+                commands.append((shard, cmd.SerializeToString()))
         results = self._propose_each(commands)
         failed = [(shard, r) for shard, r in zip(order, results, strict=True) if isinstance(r, MqdsError)]
         if len(failed) == len(order):
             raise failed[0][1]
+        if len(order) == 1:
+            return positions_bytes(order[0], results[0], len(messages))
         timestamps = [0] * len(messages)
         shards = [0] * len(messages)
         for shard, first in zip(order, results, strict=True):

@@ -19,16 +19,16 @@ class VnodeCommand(_message.Message):
     def __init__(self, store: _Optional[_Union[StoreMessages, _Mapping]] = ..., add_generation: _Optional[_Union[AddGeneration, _Mapping]] = ..., drop_generation: _Optional[_Union[DropGeneration, _Mapping]] = ...) -> None: ...
 
 class StoreMessages(_message.Message):
-    __slots__ = ("now_us", "messages", "producer_id", "sequence")
-    NOW_US_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("messages", "producer_id", "sequence", "now_us")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
-    now_us: int
+    NOW_US_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[_storage_pb2.Message]
     producer_id: str
     sequence: int
-    def __init__(self, now_us: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[_storage_pb2.Message, _Mapping]]] = ..., producer_id: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
+    now_us: int
+    def __init__(self, messages: _Optional[_Iterable[_Union[_storage_pb2.Message, _Mapping]]] = ..., producer_id: _Optional[str] = ..., sequence: _Optional[int] = ..., now_us: _Optional[int] = ...) -> None: ...
 
 class AddGeneration(_message.Message):
     __slots__ = ("now_us", "if_current")
