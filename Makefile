@@ -7,18 +7,21 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 # Tests that start processes use loopback ports; PYTEST_ARGS narrows a run.
 PYTEST_ARGS ?=
+# The long fault-injection run; override with CHAOS_ARGS="--duration 600 --seed 7".
+CHAOS_ARGS ?= --duration 1800 --nodes 5 --nemesis mix --report-json chaos-report.json
 
 .PHONY: help install lint test test-unit test-integration chaos proto bench-storage bench-cluster demo server cluster clean
 
 help:
-	@echo "make demo            set up, start a local node, store and replay messages, stop"
+	@echo "make demo            set up, start a local 3-node cluster, publish, kill a leader, replay, check, stop"
 	@echo "make test            set up, lint (ruff, mypy), check generated code, run the tests"
 	@echo "make lint            ruff and mypy only"
 	@echo "make bench-storage   storage-layer benchmark: 1,000,000 messages vs raw rocksdict"
 	@echo "make bench-cluster   replicated writes: 3 nodes x 3 replicas vs 1 node, failover time"
 	@echo "make server          run one node in the foreground on 127.0.0.1:7101 (data in ./data/n1)"
+	@echo "make cluster         start a local 3-node cluster in the background on 127.0.0.1:7101-7103 (data in ./data/cluster)"
 	@echo "make proto           regenerate client/mqds/v1 from proto/"
-	@echo "make chaos           long fault-injection runs (pytest -m chaos)"
+	@echo "make chaos           the long fault-injection run: 30 min, 5 nodes, every nemesis (CHAOS_ARGS=...)"
 	@echo "make clean           remove .venv and caches"
 
 $(STAMP): pyproject.toml client/pyproject.toml
@@ -32,7 +35,7 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check client server tests proto chaos
 	$(BIN)/ruff format --check client server tests proto chaos
-	$(BIN)/mypy -p mqds.protocol -p mqds.client -p mqds.server -m mqds.cli
+	$(BIN)/mypy -p mqds.protocol -p mqds.client -p mqds.server -p mqds.cli -p mqds.chaos -m mqds.bench
 
 test: lint
 	$(BIN)/python proto/generate.py --check
@@ -44,8 +47,10 @@ test-unit: $(STAMP)
 test-integration: $(STAMP)
 	$(BIN)/python -m pytest -m integration $(PYTEST_ARGS)
 
+# The long chaos run (python -m mqds.chaos --help for the options); run as root
+# for real network partitions. The short run is part of make test.
 chaos: $(STAMP)
-	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)
+	$(BIN)/python -m mqds.chaos $(CHAOS_ARGS)
 
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py
@@ -58,6 +63,10 @@ bench-cluster: $(STAMP)
 
 server: $(STAMP)
 	$(BIN)/mqds-server --node-id n1 --listen 127.0.0.1:7101 --data-dir data/n1
+
+# Stop it with: .venv/bin/mqds cluster down --data-dir data/cluster
+cluster: $(STAMP)
+	$(BIN)/mqds cluster up --data-dir data/cluster
 
 demo: $(STAMP)
 	$(BIN)/python -m mqds.server.demo

@@ -53,3 +53,13 @@ def test_client_in_a_fresh_venv_talks_to_a_node(tmp_path: Path, server: ServerPr
     run = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[b'hi']"
+    # The command line comes with the client; the commands that run nodes say what they need.
+    mqds = str(env_dir / "bin" / "mqds")
+    replay = subprocess.run(
+        [mqds, "--endpoints", server.address, "replay", "from/#"], capture_output=True, text=True, timeout=120
+    )
+    assert replay.returncode == 0 and "  hi  " in replay.stdout, replay.stderr
+    up = subprocess.run(
+        [mqds, "cluster", "up", "--data-dir", str(tmp_path / "c")], capture_output=True, text=True, timeout=120
+    )
+    assert up.returncode == 1 and "needs the server package" in up.stderr and "Traceback" not in up.stderr

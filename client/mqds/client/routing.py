@@ -6,10 +6,15 @@ once; a node that cannot be reached, or a shard without a leader, triggers a
 refresh from every known node; and concurrent callers that need a refresh
 share one (the first does it, the others wait for its result).
 
-:meth:`Router.call` runs one request against a shard's leader (or any
-replica) and retries what is worth retrying (NOT_LEADER, NO_LEADER, an
-unreachable node) with exponential backoff and jitter until the caller's
-deadline.
+Everything here except :class:`Router` does no I/O, and is shared by the
+synchronous client and the asyncio one (:mod:`mqds.client.aio`): the map and
+how it is patched (:class:`RoutingTable`), one refresh of it
+(:class:`MapRefresh`), and the retry rules of a call to one shard
+(:class:`ShardRetry`) or to several at once (:class:`Fanout`): what to retry
+(NOT_LEADER, NO_LEADER, an unreachable node), when to refresh the map, and
+the exponential backoff with jitter until the caller's deadline. Each client
+only runs the requests and waits: :class:`Router` with threads, the asyncio
+router with tasks.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
 
+from mqds.client.connection import ConnectionSettings
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.v1 import cluster_pb2 as clpb
@@ -39,6 +45,10 @@ T = TypeVar("T")
 # failure always allows one).
 _MIN_REFRESH_INTERVAL_S = 0.1
 
+# Errors after which the node asked may be down: try another replica, refresh.
+_UNREACHABLE = (Reason.UNAVAILABLE, Reason.SHUTTING_DOWN, Reason.DEADLINE_EXCEEDED)
+_REDIRECTS = (Reason.NOT_LEADER, Reason.NOT_HOSTED)
+
 
 @dataclass
 class Backoff:
@@ -48,7 +58,7 @@ class Backoff:
     max_s: float = 1.0
     multiplier: float = 2.0
 
-    def delays(self) -> Any:
+    def delays(self) -> Iterator[float]:
         delay = self.initial_s
         while True:
             yield random.uniform(0, delay)
@@ -80,30 +90,332 @@ class ClusterView:
             if v.leader and v.term >= self.leaders.get(v.shard, (-1, ""))[0]:
                 self.leaders[v.shard] = (v.term, v.leader)
 
+    def to_pb(self) -> clpb.ClusterMap:
+        """The view as a ``ClusterMap`` (what ``Client.cluster_map`` returns)."""
+        cmap = clpb.ClusterMap(
+            cluster_id=self.cluster_id, n_shards=self.n_shards, version=self.version, meta_leader=self.meta_leader
+        )
+        for node_id, address in sorted(self.addresses.items()):
+            cmap.nodes.add(id=node_id, address=address)
+        for shard in range(self.n_shards):
+            term, leader = self.leaders.get(shard, (0, ""))
+            cmap.vnodes.add(shard=shard, replicas=self.replicas.get(shard, []), leader=leader, term=term)
+        return cmap
+
+
+class RoutingTable:
+    """The seeds and the cluster view, patched from errors and refreshes; safe to share between threads."""
+
+    def __init__(self, seeds: Sequence[str]) -> None:
+        self.seeds = list(seeds)
+        self.view = ClusterView()
+        self.refreshed_at = 0.0
+        self._lock = threading.Lock()
+
+    def known_addresses(self) -> list[str]:
+        with self._lock:
+            return sorted(set(self.seeds) | set(self.view.addresses.values()))
+
+    def leader_of(self, shard: int) -> str | None:
+        """The address of the shard's leader (or, without a known leader, its first replica)."""
+        with self._lock:
+            view = self.view
+            leader = view.leaders.get(shard)
+            node = leader[1] if leader else next(iter(view.replicas.get(shard, [])), None)
+            return view.addresses.get(node) if node else None
+
+    def replica_addresses(self, shard: int) -> list[str]:
+        with self._lock:
+            return [self.view.addresses[n] for n in self.view.replicas.get(shard, []) if n in self.view.addresses]
+
+    def address_for(self, shard: int | None, *, any_replica: bool = False, attempt: int = 0) -> str:
+        """Where to send a request for ``shard``: its leader, or (``any_replica``) its replicas in turn."""
+        if shard is None:
+            return self.known_addresses()[0]
+        if any_replica:
+            candidates = self.replica_addresses(shard) or self.known_addresses()
+            return candidates[attempt % len(candidates)]
+        return self.leader_of(shard) or self.known_addresses()[0]
+
+    def learn(self, err: MqdsError, shard: int | None) -> bool:
+        """Patch the map from a NOT_LEADER hint; True when it named a leader."""
+        leader = err.metadata.get("leader")
+        if not leader or shard is None:
+            return False
+        address = err.metadata.get("leader_address")
+        with self._lock:
+            if address:
+                self.view.addresses[leader] = address
+            term = self.view.leaders.get(shard, (0, ""))[0]
+            self.view.leaders[shard] = (term, leader)
+        return True
+
+    def forget_leader(self, shard: int) -> None:
+        with self._lock:
+            self.view.leaders.pop(shard, None)
+
+    def merge(self, maps: Iterable[clpb.ClusterMap]) -> None:
+        with self._lock:
+            for cmap in maps:
+                self.view.merge(cmap)
+
+    def cluster_map(self) -> clpb.ClusterMap:
+        with self._lock:
+            return self.view.to_pb()
+
+    def can_share_refresh(self, started: float, force: bool) -> bool:
+        """Whether a caller that wanted a refresh at ``started`` can use the map as it is now.
+
+        True when a refresh finished after ``started`` (someone refreshed
+        while this caller waited its turn) or, unless ``force``, a moment
+        before it.
+        """
+        if self.view.version < 0:
+            return False
+        if self.refreshed_at >= started:
+            return True
+        return not force and self.refreshed_at >= started - _MIN_REFRESH_INTERVAL_S
+
+
+class MapRefresh:
+    """One refresh: ask every known node for its map, then the nodes those maps name, and merge the answers.
+
+    >>> table = RoutingTable(["a:1"])
+    >>> refresh = MapRefresh(table)
+    >>> refresh.next_addresses()
+    ['a:1']
+    >>> refresh.answer("a:1", None, "connection refused")
+    >>> refresh.next_addresses()
+    []
+    >>> refresh.finish()
+    Traceback (most recent call last):
+    mqds.protocol.errors.UnavailableError: UNAVAILABLE: no mqds node answered at a:1 (a:1: connection refused)
+    """
+
+    def __init__(self, table: RoutingTable) -> None:
+        self.table = table
+        self._asked: set[str] = set()
+        self._answered = 0
+        self._failures: dict[str, str] = {}
+
+    def next_addresses(self) -> list[str]:
+        """The nodes to ask next (all at once); empty when every known node was asked."""
+        addresses = [a for a in self.table.known_addresses() if a not in self._asked]
+        self._asked.update(addresses)
+        return addresses
+
+    def answer(self, address: str, cmap: clpb.ClusterMap | None, failure: str = "") -> None:
+        """What ``address`` answered: its map, or None and why not."""
+        if cmap is None:
+            self._failures[address] = failure
+            return
+        self._answered += 1
+        self.table.merge([cmap])
+
+    def finish(self) -> ClusterView:
+        """The refreshed view; UNAVAILABLE, with each node's failure, when no node answered."""
+        if not self._answered:
+            why = "; ".join(f"{a}: {f}" for a, f in sorted(self._failures.items()) if f)
+            raise errors.error(
+                Reason.UNAVAILABLE,
+                f"no mqds node answered at {', '.join(sorted(self._asked))}" + (f" ({why})" if why else ""),
+            )
+        self.table.refreshed_at = time.monotonic()
+        return self.table.view
+
+
+class ShardRetry:
+    """The retry rules of one call to a shard's leader (or any replica); the caller does the I/O.
+
+    ``next_attempt`` says where to send and how long is left; after a
+    failure, ``failed`` raises the error when retrying cannot help and
+    otherwise says whether to refresh the map before the next attempt (False
+    when a NOT_LEADER hint already named the leader); then ``backoff_s``
+    gives the pause, or raises the error when the deadline would pass first.
+    ``retry_unavailable=False`` gives up on an unreachable node (for writes
+    whose first attempt may have been applied).
+    """
+
+    def __init__(
+        self,
+        table: RoutingTable,
+        shard: int | None,
+        deadline: float,
+        backoff: Backoff,
+        *,
+        any_replica: bool = False,
+        retry_unavailable: bool = True,
+    ) -> None:
+        self.table = table
+        self.shard = shard
+        self.deadline = deadline
+        self.any_replica = any_replica
+        self.retry_unavailable = retry_unavailable
+        self._delays = backoff.delays()
+        self._tried_replicas = 0
+
+    def next_attempt(self) -> tuple[str, float]:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise errors.error(Reason.DEADLINE_EXCEEDED, "the call did not succeed before its deadline")
+        address = self.table.address_for(self.shard, any_replica=self.any_replica, attempt=self._tried_replicas)
+        return address, remaining
+
+    def failed(self, err: MqdsError) -> bool:
+        if not err.retriable:
+            raise err
+        if err.reason in _UNREACHABLE:
+            if not self.retry_unavailable:
+                raise err
+            self._tried_replicas += 1
+            if self.shard is not None:
+                self.table.forget_leader(self.shard)
+        elif err.reason in _REDIRECTS:
+            if self.table.learn(err, self.shard):
+                return False
+        elif self.shard is not None:  # NO_LEADER, OVERLOADED, ...
+            self.table.forget_leader(self.shard)
+        return True
+
+    def backoff_s(self, err: MqdsError) -> float:
+        delay = next(self._delays)
+        if time.monotonic() + delay >= self.deadline:
+            raise err
+        return delay
+
+
+class ShardFailures(MqdsError):
+    """Raised inside a per-leader call: these shards failed, the call's other shards succeeded."""
+
+    def __init__(self, failed: dict[int, MqdsError]) -> None:
+        first = next(iter(failed.values()))
+        super().__init__(first.reason, first.message, first.metadata)
+        self.errors = failed
+
+
+class Fanout:
+    """The retry rules of a call that touches several shards; the caller does the I/O.
+
+    Each round sends one request per node that leads some of the pending
+    shards (or, with ``stale_ok``, hosts them), in parallel: ``next_round``
+    gives the groups and the time left, ``failed`` records a group's (or,
+    through :class:`ShardFailures`, some shards') failure, and ``end_round``
+    decides what is retried: shards that failed retriably are regrouped by
+    their (new) leaders; without a leader hint the map is refreshed and the
+    caller backs off (``backoff_s``) first. Shards that cannot succeed end in
+    ``failures`` with their final error (DEADLINE_EXCEEDED, or the last
+    retriable error, once the deadline passes).
+    """
+
+    def __init__(
+        self, table: RoutingTable, shards: Iterable[int], deadline: float, backoff: Backoff, *, stale_ok: bool = False
+    ) -> None:
+        self.table = table
+        self.deadline = deadline
+        self.stale_ok = stale_ok
+        self.pending = sorted(set(shards))
+        self.failures: dict[int, MqdsError] = {}
+        self._delays = backoff.delays()
+        self._failed: dict[int, MqdsError] = {}
+
+    def next_round(self) -> tuple[dict[str, list[int]], float] | None:
+        """The next round's requests (address -> shards) and the time left; None when nothing is left to try."""
+        if not self.pending:
+            return None
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            timeout = errors.error(Reason.DEADLINE_EXCEEDED, "the call did not succeed before its deadline")
+            self.failures.update((shard, timeout) for shard in self.pending)
+            self.pending = []
+            return None
+        groups: dict[str, list[int]] = {}
+        for shard in self.pending:
+            if self.stale_ok:
+                address = (self.table.replica_addresses(shard) or self.table.known_addresses())[0]
+            else:
+                address = self.table.leader_of(shard) or self.table.known_addresses()[0]
+            groups.setdefault(address, []).append(shard)
+        self._failed = {}
+        return groups, remaining
+
+    def failed(self, group: Sequence[int], err: MqdsError) -> None:
+        """A request of this round failed: for all of ``group``, or for the shards a ShardFailures names."""
+        if isinstance(err, ShardFailures):
+            self._failed.update(err.errors)
+        else:
+            self._failed.update((shard, err) for shard in group)
+
+    def end_round(self) -> bool:
+        """Settle the round's failures; True when the caller must refresh the map and back off before the next."""
+        retry: list[int] = []
+        hinted = True
+        for problem, shards in _by_error(self._failed).items():
+            if not problem.retriable:
+                self.failures.update((shard, problem) for shard in shards)
+                continue
+            retry.extend(shards)
+            shard_hint = problem.metadata.get("shard")
+            if shard_hint is not None and self.table.learn(problem, int(shard_hint)):
+                continue
+            # No usable hint: forget the leaders, refresh the map and back off.
+            for shard in shards:
+                self.table.forget_leader(shard)
+            hinted = False
+        self.pending = sorted(retry)
+        return bool(self.pending) and not hinted
+
+    def backoff_s(self) -> float | None:
+        """The pause before the next round; None (the pending shards failed) when the deadline would pass."""
+        delay = next(self._delays)
+        if time.monotonic() + delay >= self.deadline:
+            self.failures.update((shard, self._failed[shard]) for shard in self.pending)
+            self.pending = []
+            return None
+        return delay
+
+
+def _by_error(failed: dict[int, MqdsError]) -> dict[MqdsError, list[int]]:
+    grouped: dict[MqdsError, list[int]] = {}
+    for shard, err in failed.items():
+        grouped.setdefault(err, []).append(shard)
+    return grouped
+
 
 class Router:
-    """Channels to every node, the cluster map, and calls that find the right node."""
+    """Channels to every node, the cluster map, and calls that find the right node (blocking I/O, threads).
+
+    ``settings`` give the channels' TLS, keepalive and size limits, and the
+    metadata (auth token) every call carries; ``channel_options`` adds or
+    overrides raw gRPC channel arguments.
+    """
 
     def __init__(
         self,
         seeds: Sequence[str],
         *,
-        channel_options: list[tuple[str, Any]],
-        credentials: grpc.ChannelCredentials | None = None,
-        metadata: Sequence[tuple[str, str]] = (),
+        settings: ConnectionSettings | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
         backoff: Backoff | None = None,
     ) -> None:
-        self.seeds = list(seeds)
-        self._options = channel_options
-        self._credentials = credentials
-        self.metadata = list(metadata)
+        self.settings = settings or ConnectionSettings()
+        self.table = RoutingTable(seeds)
         self.backoff = backoff or Backoff()
-        self.view = ClusterView()
+        self.metadata = list(self.settings.call_metadata())
+        # Read the PEM files now: a missing or bad one fails the constructor.
+        self._credentials = self.settings.channel_credentials()
+        self._options = list({**dict(self.settings.channel_options()), **dict(channel_options)}.items())
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._refresh_lock = threading.Lock()
-        self._refreshed_at = 0.0
         self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="mqds-client")
+
+    @property
+    def seeds(self) -> list[str]:
+        return self.table.seeds
+
+    @property
+    def view(self) -> ClusterView:
+        return self.table.view
 
     # -- channels --------------------------------------------------------------
 
@@ -111,10 +423,7 @@ class Router:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                if self._credentials is not None:
-                    channel = grpc.secure_channel(address, self._credentials, options=self._options)
-                else:
-                    channel = grpc.insecure_channel(address, options=self._options)
+                channel = self.settings.open_channel(address, self._credentials, self._options)
                 self._channels[address] = channel
             return channel
 
@@ -137,87 +446,60 @@ class Router:
     # -- the map ---------------------------------------------------------------
 
     def known_addresses(self) -> list[str]:
-        with self._lock:
-            return sorted(set(self.seeds) | set(self.view.addresses.values()))
+        return self.table.known_addresses()
+
+    def leader_of(self, shard: int) -> str | None:
+        return self.table.leader_of(shard)
+
+    def replica_addresses(self, shard: int) -> list[str]:
+        return self.table.replica_addresses(shard)
+
+    def learn(self, err: MqdsError, shard: int | None) -> bool:
+        """Patch the map from a NOT_LEADER hint; True when it named a leader."""
+        return self.table.learn(err, shard)
+
+    def forget_leader(self, shard: int) -> None:
+        self.table.forget_leader(shard)
 
     def refresh(self, timeout_s: float = 5.0, force: bool = False) -> ClusterView:
         """Ask every known node for its map and merge them; one refresh shared by concurrent callers."""
         started = time.monotonic()
         with self._refresh_lock:
-            if self.view.version >= 0:
-                # Someone refreshed while we waited for the lock, or (unless
-                # forced) a moment ago: share their result.
-                if self._refreshed_at >= started:
-                    return self.view
-                if not force and self._refreshed_at >= started - _MIN_REFRESH_INTERVAL_S:
-                    return self.view
-            asked: set[str] = set()
-            answered = 0
-            # Ask every node known; the answers may name nodes not known
-            # before (a seed list of one node), so ask those too.
-            while True:
-                addresses = [a for a in self.known_addresses() if a not in asked]
-                if not addresses:
-                    break
-                asked.update(addresses)
-                pending = {self.submit(self._fetch_map, a, timeout_s): a for a in addresses}
-                maps = []
-                for done in futures.as_completed(pending, timeout=timeout_s + 1):
-                    cmap = done.result()
-                    if cmap is not None:
-                        maps.append(cmap)
-                answered += len(maps)
-                with self._lock:
-                    for cmap in maps:
-                        self.view.merge(cmap)
-            if not answered:
-                raise errors.error(
-                    Reason.UNAVAILABLE, f"no mqds node answered at {', '.join(sorted(asked))}; is the cluster running?"
-                )
-            self._refreshed_at = time.monotonic()
-            return self.view
+            if self.table.can_share_refresh(started, force):
+                return self.table.view
+            refresh = MapRefresh(self.table)
+            # The answers may name nodes not known before (a seed list of
+            # one node): ask those too.
+            while addresses := refresh.next_addresses():
+                jobs = {self.submit(self._fetch_map, a, timeout_s): a for a in addresses}
+                # gRPC's deadline ends each fetch; the wait is bounded anyway.
+                finished, _ = futures.wait(jobs, timeout=timeout_s + 1)
+                for job, address in jobs.items():
+                    if job in finished:
+                        refresh.answer(address, *job.result())
+                    else:
+                        refresh.answer(address, None, "no answer in time")
+            return refresh.finish()
 
-    def _fetch_map(self, address: str, timeout_s: float) -> clpb.ClusterMap | None:
+    def _fetch_map(self, address: str, timeout_s: float) -> tuple[clpb.ClusterMap | None, str]:
         try:
             return self.cluster(address).GetClusterMap(
                 clpb.GetClusterMapRequest(), timeout=timeout_s, metadata=self.metadata
-            )
+            ), ""
         except grpc.RpcError as err:
             log.debug("cluster map from %s failed: %s", address, err.code())
-            return None
+            return None, self.settings.describe_failure(err)
 
     def ensure_map(self, timeout_s: float) -> ClusterView:
-        if self.view.version < 0:
+        if self.table.view.version < 0:
             self.refresh(timeout_s)
-        return self.view
+        return self.table.view
 
-    def leader_of(self, shard: int) -> str | None:
-        with self._lock:
-            view = self.view
-            leader = view.leaders.get(shard)
-            node = leader[1] if leader else next(iter(view.replicas.get(shard, [])), None)
-            return view.addresses.get(node) if node else None
-
-    def replica_addresses(self, shard: int) -> list[str]:
-        with self._lock:
-            return [self.view.addresses[n] for n in self.view.replicas.get(shard, []) if n in self.view.addresses]
-
-    def learn(self, err: MqdsError, shard: int | None) -> bool:
-        """Patch the map from a NOT_LEADER hint; True when it named a leader."""
-        leader = err.metadata.get("leader")
-        if not leader or shard is None:
-            return False
-        address = err.metadata.get("leader_address")
-        with self._lock:
-            if address:
-                self.view.addresses[leader] = address
-            term = self.view.leaders.get(shard, (0, ""))[0]
-            self.view.leaders[shard] = (term, leader)
-        return True
-
-    def forget_leader(self, shard: int) -> None:
-        with self._lock:
-            self.view.leaders.pop(shard, None)
+    def refresh_quietly(self, remaining: float) -> None:
+        try:
+            self.refresh(min(2.0, max(remaining, 0.1)), force=True)
+        except MqdsError as err:
+            log.debug("map refresh failed: %s", err)
 
     # -- calls -------------------------------------------------------------------
 
@@ -233,50 +515,18 @@ class Router:
         """Run ``attempt(address, timeout_s)`` against the shard's leader until it works or the deadline passes.
 
         ``attempt`` raises MqdsError; retriable ones are retried (with the
-        map patched or refreshed first), others go to the caller.
-        ``retry_unavailable=False`` gives up on an unreachable node (for
-        writes whose first attempt may have been applied).
+        map patched or refreshed first, see :class:`ShardRetry`), others go
+        to the caller.
         """
-        delays = self.backoff.delays()
-        tried_replicas = 0
+        retry = ShardRetry(
+            self.table, shard, deadline, self.backoff, any_replica=any_replica, retry_unavailable=retry_unavailable
+        )
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise errors.error(Reason.DEADLINE_EXCEEDED, "the call did not succeed before its deadline")
-            if shard is None:
-                address = self.known_addresses()[0]
-            elif any_replica:
-                candidates = self.replica_addresses(shard) or self.known_addresses()
-                address = candidates[tried_replicas % len(candidates)]
-            else:
-                address = self.leader_of(shard) or self.known_addresses()[0]
+            address, remaining = retry.next_attempt()
             try:
                 return attempt(address, remaining)
             except MqdsError as err:
-                if not err.retriable or (err.reason is Reason.DEADLINE_EXCEEDED and not retry_unavailable):
-                    raise
-                if err.reason in (Reason.UNAVAILABLE, Reason.SHUTTING_DOWN, Reason.DEADLINE_EXCEEDED):
-                    if not retry_unavailable:
-                        raise
-                    tried_replicas += 1
-                    if shard is not None:
-                        self.forget_leader(shard)
-                    self.refresh_quietly(remaining)
-                elif err.reason in (Reason.NOT_LEADER, Reason.NOT_HOSTED):
-                    if self.learn(err, shard):
-                        continue
-                    self.refresh_quietly(remaining)
-                else:  # NO_LEADER, OVERLOADED, ...
-                    if shard is not None:
-                        self.forget_leader(shard)
-                    self.refresh_quietly(remaining)
-                delay = next(delays)
-                if time.monotonic() + delay >= deadline:
-                    raise
-                time.sleep(delay)
-
-    def refresh_quietly(self, remaining: float) -> None:
-        try:
-            self.refresh(min(2.0, max(remaining, 0.1)), force=True)
-        except MqdsError as err:
-            log.debug("map refresh failed: %s", err)
+                if not retry.failed(err):
+                    continue
+                self.refresh_quietly(remaining)
+                time.sleep(retry.backoff_s(err))

@@ -78,7 +78,7 @@ class GetNodeStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("group", "role", "term", "leader", "commit_index", "applied_index", "last_log_index", "log_entries", "log_bytes", "members", "follower_lag", "snapshots_installed", "last_applied", "match_index")
+    __slots__ = ("group", "role", "term", "leader", "commit_index", "applied_index", "last_log_index", "log_entries", "log_bytes", "members", "follower_lag", "snapshots_installed", "last_applied", "match_index", "generations")
     class FollowerLagEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class ReplicaStatus(_message.Message):
     SNAPSHOTS_INSTALLED_FIELD_NUMBER: _ClassVar[int]
     LAST_APPLIED_FIELD_NUMBER: _ClassVar[int]
     MATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     group: int
     role: RaftRole
     term: int
@@ -121,7 +122,8 @@ class ReplicaStatus(_message.Message):
     snapshots_installed: int
     last_applied: int
     match_index: _containers.ScalarMap[str, int]
-    def __init__(self, group: _Optional[int] = ..., role: _Optional[_Union[RaftRole, str]] = ..., term: _Optional[int] = ..., leader: _Optional[str] = ..., commit_index: _Optional[int] = ..., applied_index: _Optional[int] = ..., last_log_index: _Optional[int] = ..., log_entries: _Optional[int] = ..., log_bytes: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., follower_lag: _Optional[_Mapping[str, int]] = ..., snapshots_installed: _Optional[int] = ..., last_applied: _Optional[int] = ..., match_index: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    generations: int
+    def __init__(self, group: _Optional[int] = ..., role: _Optional[_Union[RaftRole, str]] = ..., term: _Optional[int] = ..., leader: _Optional[str] = ..., commit_index: _Optional[int] = ..., applied_index: _Optional[int] = ..., last_log_index: _Optional[int] = ..., log_entries: _Optional[int] = ..., log_bytes: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., follower_lag: _Optional[_Mapping[str, int]] = ..., snapshots_installed: _Optional[int] = ..., last_applied: _Optional[int] = ..., match_index: _Optional[_Mapping[str, int]] = ..., generations: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("node_id", "address", "replicas", "dropped_raft_messages", "ready")

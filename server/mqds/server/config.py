@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import ssl
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,22 @@ class NodeConfig:
         "", "shared secret nodes present to each other on every internal call; required with peers unless dev_mode"
     )
     dev_mode: bool = _opt(False, "allow internal calls without a cluster_secret (development only)")
+    tls_cert_file: str = _opt(
+        "",
+        "PEM certificate (chain) of this node: with tls_key_file, the gRPC port serves TLS only, and the node "
+        "dials its peers with TLS, presenting this certificate; empty = plaintext",
+    )
+    tls_key_file: str = _opt("", "PEM private key of tls_cert_file")
+    tls_ca_file: str = _opt(
+        "",
+        "PEM CA certificate(s) that signed the nodes' certificates; the node checks its peers' certificates "
+        "against them. Empty = tls_client_ca_file when set, else the system's trusted roots",
+    )
+    tls_client_ca_file: str = _opt(
+        "",
+        "PEM CA certificate(s) for client certificates: when set, every client and peer must present a "
+        "certificate they signed (mutual TLS); empty = no client certificate required",
+    )
     raft_heartbeat_s: float = _opt(0.2, "how often a Raft leader sends heartbeats, in seconds")
     raft_election_timeout_s: float = _opt(
         1.0, "a follower that hears no leader for this long (to twice as long, at random) starts an election, seconds"
@@ -64,6 +81,11 @@ class NodeConfig:
         "0 = never",
     )
     fault_injection: bool = _opt(False, "accept InjectFault calls that drop Raft traffic (tests and chaos runs only)")
+    fault_clock_offset_s: float = _opt(
+        0.0,
+        "fault injection only (needs fault_injection): seconds added to this node's clock where it assigns "
+        "timestamps and runs the generation timer, to test clock skew; 0 = the real clock",
+    )
     generation_interval_s: float = _opt(
         3600.0, "start a new generation in each shard this many seconds after the current one began; 0 = never"
     )
@@ -103,6 +125,7 @@ class NodeConfig:
             )
         if not self.data_dir:
             raise ConfigError("data_dir must not be empty")
+        self._check_tls()
         positive = (
             "n_shards",
             "lts_threshold_top",
@@ -132,6 +155,8 @@ class NodeConfig:
         for name in ("generation_interval_s", "retention_period_s", "shutdown_grace_s", "leader_balance_interval_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be 0 or more, got {getattr(self, name)}")
+        if self.fault_clock_offset_s and not self.fault_injection:
+            raise ConfigError("fault_clock_offset_s skews the node's clock for chaos tests: it needs fault_injection")
         if self.n_shards > 4096:
             raise ConfigError(f"n_shards {self.n_shards} is more than the supported 4096")
         if self.max_payload_bytes + 65_536 > self.max_request_bytes:
@@ -142,6 +167,40 @@ class NodeConfig:
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level {self.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
         return self
+
+    @property
+    def tls(self) -> bool:
+        """True when the gRPC port serves TLS."""
+        return bool(self.tls_cert_file)
+
+    def _check_tls(self) -> None:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("tls_cert_file and tls_key_file go together: set both to serve TLS, or neither")
+        if not self.tls_cert_file:
+            for name in ("tls_ca_file", "tls_client_ca_file"):
+                if getattr(self, name):
+                    raise ConfigError(f"{name} needs TLS: set tls_cert_file and tls_key_file too")
+            return
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        for name in ("tls_cert_file", "tls_key_file", "tls_ca_file", "tls_client_ca_file"):
+            path = getattr(self, name)
+            if path and not os.access(path, os.R_OK):
+                raise ConfigError(f"{name} {path}: no such file, or not readable")
+        try:
+            context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
+        except ssl.SSLError as err:
+            raise ConfigError(
+                f"tls_cert_file {self.tls_cert_file} and tls_key_file {self.tls_key_file} are not a PEM "
+                f"certificate and its private key: {err.reason or err}"
+            ) from None
+        for name in ("tls_ca_file", "tls_client_ca_file"):
+            path = getattr(self, name)
+            if not path:
+                continue
+            try:
+                context.load_verify_locations(cafile=path)
+            except ssl.SSLError as err:
+                raise ConfigError(f"{name} {path} holds no PEM CA certificate: {err.reason or err}") from None
 
     @property
     def advertised(self) -> str:

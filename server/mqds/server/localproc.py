@@ -7,11 +7,22 @@ starts N real ``mqds-server`` processes on loopback that form one cluster,
 and answers who leads what, kills and restarts nodes, wipes their data,
 partitions them (through the nodes' fault-injection hook, which drops Raft
 traffic between the two sides), and checks that replicas converged.
+
+A cluster can also outlive the program that started it (``mqds cluster up``):
+:meth:`LocalCluster.up` starts the nodes detached (their own session, so a
+Ctrl-C in the terminal does not reach them) and records ids, ports, pids,
+arguments and the cluster secret in ``<dir>/cluster.json``;
+:meth:`LocalCluster.load` reads it back in a later program, which then
+stops, kills and restarts the nodes by pid. A recorded pid counts only while
+its process still runs ``mqds-server`` on that data directory, so a recycled
+pid is never signalled.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -26,7 +37,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mqds.client import Client
+from mqds.client import Client, ConnectionSettings
 from mqds.server.raft.group import META_GROUP
 from mqds.server.raft.transport import NODE_HEADER, SECRET_HEADER
 from mqds.server.raft.v1 import raft_pb2 as rpb
@@ -36,7 +47,24 @@ from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 
 T = TypeVar("T")
 
-SERVER = str(Path(sys.executable).with_name("mqds-server"))
+
+def _server_executable() -> str:
+    """``mqds-server`` beside this Python (a virtualenv's bin/), else the one on PATH."""
+    sibling = Path(sys.executable).with_name("mqds-server")
+    if sibling.exists():
+        return str(sibling)
+    return shutil.which("mqds-server") or str(sibling)
+
+
+SERVER = _server_executable()
+
+# What LocalCluster.save writes and LocalCluster.load reads, in the cluster's directory.
+STATE_FILE = "cluster.json"
+STATE_FORMAT = 1
+
+
+class LocalClusterError(RuntimeError):
+    """A local cluster cannot do what was asked (no recorded cluster, a port in use, ...); the message says why."""
 
 
 def free_port() -> int:
@@ -45,17 +73,65 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def port_in_use(port: int) -> bool:
+    """Whether something listens on 127.0.0.1:``port`` (connections lingering in TIME_WAIT do not count)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def free_port_block(count: int, attempts: int = 200) -> int:
+    """A port P with P .. P+count-1 all free now, for a cluster on consecutive ports."""
+    rng = random.Random()
+    for _ in range(attempts):
+        # Below the usual ephemeral range (32768+), where outgoing connections take ports.
+        base = rng.randrange(20000, 32000 - count)
+        if not any(port_in_use(base + i) for i in range(count)):
+            return base
+    raise LocalClusterError(f"found no {count} consecutive free ports on 127.0.0.1")
+
+
+def _process_alive(pid: int, marker: str) -> bool:
+    """Whether ``pid`` runs and has ``marker`` as one of its arguments (a recycled pid does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: the pid was recycled
+        return False
+    proc = Path("/proc") / str(pid)
+    if not proc.is_dir():
+        return True  # no /proc (macOS): the signal check is all there is
+    try:
+        argv = (proc / "cmdline").read_bytes().split(b"\0")
+        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        # A killed process's main thread is a zombie while its other threads
+        # still exit, and its sockets close only after the last one.
+        threads = len(os.listdir(proc / "task"))
+    except (OSError, IndexError):
+        return False
+    if state in ("Z", "X"):
+        return threads > 1
+    return marker.encode() in argv
+
+
 READY_SERVICE = "mqds.v1.Storage"
 
 
-def wait_serving(address: str, timeout_s: float, service: str = READY_SERVICE) -> bool:
+def wait_serving(
+    address: str, timeout_s: float, service: str = READY_SERVICE, connection: ConnectionSettings | None = None
+) -> bool:
     """Poll the gRPC health service until ``service`` is SERVING or the time is up.
 
     The node's own readiness is the ``mqds.v1.Storage`` service (joined, every
     replica has a leader); ``""`` is liveness (the process serves at all).
     """
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with (connection or ConnectionSettings()).open_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:
@@ -79,13 +155,23 @@ class NodeProcess:
         port: int | None = None,
         args: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        detach: bool = False,
+        connection: ConnectionSettings | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.node_id = node_id
         self.port = port or free_port()
         self.args = list(args)
         self.env = dict(env or {})
+        # Detached: in a session of its own, so it outlives this program and
+        # a Ctrl-C in the terminal does not reach it.
+        self.detach = detach
+        # How to reach the node (TLS), for the readiness checks.
+        self.connection = connection
         self.proc: subprocess.Popen[bytes] | None = None
+        # Set by launch, or by adopt for a process another program started.
+        self.pid: int | None = None
+        self._terminating = False
         self.log_path = data_dir.parent / f"{node_id}-{self.port}.log"
 
     @property
@@ -106,22 +192,36 @@ class NodeProcess:
 
     def launch(self) -> NodeProcess:
         """Start the process without waiting for it."""
-        assert self.proc is None or self.proc.poll() is not None, "already running"
+        assert not self.running, "already running"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                start_new_session=self.detach,
             )
+        self.pid = self.proc.pid
+        self._terminating = False
         return self
+
+    def adopt(self, pid: int) -> None:
+        """Take charge of a process another program started (``mqds cluster up``); it is signalled by pid."""
+        self.proc = None
+        self.pid = pid
+        self._terminating = False
 
     def wait(self, timeout_s: float = 30, service: str = READY_SERVICE) -> NodeProcess:
         """Until the node reports ``service`` SERVING (by default: ready to serve)."""
-        assert self.proc is not None
+        assert self.pid is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mqds-server exited with {self.proc.returncode}:\n{self.output()}")
-            if wait_serving(self.address, 0.5, service):
+            if not self.running:
+                code = f" with {self.proc.returncode}" if self.proc is not None else ""
+                raise RuntimeError(f"mqds-server {self.node_id} exited{code}:\n{self.output()}")
+            if wait_serving(self.address, 0.5, service, self.connection):
                 return self
         self.kill()
         raise TimeoutError(f"mqds-server {self.node_id} not serving after {timeout_s}s:\n{self.output()}")
@@ -141,13 +241,38 @@ class NodeProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=10)
+        elif self.proc is None and self.pid is not None and self.running:
+            os.kill(self.pid, signal.SIGKILL)
+            if not self._gone_within(10):
+                raise TimeoutError(f"mqds-server {self.node_id} (pid {self.pid}) still runs after SIGKILL")
+
+    def _gone_within(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.running:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def terminate(self) -> None:
+        """SIGTERM without waiting: the node stops accepting calls, finishes in-flight ones and exits."""
+        if self.running and not self._terminating:
+            assert self.pid is not None
+            os.kill(self.pid, signal.SIGTERM)
+            # Once: a second SIGTERM would interrupt the node's shutdown with another.
+            self._terminating = True
 
     def stop(self, timeout_s: float = 20) -> int:
-        """SIGTERM and wait; returns the exit code."""
+        """SIGTERM and wait; returns the exit code (0 for an adopted process, whose code is not known here)."""
         if self.proc is None:
+            if self.pid is not None and self.running:
+                self.terminate()
+                if not self._gone_within(timeout_s):
+                    self.kill()
+                    raise subprocess.TimeoutExpired(self.command(), timeout_s)
             return 0
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -162,18 +287,20 @@ class NodeProcess:
 
     @property
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return self.pid is not None and _process_alive(self.pid, str(self.data_dir))
 
     def pause(self) -> None:
         """SIGSTOP: the process stays, but does nothing (a long GC pause, a frozen VM)."""
         if self.running:
-            assert self.proc is not None
-            self.proc.send_signal(signal.SIGSTOP)
+            assert self.pid is not None
+            os.kill(self.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
         if self.running:
-            assert self.proc is not None
-            self.proc.send_signal(signal.SIGCONT)
+            assert self.pid is not None
+            os.kill(self.pid, signal.SIGCONT)
 
 
 def wait_until(what: str, check: Callable[[], T | None], timeout_s: float, interval_s: float = 0.1) -> T:
@@ -206,14 +333,26 @@ class LocalCluster:
         replication_factor: int = 3,
         args: Sequence[str] = (),
         secret: str | None = None,
+        ports: Sequence[int] | None = None,
+        fault_injection: bool = True,
+        detach: bool = False,
+        connection: ConnectionSettings | None = None,
     ) -> None:
-        self.base_dir = Path(base_dir)
+        # Absolute: the nodes get their data directories on the command line,
+        # and a later program (mqds cluster start) may run from elsewhere.
+        self.base_dir = Path(base_dir).absolute()
         self.secret = secret or secrets.token_hex(16)
         self.n_shards = n_shards
         self.replication_factor = replication_factor
         self.args = list(args)
+        self.fault_injection = fault_injection
+        self.detach = detach
+        # How the harness and its clients reach the nodes (TLS; pass the
+        # nodes' TLS flags in args).
+        self.connection = connection
         ids = [f"n{i}" for i in range(1, n_nodes + 1)]
-        ports = [base_port + i for i in range(n_nodes)] if base_port else [free_port() for _ in ids]
+        if ports is None:
+            ports = [base_port + i for i in range(n_nodes)] if base_port else [free_port() for _ in ids]
         self.nodes: dict[str, NodeProcess] = {}
         self.founders = dict(zip(ids, ports, strict=True))
         for node_id, port in self.founders.items():
@@ -231,7 +370,7 @@ class LocalCluster:
             str(self.n_shards),
             "--replication-factor",
             str(self.replication_factor),
-            "--fault-injection",
+            *(["--fault-injection"] if self.fault_injection else []),
             *self.args,
         ]
         return NodeProcess(
@@ -240,7 +379,154 @@ class LocalCluster:
             port=port,
             args=args,
             env={"MQDS_CLUSTER_SECRET": self.secret},
+            detach=self.detach,
+            connection=self.connection,
         )
+
+    # -- a cluster that outlives its program (mqds cluster) ----------------------
+
+    @property
+    def state_path(self) -> Path:
+        return self.base_dir / STATE_FILE
+
+    @staticmethod
+    def recorded(base_dir: Path | str) -> bool:
+        """Whether ``base_dir`` holds a cluster saved by :meth:`save`."""
+        return (Path(base_dir) / STATE_FILE).is_file()
+
+    def save(self) -> None:
+        """Record nodes, ports, pids, arguments and the secret in ``<base_dir>/cluster.json`` (mode 0600)."""
+        state = {
+            "format": STATE_FORMAT,
+            "n_shards": self.n_shards,
+            "replication_factor": self.replication_factor,
+            "fault_injection": self.fault_injection,
+            "args": self.args,
+            "secret": self.secret,
+            "founders": self.founders,
+            "nodes": {
+                node_id: {
+                    "address": proc.address,
+                    "pid": proc.pid if proc.running else None,
+                    "log": proc.log_path.name,
+                    "command": proc.command(),
+                }
+                for node_id, proc in self.nodes.items()
+            },
+        }
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump(state, out, indent=2)
+            out.write("\n")
+        os.replace(tmp, self.state_path)
+
+    @classmethod
+    def load(cls, base_dir: Path | str, *, detach: bool = True) -> LocalCluster:
+        """The cluster recorded in ``base_dir``; nodes whose recorded process still runs are adopted."""
+        base = Path(base_dir).absolute()
+        path = base / STATE_FILE
+        try:
+            state = json.loads(path.read_text())
+            if state.get("format") != STATE_FORMAT:
+                raise ValueError(f"format {state.get('format')!r}, expected {STATE_FORMAT}")
+            founders = {str(node_id): int(port) for node_id, port in state["founders"].items()}
+            cluster = cls(
+                base,
+                len(founders),
+                ports=list(founders.values()),
+                n_shards=int(state["n_shards"]),
+                replication_factor=int(state["replication_factor"]),
+                args=[str(a) for a in state["args"]],
+                secret=str(state["secret"]),
+                fault_injection=bool(state["fault_injection"]),
+                detach=detach,
+            )
+            for node_id, info in state["nodes"].items():
+                proc = cluster.nodes.get(node_id)
+                if proc is None:  # a node added after the cluster was created
+                    port = int(str(info["address"]).rpartition(":")[2])
+                    proc = cluster.nodes[node_id] = cluster._process(node_id, port)
+                if info.get("pid"):
+                    proc.adopt(int(info["pid"]))
+        except FileNotFoundError:
+            raise LocalClusterError(f"no local cluster recorded in {base} (no {STATE_FILE} there)") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise LocalClusterError(f"{path} is not a cluster state this version can read: {err!r}") from None
+        return cluster
+
+    @classmethod
+    def up(
+        cls,
+        base_dir: Path | str,
+        n_nodes: int | None = None,
+        *,
+        base_port: int | None = None,
+        n_shards: int | None = None,
+        replication_factor: int | None = None,
+        timeout_s: float = 120,
+        detach: bool = True,
+        fault_injection: bool = False,
+    ) -> LocalCluster:
+        """What ``mqds cluster up`` does: start the cluster recorded in ``base_dir``, or create one there.
+
+        A new cluster gets ``n_nodes`` (default 3) nodes n1, n2, ... on
+        ``base_port``, ``base_port + 1``, ... (free ports when None). A
+        recorded one restarts as it was, keeping nodes that still run; an
+        argument that contradicts the record is an error rather than ignored.
+        Returns once every vnode has a leader, with the state saved.
+        """
+        base = Path(base_dir).absolute()
+        if cls.recorded(base):
+            cluster = cls.load(base, detach=detach)
+            asked = {
+                "nodes": (n_nodes, len(cluster.founders)),
+                "base port": (base_port, min(cluster.founders.values())),
+                "shards": (n_shards, cluster.n_shards),
+                "replication factor": (replication_factor, cluster.replication_factor),
+            }
+            for what, (wanted, actual) in asked.items():
+                if wanted is not None and wanted != actual:
+                    raise LocalClusterError(
+                        f"{base} holds a cluster with {what} {actual}, not {wanted}; "
+                        "leave the option out to restart it, or use another directory for a new cluster"
+                    )
+        else:
+            cluster = cls(
+                base,
+                3 if n_nodes is None else n_nodes,
+                base_port=base_port,
+                n_shards=16 if n_shards is None else n_shards,
+                replication_factor=3 if replication_factor is None else replication_factor,
+                fault_injection=fault_injection,
+                detach=detach,
+            )
+        for node_id, proc in cluster.nodes.items():
+            if not proc.running and port_in_use(proc.port):
+                raise LocalClusterError(
+                    f"port {proc.port} (node {node_id}) is in use by another program"
+                    + ("" if cluster.recorded(base) else "; choose other ports")
+                )
+        cluster.base_dir.mkdir(parents=True, exist_ok=True)
+        launched = [proc.launch() for proc in cluster.nodes.values() if not proc.running]
+        # Recorded at once: whatever happens next, the pids are known.
+        cluster.save()
+        try:
+            for proc in launched:
+                proc.wait(timeout_s)
+            cluster.wait_ready(timeout_s)
+        except (RuntimeError, TimeoutError) as err:
+            for proc in launched:
+                proc.kill()
+            cluster.save()
+            raise LocalClusterError(f"the cluster in {base} did not come up: {err}") from None
+        except BaseException:  # Ctrl-C: leave nothing half-started behind
+            for proc in launched:
+                proc.kill()
+            cluster.save()
+            raise
+        return cluster
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -253,12 +539,13 @@ class LocalCluster:
         return self
 
     def stop(self) -> None:
-        """Stop every node (SIGTERM, then kill after a while)."""
+        """Stop every node (SIGTERM to all at once, then kill those still running after a while)."""
+        for proc in self.nodes.values():
+            proc.resume()
+            proc.terminate()
         for proc in self.nodes.values():
             try:
-                if proc.running:
-                    proc.resume()
-                    proc.stop(timeout_s=15)
+                proc.stop(timeout_s=15)
             except subprocess.TimeoutExpired:
                 proc.kill()
         for channel in self._channels.values():
@@ -284,6 +571,7 @@ class LocalCluster:
         return [node_id for node_id, p in self.nodes.items() if p.running]
 
     def client(self, **kwargs: Any) -> Client:
+        kwargs.setdefault("settings", self.connection)
         return Client(self.addresses, **kwargs)
 
     def kill(self, node_id: str) -> None:
@@ -314,7 +602,7 @@ class LocalCluster:
         address = self.nodes[node_id].address
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.insecure_channel(address)
+            channel = self._channels[address] = (self.connection or ConnectionSettings()).open_channel(address)
         return channel
 
     def cluster_stub(self, node_id: str) -> clpb_grpc.ClusterStub:

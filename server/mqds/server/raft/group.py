@@ -705,7 +705,7 @@ class RaftGroup(SyncObj):
         self.journal.sync_directory_first(self.directory)
         log.debug("%s: snapshot at index %d", self.name, last[1])
 
-    def _read_manifest(self, file_name: str) -> tuple[Any, Any, list[str]]:
+    def _read_manifest(self, file_name: str) -> tuple[Any, Any, list[PeerNode]]:
         with open(file_name, "rb") as fh:
             manifest = decode_manifest(fh.read())
         index = manifest.last[1]
@@ -719,4 +719,9 @@ class RaftGroup(SyncObj):
             )
             self.machine.install(manifest.payload, index, manifest.source, manifest.members)
             self.snapshots_installed += 1
-        return manifest.last, manifest.prev, manifest.members
+        # As nodes, not ids: pysyncobj drops this node from the list by comparing
+        # with its own Node, and an id never equals a Node. With ids it kept
+        # itself as a peer, a phantom member that raised every majority by one,
+        # so after a restart or a snapshot a group could not elect a leader with
+        # one replica down (found by the chaos runs).
+        return manifest.last, manifest.prev, [PeerNode(m) for m in manifest.members]

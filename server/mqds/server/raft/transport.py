@@ -15,6 +15,8 @@ does not host, is dropped and counted; it never reaches pysyncobj.
 
 Peers authenticate with the cluster secret in the call metadata (compared in
 constant time); without a secret only ``dev_mode`` lets internal calls in.
+When the node serves TLS, every channel to a peer is a TLS channel too (the
+credentials come from :mod:`mqds.server.tls`), and the secret travels inside it.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ class _PeerLink:
         backoff = _RECONNECT_MIN_S
         while not self._closed:
             address = self.address
-            channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self.router.open_channel(address)
             try:
                 grpc.channel_ready_future(channel).result(timeout=1.0)
             except grpc.FutureTimeoutError:
@@ -200,8 +202,14 @@ class _PeerLink:
 class PeerRouter:
     """Every Raft message a node sends or receives goes through here."""
 
-    def __init__(self, auth: ClusterAuth, group_lookup: Callable[[int], RaftGroup | None]) -> None:
+    def __init__(
+        self,
+        auth: ClusterAuth,
+        group_lookup: Callable[[int], RaftGroup | None],
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.auth = auth
+        self._credentials = credentials
         self.node_id = auth.node_id
         self._lookup = group_lookup
         self._links: dict[str, _PeerLink] = {}
@@ -211,6 +219,12 @@ class PeerRouter:
         self._listeners: list[Callable[[str, bool], None]] = []
         self.dropped_messages = 0
         self.dropped_frames = 0
+
+    def open_channel(self, address: str) -> grpc.Channel:
+        """A channel to a peer: TLS when the node serves TLS (``credentials``), plaintext otherwise."""
+        if self._credentials is None:
+            return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.secure_channel(address, self._credentials, options=CHANNEL_OPTIONS)
 
     # -- address book ----------------------------------------------------------
 

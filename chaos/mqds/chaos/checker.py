@@ -1,0 +1,341 @@
+"""The checker: what a run's history and final read say about the cluster.
+
+Given the :class:`~mqds.chaos.history.History` (what was attempted and
+acknowledged, what readers saw while faults ran, the fault timeline), the
+final read of everything stored (``final``, in replay order) and the replicas'
+digests after healing, :func:`check` reports:
+
+- **lost**: acknowledged but not in the final read (must be empty), each
+  classified by shard and by where its acknowledgement fell relative to faults;
+- **unexpected**: read but never attempted, or a topic and payload that do not
+  agree (must be empty);
+- **duplicates**: a message stored more than once (exactly-once writes: zero);
+- **out of order**: a sender's sequences not increasing in replay;
+- **moved**: a message read at another position than its acknowledgement gave;
+- **vanished**: seen by a concurrent reader but not in the final read (a read
+  of something that was not durable);
+- **anomalies** the workload itself recorded (a reader saw a duplicate or a
+  sender's messages out of order in one stream, the client misbehaved);
+- **convergence**: every replica of every vnode at the same applied index with
+  the same digest;
+- **availability**: per fault, the longest time writes to its affected vnodes
+  got no acknowledgement, and the same for the other vnodes.
+
+Only the first six kinds, anomalies and convergence are violations;
+availability is a measurement.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mqds.chaos.history import Ack, FaultRecord, History, MessageKey, ReadMessage
+
+# How long after a fault healed a write outage still counts as the fault's.
+SETTLE_S = 10.0
+# How many examples of each violation the report lists.
+EXAMPLES = 10
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One violation: its kind, the message it concerns (if any) and what was wrong."""
+
+    kind: str
+    detail: str
+    sender: str = ""
+    seq: int = -1
+    shard: int = -1
+    where: str = ""
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    node: str
+    applied_index: int
+    sha256: str
+    keys: int
+
+
+@dataclass
+class Convergence:
+    """The replicas of one vnode after healing."""
+
+    shard: int
+    converged: bool
+    replicas: list[ReplicaState]
+    detail: str = ""
+
+
+@dataclass
+class Outage:
+    """How long writes stopped around one fault."""
+
+    fault: int
+    nemesis: str
+    affected: dict[int, float]
+    others_max_s: float
+    others_shard: int
+
+    @property
+    def affected_max_s(self) -> float:
+        return max(self.affected.values(), default=0.0)
+
+
+@dataclass
+class CheckResult:
+    counts: dict[str, int]
+    findings: list[Finding] = field(default_factory=list)
+    convergence: list[Convergence] = field(default_factory=list)
+    outages: list[Outage] = field(default_factory=list)
+    loss_classes: dict[str, int] = field(default_factory=dict)
+
+    def of_kind(self, kind: str) -> list[Finding]:
+        return [f for f in self.findings if f.kind == kind]
+
+    def violation_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = defaultdict(int)
+        for finding in self.findings:
+            counts[finding.kind] += 1
+        counts["not-converged"] = sum(1 for c in self.convergence if not c.converged)
+        return {k: v for k, v in sorted(counts.items()) if v}
+
+    @property
+    def passed(self) -> bool:
+        return not self.violation_counts()
+
+    def availability_summary(self) -> dict[str, dict[str, float]]:
+        """Per nemesis: how many faults, and the max and median outage of affected and other vnodes."""
+        by_kind: dict[str, list[Outage]] = defaultdict(list)
+        for outage in self.outages:
+            by_kind[outage.nemesis].append(outage)
+        summary = {}
+        for kind, outages in sorted(by_kind.items()):
+            affected = [s for o in outages for s in o.affected.values()]
+            others = [o.others_max_s for o in outages]
+            summary[kind] = {
+                "faults": len(outages),
+                "affected_vnodes": len(affected),
+                "affected_max_s": max(affected, default=0.0),
+                "affected_median_s": statistics.median(affected) if affected else 0.0,
+                "others_max_s": max(others, default=0.0),
+                "others_median_s": statistics.median(others) if others else 0.0,
+            }
+        return summary
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "counts": self.counts,
+            "violations": self.violation_counts(),
+            "loss_classes": self.loss_classes,
+            "findings": [vars(f) for f in self.findings[: EXAMPLES * 20]],
+            "convergence": [
+                {
+                    "shard": c.shard,
+                    "converged": c.converged,
+                    "detail": c.detail,
+                    "replicas": [vars(r) for r in c.replicas],
+                }
+                for c in self.convergence
+            ],
+            "outages": [
+                {
+                    "fault": o.fault,
+                    "nemesis": o.nemesis,
+                    "affected_s": {str(k): round(v, 3) for k, v in o.affected.items()},
+                    "affected_max_s": round(o.affected_max_s, 3),
+                    "others_max_s": round(o.others_max_s, 3),
+                    "others_shard": o.others_shard,
+                }
+                for o in self.outages
+            ],
+            "availability": {k: {m: round(v, 3) for m, v in d.items()} for k, d in self.availability_summary().items()},
+        }
+
+
+def _where(ack: Ack, faults: Sequence[FaultRecord]) -> str:
+    """Where an acknowledgement fell relative to the faults: during one, after one, or before any."""
+    for fault in faults:
+        if fault.started - 1.0 <= ack.at <= fault.end + 1.0:
+            return f"during fault #{fault.index} {fault.nemesis}"
+    before = [f for f in faults if f.end < ack.at]
+    if before:
+        last = before[-1]
+        return f"{ack.at - last.end:.1f}s after fault #{last.index} {last.nemesis}"
+    return "before any fault"
+
+
+def check_reads(history: History, final: Sequence[ReadMessage], unparsable: int = 0) -> CheckResult:
+    """Lost, unexpected, duplicates, order, moved and vanished messages, plus the workload's anomalies."""
+    result = CheckResult(counts=history.counts())
+    findings = result.findings
+    read: dict[MessageKey, ReadMessage] = {}
+    last_seq: dict[str, int] = {}
+    duplicates = 0
+    for message in final:
+        key = message.key
+        if key in read:
+            duplicates += 1
+            first = read[key]
+            findings.append(
+                Finding(
+                    "duplicate",
+                    f"stored twice: at ts {first.timestamp_us} and ts {message.timestamp_us}",
+                    message.sender,
+                    message.seq,
+                    message.shard,
+                )
+            )
+            continue
+        read[key] = message
+        if key not in history.attempted:
+            findings.append(
+                Finding("unexpected", "read but never attempted", message.sender, message.seq, message.shard)
+            )
+        previous = last_seq.get(message.sender)
+        if previous is not None and message.seq < previous:
+            findings.append(
+                Finding(
+                    "out-of-order",
+                    f"seq {message.seq} replayed after seq {previous}",
+                    message.sender,
+                    message.seq,
+                    message.shard,
+                )
+            )
+        last_seq[message.sender] = max(message.seq, previous if previous is not None else message.seq)
+    for _ in range(unparsable):
+        findings.append(Finding("unexpected", "a stored message whose topic and payload do not name one message"))
+    faults = sorted(history.faults, key=lambda f: f.started)
+    classes: dict[str, int] = defaultdict(int)
+    moved = 0
+    for key, ack in history.acked.items():
+        got = read.get(key)
+        if got is None:
+            where = _where(ack, faults)
+            classes[f"shard {ack.shard}, {where}"] += 1
+            findings.append(
+                Finding(
+                    "lost",
+                    f"acknowledged at {ack.at:.2f}s (shard {ack.shard}, ts {ack.timestamp_us}), not read back",
+                    key[0],
+                    key[1],
+                    ack.shard,
+                    where,
+                )
+            )
+        elif (got.shard, got.timestamp_us) != (ack.shard, ack.timestamp_us):
+            moved += 1
+            findings.append(
+                Finding(
+                    "moved",
+                    f"acknowledged at shard {ack.shard} ts {ack.timestamp_us}, read at shard {got.shard} "
+                    f"ts {got.timestamp_us}",
+                    key[0],
+                    key[1],
+                    got.shard,
+                )
+            )
+    for key, (shard, ts) in history.seen.items():
+        if key not in read:
+            findings.append(
+                Finding("vanished", f"seen by a reader during the run (ts {ts}), not in the final read", *key, shard)
+            )
+    for anomaly in history.anomalies:
+        findings.append(Finding(anomaly.kind, f"at {anomaly.at:.2f}s: {anomaly.detail}"))
+    result.loss_classes = dict(sorted(classes.items()))
+    result.counts.update(
+        {
+            "read": len(read),
+            "read_total": len(final),
+            "lost": sum(classes.values()),
+            "unexpected": len(result.of_kind("unexpected")),
+            "duplicates": duplicates,
+            "out_of_order": len(result.of_kind("out-of-order")),
+            "moved": moved,
+            "vanished": len(result.of_kind("vanished")),
+            "unacked_but_stored": sum(1 for k in read if k in history.attempted and k not in history.acked),
+            "unacked_not_stored": sum(1 for k in history.attempted if k not in history.acked and k not in read),
+        }
+    )
+    return result
+
+
+def ack_times_by_shard(history: History) -> dict[int, list[float]]:
+    times: dict[int, list[float]] = defaultdict(list)
+    for ack in history.acked.values():
+        times[ack.shard].append(ack.at)
+    for values in times.values():
+        values.sort()
+    return times
+
+
+def longest_gap(
+    times: Sequence[float], start: float, until: float, end_of_workload: float, cut_at: float | None = None
+) -> float:
+    """The longest stretch without an acknowledgement that begins in ``[start, until]``.
+
+    The stretches begin at ``start`` or at an acknowledgement and end at the
+    next acknowledgement (or at the end of the workload when none came), but
+    no later than ``cut_at`` (when the next fault began: what follows is its).
+    """
+    stop = end_of_workload if cut_at is None else min(cut_at, end_of_workload)
+    i = bisect.bisect_right(times, start)
+    previous = start
+    worst = 0.0
+    while previous <= until and previous < stop:
+        following = min(times[i] if i < len(times) else end_of_workload, stop)
+        worst = max(worst, following - previous)
+        if i >= len(times):
+            break
+        previous = times[i]
+        i += 1
+    return worst
+
+
+def write_outages(
+    history: History, n_shards: int, shards_of: Iterable[int] | None = None, settle_s: float = SETTLE_S
+) -> list[Outage]:
+    """For each fault, the longest write outage of each affected vnode, and the worst of the others.
+
+    A fault's window runs from its start to ``settle_s`` after the cluster was
+    whole again, and never into the next fault.
+    """
+    times = ack_times_by_shard(history)
+    end = history.workload_ended if history.workload_ended is not None else history.clock()
+    all_shards = sorted(set(shards_of) if shards_of is not None else range(n_shards))
+    faults = sorted(history.faults, key=lambda f: f.started)
+    outages = []
+    for i, fault in enumerate(faults):
+        cut_at = faults[i + 1].started if i + 1 < len(faults) else None
+        until = fault.end + settle_s if cut_at is None else min(fault.end + settle_s, cut_at)
+
+        def gap(shard: int, f: FaultRecord = fault, u: float = until, c: float | None = cut_at) -> float:
+            return longest_gap(times.get(shard, []), f.started, u, end, c)
+
+        affected = {s: gap(s) for s in fault.affected_shards}
+        others = {s: gap(s) for s in all_shards if s not in fault.affected_shards}
+        worst = max(others.items(), key=lambda item: item[1], default=(-1, 0.0))
+        outages.append(Outage(fault.index, fault.nemesis, affected, worst[1], worst[0]))
+    return outages
+
+
+def check(
+    history: History,
+    final: Sequence[ReadMessage] | None,
+    convergence: Sequence[Convergence],
+    n_shards: int,
+    unparsable: int = 0,
+) -> CheckResult:
+    """The whole verdict of a run (see the module's docstring)."""
+    # Nothing could be read back: only the counts (the runner records why).
+    result = CheckResult(counts=history.counts()) if final is None else check_reads(history, final, unparsable)
+    result.convergence = list(convergence)
+    result.outages = write_outages(history, n_shards)
+    return result

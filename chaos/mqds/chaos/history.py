@@ -1,0 +1,197 @@
+"""What a chaos run did and saw: write attempts, acknowledgements, concurrent reads, faults.
+
+Every message of the workload is identified by ``(sender, seq)``: the sender
+(MQTT clientid, which picks the shard) and a sequence number unique per sender
+that increases in the order the sender's messages are written. The topic and
+the payload both carry it (``chaos/<sender>/<seq>`` and ``<sender>:<seq>``),
+so a message read back names itself, and a topic and payload that disagree
+show corruption.
+
+A :class:`History` is filled by the workload threads (thread-safe) and read by
+the checker once the run is over. Times are seconds since the run began
+(``History.clock``), on the monotonic clock of the process that runs the
+workload and the nemeses, so faults and acknowledgements can be compared.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+TOPIC_ROOT = "chaos"
+TOPIC_FILTER = f"{TOPIC_ROOT}/#"
+
+MessageKey = tuple[str, int]
+"""``(sender, seq)``: one message of the workload."""
+
+
+def topic_of(sender: str, seq: int) -> str:
+    return f"{TOPIC_ROOT}/{sender}/{seq}"
+
+
+def payload_of(sender: str, seq: int) -> bytes:
+    return f"{sender}:{seq}".encode()
+
+
+def parse_message(topic: str, payload: bytes) -> MessageKey | None:
+    """The ``(sender, seq)`` a stored message names, or None when topic and payload do not agree."""
+    parts = topic.split("/")
+    if len(parts) != 3 or parts[0] != TOPIC_ROOT or not parts[2].isdigit():
+        return None
+    sender, seq = parts[1], int(parts[2])
+    if payload != payload_of(sender, seq):
+        return None
+    return sender, seq
+
+
+class Ack(NamedTuple):
+    """Where an acknowledged message was stored, and when the acknowledgement came back."""
+
+    shard: int
+    timestamp_us: int
+    at: float
+
+
+class ReadMessage(NamedTuple):
+    """A message as a reader got it back: its identity and stored position."""
+
+    sender: str
+    seq: int
+    shard: int
+    timestamp_us: int
+
+    @property
+    def key(self) -> MessageKey:
+        return self.sender, self.seq
+
+
+# The outcomes of one store_batch call, as the publisher saw them.
+OK = "ok"  # acknowledged: every message of the call is stored
+PARTIAL = "partial"  # some shards' parts acknowledged, the others failed (PartialBatchError)
+UNKNOWN = "unknown"  # failed with a retriable error or a timeout: may or may not be stored
+FAILED = "failed"  # rejected for good (a non-retriable error): not stored
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One ``store_batch`` call (a retry is another attempt with the same ``sequence``)."""
+
+    publisher: str
+    sequence: int | None
+    shards: tuple[int, ...]
+    n_messages: int
+    started: float
+    ended: float
+    outcome: str
+    n_acked: int
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Anomaly:
+    """Something a workload thread saw that must not happen (a reader saw a duplicate, the client misbehaved)."""
+
+    kind: str
+    detail: str
+    at: float
+
+
+@dataclass
+class FaultRecord:
+    """One injected fault: what, on whom, when, and which vnodes it was expected to hit."""
+
+    index: int
+    nemesis: str
+    targets: list[str]
+    detail: str
+    started: float
+    healed: float | None = None
+    recovered: float | None = None
+    affected_shards: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def end(self) -> float:
+        """When the cluster was whole again (or healed, or began, whichever is known last)."""
+        return self.recovered or self.healed or self.started
+
+
+class History:
+    """Everything the workload recorded. Keys are recorded as attempted before they are sent."""
+
+    def __init__(self) -> None:
+        self._t0 = time.monotonic()
+        self._lock = threading.Lock()
+        self.attempted: dict[MessageKey, float] = {}
+        self.acked: dict[MessageKey, Ack] = {}
+        self.attempts: list[Attempt] = []
+        self.anomalies: list[Anomaly] = []
+        # Union of what the concurrent readers saw (first position seen).
+        self.seen: dict[MessageKey, tuple[int, int]] = {}
+        self.reads_observed = 0
+        self.faults: list[FaultRecord] = []
+        self.workload_ended: float | None = None
+
+    def clock(self) -> float:
+        """Seconds since the run began."""
+        return time.monotonic() - self._t0
+
+    def record_attempted(self, keys: list[MessageKey]) -> None:
+        now = self.clock()
+        with self._lock:
+            for key in keys:
+                self.attempted.setdefault(key, now)
+
+    def record_acks(self, acks: list[tuple[MessageKey, int, int]]) -> None:
+        """``(key, shard, timestamp_us)`` of each acknowledged message; the first ack of a key counts."""
+        now = self.clock()
+        with self._lock:
+            for key, shard, ts in acks:
+                if key not in self.acked:
+                    self.acked[key] = Ack(shard, ts, now)
+                elif self.acked[key][:2] != (shard, ts):
+                    self.anomalies.append(
+                        Anomaly(
+                            "ack-moved",
+                            f"{key[0]}#{key[1]} acknowledged at shard {shard} ts {ts}, earlier at "
+                            f"shard {self.acked[key].shard} ts {self.acked[key].timestamp_us}: stored twice",
+                            now,
+                        )
+                    )
+
+    def record_attempt(self, attempt: Attempt) -> None:
+        with self._lock:
+            self.attempts.append(attempt)
+
+    def record_anomaly(self, kind: str, detail: str) -> None:
+        with self._lock:
+            self.anomalies.append(Anomaly(kind, detail, self.clock()))
+
+    def record_seen(self, messages: list[ReadMessage]) -> None:
+        with self._lock:
+            self.reads_observed += len(messages)
+            for m in messages:
+                self.seen.setdefault(m.key, (m.shard, m.timestamp_us))
+
+    def is_attempted(self, key: MessageKey) -> bool:
+        return key in self.attempted
+
+    def add_fault(self, fault: FaultRecord) -> None:
+        with self._lock:
+            self.faults.append(fault)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            outcomes: dict[str, int] = {OK: 0, PARTIAL: 0, UNKNOWN: 0, FAILED: 0}
+            for attempt in self.attempts:
+                outcomes[attempt.outcome] = outcomes.get(attempt.outcome, 0) + 1
+            return {
+                "attempted": len(self.attempted),
+                "acked": len(self.acked),
+                "calls": len(self.attempts),
+                **{f"calls_{k}": v for k, v in outcomes.items()},
+                "reads_observed": self.reads_observed,
+            }

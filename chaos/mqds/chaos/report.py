@@ -1,0 +1,125 @@
+"""The end-of-run report: text for people, JSON for programs."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from mqds.chaos.checker import EXAMPLES, CheckResult
+from mqds.chaos.history import FaultRecord
+
+DESCRIPTIONS = {
+    "lost": "acknowledged, not read back",
+    "unexpected": "read, never attempted (or topic and payload disagree)",
+    "duplicate": "stored more than once",
+    "out-of-order": "a sender's sequences not increasing in replay",
+    "moved": "read at another position than acknowledged",
+    "vanished": "seen by a reader during the run, gone at the end",
+    "not-converged": "vnodes whose replicas differ after healing",
+}
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}s"
+
+
+def text_report(run: dict[str, Any], result: CheckResult, faults: list[FaultRecord]) -> str:
+    c = result.counts
+    lines = [
+        f"mqds chaos run: seed {run['seed']}, {run['nodes']} nodes, {run['shards']} shards, "
+        f"nemeses {','.join(run['nemeses'])}, {run['elapsed_s']:.0f}s (asked {run['duration_s']:.0f}s), "
+        f"network {run['network']}",
+    ]
+    violations = result.violation_counts()
+    if result.passed:
+        lines.append("RESULT: PASS (nothing lost, nothing unexpected, no duplicates, in order, replicas converged)")
+    else:
+        lines.append("RESULT: FAIL (" + ", ".join(f"{k} {v}" for k, v in violations.items()) + ")")
+    converged = sum(1 for v in result.convergence if v.converged)
+    lines += [
+        "",
+        "workload",
+        f"  messages attempted    {c.get('attempted', 0):>10,}   in {c.get('calls', 0):,} store_batch calls "
+        f"(ok {c.get('calls_ok', 0):,}, partial {c.get('calls_partial', 0):,}, "
+        f"unknown {c.get('calls_unknown', 0):,}, failed {c.get('calls_failed', 0):,})",
+        f"  acknowledged          {c.get('acked', 0):>10,}",
+        f"  read back at the end  {c.get('read', 0):>10,}   (not acknowledged but stored "
+        f"{c.get('unacked_but_stored', 0):,}; not acknowledged, not stored {c.get('unacked_not_stored', 0):,})",
+        f"  lost                  {c.get('lost', 0):>10,}",
+        f"  unexpected            {c.get('unexpected', 0):>10,}",
+        f"  duplicates            {c.get('duplicates', 0):>10,}",
+        f"  out of order          {c.get('out_of_order', 0):>10,}",
+        f"  moved / vanished      {c.get('moved', 0):>10,} / {c.get('vanished', 0):,}",
+        f"  read while running    {c.get('reads_observed', 0):>10,}   by {run['readers']} readers",
+        f"  replicas              {converged:>10} of {len(result.convergence)} vnodes converged "
+        "(same applied index and digest)",
+        "",
+        "fault timeline (outage = longest time a vnode got no acknowledged write, from the fault until 10 s "
+        "after recovery)",
+        f"  {'#':>3} {'start':>7} {'nemesis':<14} {'targets':<12} {'healed':>7} {'ready':>7} "
+        f"{'hit vnodes':<14} {'outage hit':>10} {'others':>8}  detail",
+    ]
+    outages = {o.fault: o for o in result.outages}
+    for f in faults:
+        o = outages.get(f.index)
+        hit = ",".join(map(str, f.affected_shards)) or "-"
+        held = None if f.healed is None else f.healed - f.started
+        ready = None if f.recovered is None or f.healed is None else f.recovered - f.healed
+        detail = f.detail + (f" [{'; '.join(f.notes)}]" if f.notes else "") + (f" ERROR: {f.error}" if f.error else "")
+        lines.append(
+            f"  {f.index:>3} {f.started:>6.1f}s {f.nemesis:<14} {','.join(f.targets):<12} {_s(held):>7} "
+            f"{_s(ready):>7} {hit[:14]:<14} {_s(o.affected_max_s if o and o.affected else None):>10} "
+            f"{_s(o.others_max_s if o else None):>8}  {detail}"
+        )
+    lines += [
+        "",
+        "availability per nemesis (outage of the vnodes each fault hit; 'others' = worst vnode not hit)",
+        f"  {'nemesis':<14} {'faults':>6} {'vnodes hit':>10} {'max':>7} {'median':>7} {'others max':>10} "
+        f"{'others median':>13}",
+    ]
+    for kind, row in result.availability_summary().items():
+        lines.append(
+            f"  {kind:<14} {row['faults']:>6.0f} {row['affected_vnodes']:>10.0f} {_s(row['affected_max_s']):>7} "
+            f"{_s(row['affected_median_s']):>7} {_s(row['others_max_s']):>10} {_s(row['others_median_s']):>13}"
+        )
+    if result.loss_classes:
+        lines += ["", "lost messages by where they fall"]
+        lines += [f"  {count:>8,}  {where}" for where, count in result.loss_classes.items()]
+    if not result.passed:
+        lines += ["", f"violations (first {EXAMPLES} of each kind)"]
+        by_kind: dict[str, list[str]] = defaultdict(list)
+        for finding in result.findings:
+            what = f"{finding.sender}#{finding.seq} " if finding.sender else ""
+            shard = f"shard {finding.shard}: " if finding.shard >= 0 else ""
+            where = f" ({finding.where})" if finding.where else ""
+            by_kind[finding.kind].append(f"{what}{shard}{finding.detail}{where}")
+        for kind, items in by_kind.items():
+            lines.append(f"  {kind} ({len(items)}): {DESCRIPTIONS.get(kind, '')}")
+            lines += [f"    {item}" for item in items[:EXAMPLES]]
+        for conv in result.convergence:
+            if not conv.converged:
+                states = ", ".join(f"{r.node}@{r.applied_index}:{r.sha256[:10]}" for r in conv.replicas)
+                lines.append(f"  not-converged: shard {conv.shard}: {states} {conv.detail}")
+    return "\n".join(lines) + "\n"
+
+
+def json_report(run: dict[str, Any], result: CheckResult, faults: list[FaultRecord]) -> dict[str, Any]:
+    return {
+        "run": run,
+        **result.to_json(),
+        "faults": [
+            {
+                "index": f.index,
+                "nemesis": f.nemesis,
+                "targets": f.targets,
+                "detail": f.detail,
+                "started_s": round(f.started, 3),
+                "healed_s": None if f.healed is None else round(f.healed, 3),
+                "recovered_s": None if f.recovered is None else round(f.recovered, 3),
+                "affected_shards": f.affected_shards,
+                "notes": f.notes,
+                "error": f.error,
+            }
+            for f in faults
+        ],
+    }

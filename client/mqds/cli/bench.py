@@ -1,0 +1,196 @@
+"""``mqds bench``: write load against a running cluster; acknowledged messages/s, latency, replay speed."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mqds.bench import TOPIC_PREFIX, LeaderKill, RunResult, publisher_ids, run_load
+from mqds.cli import local_cluster
+from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, ProgressLine, bar, connection
+from mqds.client import Client
+from mqds.client.client import parse_endpoints
+from mqds.protocol.sharding import shard_of
+
+if TYPE_CHECKING:
+    from mqds.server.localproc import LocalCluster
+
+
+def _replay(client: Client, since_us: int) -> tuple[int, float]:
+    started = time.perf_counter()
+    count = sum(1 for _ in client.replay(f"{TOPIC_PREFIX}/#", since_us))
+    return count, time.perf_counter() - started
+
+
+def run(opts: argparse.Namespace) -> int:
+    for name in ("publishers", "batch", "nodes", "shards", "replication_factor"):
+        if getattr(opts, name) < 1:
+            raise CommandError(f"--{name.replace('_', '-')} must be at least 1", EXIT_USAGE)
+    if opts.size < 0 or opts.duration <= 0 or opts.rate < 0:
+        raise CommandError("--size and --rate must be 0 or more, --duration above 0", EXIT_USAGE)
+    if opts.start_cluster and opts.data_dir:
+        raise CommandError("give --start-cluster or --data-dir, not both", EXIT_USAGE)
+    if opts.kill_leader and not (opts.start_cluster or opts.data_dir):
+        raise CommandError(
+            "--kill-leader kills a process, so it needs a cluster this command controls: "
+            "--start-cluster, or --data-dir DIR of a cluster started with 'mqds cluster up'",
+            EXIT_USAGE,
+        )
+    with contextlib.ExitStack() as stack:
+        cluster: LocalCluster | None = None
+        if opts.start_cluster:
+            localproc = local_cluster.localproc()
+            base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mqds-bench-")))
+            cluster = localproc.LocalCluster(
+                base, opts.nodes, n_shards=opts.shards, replication_factor=min(opts.replication_factor, opts.nodes)
+            )
+            stack.callback(cluster.stop)
+            if not opts.json:
+                print(f"starting {opts.nodes} local nodes ({opts.shards} vnodes) ...", flush=True)
+            cluster.start()
+        elif opts.data_dir:
+            cluster = local_cluster.load(opts.data_dir)
+        endpoints = cluster.addresses if cluster is not None else parse_endpoints(opts.endpoints)
+        client = stack.enter_context(Client(endpoints, settings=connection(opts, 30.0)))
+        return _bench(opts, client, endpoints, cluster)
+    raise AssertionError("unreachable")
+
+
+def _bench(opts: argparse.Namespace, client: Client, endpoints: list[str], cluster: LocalCluster | None) -> int:
+    n_shards = client.cluster_map().n_shards
+
+    def say(text: str) -> None:
+        if not opts.json:
+            print(text, flush=True)
+
+    say(
+        f"mqds bench: {opts.publishers} publishers, batches of {opts.batch:,} x {opts.size} B, "
+        f"{opts.duration:g} s against {len(endpoints)} node(s), {n_shards} vnodes"
+        + (f", paced at {opts.rate:,.0f} msg/s" if opts.rate else "")
+    )
+    kill: LeaderKill | None = None
+    if opts.kill_leader:
+        assert cluster is not None
+        shard = shard_of(publisher_ids(opts.publishers, n_shards)[0], n_shards)
+        kill = LeaderKill(shard, lambda: cluster.wait_for_leader(shard), cluster.kill)
+        say(f"the leader of vnode {shard} will be killed (kill -9) a third of the way through")
+    line = ProgressLine()
+
+    def progress(acked: int, elapsed_s: float, duration_s: float) -> None:
+        rate = acked / elapsed_s if elapsed_s > 0 else 0.0
+        line.show(
+            f"  {bar(elapsed_s / duration_s)} {elapsed_s:5.1f}/{duration_s:g} s  {acked:>10,} acknowledged  "
+            f"{rate:>9,.0f} msg/s",
+            final=elapsed_s >= duration_s,
+        )
+
+    try:
+        result: RunResult = run_load(
+            endpoints,
+            n_shards,
+            opts.publishers,
+            opts.batch,
+            opts.size,
+            opts.duration,
+            rate_msgs_per_s=opts.rate,
+            during=kill,
+            progress=progress,
+            settings=client.settings,
+        )
+    except RuntimeError as err:
+        raise CommandError(f"the load run failed: {err}") from None
+    finally:
+        line.close()
+    report: dict[str, object] = {
+        "publishers": opts.publishers,
+        "batch": opts.batch,
+        "size": opts.size,
+        "duration_s": opts.duration,
+        "acked_msgs_per_s": round(result.acked_msgs_per_s, 1),
+        "acked_msgs": result.batches * opts.batch,
+        "failed_batches": result.failed_batches,
+        "p50_ms": round(result.p50_ms, 2),
+        "p99_ms": round(result.p99_ms, 2),
+        "p999_ms": round(result.p999_ms, 2),
+    }
+    say(
+        f"acknowledged  {result.acked_msgs_per_s:>12,.0f} msg/s  ({result.batches * opts.batch:,} messages, "
+        f"{result.failed_batches} failed and retried batches)"
+    )
+    say(
+        f"latency       p50 {result.p50_ms:.1f} ms   p99 {result.p99_ms:.1f} ms   p999 {result.p999_ms:.1f} ms"
+        f"   (per store call of {opts.batch:,} messages, acknowledged after a majority's fsync)"
+    )
+    if kill is not None:
+        failover = kill.failover_s(result)
+        report["failover_s"] = round(failover, 3)
+        say(f"failover      writes to vnode {kill.shard} resumed {failover:.2f} s after {kill.victim} was killed")
+        assert cluster is not None
+        cluster.start_node(kill.victim)
+        if opts.data_dir:
+            cluster.save()
+        say(f"              {kill.victim} restarted")
+    if not opts.skip_replay:
+        count, took_s = _replay(client, int(result.start_at * 1_000_000))
+        rate = count / took_s if took_s > 0 else 0.0
+        report["replayed_msgs"] = count
+        report["replay_msgs_per_s"] = round(rate, 1)
+        say(f"replay        {rate:>12,.0f} msg/s  ({count:,} messages, '{TOPIC_PREFIX}/#' since the run began)")
+    if opts.json:
+        print(json.dumps(report, indent=2))
+    return EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connection: argparse.ArgumentParser) -> None:
+    parser = sub.add_parser(
+        "bench",
+        parents=[connection],
+        help="measure write throughput and latency of a running cluster",
+        description=(
+            "Run PUBLISHERS processes that each store batches of SIZE-byte messages under their own clientid "
+            f"(topics {TOPIC_PREFIX}/<clientid>/<n>), as fast as acknowledgements come back, for DURATION seconds; "
+            "print acknowledged messages/s and p50/p99/p999 store latency (a progress line runs on stderr), then "
+            f"how fast '{TOPIC_PREFIX}/#' replays what was written. The messages stay in the cluster."
+        ),
+    )
+    parser.add_argument("--publishers", type=int, default=8, metavar="N", help="publisher processes (default 8)")
+    parser.add_argument("--batch", type=int, default=1000, metavar="N", help="messages per store call (default 1000)")
+    parser.add_argument("--size", type=int, default=100, metavar="BYTES", help="payload bytes (default 100)")
+    parser.add_argument("--duration", type=float, default=10.0, metavar="SECONDS", help="load time (default 10)")
+    parser.add_argument(
+        "--rate", type=float, default=0.0, metavar="MSGS", help="pace to MSGS messages/s in total (default: flat out)"
+    )
+    parser.add_argument("--skip-replay", action="store_true", help="do not measure replay")
+    parser.add_argument(
+        "--start-cluster",
+        action="store_true",
+        help="start a local cluster of --nodes mqds-server processes in a temporary directory for the run, "
+        "and stop it afterwards (needs the server package); --endpoints is then ignored",
+    )
+    parser.add_argument("--nodes", type=int, default=3, metavar="N", help="nodes of --start-cluster (default 3)")
+    parser.add_argument("--shards", type=int, default=16, metavar="N", help="vnodes of --start-cluster (default 16)")
+    parser.add_argument(
+        "--replication-factor",
+        type=int,
+        default=3,
+        metavar="N",
+        help="replicas per vnode of --start-cluster (default 3)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="run against the local cluster recorded in DIR by 'mqds cluster up' (lets --kill-leader kill its nodes)",
+    )
+    parser.add_argument(
+        "--kill-leader",
+        action="store_true",
+        help="kill -9 the leader of the first publisher's vnode a third of the way through, print how long writes "
+        "to that vnode failed (failover_s), then restart the node; needs --start-cluster or --data-dir",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object with the figures instead")
+    parser.set_defaults(run=run)

@@ -1,0 +1,326 @@
+"""``mqds pub`` stores messages; ``mqds replay`` reads them back, and with ``--follow`` keeps reading."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import heapq
+import json
+import sys
+import time
+from collections.abc import Iterable
+from collections.abc import Iterator as AbcIterator
+
+from mqds.cli.console import EXIT_OK, EXIT_USAGE, TIME_HELP, CommandError, connection, format_time_us, parse_time
+from mqds.client import Client, Iterator, Message, Stream
+from mqds.client.errors import GenerationDroppedError, MqdsError
+from mqds.protocol.topics import validate_filter, validate_topic
+
+DEFAULT_SENDER = "mqds-cli"
+MIN_POLL_S, MAX_POLL_S = 0.1, 60.0
+
+# -- pub -------------------------------------------------------------------------
+
+
+def _property(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
+def _payloads(opts: argparse.Namespace) -> Iterable[str]:
+    """The messages to publish: the -m values, or the lines of stdin; each ``count`` times."""
+    if opts.message:
+        texts: Iterable[str] = opts.message
+    else:
+        if sys.stdin.isatty():
+            print("reading messages from the terminal, one per line; Ctrl-D ends", file=sys.stderr)
+        texts = (line.rstrip("\r\n") for line in sys.stdin)
+    n = 0
+    for text in texts:
+        for _ in range(opts.count):
+            yield text.replace("{n}", str(n))
+            n += 1
+
+
+def run_pub(opts: argparse.Namespace) -> int:
+    try:
+        validate_topic(opts.topic)
+    except ValueError as err:
+        raise CommandError(f"topic {opts.topic!r}: {err}", EXIT_USAGE) from None
+    if opts.count < 1 or opts.batch < 1:
+        raise CommandError("--count and --batch must be at least 1", EXIT_USAGE)
+    published = 0
+    shards: set[int] = set()
+    with Client(opts.endpoints, settings=connection(opts, 30.0)) as client:
+        leaders = {v.shard: v.leader for v in client.cluster_map().vnodes}
+        batch: list[Message] = []
+
+        def flush() -> None:
+            nonlocal published
+            for m in client.store_batch(batch):
+                published += 1
+                shard = m.shard or 0
+                shards.add(shard)
+                if not opts.quiet:
+                    leader = f" (leader {leaders[shard]})" if leaders.get(shard) else ""
+                    print(f"stored {m.topic}  vnode {shard}{leader}  at {format_time_us(m.timestamp_us or 0)}")
+            batch.clear()
+
+        for text in _payloads(opts):
+            batch.append(
+                Message(
+                    topic=opts.topic,
+                    payload=text.encode(),
+                    sender=opts.sender,
+                    qos=opts.qos,
+                    retain=opts.retain,
+                    properties=opts.property,
+                )
+            )
+            if len(batch) >= opts.batch:
+                flush()
+        if batch:
+            flush()
+    if not published:
+        raise CommandError("nothing to publish: give -m MESSAGE or pipe lines into stdin", EXIT_USAGE)
+    where = f"vnode {next(iter(shards))}" if len(shards) == 1 else f"{len(shards)} vnodes"
+    print(f"published {published:,} message{'s' if published != 1 else ''} as {opts.sender!r} to {where}")
+    return EXIT_OK
+
+
+# -- replay ----------------------------------------------------------------------
+
+
+class Tail:
+    """Every message matching a filter from a start time: what is stored now, then (``poll`` again) what comes.
+
+    Keeps one iterator per stream it has seen. Each :meth:`poll` looks for new
+    streams (a new topic structure, a new generation), then reads every
+    stream until it has nothing more, rank by rank (shard, generation), the
+    streams of a rank merged by timestamp, so each sender's messages come in
+    the order they were stored. A closed generation's streams are dropped
+    once read to the end.
+    """
+
+    def __init__(self, client: Client, topic_filter: str, start_us: int, batch: int, stale_ok: bool) -> None:
+        self.client = client
+        self.topic_filter = topic_filter
+        self.start_us = start_us
+        self.batch = batch
+        self.stale_ok = stale_ok
+        self.iterators: dict[tuple[int, int, int], Iterator] = {}
+        self.finished: set[tuple[int, int, int]] = set()
+
+    def _discover(self) -> None:
+        for _rank, stream in self.client.get_streams(self.topic_filter, self.start_us, stale_ok=self.stale_ok):
+            key = (stream.shard, stream.generation, stream.id)
+            if key not in self.iterators and key not in self.finished:
+                self.iterators[key] = self._make_iterator(stream)
+
+    def _make_iterator(self, stream: Stream) -> Iterator:
+        return self.client.make_iterator(stream, self.topic_filter, self.start_us, stale_ok=self.stale_ok)
+
+    def _drain(self, key: tuple[int, int, int]) -> AbcIterator[Message]:
+        while key in self.iterators:
+            try:
+                result = self.client.next(self.iterators[key], self.batch, stale_ok=self.stale_ok)
+            except GenerationDroppedError:
+                print(f"mqds replay: generation {key[1]} of shard {key[0]} was dropped meanwhile", file=sys.stderr)
+                self._finish(key)
+                return
+            self.iterators[key] = result.iterator
+            yield from result.messages
+            if result.end_of_stream:
+                self._finish(key)
+            if not result.messages:
+                return
+
+    def _finish(self, key: tuple[int, int, int]) -> None:
+        self.iterators.pop(key, None)
+        self.finished.add(key)
+
+    def poll(self) -> AbcIterator[Message]:
+        """Everything available now that was not returned before."""
+        self._discover()
+        by_rank: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for key in sorted(self.iterators):
+            by_rank.setdefault(key[:2], []).append(key)
+        for rank in sorted(by_rank):
+            sources = [self._drain(key) for key in by_rank[rank]]
+            yield from heapq.merge(*sources, key=lambda m: m.timestamp_us or 0) if len(sources) > 1 else sources[0]
+
+
+def _payload_text(payload: bytes) -> str | None:
+    """The payload as one line of text when it is printable UTF-8, else None."""
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if any(not ch.isprintable() and ch not in "\t\n\r" for ch in text):
+        return None
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+
+
+def format_text(m: Message) -> str:
+    text = _payload_text(m.payload)
+    if text is None:
+        more = "..." if len(m.payload) > 32 else ""
+        text = f"<{len(m.payload)} bytes: {m.payload[:32].hex()}{more}>"
+    flags = f"sender {m.sender or '-'}, qos {m.qos}, vnode {m.shard}" + (", retain" if m.retain else "")
+    props = "".join(f", {k}={v}" for k, v in m.properties)
+    return f"{format_time_us(m.timestamp_us or 0)}  {m.topic}  {text}  ({flags}{props})"
+
+
+def format_json(m: Message) -> str:
+    out: dict[str, object] = {
+        "time": format_time_us(m.timestamp_us or 0),
+        "timestamp_us": m.timestamp_us,
+        "topic": m.topic,
+        "sender": m.sender,
+        "qos": m.qos,
+        "retain": m.retain,
+        "shard": m.shard,
+        "properties": [[k, v] for k, v in m.properties],
+    }
+    try:
+        out["payload"] = m.payload.decode("utf-8")
+    except UnicodeDecodeError:
+        out["payload_base64"] = base64.b64encode(m.payload).decode("ascii")
+    return json.dumps(out, ensure_ascii=False)
+
+
+def run_replay(opts: argparse.Namespace) -> int:
+    try:
+        validate_filter(opts.filter)
+    except ValueError as err:
+        raise CommandError(f"filter {opts.filter!r}: {err}", EXIT_USAGE) from None
+    try:
+        start_us = parse_time(opts.since) if opts.since else 0
+    except ValueError as err:
+        raise CommandError(f"--since: {err}", EXIT_USAGE) from None
+    if (opts.limit is not None and opts.limit < 1) or opts.batch < 1:
+        raise CommandError("--limit and --batch must be at least 1", EXIT_USAGE)
+    if not MIN_POLL_S <= opts.poll_interval <= MAX_POLL_S:
+        raise CommandError(f"--poll-interval must be between {MIN_POLL_S:g} and {MAX_POLL_S:g} seconds", EXIT_USAGE)
+    show = format_json if opts.format == "json" else format_text
+    with Client(opts.endpoints, settings=connection(opts, 30.0)) as client:
+        tail = Tail(client, opts.filter, start_us, opts.batch, opts.stale_ok)
+        shown = 0
+        try:
+            for m in _messages(tail, opts.follow, opts.poll_interval):
+                shown += 1  # before printing: a Ctrl-C right after a line must not leave it uncounted
+                print(show(m), flush=opts.follow)
+                if opts.limit is not None and shown >= opts.limit:
+                    break
+        except KeyboardInterrupt:
+            if not opts.follow:
+                raise
+            # Ctrl-C is how --follow ends.
+    # On stderr, so that stdout holds only messages (for pipes and --format json).
+    print(f"replayed {shown:,} message{'s' if shown != 1 else ''}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _messages(tail: Tail, follow: bool, poll_interval_s: float) -> AbcIterator[Message]:
+    """What is stored now; with ``follow``, then what comes, polling every ``poll_interval_s`` when idle."""
+    while True:
+        try:
+            yield from tail.poll()
+        except MqdsError as err:
+            # Following is meant to run for a long time: ride out an outage
+            # longer than one call's timeout.
+            if not (follow and err.retriable):
+                raise
+            print(f"mqds replay: {err}; trying again", file=sys.stderr)
+        if not follow:
+            return
+        time.sleep(poll_interval_s)
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connection: argparse.ArgumentParser) -> None:
+    pub = sub.add_parser(
+        "pub",
+        parents=[connection],
+        help="store messages on a topic",
+        description=(
+            "Store messages on TOPIC and print where each went (its vnode, that vnode's leader, the timestamp "
+            "the vnode gave it). Messages come from -m (repeatable) or, without -m, one per line from stdin. "
+            "Every message is acknowledged only once it is on a majority of its vnode's replicas."
+        ),
+    )
+    pub.add_argument("topic", metavar="TOPIC", help="the topic, e.g. sensor/42/temp (no wildcards)")
+    pub.add_argument(
+        "-m",
+        "--message",
+        action="append",
+        metavar="TEXT",
+        help="a message payload (repeat for several); without -m, each line of stdin is one message",
+    )
+    pub.add_argument(
+        "--sender",
+        default=DEFAULT_SENDER,
+        metavar="CLIENTID",
+        help=f"the publisher's MQTT clientid; it decides the shard (default {DEFAULT_SENDER})",
+    )
+    pub.add_argument("--qos", type=int, choices=(0, 1, 2), default=1, help="MQTT QoS recorded with it (default 1)")
+    pub.add_argument("--retain", action="store_true", help="set the MQTT retain flag")
+    pub.add_argument(
+        "--property",
+        type=_property,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an MQTT 5 user property (repeatable)",
+    )
+    pub.add_argument(
+        "--count",
+        type=int,
+        default=1,
+        metavar="N",
+        help="publish each message N times (default 1); '{n}' in a message becomes its number, from 0",
+    )
+    pub.add_argument("--batch", type=int, default=500, metavar="N", help="messages per store call (default 500)")
+    pub.add_argument("-q", "--quiet", action="store_true", help="print only the summary, not a line per message")
+    pub.set_defaults(run=run_pub)
+
+    replay = sub.add_parser(
+        "replay",
+        parents=[connection],
+        help="read stored messages matching a topic filter",
+        description=(
+            "Print every stored message matching FILTER (MQTT wildcards: + one level, # the rest), shard by "
+            "shard, each publisher's messages in the order they were stored. With --follow, keep printing "
+            "messages as they are stored until Ctrl-C."
+        ),
+    )
+    replay.add_argument("filter", metavar="FILTER", help="topic filter, e.g. 'sensor/+/temp' or 'sensor/#' (quote it)")
+    replay.add_argument("--since", metavar="TIME", help=f"only messages stored at or after TIME: {TIME_HELP}")
+    replay.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="after the stored messages, keep polling for new ones until Ctrl-C",
+    )
+    replay.add_argument("--limit", type=int, metavar="N", help="stop after N messages")
+    replay.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="text: one readable line per message; json: one JSON object per line (default text)",
+    )
+    replay.add_argument(
+        "--poll-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help=f"with --follow, how long to wait when nothing is new ({MIN_POLL_S:g}-{MAX_POLL_S:g}, default 1)",
+    )
+    replay.add_argument("--batch", type=int, default=1000, metavar="N", help="messages per read call (default 1000)")
+    replay.add_argument(
+        "--stale-ok",
+        action="store_true",
+        help="let any replica answer (may lag its leader slightly); useful while a vnode has no leader",
+    )
+    replay.set_defaults(run=run_replay)

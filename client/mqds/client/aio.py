@@ -1,0 +1,394 @@
+"""The asyncio mqds client: the same API as :class:`mqds.client.Client`, every call a coroutine.
+
+>>> from mqds.client import Message
+>>> from mqds.client.aio import Client
+>>> async def main() -> None:
+...     async with Client(["127.0.0.1:7101"]) as c:
+...         await c.store_batch([Message(topic="t/1", payload=b"x", sender="pub-1", qos=1)])
+...         async for m in c.replay("t/#"):
+...             print(m.topic, m.payload)
+
+Built on ``grpc.aio``; requests are built, answers read, and retries,
+leader hints and map refreshes decided by the code the synchronous client
+uses (:mod:`mqds.client.operations`, :mod:`mqds.client.routing`), so both
+behave alike. A client belongs to the event loop it is first used in: its
+channels are opened there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from mqds.client import operations as ops
+from mqds.client.connection import ConnectionSettings, parse_endpoints, resolve_settings
+from mqds.client.model import Generation, Iterator, Message, NextResult, Rank, Stream
+from mqds.client.operations import FanoutCall, ShardCall
+from mqds.client.routing import Backoff, ClusterView, Fanout, MapRefresh, RoutingTable, ShardRetry
+from mqds.protocol.errors import MqdsError
+from mqds.v1 import cluster_pb2 as clpb
+from mqds.v1 import cluster_pb2_grpc as clpb_grpc
+from mqds.v1 import storage_pb2_grpc as pb_grpc
+
+__all__ = ["AsyncRouter", "Client"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class AsyncRouter:
+    """Channels (``grpc.aio``) to every node, the cluster map, and calls that find the right node.
+
+    The asyncio counterpart of :class:`mqds.client.routing.Router`, with the
+    same :class:`~mqds.client.routing.RoutingTable` and retry rules.
+    """
+
+    def __init__(self, seeds: Sequence[str], *, settings: ConnectionSettings, backoff: Backoff | None = None) -> None:
+        self.settings = settings
+        self.table = RoutingTable(seeds)
+        self.backoff = backoff or Backoff()
+        self.metadata = settings.call_metadata()
+        # Read the PEM files now: a missing or bad one fails the constructor.
+        self._credentials = settings.channel_credentials()
+        self._options = settings.channel_options()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._refresh_lock = asyncio.Lock()
+
+    # -- channels --------------------------------------------------------------
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self.settings.open_aio_channel(address, self._credentials, self._options)
+            self._channels[address] = channel
+        return channel
+
+    def storage(self, address: str) -> pb_grpc.StorageStub:
+        return pb_grpc.StorageStub(self.channel(address))
+
+    def cluster(self, address: str) -> clpb_grpc.ClusterStub:
+        return clpb_grpc.ClusterStub(self.channel(address))
+
+    async def close(self) -> None:
+        channels = list(self._channels.values())
+        self._channels.clear()
+        for channel in channels:
+            await channel.close()
+
+    # -- the map ---------------------------------------------------------------
+
+    async def refresh(self, timeout_s: float = 5.0, force: bool = False) -> ClusterView:
+        """Ask every known node for its map and merge them; one refresh shared by concurrent callers."""
+        started = time.monotonic()
+        async with self._refresh_lock:
+            if self.table.can_share_refresh(started, force):
+                return self.table.view
+            refresh = MapRefresh(self.table)
+            while addresses := refresh.next_addresses():
+                tasks = {asyncio.ensure_future(self._fetch_map(a, timeout_s)): a for a in addresses}
+                try:
+                    # gRPC's deadline ends each fetch; the wait is bounded anyway.
+                    finished, _ = await asyncio.wait(tasks, timeout=timeout_s + 1)
+                finally:
+                    late = [task for task in tasks if not task.done()]
+                    for task in late:
+                        task.cancel()
+                    await asyncio.gather(*late, return_exceptions=True)
+                for task, address in tasks.items():
+                    if task in finished:
+                        refresh.answer(address, *task.result())
+                    else:
+                        refresh.answer(address, None, "no answer in time")
+            return refresh.finish()
+
+    async def _fetch_map(self, address: str, timeout_s: float) -> tuple[clpb.ClusterMap | None, str]:
+        try:
+            cmap = await self.cluster(address).GetClusterMap(
+                clpb.GetClusterMapRequest(), timeout=timeout_s, metadata=self.metadata
+            )
+            return cmap, ""
+        except grpc.RpcError as err:
+            log.debug("cluster map from %s failed: %s", address, err.code())
+            return None, self.settings.describe_failure(err)
+
+    async def ensure_map(self, timeout_s: float) -> ClusterView:
+        if self.table.view.version < 0:
+            await self.refresh(timeout_s)
+        return self.table.view
+
+    async def refresh_quietly(self, remaining: float) -> None:
+        try:
+            await self.refresh(min(2.0, max(remaining, 0.1)), force=True)
+        except MqdsError as err:
+            log.debug("map refresh failed: %s", err)
+
+    # -- calls -------------------------------------------------------------------
+
+    async def call(
+        self,
+        shard: int | None,
+        attempt: Callable[[str, float], Awaitable[T]],
+        deadline: float,
+        *,
+        any_replica: bool = False,
+        retry_unavailable: bool = True,
+    ) -> T:
+        """Await ``attempt(address, timeout_s)`` against the shard's leader until it works or the deadline passes."""
+        retry = ShardRetry(
+            self.table, shard, deadline, self.backoff, any_replica=any_replica, retry_unavailable=retry_unavailable
+        )
+        while True:
+            address, remaining = retry.next_attempt()
+            try:
+                return await attempt(address, remaining)
+            except MqdsError as err:
+                if not retry.failed(err):
+                    continue
+                await self.refresh_quietly(remaining)
+                await asyncio.sleep(retry.backoff_s(err))
+
+    async def fanout(
+        self,
+        shards: Iterable[int],
+        call: Callable[[list[int], str, float], Awaitable[T]],
+        deadline: float,
+        stale_ok: bool = False,
+    ) -> tuple[list[T], dict[int, MqdsError]]:
+        """Await ``call(shards, address, timeout_s)`` once per node leading some of ``shards``, concurrently.
+
+        Returns what succeeded and each failed shard's final error (see
+        :class:`~mqds.client.routing.Fanout` for what is retried).
+        """
+        fan = Fanout(self.table, shards, deadline, self.backoff, stale_ok=stale_ok)
+        results: list[T] = []
+        while (step := fan.next_round()) is not None:
+            groups, remaining = step
+            answers = await asyncio.gather(
+                *(call(group, address, remaining) for address, group in groups.items()), return_exceptions=True
+            )
+            for group, answer in zip(groups.values(), answers, strict=True):
+                if isinstance(answer, MqdsError):
+                    fan.failed(group, answer)
+                elif isinstance(answer, BaseException):
+                    raise answer
+                else:
+                    results.append(answer)
+            if fan.end_round():
+                await self.refresh_quietly(remaining)
+                delay = fan.backoff_s()
+                if delay is not None:
+                    await asyncio.sleep(delay)
+        return results, fan.failures
+
+
+class Client:
+    """Stores and replays MQTT messages on an mqds cluster, from asyncio code.
+
+    The same methods, arguments, results and errors as
+    :class:`mqds.client.Client`, as coroutines; ``replay`` is an async
+    iterator. Writes go to their shards' leaders concurrently, leader hints
+    are followed, and retriable failures retried with the same backoff until
+    the call's deadline; concurrent calls that need a fresh cluster map share
+    one refresh. Close it (``await client.close()``) or use ``async with``.
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        settings: ConnectionSettings | None = None,
+        timeout_s: float | None = None,
+        max_message_bytes: int | None = None,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.endpoints = parse_endpoints(endpoints)
+        self.settings = resolve_settings(settings, timeout_s, max_message_bytes)
+        self.timeout_s = self.settings.timeout_s
+        self._router = AsyncRouter(self.endpoints, settings=self.settings, backoff=backoff)
+        self.producer_id = uuid.uuid4().hex
+        """Names this client's writes for exactly-once storage (see ``store_batch``)."""
+        self._sequences = itertools.count(1)
+
+    # -- plumbing ------------------------------------------------------------
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+
+    async def _rpc(self, address: str, method: str, request: Any, timeout_s: float) -> Any:
+        stub = self._router.storage(address)
+        try:
+            return await getattr(stub, method)(request, timeout=timeout_s, metadata=self._router.metadata)
+        except grpc.RpcError as err:
+            raise self.settings.call_error(err) from None
+
+    async def _n_shards(self, deadline: float) -> int:
+        return (await self._router.ensure_map(max(0.1, deadline - time.monotonic()))).n_shards
+
+    async def _shard_call(self, call: ShardCall[T], timeout_s: float | None) -> T:
+        deadline = self._deadline(timeout_s)
+        await self._router.ensure_map(max(0.1, deadline - time.monotonic()))
+
+        async def attempt(address: str, remaining: float) -> Any:
+            return await self._rpc(address, call.method, call.request, remaining)
+
+        return call.parse(await self._router.call(call.shard, attempt, deadline, any_replica=call.stale_ok))
+
+    async def _fanout_call(self, call: FanoutCall[T], timeout_s: float | None) -> list[T]:
+        deadline = self._deadline(timeout_s)
+        shards = call.shards_of(await self._n_shards(deadline))
+
+        async def send(group: list[int], address: str, remaining: float) -> list[T]:
+            return call.parse(await self._rpc(address, call.method, call.request(group), remaining))
+
+        parts, failures = await self._router.fanout(shards, send, deadline, call.stale_ok)
+        if failures:
+            raise next(iter(failures.values()))
+        return call.merge(parts)
+
+    async def close(self) -> None:
+        await self._router.close()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- the cluster ------------------------------------------------------------
+
+    async def cluster_map(self, timeout_s: float | None = None) -> clpb.ClusterMap:
+        """The cluster map as the nodes see it now (nodes, placement, leaders)."""
+        await self._router.refresh(timeout_s or self.timeout_s, force=True)
+        return self._router.table.cluster_map()
+
+    # -- writes --------------------------------------------------------------
+
+    async def store_batch(
+        self,
+        messages: Iterable[Message],
+        sync: bool = True,
+        timeout_s: float | None = None,
+        *,
+        sequence: int | None = None,
+    ) -> list[Message]:
+        """Store messages; return them with ``timestamp_us`` and ``shard`` set.
+
+        As :meth:`mqds.client.Client.store_batch`: parts go to their shards'
+        leaders concurrently; each call carries this client's ``producer_id``
+        and a new ``sequence`` (or the one given), reused by every retry, so a
+        part is stored once; a partial failure raises
+        :class:`~mqds.client.errors.PartialBatchError`, any other failure
+        carries the sequence in ``err.metadata["sequence"]``.
+        """
+        seq = next(self._sequences) if sequence is None else ops.check_sequence(sequence)
+        batch = list(messages)
+        deadline = self._deadline(timeout_s)
+        plan = ops.StoreBatch(batch, await self._n_shards(deadline), self.producer_id, seq, sync)
+
+        async def send(shards: list[int], address: str, remaining: float) -> None:
+            indexes, request = plan.request(shards)
+            plan.record(indexes, await self._rpc(address, "StoreBatch", request, remaining))
+
+        _, failures = await self._router.fanout(plan.shards, send, deadline)
+        return plan.outcome(failures)
+
+    # -- reads ---------------------------------------------------------------
+
+    async def get_streams(
+        self, topic_filter: str, start_time_us: int = 0, *, stale_ok: bool = False, timeout_s: float | None = None
+    ) -> list[tuple[Rank, Stream]]:
+        """The streams that may hold messages matching ``topic_filter`` at or after ``start_time_us``, by rank."""
+        return await self._fanout_call(ops.get_streams(topic_filter, start_time_us, stale_ok), timeout_s)
+
+    async def make_iterator(
+        self,
+        stream: Stream,
+        topic_filter: str,
+        start_time_us: int = 0,
+        *,
+        stale_ok: bool = False,
+        timeout_s: float | None = None,
+    ) -> Iterator:
+        """An iterator over ``stream``'s messages matching ``topic_filter`` from ``start_time_us``."""
+        return await self._shard_call(ops.make_iterator(stream, topic_filter, start_time_us, stale_ok), timeout_s)
+
+    async def next(
+        self, iterator: Iterator, batch_size: int = 100, *, stale_ok: bool = False, timeout_s: float | None = None
+    ) -> NextResult:
+        """Up to ``batch_size`` messages after ``iterator``, and the advanced iterator.
+
+        After a leader change the call continues on the new leader, with no
+        message skipped or repeated.
+        """
+        return await self._shard_call(ops.next_batch(iterator, batch_size, stale_ok), timeout_s)
+
+    async def _stream_messages(
+        self, stream: Stream, topic_filter: str, start_time_us: int, batch_size: int, stale_ok: bool
+    ) -> AsyncIterator[Message]:
+        iterator = await self.make_iterator(stream, topic_filter, start_time_us, stale_ok=stale_ok)
+        while True:
+            result = await self.next(iterator, batch_size, stale_ok=stale_ok)
+            for message in result.messages:
+                yield message
+            iterator = result.iterator
+            if ops.stream_exhausted(result):
+                return
+
+    async def replay(
+        self, topic_filter: str, start_time_us: int = 0, batch_size: int = 1000, *, stale_ok: bool = False
+    ) -> AsyncIterator[Message]:
+        """Every stored message matching ``topic_filter``, in rank order (``async for m in client.replay(...)``).
+
+        Shards come one after the other; within a shard, generations in order,
+        and the streams of a generation merged by timestamp, so each sender's
+        messages come back in the order they were stored.
+        """
+        for streams in ops.replay_order(await self.get_streams(topic_filter, start_time_us, stale_ok=stale_ok)):
+            sources = [
+                self._stream_messages(stream, topic_filter, start_time_us, batch_size, stale_ok) for stream in streams
+            ]
+            async for message in _merge(sources, ops.timestamp):
+                yield message
+
+    # -- generations ---------------------------------------------------------
+
+    async def add_generation(self, shard: int | None = None, timeout_s: float | None = None) -> list[Generation]:
+        """Start a new generation in ``shard``, or in every shard; return the new ones."""
+        return await self._fanout_call(ops.add_generation(shard), timeout_s)
+
+    async def list_generations(
+        self, shard: int | None = None, *, stale_ok: bool = False, timeout_s: float | None = None
+    ) -> list[Generation]:
+        """The generations of ``shard``, or of every shard, in order."""
+        return await self._fanout_call(ops.list_generations(shard, stale_ok), timeout_s)
+
+    async def drop_generation(self, shard: int, generation: int, timeout_s: float | None = None) -> Generation:
+        """Drop a closed generation of a shard and free its disk; return it as it was."""
+        return await self._shard_call(ops.drop_generation(shard, generation), timeout_s)
+
+
+async def _merge(sources: list[AsyncIterator[Message]], key: Callable[[Message], int]) -> AsyncIterator[Message]:
+    """The messages of sorted async iterators, merged in ``key`` order (``heapq.merge`` for async iterators)."""
+    heap: list[tuple[int, int, Message]] = []
+    for index, source in enumerate(sources):
+        first = await anext(source, None)
+        if first is not None:
+            heap.append((key(first), index, first))
+    heapq.heapify(heap)
+    while heap:
+        _, index, message = heap[0]
+        yield message
+        following = await anext(sources[index], None)
+        if following is None:
+            heapq.heappop(heap)
+        else:
+            heapq.heapreplace(heap, (key(following), index, following))

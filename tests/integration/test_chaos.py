@@ -1,0 +1,157 @@
+"""The chaos runner against a real cluster, and the server behaviour the chaos runs found or need.
+
+``test_a_short_mixed_chaos_run_passes`` is the CI run of ``python -m mqds.chaos``:
+3 nodes, every nemesis at least once, about two minutes. The long run
+(``make chaos``: 30 minutes, 5 nodes) is documented in the README.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mqds.chaos import nemesis, runner
+from mqds.client import Client, Message
+from mqds.client import errors as E
+from mqds.protocol.sharding import shard_of
+from mqds.server.localproc import LocalCluster, NodeProcess, wait_until
+from mqds.v1 import cluster_pb2 as clpb
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.mark.timeout(600)
+def test_a_short_mixed_chaos_run_passes(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    opts = runner.Options(
+        duration_s=60,
+        nodes=3,
+        shards=4,
+        seed=20260101,
+        hold_s=(2.0, 4.0),
+        quiet_s=(1.0, 2.5),
+        work_dir=tmp_path / "work",
+        report_json=report_path,
+    )
+    report = runner.run(opts)
+    print(report.text)
+    assert report.passed, report.text
+    ran = {f.nemesis for f in report.faults}
+    assert ran == set(nemesis.NEMESES), f"nemeses that never ran: {set(nemesis.NEMESES) - ran}"
+    assert not [f for f in report.faults if f.error], report.text
+    counts = report.result.counts
+    assert counts["acked"] > 1000 and counts["lost"] == counts["duplicates"] == counts["unexpected"] == 0
+    assert counts["reads_observed"] > 0
+    assert all(c.converged for c in report.result.convergence) and len(report.result.convergence) == opts.shards
+    # The wiped node came back by snapshot: its journal had been compacted away.
+    wipe = next(f for f in report.faults if f.nemesis == "wipe-node")
+    assert any("installed" in note and "installed 0 " not in note for note in wipe.notes), wipe.notes
+    # The JSON report has the same verdict and the timeline.
+    report_path.write_text(json.dumps(report.json))
+    data = json.loads(report_path.read_text())
+    assert data["passed"] is True and len(data["faults"]) == len(report.faults)
+    assert set(data["availability"]) == set(nemesis.NEMESES)
+
+
+def test_the_runner_exits_nonzero_on_bad_options() -> None:
+    assert runner.main(["--nemesis", "meteor"]) == runner.EXIT_USAGE
+
+
+def test_a_leader_stopped_with_sigterm_hands_leadership_over_at_once(tmp_path: Path) -> None:
+    """Regression (found by the chaos runs): a leader stopping gracefully kept leading for the whole grace
+    period while refusing every call, so writes to its vnodes stopped for 5-7 s instead of moving on."""
+    with LocalCluster(tmp_path / "c", 3, n_shards=2) as cluster:
+        cluster.start()
+        sender = next(f"s{i}" for i in range(100) if shard_of(f"s{i}", 2) == 0)
+        stop = threading.Event()
+        acked: list[float] = []
+
+        def write() -> None:
+            with cluster.client(timeout_s=2) as client:
+                seq = 0
+                while not stop.is_set():
+                    batch = [Message(topic=f"t/{i}", payload=b"x", sender=sender) for i in range(seq, seq + 5)]
+                    try:
+                        client.store_batch(batch, timeout_s=2)
+                    except E.MqdsError:
+                        continue
+                    acked.append(time.monotonic())
+                    seq += 5
+
+        writer = threading.Thread(target=write, daemon=True)
+        writer.start()
+        try:
+            victim = cluster.wait_for_leader(0)
+            time.sleep(1.0)
+            stopped_at = time.monotonic()
+            cluster.nodes[victim].terminate()
+            others = [n for n in cluster.nodes if n != victim]
+
+            def new_leader() -> str | None:
+                for node_id in others:
+                    try:
+                        status = cluster.status(node_id, timeout_s=1)
+                    except grpc.RpcError:
+                        continue
+                    for replica in status.replicas:
+                        if replica.group == 0 and replica.role == clpb.RAFT_ROLE_LEADER:
+                            return node_id
+                return None
+
+            deadline = stopped_at + 10
+            leader = None
+            while leader is None and time.monotonic() < deadline:
+                leader = new_leader()
+                time.sleep(0.05)
+            took = time.monotonic() - stopped_at
+            assert leader is not None and took < 3.0, f"no new leader {took:.1f}s after SIGTERM (grace is 5 s)"
+            time.sleep(2.0)
+            assert any(t > stopped_at for t in acked), "writes did not resume"
+            resumed = min(t for t in acked if t > stopped_at) - stopped_at
+            assert resumed < 3.5, f"writes resumed {resumed:.1f}s after the SIGTERM"
+        finally:
+            stop.set()
+            writer.join(10)
+
+
+def test_the_fault_clock_offset_shifts_timestamps(tmp_path: Path) -> None:
+    hour = 3600
+    proc = NodeProcess(
+        tmp_path / "n1", args=["--fault-injection", f"--fault-clock-offset-s={hour}", "--n-shards", "2"]
+    ).start()
+    try:
+        with Client([proc.address], timeout_s=20) as client:
+            (stored,) = client.store_batch([Message(topic="a/b", payload=b"1", sender="x")])
+        ahead_s = (stored.timestamp_us or 0) / 1e6 - time.time()
+        assert hour - 60 < ahead_s < hour + 60, ahead_s
+    finally:
+        proc.kill()
+
+
+def test_a_replica_restarted_from_a_snapshot_does_not_count_itself_twice(tmp_path: Path) -> None:
+    """Regression (found by the chaos runs): a replica that loaded a snapshot manifest (at a restart after
+    log compaction, or installing a snapshot) kept itself as one of its peers: every majority grew by
+    one, so once one other replica was down its group could neither commit nor elect a leader."""
+    with LocalCluster(tmp_path / "c", 3, n_shards=1, args=["--raft-log-max-bytes", "20000"]) as cluster:
+        cluster.start()
+        with cluster.client(timeout_s=20) as client:
+            for i in range(20):
+                client.store_batch([Message(topic=f"t/{i}/{j}", payload=b"x" * 200, sender="s") for j in range(20)])
+            preferred = cluster.replicas(0)[0]
+            # kill -9 and start again: the replica loads its snapshot manifest (the log was compacted).
+            cluster.restart(preferred)
+            cluster.wait_ready(60)
+            for node_id in cluster.live():
+                for replica in cluster.status(node_id).replicas:
+                    members = list(replica.members)
+                    assert len(members) == len(set(members)) == 3, (node_id, replica.group, members)
+            # With leadership back on the restarted replica and another replica down, writes go on.
+            wait_until("the restarted replica leading again", lambda: cluster.leader(0) == preferred, 60)
+            other = next(n for n in cluster.replicas(0) if n != preferred)
+            cluster.kill(other)
+            client.store_batch([Message(topic="t/after", payload=b"y", sender="s")], timeout_s=30)

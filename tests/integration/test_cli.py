@@ -1,0 +1,320 @@
+"""The mqds command line end to end: a cluster started with `mqds cluster up`, real processes, real gRPC.
+
+One cluster serves the whole module (tests run in file order: the last ones
+kill, restart and stop nodes). Each test writes to topics of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from mqds.server.localproc import LocalCluster, free_port, free_port_block, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MQDS = str(Path(sys.executable).with_name("mqds"))
+N_SHARDS = 4
+
+
+@dataclass
+class Run:
+    code: int
+    out: str
+    err: str
+
+
+def mqds(*args: str, stdin: str | None = None, timeout_s: float = 120) -> Run:
+    result = subprocess.run([MQDS, *args], input=stdin, capture_output=True, text=True, timeout=timeout_s)
+    assert "Traceback" not in result.stderr, result.stderr
+    return Run(result.returncode, result.stdout, result.stderr)
+
+
+@dataclass
+class CliCluster:
+    data_dir: Path
+    endpoints: str
+
+    def run(self, *args: str, stdin: str | None = None, timeout_s: float = 120) -> Run:
+        return mqds("--endpoints", self.endpoints, *args, stdin=stdin, timeout_s=timeout_s)
+
+    def harness(self) -> LocalCluster:
+        return LocalCluster.load(self.data_dir)
+
+
+@pytest.fixture(scope="module")
+def cli_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CliCluster]:
+    data_dir = tmp_path_factory.mktemp("cli") / "cluster"
+    base = free_port_block(3)
+    try:
+        up = mqds("cluster", "up", "--data-dir", str(data_dir), "--base-port", str(base), "--shards", str(N_SHARDS))
+        assert up.code == 0, up.out + up.err
+        # `up` returned: every vnode must have a leader already, without waiting.
+        harness = LocalCluster.load(data_dir)
+        assert sorted(harness.leaders()) == list(range(N_SHARDS)), up.out
+        assert all(harness.status(n).ready for n in harness.nodes)
+        endpoints = ",".join(f"127.0.0.1:{base + i}" for i in range(3))
+        assert f"endpoints: {endpoints}" in up.out
+        assert "every vnode has a leader" in up.out
+        yield CliCluster(data_dir, endpoints)
+    finally:
+        if LocalCluster.recorded(data_dir):
+            mqds("cluster", "down", "--data-dir", str(data_dir))
+            LocalCluster.load(data_dir).kill_all()
+
+
+def stored_lines(out: str) -> list[tuple[str, int, str, str]]:
+    """(topic, vnode, leader, time) of each 'stored ...' line mqds pub prints."""
+    return [
+        (m[1], int(m[2]), m[3], m[4])
+        for m in re.finditer(r"^stored (\S+)  vnode (\d+) \(leader (n\d)\)  at (\S+Z)$", out, re.MULTILINE)
+    ]
+
+
+def test_pub_then_replay(cli_cluster: CliCluster) -> None:
+    pub = cli_cluster.run("pub", "cli/pub/temp", "-m", "21.5", "-m", "22.0", "--sender", "dev-a", "--qos", "2")
+    assert pub.code == 0, pub.err
+    lines = stored_lines(pub.out)
+    assert [(t, v) for t, v, _, _ in lines] == [("cli/pub/temp", lines[0][1])] * 2
+    assert "published 2 messages as 'dev-a' to vnode" in pub.out
+    piped = cli_cluster.run(
+        "pub", "cli/pub/hum", "--sender", "dev-b", "--retain", "--property", "unit=pct", stdin="40\n41\n42\n"
+    )
+    assert piped.code == 0, piped.err
+    assert len(stored_lines(piped.out)) == 3
+    many = cli_cluster.run("pub", "cli/count/x", "-m", "n={n}", "--count", "250", "--batch", "100", "-q")
+    assert many.code == 0 and "published 250 messages" in many.out and "stored" not in many.out
+
+    replay = cli_cluster.run("replay", "cli/pub/+")
+    assert replay.code == 0, replay.err
+    shown = replay.out.splitlines()
+    assert len(shown) == 5 and "replayed 5 messages" in replay.err
+    temps = [line for line in shown if "cli/pub/temp" in line]
+    assert ["21.5" in temps[0], "22.0" in temps[1]] == [True, True]
+    assert "(sender dev-a, qos 2, vnode" in temps[0]
+    assert any("(sender dev-b, qos 1, vnode" in line and "retain, unit=pct" in line for line in shown)
+
+    as_json = cli_cluster.run("replay", "cli/pub/hum", "--format", "json")
+    records = [json.loads(line) for line in as_json.out.splitlines()]
+    assert [r["payload"] for r in records] == ["40", "41", "42"]
+    assert records[0]["sender"] == "dev-b" and records[0]["retain"] is True
+    assert records[0]["properties"] == [["unit", "pct"]]
+    assert records[0]["timestamp_us"] < records[1]["timestamp_us"] < records[2]["timestamp_us"]
+
+    limited = cli_cluster.run("replay", "cli/count/x", "--limit", "7")
+    assert [line.split("  ")[2] for line in limited.out.splitlines()] == [f"n={i}" for i in range(7)]
+    everything = cli_cluster.run("replay", "cli/count/x")
+    assert len(everything.out.splitlines()) == 250
+
+
+def test_replay_since(cli_cluster: CliCluster) -> None:
+    first = cli_cluster.run("pub", "cli/since/x", "-m", "before", "--sender", "dev-s")
+    second = cli_cluster.run("pub", "cli/since/x", "-m", "after", "--sender", "dev-s")
+    (_, _, _, when), *_ = stored_lines(second.out)
+    assert first.code == second.code == 0
+    since_iso = cli_cluster.run("replay", "cli/since/#", "--since", when)
+    assert [line.split("  ")[2] for line in since_iso.out.splitlines()] == ["after"]
+    relative = cli_cluster.run("replay", "cli/since/#", "--since", "10m")
+    assert [line.split("  ")[2] for line in relative.out.splitlines()] == ["before", "after"]
+    future = cli_cluster.run("replay", "cli/since/#", "--since", "2999-01-01T00:00:00Z")
+    assert future.code == 0 and future.out == "" and "replayed 0 messages" in future.err
+    bad = cli_cluster.run("replay", "cli/since/#", "--since", "ten minutes")
+    assert bad.code == 2 and "is not a time" in bad.err
+
+
+def test_replay_follow_prints_new_messages_until_ctrl_c(cli_cluster: CliCluster) -> None:
+    assert cli_cluster.run("pub", "cli/follow/x", "-m", "old").code == 0
+    proc = subprocess.Popen(
+        [MQDS, "--endpoints", cli_cluster.endpoints, "replay", "cli/follow/#", "--follow", "--poll-interval", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # Ctrl-C must reach it even when the test runner ignores SIGINT.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout or []], daemon=True).start()
+    try:
+        assert "  old  " in lines.get(timeout=30)
+        assert cli_cluster.run("pub", "cli/follow/x", "-m", "new").code == 0
+        assert "  new  " in lines.get(timeout=30)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "replayed 2 messages" in err and "Traceback" not in err
+
+
+def test_status_is_readable_at_a_glance(cli_cluster: CliCluster) -> None:
+    status = cli_cluster.run("status")
+    assert status.code == 0, status.err
+    out = status.out
+    assert re.search(rf"3 nodes \(3 up\), {N_SHARDS} vnodes \({N_SHARDS} with a leader\), 3 replicas each", out)
+    assert re.search(r"^NODE\s+ADDRESS\s+STATE\s+READY\s+LEADS\s+REPLICAS$", out, re.MULTILINE)
+    assert re.search(r"^VNODE\s+LEADER\s+TERM\s+APPLIED\s+GENS\s+REPLICAS$", out, re.MULTILINE)
+    rows = re.findall(r"^\s+(\d+)\s+(n\d)\s+(\d+)\s+(\d+)\s+(\d+)\s+(.+)$", out, re.MULTILINE)
+    assert [int(r[0]) for r in rows] == list(range(N_SHARDS))
+    for _, leader, _, applied, gens, replicas in rows:
+        assert f"{leader}*" in replicas.split() and int(applied) > 0 and int(gens) >= 1
+        assert all(re.fullmatch(r"n\d(\*|:\d+)", part) for part in replicas.split()), replicas
+    assert "OK: every node is up and every vnode has a leader" in out
+
+
+def test_generations_list_add_drop(cli_cluster: CliCluster) -> None:
+    listing = cli_cluster.run("generations", "list")
+    assert listing.code == 0, listing.err
+    counted = re.search(r"^(\d+) generations in 4 shards", listing.out, re.MULTILINE)
+    assert counted, listing.out
+    before = int(counted.group(1))
+    added = cli_cluster.run("generations", "add", "--shard", "2")
+    assert added.code == 0 and "started 1 new generation" in added.out
+    rows = re.findall(
+        r"^\s+2\s+(\d+)\s+\S+\s+(.+?)\s{2,}\S+$",
+        cli_cluster.run("generations", "list", "--shard", "2").out,
+        re.MULTILINE,
+    )
+    assert len(rows) >= 2 and "(current, takes writes)" in rows[-1][1]
+    closed = int(rows[-2][0])
+    assert f"{before + 1} generations in 4 shards" in cli_cluster.run("generations", "list").out
+
+    dropped = cli_cluster.run("generations", "drop", "2", str(closed))
+    assert dropped.code == 0 and f"dropped shard 2 generation {closed}" in dropped.out
+    current = rows[-1][0]
+    refused = cli_cluster.run("generations", "drop", "2", current)
+    assert refused.code == 1 and "CURRENT_GENERATION" in refused.err
+    unknown = cli_cluster.run("generations", "drop", "99", "1")
+    assert unknown.code == 1 and "UNKNOWN_SHARD" in unknown.err
+    assert f"{before} generations in 4 shards" in cli_cluster.run("generations", "list").out
+
+
+def test_bench_prints_figures(cli_cluster: CliCluster) -> None:
+    text = cli_cluster.run("bench", "--duration", "2", "--publishers", "2", "--batch", "100")
+    assert text.code == 0, text.err
+    acked = re.search(r"^acknowledged\s+([\d,]+) msg/s  \(([\d,]+) messages", text.out, re.MULTILINE)
+    latency = re.search(r"^latency\s+p50 ([\d.]+) ms   p99 ([\d.]+) ms   p999 ([\d.]+) ms", text.out, re.MULTILINE)
+    replay = re.search(r"^replay\s+([\d,]+) msg/s  \(([\d,]+) messages", text.out, re.MULTILINE)
+    assert acked and latency and replay, text.out
+    assert int(acked.group(1).replace(",", "")) > 0
+    assert 0 < float(latency.group(1)) <= float(latency.group(2)) <= float(latency.group(3))
+    assert int(replay.group(2).replace(",", "")) >= int(acked.group(2).replace(",", ""))
+    assert "acknowledged" in text.err and "/2 s" in text.err  # the progress line
+
+    as_json = cli_cluster.run(
+        "bench", "--duration", "2", "--publishers", "1", "--batch", "50", "--json", "--skip-replay"
+    )
+    assert as_json.code == 0, as_json.err
+    report = json.loads(as_json.out)
+    assert report["acked_msgs_per_s"] > 0 and 0 < report["p50_ms"] <= report["p99_ms"]
+    assert "replay_msgs_per_s" not in report
+
+
+def test_bench_kills_a_leader_and_reports_the_failover(cli_cluster: CliCluster) -> None:
+    run = cli_cluster.run(
+        "bench",
+        "--data-dir",
+        str(cli_cluster.data_dir),
+        "--kill-leader",
+        "--duration",
+        "6",
+        "--publishers",
+        "2",
+        "--batch",
+        "100",
+        "--json",
+        "--skip-replay",
+        timeout_s=180,
+    )
+    assert run.code == 0, run.err
+    report = json.loads(run.out)
+    # Writes to the vnode stopped when its leader died and resumed after an election.
+    assert 0 < report["failover_s"] < 6, report
+    assert report["failed_batches"] > 0
+    harness = cli_cluster.harness()
+    assert all(proc.running for proc in harness.nodes.values()), "the killed node was restarted"
+    usage = mqds("--endpoints", cli_cluster.endpoints, "bench", "--kill-leader")
+    assert usage.code == 2 and "needs a cluster this command controls" in usage.err
+
+
+def test_unreachable_endpoint_is_a_clear_error() -> None:
+    nobody = f"127.0.0.1:{free_port()}"
+    for args in (["status"], ["pub", "a/b", "-m", "x"], ["replay", "#"], ["generations", "list"], ["bench"]):
+        run = mqds("--endpoints", nobody, *args, timeout_s=60)
+        assert run.code == 1, (args, run.out, run.err)
+        assert f"no mqds node answered at {nobody}" in run.err, run.err
+    admin = mqds("--endpoints", nobody, "--timeout", "2", "admin", "rebalance", timeout_s=60)
+    assert admin.code == 1 and "no mqds node answered" in admin.err, admin.err
+
+
+def test_cluster_command_mistakes(cli_cluster: CliCluster, tmp_path: Path) -> None:
+    empty = mqds("cluster", "down", "--data-dir", str(tmp_path / "none"))
+    assert empty.code == 1 and "no local cluster recorded" in empty.err
+    other = mqds("cluster", "up", "--data-dir", str(cli_cluster.data_dir), "--nodes", "5")
+    assert other.code == 1 and "holds a cluster with nodes 3, not 5" in other.err
+    unknown = mqds("cluster", "kill", "n9", "--data-dir", str(cli_cluster.data_dir))
+    assert unknown.code == 2 and "no node 'n9'" in unknown.err
+    busy_base = free_port_block(2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", busy_base + 1))
+        taken.listen()
+        busy = mqds(
+            "cluster", "up", "--data-dir", str(tmp_path / "busy"), "--nodes", "2", "--base-port", str(busy_base)
+        )
+    assert busy.code == 1 and f"port {busy_base + 1} (node n2) is in use" in busy.err
+
+
+def test_cluster_kill_and_start(cli_cluster: CliCluster) -> None:
+    harness = cli_cluster.harness()
+    pid = harness.nodes["n2"].pid
+    killed = mqds("cluster", "kill", "n2", "--data-dir", str(cli_cluster.data_dir))
+    assert killed.code == 0 and f"killed n2 (kill -9 of pid {pid})" in killed.out
+    assert not cli_cluster.harness().nodes["n2"].running
+    again = mqds("cluster", "kill", "n2", "--data-dir", str(cli_cluster.data_dir))
+    assert again.code == 1 and "n2 is not running" in again.err
+
+    # Two of three replicas are left: writes go on once each vnode has a leader.
+    degraded = cli_cluster.run("status")
+    assert degraded.code == 3 and "DEGRADED: node n2 not answering" in degraded.out
+    assert "n2:down" in degraded.out and "n2" in degraded.out.split("DOWN")[0]
+    pub = cli_cluster.run("pub", "cli/kill/x", "-m", "while n2 is down")
+    assert pub.code == 0, pub.err
+
+    started = mqds("cluster", "start", "n2", "--data-dir", str(cli_cluster.data_dir))
+    assert started.code == 0 and re.search(r"n2 started \(pid \d+\) on 127\.0\.0\.1:\d+; ready", started.out)
+    assert cli_cluster.harness().nodes["n2"].running
+    wait_until("a healthy status", lambda: cli_cluster.run("status").code == 0, timeout_s=60, interval_s=0.5)
+    assert "while n2 is down" in cli_cluster.run("replay", "cli/kill/#").out
+
+
+def test_cluster_down_then_up_restarts_the_same_cluster(cli_cluster: CliCluster) -> None:
+    before = cli_cluster.run("status").out.splitlines()[0].split(":")[0]  # "cluster <id>"
+    pids = [p.pid for p in cli_cluster.harness().nodes.values()]
+    down = mqds("cluster", "down", "--data-dir", str(cli_cluster.data_dir))
+    assert down.code == 0 and "stopped; the data stays" in down.out
+    assert cli_cluster.harness().live() == []
+    assert cli_cluster.run("status").code == 1
+
+    up = mqds("cluster", "up", "--data-dir", str(cli_cluster.data_dir))
+    assert up.code == 0, up.err
+    assert "starting the cluster recorded in" in up.out
+    harness = cli_cluster.harness()
+    assert sorted(harness.leaders()) == list(range(N_SHARDS))
+    assert all(p.pid not in pids for p in harness.nodes.values())
+    status = cli_cluster.run("status")
+    assert status.code == 0 and status.out.startswith(before)
+    # The data survived the restart (written after the generations test dropped one).
+    assert "while n2 is down" in cli_cluster.run("replay", "cli/kill/#").out
+    down_again = mqds("cluster", "down", "--data-dir", str(cli_cluster.data_dir))
+    assert down_again.code == 0
+    assert mqds("cluster", "down", "--data-dir", str(cli_cluster.data_dir)).out.startswith("no node of the cluster")

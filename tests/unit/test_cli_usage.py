@@ -1,0 +1,142 @@
+"""The mqds command line without a cluster: every option is explained, times parse, usage errors are clear."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import pytest
+
+from mqds.cli import build_parser, main
+from mqds.cli.console import format_time_us, parse_time, table
+
+NOW_S = 1_750_000_000.0
+
+
+def parsers(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Every parser of the command tree, with the words that reach it."""
+    found = [(path, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                found += parsers(child, (*path, name))
+    return found
+
+
+COMMANDS = [path for path, _ in parsers(build_parser())]
+
+
+def test_the_command_tree_has_every_command() -> None:
+    assert {" ".join(p) for p in COMMANDS} >= {
+        "status",
+        "pub",
+        "replay",
+        "generations list",
+        "generations add",
+        "generations drop",
+        "admin join",
+        "admin leave",
+        "admin forget",
+        "admin rebalance",
+        "cluster up",
+        "cluster down",
+        "cluster kill",
+        "cluster start",
+        "bench",
+    }
+
+
+@pytest.mark.parametrize("path", COMMANDS, ids=lambda p: " ".join(p) or "mqds")
+def test_help_explains_every_option(path: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    parser = dict(parsers(build_parser()))[path]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            continue
+        assert action.help and action.help != argparse.SUPPRESS, f"{' '.join(path)}: {action.dest} has no help"
+    if path:
+        assert parser.description, f"{' '.join(path)} has no description"
+    with pytest.raises(SystemExit) as exit_info:
+        main([*path, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: mqds {' '.join(path)}".rstrip())
+    for action in parser._actions:
+        for option in action.option_strings:
+            assert option in out
+
+
+@pytest.mark.parametrize(
+    ("text", "expected_s"),
+    [
+        ("10m", NOW_S - 600),
+        ("2h", NOW_S - 7200),
+        ("1h30m", NOW_S - 5400),
+        ("90s", NOW_S - 90),
+        ("1.5d", NOW_S - 1.5 * 86400),
+        ("250ms", NOW_S - 0.25),
+        ("1w", NOW_S - 7 * 86400),
+        ("now", NOW_S),
+        ("2025-05-01T12:00:00Z", datetime.datetime(2025, 5, 1, 12, tzinfo=datetime.UTC).timestamp()),
+        ("2025-05-01T14:00:00+02:00", datetime.datetime(2025, 5, 1, 12, tzinfo=datetime.UTC).timestamp()),
+        ("2025-05-01T12:00:00.250000Z", datetime.datetime(2025, 5, 1, 12, tzinfo=datetime.UTC).timestamp() + 0.25),
+    ],
+)
+def test_parse_time(text: str, expected_s: float) -> None:
+    assert parse_time(text, now_s=NOW_S) == int(expected_s * 1_000_000)
+
+
+def test_a_time_without_zone_is_local_time() -> None:
+    local = datetime.datetime(2025, 5, 1, 12, 0).astimezone()
+    assert parse_time("2025-05-01 12:00", now_s=NOW_S) == int(local.timestamp() * 1_000_000)
+
+
+@pytest.mark.parametrize("text", ["", "10x", "m10", "yesterday", "10 parsecs", "2025-13-01", "-5m"])
+def test_parse_time_rejects_what_it_cannot_read(text: str) -> None:
+    with pytest.raises(ValueError, match="is not a time: use ISO-8601"):
+        parse_time(text, now_s=NOW_S)
+
+
+def test_printed_times_parse_back() -> None:
+    us = 1_746_100_800_123_456
+    assert format_time_us(us) == "2025-05-01T12:00:00.123456Z"
+    assert parse_time(format_time_us(us)) == us
+
+
+def test_table_aligns_columns() -> None:
+    assert table(["A", "NUM"], [["x", 1], ["long", 100]], right=(1,)).splitlines() == [
+        "A     NUM",
+        "x       1",
+        "long  100",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--endpoints", "nonsense", "status"], "endpoint 'nonsense' is not host:port"),
+        (["replay", "#", "--since", "later"], "--since: 'later' is not a time"),
+        (["replay", "a/#/b"], "filter 'a/#/b'"),
+        (["replay", "#", "--poll-interval", "0"], "--poll-interval must be between"),
+        (["pub", "a/+", "-m", "x"], "topic 'a/+'"),
+        (["pub", "a", "-m", "x", "--count", "0"], "--count and --batch must be at least 1"),
+        (["bench", "--publishers", "0"], "--publishers must be at least 1"),
+        (["generations", "drop", "-1", "1"], "SHARD and GENERATION must be 0 or more"),
+    ],
+)
+def test_usage_mistakes_exit_2_with_a_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The endpoint is never dialled: each mistake is caught before any call.
+    assert main(["--endpoints", "127.0.0.1:9", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_a_missing_argument_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generations", "drop", "1"])
+    assert exit_info.value.code == 2
+    assert "the following arguments are required: GENERATION" in capsys.readouterr().err
