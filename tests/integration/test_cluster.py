@@ -424,3 +424,17 @@ def test_a_partial_failure_says_what_was_stored_and_a_retry_completes_it(tmp_pat
             again = client.store_batch(err.failed_messages, sequence=err.sequence)
             assert len(again) == len(err.failed)
             check_every_acked_message(client, {name: [0, 1, 2] for name in names})
+
+
+def test_followers_never_rewrite_entries_under_pipelined_writes(cluster: LocalCluster) -> None:
+    """With many appends in flight, acknowledgements must not make the leader send entries again.
+
+    pysyncobj rewound a follower's next index to each acknowledgement, so the
+    entries still in flight were sent a second time and the follower cut them
+    from its journal (already applied, as it logs) and wrote them again.
+    """
+    with cluster.client(timeout_s=20) as client, Publishers(client, [f"pipe-{i}" for i in range(12)], batch=50) as pubs:
+        wait_until("pipelined writes", lambda: pubs.total() > 30_000, 60)
+    logs = {node_id: proc.log_path.read_text(errors="replace") for node_id, proc in cluster.nodes.items()}
+    rewritten = {node_id: text.count("truncating already-applied") for node_id, text in logs.items()}
+    assert not any(rewritten.values()), rewritten

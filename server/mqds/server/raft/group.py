@@ -621,9 +621,29 @@ class RaftGroup(SyncObj):
         if kind == "append_entries":
             self._heard_leader = True
             self.last_echo_from[node_id] = echo
-        elif kind == "next_node_idx" and echo > self._acked_round.get(node_id, 0):
-            self._acked_round[node_id] = echo
+        elif kind == "next_node_idx":
+            if echo > self._acked_round.get(node_id, 0):
+                self._acked_round[node_id] = echo
+            if message.get("success") and not message.get("reset"):
+                self._ack_without_rewind(PeerNode(node_id), message)
+                return
         self._transport._onMessageReceived(PeerNode(node_id), message)
+
+    def _ack_without_rewind(self, node: PeerNode, message: dict[str, Any]) -> None:
+        """Take a follower's acknowledgement without moving its next index back.
+
+        pysyncobj sets a follower's next index to what the follower acknowledged,
+        so with several appends in flight (a leader sends new entries as soon as
+        they are proposed) every acknowledgement rewound it, the entries in flight
+        were sent again, and the follower truncated them from its journal and
+        wrote them a second time. The next index only moves back on a refusal
+        (``reset``), which a follower sends when an append does not fit its log.
+        """
+        next_index: dict[PeerNode, int] = self._SyncObj__raftNextIndex
+        before = next_index.get(node)
+        self._transport._onMessageReceived(node, message)
+        if before is not None and next_index.get(node, 0) < before:
+            next_index[node] = before
 
     def _serve_reads(self) -> None:
         with self._reads_lock:
