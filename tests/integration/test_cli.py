@@ -135,24 +135,54 @@ def test_replay_since(cli_cluster: CliCluster) -> None:
 
 def test_replay_follow_prints_new_messages_until_ctrl_c(cli_cluster: CliCluster) -> None:
     assert cli_cluster.run("pub", "cli/follow/x", "-m", "old").code == 0
+    # Ctrl-C must reach it even when the test runner ignores SIGINT (an ignored
+    # signal stays ignored across exec). A small Python wrapper restores the
+    # default and execs mqds: preexec_fn would do the same but can deadlock the
+    # child of a process that has threads, as this one does.
+    restore_sigint_then_exec = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    )
     proc = subprocess.Popen(
-        [MQDS, "--endpoints", cli_cluster.endpoints, "replay", "cli/follow/#", "--follow", "--poll-interval", "0.2"],
+        [
+            sys.executable,
+            "-c",
+            restore_sigint_then_exec,
+            MQDS,
+            "--endpoints",
+            cli_cluster.endpoints,
+            "replay",
+            "cli/follow/#",
+            "--follow",
+            "--poll-interval",
+            "0.2",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # Ctrl-C must reach it even when the test runner ignores SIGINT.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     lines: queue.Queue[str] = queue.Queue()
+    errors: list[str] = []
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout or []], daemon=True).start()
+    stderr_reader = threading.Thread(target=lambda: errors.extend(proc.stderr or []), daemon=True)
+    stderr_reader.start()
+
+    def next_line() -> str:
+        try:
+            return lines.get(timeout=30)
+        except queue.Empty:
+            proc.kill()
+            pytest.fail(f"mqds replay --follow printed nothing for 30 s; its stderr: {''.join(errors)!r}")
+
     try:
-        assert "  old  " in lines.get(timeout=30)
+        assert "  old  " in next_line()
         assert cli_cluster.run("pub", "cli/follow/x", "-m", "new").code == 0
-        assert "  new  " in lines.get(timeout=30)
+        assert "  new  " in next_line()
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
     finally:
         proc.kill()
+    stderr_reader.join(timeout=10)
+    err = "".join(errors)
     assert proc.returncode == 0, err
     assert "replayed 2 messages" in err and "Traceback" not in err
 
