@@ -10,10 +10,11 @@
 from mqds.client import aio, errors
 from mqds.client.client import Client
 from mqds.client.connection import ConnectionSettings
-from mqds.client.model import Generation, Iterator, Message, NextResult, Rank, Stream
+from mqds.client.model import ClientState, Generation, Iterator, Message, NextResult, Rank, Stream
 
 __all__ = [
     "Client",
+    "ClientState",
     "ConnectionSettings",
     "Generation",
     "Iterator",

@@ -16,7 +16,7 @@ import grpc
 
 from mqds.client import operations as ops
 from mqds.client.connection import DEFAULT_MAX_MESSAGE_BYTES, ConnectionSettings, parse_endpoints, resolve_settings
-from mqds.client.model import Generation, Iterator, Message, NextResult, Rank, Stream
+from mqds.client.model import ClientState, Generation, Iterator, Message, NextResult, Rank, Stream
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.routing import Backoff, Fanout, Router, ShardFailures
 from mqds.protocol.errors import MqdsError
@@ -72,20 +72,27 @@ class Client:
     def _deadline(self, timeout_s: float | None) -> float:
         return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
 
-    def _rpc(self, address: str, method: str, request: Any, timeout_s: float) -> Any:
-        stub = self._router.storage(address)
+    def _rpc(self, address: str, method: str, request: Any, timeout_s: float, service: str = "Storage") -> Any:
+        stub = self._router.sessions(address) if service == "Sessions" else self._router.storage(address)
         try:
             return getattr(stub, method)(request, timeout=timeout_s, metadata=self._router.metadata)
         except grpc.RpcError as err:
             raise self.settings.call_error(err) from None
 
     def _on_shard(
-        self, shard: int, method: str, request: Any, deadline: float, *, stale_ok: bool = False, write: bool = False
+        self,
+        shard: int,
+        method: str,
+        request: Any,
+        deadline: float,
+        *,
+        stale_ok: bool = False,
+        service: str = "Storage",
     ) -> Any:
         self._router.ensure_map(max(0.1, deadline - time.monotonic()))
         return self._router.call(
             shard,
-            lambda address, remaining: self._rpc(address, method, request, remaining),
+            lambda address, remaining: self._rpc(address, method, request, remaining, service),
             deadline,
             any_replica=stale_ok,
             retry_unavailable=True,
@@ -94,16 +101,25 @@ class Client:
     def _n_shards(self, deadline: float) -> int:
         return self._router.ensure_map(max(0.1, deadline - time.monotonic())).n_shards
 
-    def _shard_call(self, call: ShardCall[T], timeout_s: float | None) -> T:
+    def _shard_call(self, call: ShardCall[T], timeout_s: float | None, deadline: float | None = None) -> T:
+        deadline = self._deadline(timeout_s) if deadline is None else deadline
+        return call.parse(
+            self._on_shard(
+                call.shard, call.method, call.request, deadline, stale_ok=call.stale_ok, service=call.service
+            )
+        )
+
+    def _keyed_call(self, build: Callable[[int], ShardCall[T]], timeout_s: float | None) -> T:
+        """A call to the shard of a key (a clientid, a topic): ``build`` gets the cluster's shard count."""
         deadline = self._deadline(timeout_s)
-        return call.parse(self._on_shard(call.shard, call.method, call.request, deadline, stale_ok=call.stale_ok))
+        return self._shard_call(build(self._n_shards(deadline)), timeout_s, deadline)
 
     def _fanout_call(self, call: FanoutCall[T], timeout_s: float | None) -> list[T]:
         deadline = self._deadline(timeout_s)
         shards = call.shards_of(self._n_shards(deadline))
 
         def send(group: list[int], address: str, remaining: float) -> list[T]:
-            return call.parse(self._rpc(address, call.method, call.request(group), remaining))
+            return call.parse(self._rpc(address, call.method, call.request(group), remaining, call.service))
 
         return call.merge(self._per_leader(shards, send, deadline, call.stale_ok))
 
@@ -257,6 +273,108 @@ class Client:
                 self._stream_messages(stream, topic_filter, start_time_us, batch_size, stale_ok) for stream in streams
             ]
             yield from heapq.merge(*sources, key=key) if len(sources) > 1 else sources[0]
+
+    # -- broker state: clients, subscriptions, retained messages, offline delivery --
+
+    def client_connected(self, clientid: str, node: str, timeout_s: float | None = None) -> ClientState:
+        """Record that ``clientid`` connected to broker ``node`` (online, node, online time) and return that."""
+        state = self._keyed_call(lambda n: ops.client_connected(clientid, node, n), timeout_s)
+        assert state is not None  # a connect always leaves a record
+        return state
+
+    def client_disconnected(
+        self, clientid: str, node: str | None = None, timeout_s: float | None = None
+    ) -> ClientState | None:
+        """Record that ``clientid`` disconnected (offline, offline time); the new state, None if unknown.
+
+        With ``node``, only if the client is still recorded on that node, so a
+        late disconnect from a broker the client already left (it reconnected
+        elsewhere) does not mark it offline; None then too.
+        """
+        return self._keyed_call(lambda n: ops.client_disconnected(clientid, node, n), timeout_s)
+
+    def client_state(
+        self, clientid: str, *, stale_ok: bool = False, timeout_s: float | None = None
+    ) -> ClientState | None:
+        """What mqds knows of ``clientid``'s connection, or None if it never connected."""
+        return self._keyed_call(lambda n: ops.client_state(clientid, n, stale_ok), timeout_s)
+
+    def clients_on_node(self, node: str, *, stale_ok: bool = False, timeout_s: float | None = None) -> list[str]:
+        """The clientids recorded online on broker ``node``, sorted."""
+        return self._fanout_call(ops.clients_on_node(node, stale_ok), timeout_s)
+
+    def subscribe(self, clientid: str, topic_filter: str, qos: int = 1, timeout_s: float | None = None) -> None:
+        """Add (or change the QoS of) a proxy subscription of ``clientid``."""
+        self._keyed_call(lambda n: ops.subscribe(clientid, topic_filter, qos, n), timeout_s)
+
+    def unsubscribe(self, clientid: str, topic_filter: str, timeout_s: float | None = None) -> bool:
+        """Remove a proxy subscription; whether it existed. The read position stays (see ``forget_acks``)."""
+        return self._keyed_call(lambda n: ops.unsubscribe(clientid, topic_filter, n), timeout_s)
+
+    def subscriptions(self, clientid: str, *, stale_ok: bool = False, timeout_s: float | None = None) -> dict[str, int]:
+        """The proxy subscriptions of ``clientid``: topic filter -> QoS, the filters sorted."""
+        return self._keyed_call(lambda n: ops.subscriptions(clientid, n, stale_ok), timeout_s)
+
+    def retain(self, message: Message, timeout_s: float | None = None) -> Message | None:
+        """Keep ``message`` as its topic's retained message; an empty payload deletes it.
+
+        Returns the retained message as stored (``timestamp_us`` and ``shard``
+        set, ``retain`` true), or None when it deleted. Retained messages are
+        kept in the shard of their topic, apart from the message store.
+        """
+        return self._keyed_call(lambda n: ops.retain(message, n), timeout_s)
+
+    def retained(self, topic_filter: str, *, stale_ok: bool = False, timeout_s: float | None = None) -> list[Message]:
+        """The retained message of every topic matching ``topic_filter``, sorted by topic."""
+        return self._fanout_call(ops.retained(topic_filter, stale_ok), timeout_s)
+
+    def fetch_offline(
+        self,
+        clientid: str,
+        topic_filter: str,
+        mode: str = "pubsub",
+        max_count: int = 500,
+        time_range_s: float | None = None,
+        *,
+        include_qos0: bool = False,
+        timeout_s: float | None = None,
+    ) -> list[Message]:
+        """Stored messages for a subscriber that was offline: oldest first, at most ``max_count``.
+
+        ``mode="pubsub"`` (one-to-many): the messages matching ``topic_filter``
+        after this (clientid, filter)'s read position, which ``ack`` moves;
+        every subscriber has its own. ``mode="queue"`` (one-to-one): the
+        matching messages no queue reader has acknowledged yet; an
+        unacknowledged one comes again. Only QoS 1 and 2 messages unless
+        ``include_qos0``; with ``time_range_s``, only messages newer than that
+        many seconds. Each message has ``shard`` and ``timestamp_us`` set: its
+        position, which ``ack`` takes.
+        """
+        fetch = ops.FetchOffline.check(clientid, topic_filter, mode, max_count, time_range_s, include_qos0)
+        deadline = self._deadline(timeout_s)
+        after: dict[int, int] = {}
+        if fetch.pubsub:
+            after = self._keyed_call(lambda n: ops.read_position(clientid, topic_filter, n), timeout_s)
+        remaining = max(0.1, deadline - time.monotonic())
+        return fetch.cut(self._fanout_call(fetch.messages(after), remaining))
+
+    def ack(
+        self, clientid: str, topic_filter: str, message: Message, mode: str = "pubsub", timeout_s: float | None = None
+    ) -> None:
+        """Acknowledge a message delivered to ``clientid`` through ``topic_filter``.
+
+        ``pubsub``: moves this (clientid, filter)'s read position in the
+        message's shard up to the message (acknowledging a message also
+        acknowledges the earlier ones of its shard: brokers deliver in order).
+        ``queue``: removes the message for every queue reader. ``message``
+        must carry its position (``shard``, ``timestamp_us``), as
+        ``fetch_offline`` and ``store_batch`` return it.
+        """
+        self._keyed_call(lambda n: ops.ack(clientid, topic_filter, message, mode, n), timeout_s)
+
+    def forget_acks(self, clientid: str, topic_filter: str, timeout_s: float | None = None) -> bool:
+        """Delete the (clientid, filter) read position (the seed backends' ``on_acked_delete``); whether it existed."""
+        return self._keyed_call(lambda n: ops.forget_acks(clientid, topic_filter, n), timeout_s)
 
     # -- generations ---------------------------------------------------------
 

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
 
 Properties = tuple[tuple[str, str], ...]
@@ -153,3 +154,22 @@ class Generation:
     @classmethod
     def from_pb(cls, g: pb.Generation) -> Generation:
         return cls(g.shard, g.generation, g.since_us, None if g.current else g.until_us, g.created_at_us)
+
+
+@dataclass(frozen=True)
+class ClientState:
+    """What mqds knows of a client's connection: online or not, on which broker node, since when.
+
+    Times are microseconds since the Unix epoch; 0 means never (``offline_at_us``
+    is 0 while the client has not disconnected since it last connected).
+    """
+
+    clientid: str
+    online: bool
+    node: str
+    online_at_us: int
+    offline_at_us: int
+
+    @classmethod
+    def from_pb(cls, s: spb.ClientState) -> ClientState:
+        return cls(s.clientid, s.online, s.node, s.online_at_us, s.offline_at_us)

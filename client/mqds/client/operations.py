@@ -19,11 +19,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from mqds.client.model import Generation, Iterator, Message, NextResult, Rank, Stream
+from mqds.client.model import ClientState, Generation, Iterator, Message, NextResult, Rank, Stream
 from mqds.client.routing import ShardFailures
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, PartialBatchError
 from mqds.protocol.sharding import shard_of
+from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
 
 T = TypeVar("T")
@@ -38,6 +39,8 @@ class ShardCall(Generic[T]):
     request: Any
     parse: Callable[[Any], T]
     stale_ok: bool = False
+    service: str = "Storage"
+    """The gRPC service of ``method``: "Storage" or "Sessions"."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class FanoutCall(Generic[T]):
     parse: Callable[[Any], list[T]]
     sort_key: Callable[[T], Any]
     stale_ok: bool = False
+    service: str = "Storage"
 
     def shards_of(self, n_shards: int) -> list[int]:
         return list(range(n_shards)) if self.shards is None else list(self.shards)
@@ -213,3 +217,185 @@ class StoreBatch:
             err.metadata["sequence"] = str(self.sequence)
             raise err
         raise PartialBatchError(stored, failed, self.sequence)
+
+
+# -- broker state (the Sessions service) -----------------------------------------
+
+MODES = {"pubsub": spb.PUBSUB, "queue": spb.QUEUE}
+
+
+def _mode(mode: str) -> spb.DeliveryMode:
+    try:
+        return MODES[mode]
+    except KeyError:
+        raise ValueError(f"mode must be 'pubsub' or 'queue', got {mode!r}") from None
+
+
+def _client_state(response: spb.ClientStateResponse) -> ClientState | None:
+    return ClientState.from_pb(response.state) if response.found else None
+
+
+def _session_call(method: str, key: str, n_shards: int, request: Any, parse: Callable[[Any], T]) -> ShardCall[T]:
+    """A Sessions request kept in ``key``'s shard (a clientid's, or a retained topic's)."""
+    return ShardCall(method, shard_of(key, n_shards), request, parse, service="Sessions")
+
+
+def client_connected(clientid: str, node: str, n_shards: int) -> ShardCall[ClientState | None]:
+    request = spb.ClientConnectedRequest(clientid=clientid, node=node)
+    return _session_call("ClientConnected", clientid, n_shards, request, _client_state)
+
+
+def client_disconnected(clientid: str, node: str | None, n_shards: int) -> ShardCall[ClientState | None]:
+    request = spb.ClientDisconnectedRequest(clientid=clientid, node=node or "")
+    return _session_call("ClientDisconnected", clientid, n_shards, request, _client_state)
+
+
+def client_state(clientid: str, n_shards: int, stale_ok: bool) -> ShardCall[ClientState | None]:
+    request = spb.GetClientStateRequest(clientid=clientid, stale_ok=stale_ok)
+    return ShardCall("GetClientState", shard_of(clientid, n_shards), request, _client_state, stale_ok, "Sessions")
+
+
+def clients_on_node(node: str, stale_ok: bool) -> FanoutCall[str]:
+    return FanoutCall(
+        "ClientsOnNode",
+        None,
+        lambda shards: spb.ClientsOnNodeRequest(node=node, shards=shards, stale_ok=stale_ok),
+        lambda response: list(response.clientids),
+        lambda clientid: clientid,
+        stale_ok,
+        "Sessions",
+    )
+
+
+def check_qos(qos: int) -> int:
+    if qos not in (0, 1, 2):
+        raise ValueError(f"qos must be 0, 1 or 2, got {qos!r}")
+    return qos
+
+
+def subscribe(clientid: str, topic_filter: str, qos: int, n_shards: int) -> ShardCall[None]:
+    request = spb.SubscribeRequest(clientid=clientid, topic_filter=topic_filter, qos=check_qos(qos))
+    return _session_call("Subscribe", clientid, n_shards, request, lambda _: None)
+
+
+def unsubscribe(clientid: str, topic_filter: str, n_shards: int) -> ShardCall[bool]:
+    request = spb.UnsubscribeRequest(clientid=clientid, topic_filter=topic_filter)
+    return _session_call("Unsubscribe", clientid, n_shards, request, lambda r: bool(r.existed))
+
+
+def subscriptions(clientid: str, n_shards: int, stale_ok: bool) -> ShardCall[dict[str, int]]:
+    request = spb.GetSubscriptionsRequest(clientid=clientid, stale_ok=stale_ok)
+    return ShardCall(
+        "GetSubscriptions",
+        shard_of(clientid, n_shards),
+        request,
+        lambda r: {s.topic_filter: s.qos for s in r.subscriptions},
+        stale_ok,
+        "Sessions",
+    )
+
+
+def retain(message: Message, n_shards: int) -> ShardCall[Message | None]:
+    request = spb.RetainRequest(message=message.to_pb())
+    request.message.retain = True
+    return _session_call(
+        "Retain",
+        message.topic,
+        n_shards,
+        request,
+        lambda r: Message.from_pb(r.message) if r.HasField("message") else None,
+    )
+
+
+def _messages(response: Any) -> list[Message]:
+    from_pb = Message.from_pb
+    return [from_pb(m) for m in response.messages]
+
+
+def retained(topic_filter: str, stale_ok: bool) -> FanoutCall[Message]:
+    return FanoutCall(
+        "GetRetained",
+        None,
+        lambda shards: spb.GetRetainedRequest(topic_filter=topic_filter, shards=shards, stale_ok=stale_ok),
+        _messages,
+        lambda m: m.topic,
+        stale_ok,
+        "Sessions",
+    )
+
+
+def read_position(clientid: str, topic_filter: str, n_shards: int) -> ShardCall[dict[int, int]]:
+    """The (clientid, filter) read position: per shard, the last acknowledged timestamp."""
+    request = spb.GetReadPositionRequest(clientid=clientid, topic_filter=topic_filter)
+    return _session_call("GetReadPosition", clientid, n_shards, request, lambda r: dict(r.position.acked_us))
+
+
+@dataclass(frozen=True)
+class FetchOffline:
+    """One ``fetch_offline`` call: its checked arguments and the per-shard request."""
+
+    clientid: str
+    topic_filter: str
+    mode: spb.DeliveryMode
+    max_count: int
+    time_range_us: int
+    include_qos0: bool
+
+    @classmethod
+    def check(
+        cls, clientid: str, topic_filter: str, mode: str, max_count: int, time_range_s: float | None, include_qos0: bool
+    ) -> FetchOffline:
+        if not isinstance(max_count, int) or max_count < 1:
+            raise ValueError(f"max_count must be 1 or more, got {max_count!r}")
+        if time_range_s is not None and not time_range_s > 0:
+            raise ValueError(f"time_range_s must be more than 0 (or None for no limit), got {time_range_s!r}")
+        if not clientid:
+            raise ValueError("clientid is empty")
+        range_us = 0 if time_range_s is None else max(1, int(time_range_s * 1_000_000))
+        return cls(clientid, topic_filter, _mode(mode), max_count, range_us, include_qos0)
+
+    @property
+    def pubsub(self) -> bool:
+        return self.mode == spb.PUBSUB
+
+    def messages(self, after_us: dict[int, int]) -> FanoutCall[Message]:
+        """The call that reads matching messages after ``after_us`` (per shard) from every shard."""
+        return FanoutCall(
+            "FetchMessages",
+            None,
+            lambda shards: spb.FetchMessagesRequest(
+                topic_filter=self.topic_filter,
+                shards=shards,
+                after_us={shard: after_us[shard] for shard in shards if shard in after_us},
+                time_range_us=self.time_range_us,
+                max_count=self.max_count,
+                include_qos0=self.include_qos0,
+                skip_acked=not self.pubsub,
+            ),
+            _messages,
+            lambda m: (m.timestamp_us, m.shard),
+            service="Sessions",
+        )
+
+    def cut(self, merged: list[Message]) -> list[Message]:
+        return merged[: self.max_count]
+
+
+def ack(clientid: str, topic_filter: str, message: Message, mode: str, n_shards: int) -> ShardCall[None]:
+    """Pubsub: logged in the clientid's shard (its read position); queue: in the message's shard."""
+    if message.shard is None or not message.timestamp_us:
+        raise ValueError(
+            "ack needs the message's position (shard and timestamp_us): pass a message as fetch_offline "
+            "or store_batch returned it"
+        )
+    code = _mode(mode)
+    request = spb.AckRequest(
+        clientid=clientid, topic_filter=topic_filter, mode=code, shard=message.shard, timestamp_us=message.timestamp_us
+    )
+    shard = message.shard if code == spb.QUEUE else shard_of(clientid, n_shards)
+    return ShardCall("Ack", shard, request, lambda _: None, service="Sessions")
+
+
+def forget_acks(clientid: str, topic_filter: str, n_shards: int) -> ShardCall[bool]:
+    request = spb.ForgetReadPositionRequest(clientid=clientid, topic_filter=topic_filter)
+    return _session_call("ForgetReadPosition", clientid, n_shards, request, lambda r: bool(r.existed))

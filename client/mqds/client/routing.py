@@ -35,6 +35,7 @@ from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
+from mqds.v1 import sessions_pb2_grpc as spb_grpc
 from mqds.v1 import storage_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -429,6 +430,9 @@ class Router:
 
     def storage(self, address: str) -> pb_grpc.StorageStub:
         return pb_grpc.StorageStub(self.channel(address))
+
+    def sessions(self, address: str) -> spb_grpc.SessionsStub:
+        return spb_grpc.SessionsStub(self.channel(address))
 
     def cluster(self, address: str) -> clpb_grpc.ClusterStub:
         return clpb_grpc.ClusterStub(self.channel(address))

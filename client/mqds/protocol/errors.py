@@ -156,6 +156,8 @@ class Reason(enum.Enum):
     INVALID_ITERATOR = "INVALID_ITERATOR"
     # Another request field is out of range (e.g. batch_size 0).
     INVALID_REQUEST = "INVALID_REQUEST"
+    # A clientid that state cannot be kept under: empty, NUL, or too long.
+    INVALID_CLIENTID = "INVALID_CLIENTID"
     # The shard number is not one of the database's shards.
     UNKNOWN_SHARD = "UNKNOWN_SHARD"
     # The generation never existed in the shard.
@@ -221,6 +223,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.BATCH_TOO_LARGE: ReasonInfo(_IA, False, False, InvalidArgumentError),
     Reason.INVALID_ITERATOR: ReasonInfo(_IA, False, False, InvalidArgumentError),
     Reason.INVALID_REQUEST: ReasonInfo(_IA, False, False, InvalidArgumentError),
+    Reason.INVALID_CLIENTID: ReasonInfo(_IA, False, False, InvalidArgumentError),
     Reason.UNKNOWN_SHARD: ReasonInfo(_NF, False, False, NotFoundError),
     Reason.UNKNOWN_GENERATION: ReasonInfo(_NF, False, False, NotFoundError),
     Reason.UNKNOWN_STREAM: ReasonInfo(_NF, False, False, NotFoundError),

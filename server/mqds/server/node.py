@@ -41,6 +41,7 @@ from grpc_reflection.v1alpha import reflection
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.api.handlers import service_handler, unary_handlers
+from mqds.server.api.session_service import SessionService
 from mqds.server.api.storage_service import StorageService, now_us
 from mqds.server.cluster import meta as meta_mod
 from mqds.server.cluster.membership import Membership
@@ -56,6 +57,7 @@ from mqds.server.storage import Engine, EngineOptions
 from mqds.server.tls import NodeTls
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
+from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ log = logging.getLogger(__name__)
 NODE_FILE_VERSION = 2
 STORAGE_SERVICE = pb.DESCRIPTOR.services_by_name["Storage"].full_name
 CLUSTER_SERVICE = clpb.DESCRIPTOR.services_by_name["Cluster"].full_name
+SESSIONS_SERVICE = spb.DESCRIPTOR.services_by_name["Sessions"].full_name
 RAFT_SERVICE = rpb.DESCRIPTOR.services_by_name["Raft"].full_name
 _CHUNK = 1024 * 1024
 _ROLES = {0: clpb.RAFT_ROLE_FOLLOWER, 1: clpb.RAFT_ROLE_CANDIDATE, 2: clpb.RAFT_ROLE_LEADER}
@@ -211,12 +214,23 @@ class Node:
             (
                 service_handler(pb.DESCRIPTOR.services_by_name["Storage"], self.storage_service, pb),
                 service_handler(clpb.DESCRIPTOR.services_by_name["Cluster"], ClusterAPI(self), clpb),
+                service_handler(
+                    spb.DESCRIPTOR.services_by_name["Sessions"],
+                    SessionService(
+                        self,
+                        max_payload_bytes=config.max_payload_bytes,
+                        max_fetch=config.max_next_batch,
+                        clock=self.clock,
+                    ),
+                    spb,
+                ),
                 self._raft_handler(),
             )
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (STORAGE_SERVICE, CLUSTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+            (STORAGE_SERVICE, CLUSTER_SERVICE, SESSIONS_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            self.server,
         )
         try:
             if self.tls is not None:
@@ -344,7 +358,7 @@ class Node:
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         self.health.set("", serving)
         status = serving if self.ready() else not_serving
-        for service in (STORAGE_SERVICE, CLUSTER_SERVICE):
+        for service in (STORAGE_SERVICE, CLUSTER_SERVICE, SESSIONS_SERVICE):
             self.health.set(service, status)
 
     # -- groups ------------------------------------------------------------------

@@ -111,25 +111,11 @@ class Shards(Protocol):
     def begin_read(self, shard: int, stale_ok: bool) -> tuple[VnodeView, PendingRead | None]: ...
 
 
-class StorageService:
-    """Implements mqds.v1.Storage over the vnodes of one node."""
+class ShardsAPI:
+    """What the public services share: shard numbers checked, reads on leaders, proposals to them."""
 
-    def __init__(
-        self,
-        shards: Shards,
-        *,
-        max_payload_bytes: int,
-        max_batch_messages: int,
-        max_next_batch: int,
-        clock: Callable[[], int] = now_us,
-    ) -> None:
+    def __init__(self, shards: Shards) -> None:
         self.shards = shards
-        self.max_payload_bytes = max_payload_bytes
-        self.max_batch_messages = max_batch_messages
-        self.max_next_batch = max_next_batch
-        self.clock = clock
-
-    # -- helpers -------------------------------------------------------------
 
     def _shard_numbers(self, shard: int, all_shards: bool, shards: Iterable[int] = ()) -> list[int]:
         n = self.shards.n_shards
@@ -153,6 +139,34 @@ class StorageService:
         proposals = [vnode.group.propose(body) for vnode, (_, body) in zip(vnodes, commands, strict=True)]
         return [p.wait(self.shards.write_timeout_s) for p in proposals]
 
+    @staticmethod
+    def _filter(topic_filter: str) -> list[str]:
+        try:
+            return validate_filter(topic_filter)
+        except TopicError as err:
+            raise errors.error(Reason.INVALID_TOPIC_FILTER, str(err)) from None
+
+
+class StorageService(ShardsAPI):
+    """Implements mqds.v1.Storage over the vnodes of one node."""
+
+    def __init__(
+        self,
+        shards: Shards,
+        *,
+        max_payload_bytes: int,
+        max_batch_messages: int,
+        max_next_batch: int,
+        clock: Callable[[], int] = now_us,
+    ) -> None:
+        super().__init__(shards)
+        self.max_payload_bytes = max_payload_bytes
+        self.max_batch_messages = max_batch_messages
+        self.max_next_batch = max_next_batch
+        self.clock = clock
+
+    # -- helpers -------------------------------------------------------------
+
     def _propose_each(self, commands: list[tuple[int, bytes]]) -> list[Any]:
         """Propose one command per shard; each result, or the ``MqdsError`` that shard's part failed with."""
         started: list[Any] = []
@@ -172,13 +186,6 @@ class StorageService:
             except MqdsError as err:
                 results.append(err)
         return results
-
-    @staticmethod
-    def _filter(topic_filter: str) -> list[str]:
-        try:
-            return validate_filter(topic_filter)
-        except TopicError as err:
-            raise errors.error(Reason.INVALID_TOPIC_FILTER, str(err)) from None
 
     @staticmethod
     def _generation(info: GenerationInfo) -> pb.Generation:

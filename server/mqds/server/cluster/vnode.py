@@ -28,6 +28,7 @@ from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.journal import fsync_dir
 from mqds.server.storage import Engine, GenerationInfo, ShardStorage
+from mqds.v1 import sessions_pb2 as spb
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,36 @@ class VnodeReplica:
                 # A refusal (current generation, already dropped) is the same
                 # on every replica and changes nothing: the proposer gets it.
                 return err
+        if kind == "session":
+            return self._apply_session(cmd.session, index)
         raise errors.error(Reason.INTERNAL, f"shard {self.shard}: log entry {index} holds an unknown command")
+
+    def _apply_session(self, cmd: cpb.SessionCommand, index: int) -> Any:
+        """A broker-state change (the leader checked its fields); its result goes to the proposer."""
+        sessions = self.storage.sessions
+        now = cmd.now_us
+        kind = cmd.WhichOneof("kind")
+        if kind == "connected":
+            return sessions.client_connected(cmd.connected.clientid, cmd.connected.node, now, applied_index=index)
+        if kind == "disconnected":
+            d = cmd.disconnected
+            return sessions.client_disconnected(d.clientid, d.node, now, applied_index=index)
+        if kind == "subscribe":
+            sub = cmd.subscribe
+            return sessions.subscribe(sub.clientid, sub.topic_filter, sub.qos, applied_index=index)
+        if kind == "unsubscribe":
+            return sessions.unsubscribe(cmd.unsubscribe.clientid, cmd.unsubscribe.topic_filter, applied_index=index)
+        if kind == "retain":
+            return sessions.retain(cmd.retain, now, applied_index=index)
+        if kind == "ack":
+            ack = cmd.ack
+            if ack.mode == spb.QUEUE:
+                return sessions.ack_queue(ack.timestamp_us, applied_index=index)
+            return sessions.ack_pubsub(ack.clientid, ack.topic_filter, ack.shard, ack.timestamp_us, applied_index=index)
+        if kind == "forget_position":
+            f = cmd.forget_position
+            return sessions.forget_position(f.clientid, f.topic_filter, applied_index=index)
+        raise errors.error(Reason.INTERNAL, f"shard {self.shard}: log entry {index} holds an unknown session command")
 
     def snapshot(self) -> bytes:
         self.storage.sync_wal()

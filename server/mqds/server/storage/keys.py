@@ -21,6 +21,13 @@ default                ``p:`` u32 generation, u32 stream           empty: the st
 default                ``d:`` u16 len, producer id, u64 sequence   ``DedupRecord``: a batch already stored
 default                ``e:`` u64 stored at, ``d:`` key suffix     empty: the time index that expires ``d:`` keys
 default                ``m:dedup_pruned``                          u64 last pruning round (stored-at / prune period)
+default                ``c:`` clientid                             ``mqds.v1.ClientState`` (clientid left out)
+default                ``n:`` u16 len, node, clientid              empty: the client is online on the node
+default                ``s:`` u16 len, clientid, topic filter      u8 qos: a proxy subscription
+default                ``a:`` u16 len, clientid, topic filter      ``mqds.v1.ReadPosition``: acked per shard
+default                ``r:`` topic                                retained ``mqds.v1.Message`` (with its time)
+default                ``q:`` u64 timestamp                        empty: a queue reader acknowledged the
+                                                                   message stored at this timestamp
 gen-NNNNNNNN           ``D`` u32 stream, u64 timestamp             message: a serialised ``mqds.v1.Message``
                                                                    without ``timestamp_us`` and ``shard``
 gen-NNNNNNNN           ``I`` u32 stream, u8 level, 8-byte hash,    empty: the message at this timestamp has
@@ -77,6 +84,12 @@ PRESENCE_PREFIX = b"p:"
 DEDUP_PREFIX = b"d:"
 DEDUP_EXPIRY_PREFIX = b"e:"
 META_DEDUP_PRUNED = b"m:dedup_pruned"
+CLIENT_PREFIX = b"c:"
+NODE_CLIENT_PREFIX = b"n:"
+SUBSCRIPTION_PREFIX = b"s:"
+POSITION_PREFIX = b"a:"
+RETAINED_PREFIX = b"r:"
+QUEUE_ACK_PREFIX = b"q:"
 
 MAX_INDEXED_LEVELS = 16
 
@@ -186,6 +199,37 @@ def dedup_key(producer: bytes, sequence: int) -> bytes:
 def dedup_expiry_key(stored_at_us: int, dedup: bytes) -> bytes:
     """The time-index key of the ``d:`` key ``dedup``, stored at ``stored_at_us``."""
     return DEDUP_EXPIRY_PREFIX + u64(stored_at_us) + dedup[len(DEDUP_PREFIX) :]
+
+
+def _sized(text: str) -> bytes:
+    raw = text.encode("utf-8")
+    return u16(len(raw)) + raw
+
+
+def client_key(clientid: str) -> bytes:
+    return CLIENT_PREFIX + clientid.encode("utf-8")
+
+
+def node_clients_prefix(node: str) -> bytes:
+    """The prefix of the ``n:`` keys of the clients online on ``node``; the clientid follows it."""
+    return NODE_CLIENT_PREFIX + _sized(node)
+
+
+def subscriptions_prefix(clientid: str) -> bytes:
+    """The prefix of a client's ``s:`` keys; the topic filter follows it."""
+    return SUBSCRIPTION_PREFIX + _sized(clientid)
+
+
+def position_key(clientid: str, topic_filter: str) -> bytes:
+    return POSITION_PREFIX + _sized(clientid) + topic_filter.encode("utf-8")
+
+
+def retained_key(topic: str) -> bytes:
+    return RETAINED_PREFIX + topic.encode("utf-8")
+
+
+def queue_ack_key(timestamp_us: int) -> bytes:
+    return QUEUE_ACK_PREFIX + u64(timestamp_us)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from mqds.protocol.errors import Reason
 from mqds.protocol.topics import matches_levels
 from mqds.server.storage import keys
 from mqds.server.storage.iterators import IteratorState
+from mqds.server.storage.sessions import SessionState
 from mqds.server.storage.trie import TopicTrie, filter_constraints
 from mqds.v1 import storage_pb2 as pb
 
@@ -170,6 +171,8 @@ class ShardStorage:
         self._db = Rdict(path, engine.db_options(), column_families=cf_opts or None)
         self._meta_handle = self._db.get_column_family_handle("default")
         self.trie = self._load(lts_threshold_top, lts_threshold, existing)
+        self.sessions = SessionState(self)
+        """Client state, subscriptions, retained messages and read positions kept in this shard."""
 
     # -- opening -------------------------------------------------------------
 
@@ -268,6 +271,28 @@ class ShardStorage:
             raise errors.error(Reason.STORAGE_ERROR, f"shard {self.shard}: write failed: {err}") from err
         if applied_index is not None:
             self.applied_index = applied_index
+
+    def write_meta(self, batch: WriteBatch, applied_index: int | None) -> None:
+        """Write a batch of metadata-family changes (built with ``meta_handle``), synced."""
+        with self._lock:
+            self._write(batch, True, applied_index)
+
+    @property
+    def meta_handle(self) -> object:
+        """The ``default`` column family's handle, for ``WriteBatch.put(..., handle)``."""
+        return self._meta_handle
+
+    def meta_get(self, key: bytes) -> bytes | None:
+        value: bytes | None = self._db.get(key)
+        return value
+
+    def meta_get_many(self, keys_: list[bytes]) -> list[bytes | None]:
+        values: list[bytes | None] = self._db.get(keys_)
+        return values
+
+    def meta_scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """The ``default`` family's keys starting with ``prefix``, in order, with their values."""
+        return self._scan(self._db, prefix)
 
     def initialize(self, now_us: int, *, applied_index: int | None = None) -> GenerationInfo:
         """Create generation 1 if the shard has none; return the current generation."""
@@ -451,6 +476,9 @@ class ShardStorage:
             batch = WriteBatch(raw_mode=True)
             batch.delete(keys.generation_key(number), self._meta_handle)
             batch.delete_range(keys.presence_key(number, 0), keys.presence_key(number + 1, 0), self._meta_handle)
+            # Queue acknowledgements of the generation's messages go with them.
+            until = gen.record.until_us or 0
+            batch.delete_range(keys.queue_ack_key(gen.record.since_us), keys.queue_ack_key(until), self._meta_handle)
             self._write(batch, True, applied_index)
             del self._gens[number]
             # Readers holding the column family keep reading it until they

@@ -1,4 +1,5 @@
 from mqds.v1 import cluster_pb2 as _cluster_pb2
+from mqds.v1 import sessions_pb2 as _sessions_pb2
 from mqds.v1 import storage_pb2 as _storage_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -9,14 +10,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VnodeCommand(_message.Message):
-    __slots__ = ("store", "add_generation", "drop_generation")
+    __slots__ = ("store", "add_generation", "drop_generation", "session")
     STORE_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_FIELD_NUMBER: _ClassVar[int]
     DROP_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     store: StoreMessages
     add_generation: AddGeneration
     drop_generation: DropGeneration
-    def __init__(self, store: _Optional[_Union[StoreMessages, _Mapping]] = ..., add_generation: _Optional[_Union[AddGeneration, _Mapping]] = ..., drop_generation: _Optional[_Union[DropGeneration, _Mapping]] = ...) -> None: ...
+    session: SessionCommand
+    def __init__(self, store: _Optional[_Union[StoreMessages, _Mapping]] = ..., add_generation: _Optional[_Union[AddGeneration, _Mapping]] = ..., drop_generation: _Optional[_Union[DropGeneration, _Mapping]] = ..., session: _Optional[_Union[SessionCommand, _Mapping]] = ...) -> None: ...
 
 class StoreMessages(_message.Message):
     __slots__ = ("messages", "producer_id", "sequence", "now_us")
@@ -43,6 +46,26 @@ class DropGeneration(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     generation: int
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
+
+class SessionCommand(_message.Message):
+    __slots__ = ("now_us", "connected", "disconnected", "subscribe", "unsubscribe", "retain", "ack", "forget_position")
+    NOW_US_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    DISCONNECTED_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBE_FIELD_NUMBER: _ClassVar[int]
+    UNSUBSCRIBE_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    FORGET_POSITION_FIELD_NUMBER: _ClassVar[int]
+    now_us: int
+    connected: _sessions_pb2.ClientConnectedRequest
+    disconnected: _sessions_pb2.ClientDisconnectedRequest
+    subscribe: _sessions_pb2.SubscribeRequest
+    unsubscribe: _sessions_pb2.UnsubscribeRequest
+    retain: _storage_pb2.Message
+    ack: _sessions_pb2.AckRequest
+    forget_position: _sessions_pb2.ForgetReadPositionRequest
+    def __init__(self, now_us: _Optional[int] = ..., connected: _Optional[_Union[_sessions_pb2.ClientConnectedRequest, _Mapping]] = ..., disconnected: _Optional[_Union[_sessions_pb2.ClientDisconnectedRequest, _Mapping]] = ..., subscribe: _Optional[_Union[_sessions_pb2.SubscribeRequest, _Mapping]] = ..., unsubscribe: _Optional[_Union[_sessions_pb2.UnsubscribeRequest, _Mapping]] = ..., retain: _Optional[_Union[_storage_pb2.Message, _Mapping]] = ..., ack: _Optional[_Union[_sessions_pb2.AckRequest, _Mapping]] = ..., forget_position: _Optional[_Union[_sessions_pb2.ForgetReadPositionRequest, _Mapping]] = ...) -> None: ...
 
 class MetaCommand(_message.Message):
     __slots__ = ("set_address", "add_node", "set_state", "remove_node", "set_replicas")

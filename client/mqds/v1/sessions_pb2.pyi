@@ -1,0 +1,252 @@
+from mqds.v1 import storage_pb2 as _storage_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DeliveryMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUBSUB: _ClassVar[DeliveryMode]
+    QUEUE: _ClassVar[DeliveryMode]
+PUBSUB: DeliveryMode
+QUEUE: DeliveryMode
+
+class ClientState(_message.Message):
+    __slots__ = ("clientid", "online", "node", "online_at_us", "offline_at_us")
+    CLIENTID_FIELD_NUMBER: _ClassVar[int]
+    ONLINE_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ONLINE_AT_US_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_AT_US_FIELD_NUMBER: _ClassVar[int]
+    clientid: str
+    online: bool
+    node: str
+    online_at_us: int
+    offline_at_us: int
+    def __init__(self, clientid: _Optional[str] = ..., online: _Optional[bool] = ..., node: _Optional[str] = ..., online_at_us: _Optional[int] = ..., offline_at_us: _Optional[int] = ...) -> None: ...
+
+class ClientConnectedRequest(_message.Message):
+    __slots__ = ("clientid", "node")
+    CLIENTID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    clientid: str
+    node: str
+    def __init__(self, clientid: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
+
+class ClientDisconnectedRequest(_message.Message):
+    __slots__ = ("clientid", "node")
+    CLIENTID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    clientid: str
+    node: str
+    def __init__(self, clientid: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
+
+class GetClientStateRequest(_message.Message):
+    __slots__ = ("clientid", "stale_ok")
+    CLIENTID_FIELD_NUMBER: _ClassVar[int]
+    STALE_OK_FIELD_NUMBER: _ClassVar[int]
+    clientid: str
+    stale_ok: bool
+    def __init__(self, clientid: _Optional[str] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
+
+class ClientStateResponse(_message.Message):
+    __slots__ = ("found", "state")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    state: ClientState
+    def __init__(self, found: _Optional[bool] = ..., state: _Optional[_Union[ClientState, _Mapping]] = ...) -> None: ...
+
+class ClientsOnNodeRequest(_message.Message):
+    __slots__ = ("node", "shards", "stale_ok")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    STALE_OK_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    stale_ok: bool
+    def __init__(self, node: _Optional[str] = ..., shards: _Optional[_Iterable[int]] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
+
+class ClientsOnNodeResponse(_message.Message):
+    __slots__ = ("clientids",)
+    CLIENTIDS_FIELD_NUMBER: _ClassVar[int]
+    clientids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, clientids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("clientid", "topic_filter", "qos")
+    CLIENTID_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    QOS_FIELD_NUMBER: _ClassVar[int]
+    clientid: str
+    topic_filter: str
+    qos: int
+    def __init__(self, clientid: _Optional[str] = ..., topic_filter: _Optional[str] = ..., qos: _Optional[int] = ...) -> None: ...
+
+class SubscribeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnsubscribeRequest(_message.Message):
+    __slots__ = ("clientid", "topic_filter")
+    CLIENTID_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    clientid: str
+    topic_filter: str
+    def __init__(self, clientid: _Optional[str] = ..., topic_filter: _Optional[str] = ...) -> None: ...
+
+class UnsubscribeResponse(_message.Message):
+    __slots__ = ("existed",)
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    existed: bool
+    def __init__(self, existed: _Optional[bool] = ...) -> None: ...
+
+class GetSubscriptionsRequest(_message.Message):
+    __slots__ = ("clientid", "stale_ok")
+    CLIENTID_FIELD_NUMBER: _ClassVar[int]
+    STALE_OK_FIELD_NUMBER: _ClassVar[int]
+    clientid: str
+    stale_ok: bool
+    def __init__(self, clientid: _Optional[str] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
+
+class Subscription(_message.Message):
+    __slots__ = ("topic_filter", "qos")
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    QOS_FIELD_NUMBER: _ClassVar[int]
+    topic_filter: str
+    qos: int
+    def __init__(self, topic_filter: _Optional[str] = ..., qos: _Optional[int] = ...) -> None: ...
+
+class GetSubscriptionsResponse(_message.Message):
+    __slots__ = ("subscriptions",)
+    SUBSCRIPTIONS_FIELD_NUMBER: _ClassVar[int]
+    subscriptions: _containers.RepeatedCompositeFieldContainer[Subscription]
+    def __init__(self, subscriptions: _Optional[_Iterable[_Union[Subscription, _Mapping]]] = ...) -> None: ...
+
+class RetainRequest(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: _storage_pb2.Message
+    def __init__(self, message: _Optional[_Union[_storage_pb2.Message, _Mapping]] = ...) -> None: ...
+
+class RetainResponse(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: _storage_pb2.Message
+    def __init__(self, message: _Optional[_Union[_storage_pb2.Message, _Mapping]] = ...) -> None: ...
+
+class GetRetainedRequest(_message.Message):
+    __slots__ = ("topic_filter", "shards", "stale_ok")
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    STALE_OK_FIELD_NUMBER: _ClassVar[int]
+    topic_filter: str
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    stale_ok: bool
+    def __init__(self, topic_filter: _Optional[str] = ..., shards: _Optional[_Iterable[int]] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
+
+class GetRetainedResponse(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[_storage_pb2.Message]
+    def __init__(self, messages: _Optional[_Iterable[_Union[_storage_pb2.Message, _Mapping]]] = ...) -> None: ...
+
+class ReadPosition(_message.Message):
+    __slots__ = ("acked_us",)
+    class AckedUsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    ACKED_US_FIELD_NUMBER: _ClassVar[int]
+    acked_us: _containers.ScalarMap[int, int]
+    def __init__(self, acked_us: _Optional[_Mapping[int, int]] = ...) -> None: ...
+
+class GetReadPositionRequest(_message.Message):
+    __slots__ = ("clientid", "topic_filter", "stale_ok")
+    CLIENTID_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    STALE_OK_FIELD_NUMBER: _ClassVar[int]
+    clientid: str
+    topic_filter: str
+    stale_ok: bool
+    def __init__(self, clientid: _Optional[str] = ..., topic_filter: _Optional[str] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
+
+class GetReadPositionResponse(_message.Message):
+    __slots__ = ("found", "position")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    position: ReadPosition
+    def __init__(self, found: _Optional[bool] = ..., position: _Optional[_Union[ReadPosition, _Mapping]] = ...) -> None: ...
+
+class FetchMessagesRequest(_message.Message):
+    __slots__ = ("topic_filter", "shards", "after_us", "time_range_us", "max_count", "include_qos0", "skip_acked", "stale_ok")
+    class AfterUsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_US_FIELD_NUMBER: _ClassVar[int]
+    TIME_RANGE_US_FIELD_NUMBER: _ClassVar[int]
+    MAX_COUNT_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_QOS0_FIELD_NUMBER: _ClassVar[int]
+    SKIP_ACKED_FIELD_NUMBER: _ClassVar[int]
+    STALE_OK_FIELD_NUMBER: _ClassVar[int]
+    topic_filter: str
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    after_us: _containers.ScalarMap[int, int]
+    time_range_us: int
+    max_count: int
+    include_qos0: bool
+    skip_acked: bool
+    stale_ok: bool
+    def __init__(self, topic_filter: _Optional[str] = ..., shards: _Optional[_Iterable[int]] = ..., after_us: _Optional[_Mapping[int, int]] = ..., time_range_us: _Optional[int] = ..., max_count: _Optional[int] = ..., include_qos0: _Optional[bool] = ..., skip_acked: _Optional[bool] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
+
+class FetchMessagesResponse(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[_storage_pb2.Message]
+    def __init__(self, messages: _Optional[_Iterable[_Union[_storage_pb2.Message, _Mapping]]] = ...) -> None: ...
+
+class AckRequest(_message.Message):
+    __slots__ = ("clientid", "topic_filter", "mode", "shard", "timestamp_us")
+    CLIENTID_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_US_FIELD_NUMBER: _ClassVar[int]
+    clientid: str
+    topic_filter: str
+    mode: DeliveryMode
+    shard: int
+    timestamp_us: int
+    def __init__(self, clientid: _Optional[str] = ..., topic_filter: _Optional[str] = ..., mode: _Optional[_Union[DeliveryMode, str]] = ..., shard: _Optional[int] = ..., timestamp_us: _Optional[int] = ...) -> None: ...
+
+class AckResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ForgetReadPositionRequest(_message.Message):
+    __slots__ = ("clientid", "topic_filter")
+    CLIENTID_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    clientid: str
+    topic_filter: str
+    def __init__(self, clientid: _Optional[str] = ..., topic_filter: _Optional[str] = ...) -> None: ...
+
+class ForgetReadPositionResponse(_message.Message):
+    __slots__ = ("existed",)
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    existed: bool
+    def __init__(self, existed: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,210 @@
+"""The public Sessions service: what a broker keeps besides messages (see proto/mqds/v1/sessions.proto).
+
+Each write is checked here and logged as a ``SessionCommand`` in the Raft
+group of the shard that owns its key: the clientid's shard for client state,
+subscriptions and read positions, the topic's shard for a retained message,
+the message's shard for a queue acknowledgement. A request that reaches a
+node not leading that shard gets NOT_LEADER with the leader hint, like every
+Storage write. Listing requests name their shards, and each is read on its
+leader (or any replica with ``stale_ok``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mqds.protocol import errors
+from mqds.protocol.errors import Reason
+from mqds.protocol.sharding import shard_of
+from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_topic
+from mqds.server.api.storage_service import Shards, ShardsAPI, now_us
+from mqds.server.cluster.v1 import commands_pb2 as cpb
+from mqds.server.storage.sessions import FetchFilter
+from mqds.server.storage.shard import encode_messages, repeated_field
+from mqds.v1 import sessions_pb2 as spb
+
+_MESSAGES_TAG = b"\x0a"  # FetchMessagesResponse.messages, field 1, length-delimited
+
+
+def check_clientid(clientid: str) -> str:
+    """A clientid as MQTT allows it (non-empty here, since mqds keys state by it)."""
+    if not clientid:
+        raise errors.error(Reason.INVALID_CLIENTID, "clientid is empty; state is kept per clientid")
+    if len(clientid) > 16383 and len(clientid.encode("utf-8")) > MAX_TOPIC_BYTES:
+        raise errors.error(Reason.INVALID_CLIENTID, f"clientid is over {MAX_TOPIC_BYTES:,} bytes")
+    if "\x00" in clientid:
+        raise errors.error(Reason.INVALID_CLIENTID, f"clientid {clientid!r} contains NUL, which MQTT forbids")
+    return clientid
+
+
+def _check_node(node: str, required: bool) -> None:
+    if required and not node:
+        raise errors.error(Reason.INVALID_REQUEST, "node is empty: name the broker node the client connected to")
+    if len(node.encode("utf-8")) > MAX_TOPIC_BYTES:
+        raise errors.error(Reason.INVALID_REQUEST, f"node name is over {MAX_TOPIC_BYTES:,} bytes")
+
+
+def _check_qos(qos: int, what: str) -> None:
+    if qos > 2:
+        raise errors.error(Reason.INVALID_REQUEST, f"{what} qos must be 0, 1 or 2, got {qos}")
+
+
+class SessionService(ShardsAPI):
+    """Implements mqds.v1.Sessions over the vnodes of one node."""
+
+    def __init__(self, shards: Shards, *, max_payload_bytes: int, max_fetch: int, clock: Any = now_us) -> None:
+        super().__init__(shards)
+        self.max_payload_bytes = max_payload_bytes
+        self.max_fetch = max_fetch
+        self.clock = clock
+
+    def _log(self, shard: int, **change: Any) -> Any:
+        """Log one session change in ``shard``'s group (on its leader); the result of applying it."""
+        command = cpb.VnodeCommand(session=cpb.SessionCommand(now_us=self.clock(), **change))
+        (result,) = self._propose_all([(shard, command.SerializeToString())])
+        return result
+
+    def _client_shard(self, clientid: str) -> int:
+        return shard_of(check_clientid(clientid), self.shards.n_shards)
+
+    def _one(self, shard: int, stale_ok: bool) -> Any:
+        (vnode,) = self._read([shard], stale_ok)
+        return vnode
+
+    # -- client state ---------------------------------------------------------
+
+    @staticmethod
+    def _state(state: spb.ClientState | None) -> spb.ClientStateResponse:
+        return spb.ClientStateResponse(found=True, state=state) if state is not None else spb.ClientStateResponse()
+
+    def ClientConnected(self, request: spb.ClientConnectedRequest) -> spb.ClientStateResponse:
+        shard = self._client_shard(request.clientid)
+        _check_node(request.node, required=True)
+        return self._state(self._log(shard, connected=request))
+
+    def ClientDisconnected(self, request: spb.ClientDisconnectedRequest) -> spb.ClientStateResponse:
+        shard = self._client_shard(request.clientid)
+        _check_node(request.node, required=False)
+        return self._state(self._log(shard, disconnected=request))
+
+    def GetClientState(self, request: spb.GetClientStateRequest) -> spb.ClientStateResponse:
+        vnode = self._one(self._client_shard(request.clientid), request.stale_ok)
+        with vnode.replica.reading() as storage:
+            return self._state(storage.sessions.client_state(request.clientid))
+
+    def ClientsOnNode(self, request: spb.ClientsOnNodeRequest) -> spb.ClientsOnNodeResponse:
+        _check_node(request.node, required=True)
+        response = spb.ClientsOnNodeResponse()
+        for vnode in self._read(self._shard_numbers(0, True, request.shards), request.stale_ok):
+            with vnode.replica.reading() as storage:
+                response.clientids.extend(storage.sessions.clients_on_node(request.node))
+        return response
+
+    # -- subscriptions --------------------------------------------------------
+
+    def Subscribe(self, request: spb.SubscribeRequest) -> spb.SubscribeResponse:
+        shard = self._client_shard(request.clientid)
+        self._filter(request.topic_filter)
+        _check_qos(request.qos, "subscription")
+        self._log(shard, subscribe=request)
+        return spb.SubscribeResponse()
+
+    def Unsubscribe(self, request: spb.UnsubscribeRequest) -> spb.UnsubscribeResponse:
+        shard = self._client_shard(request.clientid)
+        self._filter(request.topic_filter)
+        return spb.UnsubscribeResponse(existed=bool(self._log(shard, unsubscribe=request)))
+
+    def GetSubscriptions(self, request: spb.GetSubscriptionsRequest) -> spb.GetSubscriptionsResponse:
+        vnode = self._one(self._client_shard(request.clientid), request.stale_ok)
+        with vnode.replica.reading() as storage:
+            found = storage.sessions.subscriptions(request.clientid)
+        response = spb.GetSubscriptionsResponse()
+        for topic_filter, qos in found:
+            response.subscriptions.add(topic_filter=topic_filter, qos=qos)
+        return response
+
+    # -- retained messages ----------------------------------------------------
+
+    def Retain(self, request: spb.RetainRequest) -> spb.RetainResponse:
+        message = request.message
+        try:
+            validate_topic(message.topic)
+        except TopicError as err:
+            raise errors.error(Reason.INVALID_TOPIC, f"retained message: {err}") from None
+        if len(message.payload) > self.max_payload_bytes:
+            raise errors.error(
+                Reason.PAYLOAD_TOO_LARGE,
+                f"retained message on {message.topic!r}: payload is {len(message.payload)} bytes, "
+                f"over the limit of {self.max_payload_bytes} (max_payload_bytes)",
+            )
+        _check_qos(message.qos, "retained message")
+        if len(message.sender.encode("utf-8")) > MAX_TOPIC_BYTES:
+            raise errors.error(Reason.INVALID_MESSAGE, "retained message: sender clientid is over 65,535 bytes")
+        message.ClearField("timestamp_us")
+        message.ClearField("shard")
+        stored = self._log(shard_of(message.topic, self.shards.n_shards), retain=message)
+        return spb.RetainResponse(message=stored) if stored is not None else spb.RetainResponse()
+
+    def GetRetained(self, request: spb.GetRetainedRequest) -> bytes:
+        levels = self._filter(request.topic_filter)
+        found: list[bytes] = []
+        for vnode in self._read(self._shard_numbers(0, True, request.shards), request.stale_ok):
+            with vnode.replica.reading() as storage:
+                found.extend(storage.sessions.retained(levels))
+        return repeated_field(_MESSAGES_TAG, found)
+
+    # -- offline delivery -----------------------------------------------------
+
+    def GetReadPosition(self, request: spb.GetReadPositionRequest) -> spb.GetReadPositionResponse:
+        shard = self._client_shard(request.clientid)
+        self._filter(request.topic_filter)
+        vnode = self._one(shard, request.stale_ok)
+        with vnode.replica.reading() as storage:
+            position = storage.sessions.read_position(request.clientid, request.topic_filter)
+        if position is None:
+            return spb.GetReadPositionResponse()
+        return spb.GetReadPositionResponse(found=True, position=position)
+
+    def FetchMessages(self, request: spb.FetchMessagesRequest) -> bytes:
+        self._filter(request.topic_filter)
+        if request.max_count < 1:
+            raise errors.error(Reason.INVALID_REQUEST, f"max_count must be at least 1, got {request.max_count}")
+        max_count = min(request.max_count, self.max_fetch)
+        since = max(0, self.clock() - request.time_range_us) if request.time_range_us else 0
+        found: list[tuple[int, int, bytes]] = []
+        for vnode in self._read(self._shard_numbers(0, True, request.shards), request.stale_ok):
+            wanted = FetchFilter(
+                topic_filter=request.topic_filter,
+                after_us=request.after_us.get(vnode.shard, 0),
+                since_us=since,
+                max_count=max_count,
+                include_qos0=request.include_qos0,
+                skip_acked=request.skip_acked,
+            )
+            with vnode.replica.reading() as storage:
+                found.extend((ts, vnode.shard, stored) for ts, stored in storage.sessions.fetch(wanted))
+        found.sort(key=lambda entry: (entry[0], entry[1]))
+        return b"".join(
+            encode_messages(_MESSAGES_TAG, [(ts, stored)], shard) for ts, shard, stored in found[:max_count]
+        )
+
+    def Ack(self, request: spb.AckRequest) -> spb.AckResponse:
+        self._filter(request.topic_filter)
+        if request.mode not in (spb.PUBSUB, spb.QUEUE):
+            raise errors.error(Reason.INVALID_REQUEST, f"mode {request.mode} is neither PUBSUB (0) nor QUEUE (1)")
+        if request.timestamp_us < 1:
+            raise errors.error(
+                Reason.INVALID_REQUEST, "timestamp_us is 0: acknowledge a message as fetched, with its position"
+            )
+        (message_shard,) = self._shard_numbers(request.shard, False)
+        if request.mode == spb.QUEUE:
+            check_clientid(request.clientid)
+            self._log(message_shard, ack=request)
+        else:
+            self._log(self._client_shard(request.clientid), ack=request)
+        return spb.AckResponse()
+
+    def ForgetReadPosition(self, request: spb.ForgetReadPositionRequest) -> spb.ForgetReadPositionResponse:
+        shard = self._client_shard(request.clientid)
+        self._filter(request.topic_filter)
+        return spb.ForgetReadPositionResponse(existed=bool(self._log(shard, forget_position=request)))

@@ -1,0 +1,256 @@
+"""What a broker keeps in a shard besides messages: client state, subscriptions, retained messages, read positions.
+
+All of it lives in the shard's ``default`` column family (``keys.py`` has the
+layout), so it is part of every checkpoint and snapshot and of the applied
+index's write batch, exactly like the messages. Every change takes the
+logged clock (``now_us``) and is deterministic, so replicas agree byte for
+byte. Every change is idempotent but for the recorded times, so a client can
+retry any of them without a deduplication record.
+
+Where each thing lives is the caller's business (``mqds.server.api``): client
+state, subscriptions and read positions in the clientid's shard, a retained
+message in its topic's shard, a queue acknowledgement in the shard of the
+message it removes.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rocksdict import WriteBatch
+
+from mqds.protocol.topics import matches_levels
+from mqds.server.storage import keys
+from mqds.server.storage.iterators import IteratorState
+from mqds.v1 import sessions_pb2 as spb
+from mqds.v1 import storage_pb2 as pb
+
+if TYPE_CHECKING:
+    from mqds.server.storage.shard import ShardStorage
+
+# How many messages one read of a stream asks for while fetching.
+_FETCH_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class FetchFilter:
+    """Which stored messages an offline fetch returns."""
+
+    topic_filter: str
+    after_us: int
+    """Only messages with a later timestamp (the read position; 0 for all)."""
+    since_us: int
+    """Only messages at or after this time (the time range; 0 for all)."""
+    max_count: int
+    include_qos0: bool
+    skip_acked: bool
+    """Skip messages a queue reader acknowledged."""
+
+
+class SessionState:
+    """The broker state of one shard, on top of its ``ShardStorage``."""
+
+    def __init__(self, storage: ShardStorage) -> None:
+        self._storage = storage
+
+    # -- writes -----------------------------------------------------------------
+
+    def _commit(self, batch: WriteBatch, applied_index: int | None) -> None:
+        # Synced like a generation change: these are small, rare next to
+        # messages, and a broker acts on them at once.
+        self._storage.write_meta(batch, applied_index)
+
+    def _get(self, key: bytes) -> bytes | None:
+        return self._storage.meta_get(key)
+
+    def client_connected(
+        self, clientid: str, node: str, now_us: int, *, applied_index: int | None = None
+    ) -> spb.ClientState:
+        batch = WriteBatch(raw_mode=True)
+        old = self.client_state(clientid)
+        if old is not None and old.online:
+            batch.delete(keys.node_clients_prefix(old.node) + clientid.encode("utf-8"), self._storage.meta_handle)
+        state = spb.ClientState(online=True, node=node, online_at_us=now_us)
+        batch.put(keys.client_key(clientid), state.SerializeToString(), self._storage.meta_handle)
+        batch.put(keys.node_clients_prefix(node) + clientid.encode("utf-8"), b"", self._storage.meta_handle)
+        self._commit(batch, applied_index)
+        state.clientid = clientid
+        return state
+
+    def client_disconnected(
+        self, clientid: str, node: str, now_us: int, *, applied_index: int | None = None
+    ) -> spb.ClientState | None:
+        """Mark a client offline; None (and no change) if unknown, or ``node`` is given and is not its node."""
+        batch = WriteBatch(raw_mode=True)
+        old = self.client_state(clientid)
+        if old is None or (node and old.node != node):
+            self._commit(batch, applied_index)
+            return None
+        if old.online:
+            batch.delete(keys.node_clients_prefix(old.node) + clientid.encode("utf-8"), self._storage.meta_handle)
+            old.online = False
+            old.offline_at_us = now_us
+            old.ClearField("clientid")
+            batch.put(keys.client_key(clientid), old.SerializeToString(), self._storage.meta_handle)
+        self._commit(batch, applied_index)
+        old.clientid = clientid
+        return old
+
+    def subscribe(self, clientid: str, topic_filter: str, qos: int, *, applied_index: int | None = None) -> None:
+        batch = WriteBatch(raw_mode=True)
+        key = keys.subscriptions_prefix(clientid) + topic_filter.encode("utf-8")
+        batch.put(key, bytes((qos,)), self._storage.meta_handle)
+        self._commit(batch, applied_index)
+
+    def unsubscribe(self, clientid: str, topic_filter: str, *, applied_index: int | None = None) -> bool:
+        key = keys.subscriptions_prefix(clientid) + topic_filter.encode("utf-8")
+        existed = self._get(key) is not None
+        batch = WriteBatch(raw_mode=True)
+        if existed:
+            batch.delete(key, self._storage.meta_handle)
+        self._commit(batch, applied_index)
+        return existed
+
+    def retain(self, message: pb.Message, now_us: int, *, applied_index: int | None = None) -> pb.Message | None:
+        """Keep ``message`` as its topic's retained message (stamped ``now_us``); an empty payload deletes it."""
+        key = keys.retained_key(message.topic)
+        batch = WriteBatch(raw_mode=True)
+        if not message.payload:
+            batch.delete(key, self._storage.meta_handle)
+            self._commit(batch, applied_index)
+            return None
+        stored = pb.Message()
+        stored.CopyFrom(message)
+        stored.retain = True
+        stored.timestamp_us = now_us
+        stored.shard = self._storage.shard
+        batch.put(key, stored.SerializeToString(), self._storage.meta_handle)
+        self._commit(batch, applied_index)
+        return stored
+
+    def ack_pubsub(
+        self, clientid: str, topic_filter: str, shard: int, timestamp_us: int, *, applied_index: int | None = None
+    ) -> None:
+        """Move the (clientid, filter) read position in ``shard`` up to ``timestamp_us`` (never back)."""
+        key = keys.position_key(clientid, topic_filter)
+        position = self.read_position(clientid, topic_filter) or spb.ReadPosition()
+        batch = WriteBatch(raw_mode=True)
+        if position.acked_us.get(shard, 0) < timestamp_us:
+            position.acked_us[shard] = timestamp_us
+            # Deterministic: map entries in key order, the same bytes everywhere.
+            batch.put(key, position.SerializeToString(deterministic=True), self._storage.meta_handle)
+        self._commit(batch, applied_index)
+
+    def ack_queue(self, timestamp_us: int, *, applied_index: int | None = None) -> None:
+        """Remove the message stored in this shard at ``timestamp_us`` for every queue reader."""
+        batch = WriteBatch(raw_mode=True)
+        batch.put(keys.queue_ack_key(timestamp_us), b"", self._storage.meta_handle)
+        self._commit(batch, applied_index)
+
+    def forget_position(self, clientid: str, topic_filter: str, *, applied_index: int | None = None) -> bool:
+        key = keys.position_key(clientid, topic_filter)
+        existed = self._get(key) is not None
+        batch = WriteBatch(raw_mode=True)
+        if existed:
+            batch.delete(key, self._storage.meta_handle)
+        self._commit(batch, applied_index)
+        return existed
+
+    # -- reads ------------------------------------------------------------------
+
+    def client_state(self, clientid: str) -> spb.ClientState | None:
+        raw = self._get(keys.client_key(clientid))
+        if raw is None:
+            return None
+        state = spb.ClientState.FromString(raw)
+        state.clientid = clientid
+        return state
+
+    def clients_on_node(self, node: str) -> list[str]:
+        prefix = keys.node_clients_prefix(node)
+        return [key[len(prefix) :].decode("utf-8") for key, _ in self._storage.meta_scan(prefix)]
+
+    def subscriptions(self, clientid: str) -> list[tuple[str, int]]:
+        prefix = keys.subscriptions_prefix(clientid)
+        return [(key[len(prefix) :].decode("utf-8"), value[0]) for key, value in self._storage.meta_scan(prefix)]
+
+    def retained(self, filter_levels: list[str]) -> list[bytes]:
+        """The retained messages (serialised ``mqds.v1.Message``) whose topics match, by topic."""
+        literal: list[str] = []
+        for level in filter_levels:
+            if level in ("+", "#"):
+                break
+            literal.append(level)
+        # "a/b/#" also matches "a/b" itself: scan from the literal levels
+        # without a trailing separator and check every candidate.
+        prefix = keys.retained_key("/".join(literal))
+        start = len(keys.RETAINED_PREFIX)
+        return [
+            value
+            for key, value in self._storage.meta_scan(prefix)
+            if matches_levels(filter_levels, key[start:].decode("utf-8").split("/"))
+        ]
+
+    def read_position(self, clientid: str, topic_filter: str) -> spb.ReadPosition | None:
+        raw = self._get(keys.position_key(clientid, topic_filter))
+        return None if raw is None else spb.ReadPosition.FromString(raw)
+
+    def fetch(self, wanted: FetchFilter) -> list[tuple[int, bytes]]:
+        """Up to ``max_count`` stored messages that pass ``wanted``, oldest first: (timestamp, stored bytes).
+
+        Generations are read in order; within one, each matching stream is
+        read until it has given ``max_count`` messages that pass, and the
+        streams are merged by timestamp (the oldest ``max_count`` of the
+        generation are among those).
+        """
+        storage = self._storage
+        filter_levels = wanted.topic_filter.split("/")
+        start = max(wanted.after_us + 1, wanted.since_us)
+        by_generation: dict[int, list[int]] = {}
+        for ref in storage.get_streams(filter_levels, start):
+            by_generation.setdefault(ref.generation, []).append(ref.stream)
+        found: list[tuple[int, bytes]] = []
+        for generation in sorted(by_generation):
+            need = wanted.max_count - len(found)
+            runs = []
+            for stream in by_generation[generation]:
+                state = IteratorState(storage.shard, generation, stream, wanted.topic_filter, start)
+                runs.append(list(self._passing(state, need, wanted)))
+            found.extend(heapq.merge(*runs, key=_timestamp) if len(runs) > 1 else runs[0])
+            if len(found) >= wanted.max_count:
+                break
+        return found[: wanted.max_count]
+
+    def _passing(self, state: IteratorState, need: int, wanted: FetchFilter) -> Iterator[tuple[int, bytes]]:
+        storage = self._storage
+        given = 0
+        while given < need:
+            result = storage.next(state, _FETCH_CHUNK)
+            entries = result.entries
+            if wanted.skip_acked and entries:
+                acked = storage.meta_get_many([keys.queue_ack_key(ts) for ts, _ in entries])
+                entries = [entry for entry, mark in zip(entries, acked, strict=True) if mark is None]
+            for ts, stored in entries:
+                if not wanted.include_qos0 and _qos(stored) == 0:
+                    continue
+                yield ts, stored
+                given += 1
+                if given == need:
+                    return
+            if result.end_of_stream or result.state.next_ts == state.next_ts:
+                return
+            state = result.state
+
+
+def _timestamp(entry: tuple[int, bytes]) -> int:
+    return entry[0]
+
+
+_parse: Callable[[bytes], pb.Message] = pb.Message.FromString
+
+
+def _qos(stored: bytes) -> int:
+    return int(_parse(stored).qos)

@@ -1,0 +1,132 @@
+"""The broker state of one shard in the storage layer: offline fetches, retained lookups, queue marks, restarts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mqds.protocol.topics import matches
+from mqds.server.storage import keys
+from mqds.server.storage.sessions import FetchFilter
+from mqds.server.storage.shard import Engine, ShardStorage
+from mqds.v1 import storage_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine()
+
+
+@pytest.fixture
+def shard(tmp_path: Path, engine: Engine) -> Iterator[ShardStorage]:
+    storage = ShardStorage(str(tmp_path / "shard"), 3, engine)
+    storage.initialize(1)
+    yield storage
+    storage.close()
+
+
+def msg(topic: str, payload: str, qos: int = 1) -> pb.Message:
+    return pb.Message(topic=topic, payload=payload.encode(), sender="s", qos=qos)
+
+
+def wanted(topic_filter: str, **kwargs: object) -> FetchFilter:
+    options: dict[str, object] = {
+        "after_us": 0,
+        "since_us": 0,
+        "max_count": 1000,
+        "include_qos0": False,
+        "skip_acked": False,
+    }
+    options.update(kwargs)
+    return FetchFilter(topic_filter=topic_filter, **options)  # type: ignore[arg-type]
+
+
+def fetched(storage: ShardStorage, want: FetchFilter) -> list[str]:
+    return [pb.Message.FromString(stored).payload.decode() for _, stored in storage.sessions.fetch(want)]
+
+
+def test_fetch_merges_streams_by_time_across_generations_and_honours_the_count(shard: ShardStorage) -> None:
+    # Two topic structures (two streams) interleaved, then a new generation.
+    shard.store([msg("a/x", "1"), msg("b/y/z", "2"), msg("a/x", "3")], 100)
+    shard.store([msg("b/y/z", "4"), msg("a/x", "5", qos=0)], 200)
+    shard.add_generation(300)
+    shard.store([msg("a/x", "6"), msg("b/y/z", "7")], 400)
+    assert fetched(shard, wanted("#")) == ["1", "2", "3", "4", "6", "7"]
+    assert fetched(shard, wanted("#", include_qos0=True)) == ["1", "2", "3", "4", "5", "6", "7"]
+    assert fetched(shard, wanted("#", max_count=4)) == ["1", "2", "3", "4"]
+    assert fetched(shard, wanted("b/#")) == ["2", "4", "7"]
+    # After a position: strictly later timestamps only.
+    assert fetched(shard, wanted("#", after_us=102)) == ["4", "6", "7"]
+    # A time range: at or after since_us, from whatever generation holds it.
+    assert fetched(shard, wanted("#", since_us=400)) == ["6", "7"]
+
+
+def test_queue_marks_skip_messages_and_go_with_their_generation(shard: ShardStorage) -> None:
+    first = shard.store([msg("q/a", "1"), msg("q/a", "2")], 100)
+    shard.sessions.ack_queue(first)
+    assert fetched(shard, wanted("q/#", skip_acked=True)) == ["2"]
+    assert fetched(shard, wanted("q/#")) == ["1", "2"]
+    shard.add_generation(200)
+    later = shard.store([msg("q/a", "3")], 300)
+    shard.sessions.ack_queue(later)
+    assert fetched(shard, wanted("q/#", skip_acked=True)) == ["2"]
+    shard.drop_generation(1)
+    marks = [key for key, _ in shard.meta_scan(keys.QUEUE_ACK_PREFIX)]
+    assert marks == [keys.queue_ack_key(later)], "the dropped generation's marks must go, the current one's stay"
+
+
+def test_broker_state_survives_a_restart(tmp_path: Path, engine: Engine) -> None:
+    path = str(tmp_path / "shard")
+    storage = ShardStorage(path, 1, engine)
+    storage.initialize(1)
+    storage.sessions.client_connected("c1", "b1", 10, applied_index=5)
+    storage.sessions.subscribe("c1", "t/#", 2, applied_index=6)
+    storage.sessions.retain(msg("t/1", "r"), 11, applied_index=7)
+    storage.sessions.ack_pubsub("c1", "t/#", 4, 99, applied_index=8)
+    storage.sessions.ack_pubsub("c1", "t/#", 4, 50, applied_index=9)  # never moves back
+    storage.close()
+    storage = ShardStorage(path, 1, engine)
+    try:
+        assert storage.applied_index == 9
+        state = storage.sessions.client_state("c1")
+        assert state is not None and state.online and state.node == "b1" and state.online_at_us == 10
+        assert storage.sessions.clients_on_node("b1") == ["c1"]
+        assert storage.sessions.subscriptions("c1") == [("t/#", 2)]
+        (retained,) = storage.sessions.retained(["t", "+"])
+        assert pb.Message.FromString(retained).timestamp_us == 11
+        position = storage.sessions.read_position("c1", "t/#")
+        assert position is not None and dict(position.acked_us) == {4: 99}
+    finally:
+        storage.close()
+
+
+TOPIC_LEVEL = st.sampled_from(["a", "b", "ab", "$SYS", "x y", "é"])
+TOPICS = st.lists(TOPIC_LEVEL, min_size=1, max_size=4).map("/".join)
+FILTER_LEVEL = st.sampled_from(["a", "b", "ab", "$SYS", "+", "é"])
+
+
+@st.composite
+def filters(draw: st.DrawFn) -> str:
+    levels = draw(st.lists(FILTER_LEVEL, min_size=1, max_size=4))
+    if draw(st.booleans()):
+        levels.append("#")
+    return "/".join(levels)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(topics=st.sets(TOPICS, max_size=12), topic_filter=filters())
+def test_retained_lookup_equals_matching_every_topic(
+    tmp_path_factory: pytest.TempPathFactory, engine: Engine, topics: set[str], topic_filter: str
+) -> None:
+    storage = ShardStorage(str(tmp_path_factory.mktemp("retained") / "shard"), 0, engine)
+    try:
+        for topic in topics:
+            storage.sessions.retain(msg(topic, topic), 1)
+        found = [pb.Message.FromString(m).topic for m in storage.sessions.retained(topic_filter.split("/"))]
+        assert found == sorted((t for t in topics if matches(topic_filter, t)), key=lambda t: t.encode())
+    finally:
+        storage.close()
