@@ -67,16 +67,34 @@ def test_fetch_merges_streams_by_time_across_generations_and_honours_the_count(s
 
 def test_queue_marks_skip_messages_and_go_with_their_generation(shard: ShardStorage) -> None:
     first = shard.store([msg("q/a", "1"), msg("q/a", "2")], 100)
-    shard.sessions.ack_queue(first)
+    shard.sessions.ack_queue(first, "q/#")
     assert fetched(shard, wanted("q/#", skip_acked=True)) == ["2"]
     assert fetched(shard, wanted("q/#")) == ["1", "2"]
     shard.add_generation(200)
     later = shard.store([msg("q/a", "3")], 300)
-    shard.sessions.ack_queue(later)
+    shard.sessions.ack_queue(later, "q/#")
     assert fetched(shard, wanted("q/#", skip_acked=True)) == ["2"]
     shard.drop_generation(1)
     marks = [key for key, _ in shard.meta_scan(keys.QUEUE_ACK_PREFIX)]
     assert marks == [keys.queue_ack_key(later)], "the dropped generation's marks must go, the current one's stay"
+
+
+def test_the_queue_floor_moves_over_acknowledged_messages_at_the_head_only(shard: ShardStorage) -> None:
+    first = shard.store([msg("jobs/a", "0"), msg("jobs/b/x", "1"), msg("jobs/a", "2"), msg("jobs/a", "3")], 100)
+    sessions = shard.sessions
+    sessions.ack_queue(first + 2, "jobs/#")  # out of order: the head (0, 1) is not acknowledged
+    assert sessions.queue_floor("jobs/#") == 0
+    sessions.ack_queue(first, "jobs/#")
+    assert sessions.queue_floor("jobs/#") == first
+    sessions.ack_queue(first + 1, "jobs/#")  # closes the gap: the floor jumps over 2 as well
+    assert sessions.queue_floor("jobs/#") == first + 2
+    assert fetched(shard, wanted("jobs/#", skip_acked=True)) == ["3"]
+    # Floors are per filter: another filter over the same messages scans its own way.
+    assert sessions.queue_floor("jobs/a") == 0
+    assert fetched(shard, wanted("jobs/a", skip_acked=True)) == ["3"]
+    # New messages after the floor are offered.
+    shard.store([msg("jobs/a", "4")], 200)
+    assert fetched(shard, wanted("jobs/#", skip_acked=True)) == ["3", "4"]
 
 
 def test_broker_state_survives_a_restart(tmp_path: Path, engine: Engine) -> None:

@@ -158,7 +158,7 @@ class VnodeReplica:
         if kind == "ack":
             ack = cmd.ack
             if ack.mode == spb.QUEUE:
-                return sessions.ack_queue(ack.timestamp_us, applied_index=index)
+                return sessions.ack_queue(ack.timestamp_us, ack.topic_filter, applied_index=index)
             return sessions.ack_pubsub(ack.clientid, ack.topic_filter, ack.shard, ack.timestamp_us, applied_index=index)
         if kind == "forget_position":
             f = cmd.forget_position

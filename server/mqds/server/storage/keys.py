@@ -28,6 +28,8 @@ default                ``a:`` u16 len, clientid, topic filter      ``mqds.v1.Rea
 default                ``r:`` topic                                retained ``mqds.v1.Message`` (with its time)
 default                ``q:`` u64 timestamp                        empty: a queue reader acknowledged the
                                                                    message stored at this timestamp
+default                ``f:`` topic filter                         u64 queue floor: every message up to this
+                                                                   timestamp matching the filter is acknowledged
 gen-NNNNNNNN           ``D`` u32 stream, u64 timestamp             message: a serialised ``mqds.v1.Message``
                                                                    without ``timestamp_us`` and ``shard``
 gen-NNNNNNNN           ``I`` u32 stream, u8 level, 8-byte hash,    empty: the message at this timestamp has
@@ -90,6 +92,7 @@ SUBSCRIPTION_PREFIX = b"s:"
 POSITION_PREFIX = b"a:"
 RETAINED_PREFIX = b"r:"
 QUEUE_ACK_PREFIX = b"q:"
+QUEUE_FLOOR_PREFIX = b"f:"
 
 MAX_INDEXED_LEVELS = 16
 
@@ -230,6 +233,10 @@ def retained_key(topic: str) -> bytes:
 
 def queue_ack_key(timestamp_us: int) -> bytes:
     return QUEUE_ACK_PREFIX + u64(timestamp_us)
+
+
+def queue_floor_key(topic_filter: str) -> bytes:
+    return QUEUE_FLOOR_PREFIX + topic_filter.encode("utf-8")
 
 
 @dataclass(frozen=True)

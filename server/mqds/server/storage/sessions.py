@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 # How many messages one read of a stream asks for while fetching.
 _FETCH_CHUNK = 256
+# How far one queue acknowledgement moves its filter's floor at most.
+_FLOOR_STEPS = 10_000
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,6 @@ class SessionState:
     # -- writes -----------------------------------------------------------------
 
     def _commit(self, batch: WriteBatch, applied_index: int | None) -> None:
-        # Synced like a generation change: these are small, rare next to
-        # messages, and a broker acts on them at once.
         self._storage.write_meta(batch, applied_index)
 
     def _get(self, key: bytes) -> bytes | None:
@@ -144,10 +144,24 @@ class SessionState:
             batch.put(key, position.SerializeToString(deterministic=True), self._storage.meta_handle)
         self._commit(batch, applied_index)
 
-    def ack_queue(self, timestamp_us: int, *, applied_index: int | None = None) -> None:
-        """Remove the message stored in this shard at ``timestamp_us`` for every queue reader."""
+    def ack_queue(self, timestamp_us: int, topic_filter: str, *, applied_index: int | None = None) -> None:
+        """Remove the message stored in this shard at ``timestamp_us`` for every queue reader.
+
+        Also moves the filter's queue floor over the acknowledged messages at
+        the head of the queue (at most ``_FLOOR_STEPS`` per call): reads of
+        this replica's own state, the same on every replica at this log index.
+        """
         batch = WriteBatch(raw_mode=True)
         batch.put(keys.queue_ack_key(timestamp_us), b"", self._storage.meta_handle)
+        floor = self.queue_floor(topic_filter)
+        if timestamp_us > floor:
+            moved = floor
+            for steps, (ts, _) in enumerate(self._ordered(topic_filter, floor + 1)):
+                if steps == _FLOOR_STEPS or (ts != timestamp_us and self._get(keys.queue_ack_key(ts)) is None):
+                    break
+                moved = ts
+            if moved != floor:
+                batch.put(keys.queue_floor_key(topic_filter), keys.u64(moved), self._storage.meta_handle)
         self._commit(batch, applied_index)
 
     def forget_position(self, clientid: str, topic_filter: str, *, applied_index: int | None = None) -> bool:
@@ -198,48 +212,52 @@ class SessionState:
         raw = self._get(keys.position_key(clientid, topic_filter))
         return None if raw is None else spb.ReadPosition.FromString(raw)
 
+    def queue_floor(self, topic_filter: str) -> int:
+        """The timestamp up to which every message of this shard matching ``topic_filter`` was queue-acknowledged."""
+        raw = self._get(keys.queue_floor_key(topic_filter))
+        return 0 if raw is None else keys.read_u64(raw)
+
     def fetch(self, wanted: FetchFilter) -> list[tuple[int, bytes]]:
         """Up to ``max_count`` stored messages that pass ``wanted``, oldest first: (timestamp, stored bytes).
 
-        Generations are read in order; within one, each matching stream is
-        read until it has given ``max_count`` messages that pass, and the
-        streams are merged by timestamp (the oldest ``max_count`` of the
-        generation are among those).
+        A queue fetch starts after the filter's queue floor, so acknowledged
+        messages at the head of a queue are not scanned again and again.
+        """
+        after = wanted.after_us
+        if wanted.skip_acked:
+            after = max(after, self.queue_floor(wanted.topic_filter))
+        found: list[tuple[int, bytes]] = []
+        for ts, stored in self._ordered(wanted.topic_filter, max(after + 1, wanted.since_us)):
+            if not wanted.include_qos0 and _qos(stored) == 0:
+                continue
+            if wanted.skip_acked and self._get(keys.queue_ack_key(ts)) is not None:
+                continue
+            found.append((ts, stored))
+            if len(found) == wanted.max_count:
+                break
+        return found
+
+    def _ordered(self, topic_filter: str, start_us: int) -> Iterator[tuple[int, bytes]]:
+        """Every stored message matching ``topic_filter`` from ``start_us`` on, in timestamp order, read lazily.
+
+        Generations one after the other; within one, its matching streams
+        merged by timestamp.
         """
         storage = self._storage
-        filter_levels = wanted.topic_filter.split("/")
-        start = max(wanted.after_us + 1, wanted.since_us)
         by_generation: dict[int, list[int]] = {}
-        for ref in storage.get_streams(filter_levels, start):
+        for ref in storage.get_streams(topic_filter.split("/"), start_us):
             by_generation.setdefault(ref.generation, []).append(ref.stream)
-        found: list[tuple[int, bytes]] = []
         for generation in sorted(by_generation):
-            need = wanted.max_count - len(found)
-            runs = []
-            for stream in by_generation[generation]:
-                state = IteratorState(storage.shard, generation, stream, wanted.topic_filter, start)
-                runs.append(list(self._passing(state, need, wanted)))
-            found.extend(heapq.merge(*runs, key=_timestamp) if len(runs) > 1 else runs[0])
-            if len(found) >= wanted.max_count:
-                break
-        return found[: wanted.max_count]
+            runs = [
+                self._stream(IteratorState(storage.shard, generation, stream, topic_filter, start_us))
+                for stream in by_generation[generation]
+            ]
+            yield from heapq.merge(*runs, key=_timestamp) if len(runs) > 1 else runs[0]
 
-    def _passing(self, state: IteratorState, need: int, wanted: FetchFilter) -> Iterator[tuple[int, bytes]]:
-        storage = self._storage
-        given = 0
-        while given < need:
-            result = storage.next(state, _FETCH_CHUNK)
-            entries = result.entries
-            if wanted.skip_acked and entries:
-                acked = storage.meta_get_many([keys.queue_ack_key(ts) for ts, _ in entries])
-                entries = [entry for entry, mark in zip(entries, acked, strict=True) if mark is None]
-            for ts, stored in entries:
-                if not wanted.include_qos0 and _qos(stored) == 0:
-                    continue
-                yield ts, stored
-                given += 1
-                if given == need:
-                    return
+    def _stream(self, state: IteratorState) -> Iterator[tuple[int, bytes]]:
+        while True:
+            result = self._storage.next(state, _FETCH_CHUNK)
+            yield from result.entries
             if result.end_of_stream or result.state.next_ts == state.next_ts:
                 return
             state = result.state

@@ -273,9 +273,13 @@ class ShardStorage:
             self.applied_index = applied_index
 
     def write_meta(self, batch: WriteBatch, applied_index: int | None) -> None:
-        """Write a batch of metadata-family changes (built with ``meta_handle``), synced."""
+        """Write a batch of metadata-family changes (built with ``meta_handle``).
+
+        Not synced, like ``store``: the Raft journal holds the command (fsynced
+        before anyone acknowledged it) and is replayed after a crash.
+        """
         with self._lock:
-            self._write(batch, True, applied_index)
+            self._write(batch, False, applied_index)
 
     @property
     def meta_handle(self) -> object:
