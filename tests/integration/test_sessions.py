@@ -154,9 +154,13 @@ def test_pubsub_offline_messages_follow_each_subscribers_read_position(client: C
 
 def test_time_range_limits_offline_messages(client: Client) -> None:
     publish(client, "tr/x", ["old-1", "old-2"])
-    time.sleep(1.5)
+    time.sleep(3.0)
+    middle = time.time()
     publish(client, "tr/x", ["new-1", "new-2"])
-    assert payloads(client.fetch_offline("tr-a", "tr/#", time_range_s=1.0)) == ["new-1", "new-2"]
+    # The range reaches 1.5 s before `middle`: the new messages are in it and
+    # the old ones (3 s before) are not, unless the call itself takes 1.5 s.
+    time_range_s = time.time() - middle + 1.5
+    assert payloads(client.fetch_offline("tr-a", "tr/#", time_range_s=time_range_s)) == ["new-1", "new-2"]
     assert len(client.fetch_offline("tr-a", "tr/#")) == 4
 
 
