@@ -35,7 +35,7 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check client server tests proto chaos
 	$(BIN)/ruff format --check client server tests proto chaos
-	$(BIN)/mypy -p mqds.protocol -p mqds.client -p mqds.server -p mqds.cli -p mqds.chaos -m mqds.bench
+	$(BIN)/mypy -p mqds.protocol -p mqds.client -p mqds.server -p mqds.cli -p mqds.broker -p mqds.chaos -m mqds.bench
 
 test: lint
 	$(BIN)/python proto/generate.py --check

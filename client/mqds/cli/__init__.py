@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from mqds.cli import admin, bench, chaos, generations, local_cluster, messages, status
+from mqds.cli import admin, bench, broker, chaos, exhook, generations, local_cluster, messages, status
 from mqds.cli.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CommandError
 from mqds.protocol.errors import InvalidArgumentError, MqdsError
 
@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     local_cluster.register(sub)
     bench.register(sub, connection)
     chaos.register(sub)
+    exhook.register(sub, connection)
+    broker.register(sub, connection)
     return parser
 
 

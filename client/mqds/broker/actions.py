@@ -1,0 +1,443 @@
+"""The dispatcher every broker integration shares: broker hook calls in, mqds client calls out.
+
+An integration (the EMQX ExHook provider in :mod:`mqds.broker.exhook`, the
+amqtt plugin) calls one :class:`BrokerHooks` method per broker event; the
+rules of its :class:`~mqds.broker.hooks.HookConfig` decide which actions run,
+and the actions are calls of the asyncio mqds client. Everything they write
+is replicated state of the cluster, so any number of broker nodes may share
+one cluster, and a broker (or this process) that restarts loses nothing but
+the small cache described next.
+
+**Subscriptions known per client.** A ``message.acked`` event names the
+client and the message, not the subscription it came through, yet read
+positions belong to (client, filter) pairs. So the dispatcher remembers, per
+client, the filters it subscribed with (from ``session_subscribed`` and from
+the stored subscriptions a lookup returned) until the client disconnects; an
+acknowledgement is recorded for every remembered filter of the client that
+matches the message's topic. When it knows nothing of a client (this process
+started after the client connected, or forgot it), it first reads the
+client's stored subscriptions from mqds (``on_subscription_store`` keeps them
+there), on an acknowledgement or, when acknowledgements are recorded, on a
+new subscription. A filter subscribed to without being stored is known only
+to the process that saw the subscription. The cache holds at most
+``max_clients`` clients, least recently used first out.
+
+**Delivery modes.** A subscription's mode is that of the first fetch rule
+(in file order) that applies to its filter: ``pubsub`` (every subscriber has
+its own read position) or ``queue`` (a message acknowledged by one reader is
+gone for all). Acknowledgements use the same mode, so fetch and ack agree; a
+filter no fetch rule applies to is acknowledged in the mode of the ack rule.
+
+**Shared subscriptions.** ``$share/<group>/<filter>`` and ``$queue/<filter>``
+subscriptions are matched, fetched and acknowledged by their real filter
+(read positions are per client either way); they get no retained messages,
+as MQTT 5 says; ``on_subscription_store`` stores them as given, prefix and
+all, so the lookup restores the same shared subscription.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mqds.broker.hooks import HOOKS, HookConfig, Mode, Rule
+from mqds.client import aio
+from mqds.client.model import Message
+from mqds.protocol.errors import PartialBatchError
+from mqds.protocol.topics import matches, validate_filter, validate_topic
+
+__all__ = ["BrokerHooks", "Delivery", "real_filter"]
+
+DEFAULT_MAX_CLIENTS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What a new subscription should receive: ``messages`` = ``offline`` (oldest first), then ``retained``.
+
+    ``offline`` are stored messages the subscription missed, each with its
+    position (``shard``, ``timestamp_us``), which ``message_acked`` needs back;
+    ``retained`` are the retained messages matching the filter, by topic.
+    ``modes`` maps the filter offline messages were fetched for to the mode
+    used (``pubsub`` or ``queue``); empty when no fetch rule applied. A
+    retained message that was also stored offline comes in both lists, as a
+    broker delivers it on resubscribe and from the session queue alike.
+    """
+
+    messages: list[Message] = field(default_factory=list)
+    offline: list[Message] = field(default_factory=list)
+    retained: list[Message] = field(default_factory=list)
+    modes: dict[str, Mode] = field(default_factory=dict)
+    more: bool = False
+    """``offline`` is a full page (``max_returned_count``): more may be stored. Once these are
+    acknowledged, :meth:`BrokerHooks.next_offline_page` returns the next page."""
+
+
+def real_filter(topic_filter: str) -> str:
+    """The filter a shared subscription matches: without ``$share/<group>/`` or ``$queue/``.
+
+    >>> real_filter("$share/workers/jobs/#"), real_filter("$queue/jobs/+"), real_filter("a/b")
+    ('jobs/#', 'jobs/+', 'a/b')
+    """
+    if topic_filter.startswith("$share/"):
+        parts = topic_filter.split("/", 2)
+        if len(parts) == 3 and parts[1] and parts[2]:
+            return parts[2]
+        raise ValueError(f"invalid shared subscription {topic_filter!r}: expected $share/<group>/<filter>")
+    if topic_filter.startswith("$queue/"):
+        rest = topic_filter[len("$queue/") :]
+        if rest:
+            return rest
+        raise ValueError(f"invalid shared subscription {topic_filter!r}: expected $queue/<filter>")
+    return topic_filter
+
+
+def _clientid(clientid: object) -> str:
+    if not isinstance(clientid, str) or not clientid:
+        raise ValueError(f"clientid must be a non-empty string, not {clientid!r}")
+    return clientid
+
+
+def _qos(qos: object) -> int:
+    if isinstance(qos, bool) or not isinstance(qos, int) or not 0 <= qos <= 2:
+        raise ValueError(f"qos must be 0, 1 or 2, not {qos!r}")
+    return qos
+
+
+class BrokerHooks:
+    """Runs the configured actions for each broker event (see the module's documentation).
+
+    ``client`` is an open :class:`mqds.client.aio.Client` (the caller closes
+    it). ``node`` names the broker node recorded with online clients; without
+    it, the configuration's ``node``, then the node the event names (ExHook
+    passes EMQX's), then this host's name. ``stats`` counts what was done, by
+    name (``stored``, ``retained``, ``fetched_offline``, ``acked``, ...).
+    """
+
+    def __init__(
+        self,
+        client: aio.Client,
+        config: HookConfig,
+        node: str | None = None,
+        *,
+        max_clients: int = DEFAULT_MAX_CLIENTS,
+    ) -> None:
+        if max_clients < 1:
+            raise ValueError("max_clients must be at least 1")
+        self.client = client
+        self.config = config
+        self.node = node or config.node
+        self.max_clients = max_clients
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._records_acks = any(rule.kind == "ack" for rule in config.rules)
+        # clientid -> real filter -> QoS, least recently used first.
+        self._filters: collections.OrderedDict[str, dict[str, int]] = collections.OrderedDict()
+
+    # -- what the broker must call -------------------------------------------------
+
+    def needed_hooks(self) -> dict[str, list[str]]:
+        """The hooks an integration must deliver, each with its topic filters ([] = every topic).
+
+        The hooks of the rules, plus, when acknowledgements are recorded, the
+        ones that keep the subscription cache (subscribe, unsubscribe,
+        disconnect). Topics are only given for message hooks (the broker
+        filters those itself, e.g. EMQX by ``HookSpec.topics``).
+        """
+        hooks = set(self.config.hooks)
+        if "message.acked" in hooks:
+            hooks |= {"session.subscribed", "session.unsubscribed", "client.disconnected"}
+        return {
+            hook: self.config.topics_for(hook) if hook.startswith("message.") else [] for hook in HOOKS if hook in hooks
+        }
+
+    # -- the subscription cache -------------------------------------------------------
+
+    def known_filters(self, clientid: str) -> dict[str, int]:
+        """The filters remembered for ``clientid`` (real filters -> QoS); {} when none."""
+        return dict(self._filters.get(clientid, {}))
+
+    def _remember(self, clientid: str, filters: dict[str, int]) -> None:
+        known = self._filters.setdefault(clientid, {})
+        known.update(filters)
+        self._filters.move_to_end(clientid)
+        while len(self._filters) > self.max_clients:
+            self._filters.popitem(last=False)
+
+    async def _filters_of(self, clientid: str) -> dict[str, int]:
+        known = self._filters.get(clientid)
+        if known is not None:
+            self._filters.move_to_end(clientid)
+            return known
+        stored = await self.client.subscriptions(clientid)
+        self.stats["subscription_cache_misses"] += 1
+        self._remember(clientid, {real_filter(f): q for f, q in stored.items()})
+        return self._filters[clientid]
+
+    def _node(self, node: str | None) -> str:
+        return self.node or node or socket.gethostname()
+
+    # -- connections ---------------------------------------------------------------
+
+    async def client_connected(self, clientid: str, *, node: str | None = None) -> dict[str, int]:
+        """Run the ``client.connected`` rules; return the proxy subscriptions to apply ({} without a lookup rule).
+
+        ``node``: the broker node the client connected to, when the broker
+        says (used when neither the constructor nor the configuration names one).
+        """
+        return await self._connected("client.connected", clientid, node)
+
+    async def session_created(self, clientid: str, *, node: str | None = None) -> dict[str, int]:
+        """Run the ``session.created`` rules; return the proxy subscriptions to apply, as ``client_connected``."""
+        return await self._connected("session.created", clientid, node)
+
+    async def _connected(self, hook: str, clientid: str, node: str | None) -> dict[str, int]:
+        _clientid(clientid)
+        rules = self.config.rules_for(hook)
+        jobs: list[Awaitable[Any]] = []
+        lookup = any(rule.kind == "subscription_lookup" for rule in rules)
+        record = any(rule.kind == "client_connected" for rule in rules)
+        if record:
+            jobs.append(self.client.client_connected(clientid, self._node(node)))
+        if lookup:
+            jobs.append(self.client.subscriptions(clientid))
+        results = await asyncio.gather(*jobs)
+        if record:
+            self.stats["clients_connected"] += 1
+        if not lookup:
+            return {}
+        subscriptions: dict[str, int] = results[-1]
+        self.stats["subscription_lookups"] += 1
+        self._remember(clientid, {real_filter(f): q for f, q in subscriptions.items()})
+        return dict(subscriptions)
+
+    async def client_disconnected(self, clientid: str, *, node: str | None = None) -> None:
+        """Run the ``client.disconnected`` rules and forget the client's subscriptions.
+
+        The client is marked offline only if mqds still records it on this
+        broker node: a late disconnect from a node the client already left
+        does not mark the reconnected client offline (and leaves its
+        remembered subscriptions alone).
+        """
+        _clientid(clientid)
+        if not any(rule.kind == "client_disconnected" for rule in self.config.rules_for("client.disconnected")):
+            self._filters.pop(clientid, None)
+            return
+        state = await self.client.client_disconnected(clientid, node=self._node(node))
+        if state is None:
+            # Late: the client is connected elsewhere now; its subscriptions still count.
+            self.stats["late_disconnects_ignored"] += 1
+            return
+        self._filters.pop(clientid, None)
+        self.stats["clients_disconnected"] += 1
+
+    # -- subscriptions -------------------------------------------------------------
+
+    async def session_subscribed(
+        self, clientid: str, topic_filter: str, qos: int, *, send_retained: bool = True
+    ) -> Delivery:
+        """Run the ``session.subscribed`` rules for a new subscription; return what it should receive.
+
+        Stores the subscription (``on_subscription_store``), fetches offline
+        messages in the mode of the first fetch rule that applies, and looks up
+        retained messages (``on_retain_lookup``; not for shared subscriptions,
+        nor with ``send_retained=False``, MQTT 5's Retain Handling 2).
+        """
+        _clientid(clientid)
+        validate_filter(topic_filter)
+        _qos(qos)
+        real = real_filter(topic_filter)
+        validate_filter(real)
+        shared = real != topic_filter
+        if self._records_acks and clientid not in self._filters:
+            # Unknown (this process started after the client connected): load
+            # its stored subscriptions first, or acks through them would be missed.
+            await self._filters_of(clientid)
+        self._remember(clientid, {real: qos})
+        rules = self.config.rules_for("session.subscribed", real)
+        jobs: list[Awaitable[Any]] = []
+        store = any(rule.kind == "subscribe" for rule in rules)
+        if store:
+            jobs.append(self.client.subscribe(clientid, topic_filter, qos))
+        fetch = next((rule for rule in rules if rule.kind == "fetch"), None)
+        offline_job = self._fetch(clientid, real, fetch) if fetch is not None else _nothing()
+        lookup = send_retained and not shared and any(rule.kind == "retain_lookup" for rule in rules)
+        retained_job = self.client.retained(real) if lookup else _nothing()
+        offline, retained, *_ = await asyncio.gather(offline_job, retained_job, *jobs)
+        self.stats["subscriptions_stored"] += store
+        self.stats["fetched_offline"] += len(offline)
+        self.stats["fetched_retained"] += len(retained)
+        modes: dict[str, Mode] = {real: fetch.mode} if fetch is not None and fetch.mode else {}
+        more = fetch is not None and _full_page(offline, fetch)
+        return Delivery(messages=[*offline, *retained], offline=offline, retained=retained, modes=modes, more=more)
+
+    async def next_offline_page(self, clientid: str, topic_filter: str) -> tuple[list[Message], bool]:
+        """The offline messages of a subscription after what was acknowledged: (page, more may follow).
+
+        For a backlog larger than ``max_returned_count``: a read position moves
+        only when messages are acknowledged, so the broker acknowledges one
+        page before it asks for the next. Without a fetch rule for the filter,
+        ([], False).
+        """
+        _clientid(clientid)
+        real = real_filter(topic_filter)
+        fetch = next((rule for rule in self.config.rules_for("session.subscribed", real) if rule.kind == "fetch"), None)
+        if fetch is None:
+            return [], False
+        page = await self._fetch(clientid, real, fetch)
+        self.stats["fetched_offline"] += len(page)
+        return page, _full_page(page, fetch)
+
+    async def _fetch(self, clientid: str, topic_filter: str, rule: Rule) -> list[Message]:
+        opts = rule.offline_opts
+        assert opts is not None and rule.mode is not None  # every fetch rule has both
+        include_qos0 = self.config.stores_qos0 if opts.include_qos0 is None else opts.include_qos0
+        return await self.client.fetch_offline(
+            clientid,
+            topic_filter,
+            mode=rule.mode,
+            max_count=opts.max_returned_count,
+            time_range_s=opts.time_range_s,
+            include_qos0=include_qos0,
+        )
+
+    async def session_unsubscribed(self, clientid: str, topic_filter: str) -> None:
+        """Run the ``session.unsubscribed`` rules: forget the read position, delete the stored subscription."""
+        _clientid(clientid)
+        validate_filter(topic_filter)
+        real = real_filter(topic_filter)
+        known = self._filters.get(clientid)
+        if known is not None:
+            known.pop(real, None)
+        rules = self.config.rules_for("session.unsubscribed", real)
+        forget = any(rule.kind == "forget_acks" for rule in rules)
+        delete = any(rule.kind == "unsubscribe" for rule in rules)
+        await asyncio.gather(
+            self.client.forget_acks(clientid, real) if forget else _none(),
+            self.client.unsubscribe(clientid, topic_filter) if delete else _none(),
+        )
+        self.stats["read_positions_deleted"] += forget
+        self.stats["subscriptions_deleted"] += delete
+
+    # -- messages ------------------------------------------------------------------
+
+    async def message_publish(self, message: Message) -> Message | None:
+        """Run the ``message.publish`` rules; return the message as stored for offline delivery, or None.
+
+        Stores it (``on_message_publish``: QoS 1 and 2, QoS 0 too with
+        ``keep_qos0``; ``on_message_store``: any QoS) and keeps or deletes its
+        topic's retained message (``on_message_retain``, ``on_retain_delete``;
+        only for messages published with RETAIN). The returned message carries
+        its position (``shard``, ``timestamp_us``) for ``message_acked``; a
+        message only retained returns None, as a retained message is no
+        offline position.
+        """
+        (stored,) = await self.message_publish_batch([message])
+        return stored
+
+    async def message_publish_batch(self, messages: list[Message]) -> list[Message | None]:
+        """``message_publish`` for several messages at once: each one as stored, or None.
+
+        The messages to store go in one ``store_batch`` call (one Raft write
+        per shard instead of one per message), in order, so each publisher's
+        messages keep their order; retained messages are kept in order too.
+        When the call stores only some shards' parts, the others are None
+        (counted as ``store_failed``); any other failure is raised.
+        """
+        to_store: list[int] = []
+        to_retain: list[Message] = []
+        for index, message in enumerate(messages):
+            validate_topic(message.topic)
+            _qos(message.qos)
+            rules = self.config.rules_for("message.publish", message.topic)
+            if any(
+                rule.kind == "store" and (message.qos > 0 or self.config.keep_qos0 or rule.spec.stores_qos0)
+                for rule in rules
+            ):
+                to_store.append(index)
+            kinds = {rule.kind for rule in rules}
+            if message.retain and ("retain" in kinds or ("retain_delete" in kinds and not message.payload)):
+                to_retain.append(message)
+        for message in to_retain:  # one after another: the last one of a topic must win
+            await self.client.retain(message)
+            self.stats["retained" if message.payload else "retained_deleted"] += 1
+        out: list[Message | None] = [None] * len(messages)
+        if not to_store:
+            return out
+        try:
+            stored = await self.client.store_batch([messages[i] for i in to_store])
+        except PartialBatchError as err:
+            # Stored messages come back in request order; a sender's messages
+            # share a shard, so equal messages are all stored or all not.
+            pending = collections.deque(err.stored)
+            for index in to_store:
+                m = messages[index]
+                if pending and (pending[0].topic, pending[0].payload, pending[0].sender) == (
+                    m.topic,
+                    m.payload,
+                    m.sender,
+                ):
+                    out[index] = pending.popleft()
+            self.stats["stored"] += len(err.stored)
+            self.stats["store_failed"] += len(err.failed)
+            return out
+        for index, message in zip(to_store, stored, strict=True):
+            out[index] = message
+        self.stats["stored"] += len(stored)
+        return out
+
+    async def message_acked(self, clientid: str, message: Message) -> None:
+        """Run the ``message.acked`` rules: acknowledge ``message`` for each of the client's matching filters.
+
+        ``message`` must carry its stored position (``shard`` and
+        ``timestamp_us``, as ``message_publish`` or a :class:`Delivery`
+        returned it). Each remembered filter of the client that matches the
+        topic is acknowledged in its fetch rule's mode (see the module's
+        documentation); a queue message is removed once, whichever filters
+        match.
+        """
+        _clientid(clientid)
+        if message.shard is None or message.timestamp_us is None:
+            raise ValueError(
+                "message_acked needs the message's stored position (shard and timestamp_us), "
+                "as message_publish or session_subscribed returned it"
+            )
+        rules = [rule for rule in self.config.rules_for("message.acked", message.topic) if rule.kind == "ack"]
+        if not rules:
+            return
+        filters = [f for f in await self._filters_of(clientid) if matches(f, message.topic)]
+        if not filters:
+            self.stats["acks_without_subscription"] += 1
+            return
+        acks = list(_acks(filters, self.config, rules[0]))
+        await asyncio.gather(*(self.client.ack(clientid, f, message, mode=mode) for f, mode in acks))
+        self.stats["acked"] += len(acks)
+
+
+def _full_page(page: list[Message], fetch: Rule) -> bool:
+    assert fetch.offline_opts is not None  # every fetch rule has them
+    return len(page) >= fetch.offline_opts.max_returned_count
+
+
+def _acks(filters: Iterable[str], config: HookConfig, ack_rule: Rule) -> Iterable[tuple[str, Mode]]:
+    """(filter, mode) of each acknowledgement to record: every pubsub filter, one queue removal."""
+    queued = False
+    for topic_filter in filters:
+        fetch = config.fetch_rule(topic_filter)
+        mode = fetch.mode if fetch is not None and fetch.mode else ack_rule.mode or "pubsub"
+        if mode == "queue":
+            if queued:
+                continue
+            queued = True
+        yield topic_filter, mode
+
+
+async def _nothing() -> list[Message]:
+    return []
+
+
+async def _none() -> None:
+    return None

@@ -1,0 +1,810 @@
+"""mqds persistence inside the amqtt MQTT broker: an amqtt plugin that drives :class:`~mqds.broker.BrokerHooks`.
+
+Enable it in amqtt's broker configuration (``plugins`` replaces amqtt's
+default list, so keep an authentication plugin), or run ``mqds broker``,
+which starts amqtt with it::
+
+    plugins:
+      amqtt.plugins.authentication.AnonymousAuthPlugin: {allow_anonymous: true}
+      mqds.broker.amqtt_plugin.MqdsPlugin:
+        endpoints: "mqds-0:7101,mqds-1:7101"
+        hooks: /etc/mqds/hooks.toml      # the rules; without it, DEFAULT_RULES
+        node: broker-1
+
+The rules (:mod:`mqds.broker.hooks`) decide what is stored; this module
+decides how amqtt's events reach them and how stored messages reach clients.
+
+**Publishes.** Every message amqtt accepts for routing goes to
+``message_publish``. A shard's messages are stored in waves (see
+``_ShardWriter``): concurrent within a wave, at most one per publisher, each
+wave after the previous one finished. So each publisher's messages are stored
+in the order it sent them, and the plugin learns a shard's positions in
+timestamp order. That order is what makes acknowledgements safe:
+acknowledging a message moves the read position of its shard past every
+earlier message of that shard.
+
+**Persistent sessions are served from mqds.** For a session with clean
+session off, amqtt does not deliver messages on topics the rules store: the
+plugin, a topic-filter plugin too, refuses amqtt's ``receive`` for them (so
+amqtt neither sends them nor queues them in memory for an offline session).
+The plugin delivers each one itself once it is stored, knowing its position,
+through the session's protocol handler; ``mqtt_publish`` returns when the
+subscriber's PUBACK (QoS 1) or PUBCOMP (QoS 2) arrives, and only then is the
+message passed to ``message_acked``. amqtt has no event for an acknowledgement
+of a message it sent itself, and a live message it broadcasts carries nothing
+that ties it to its stored copy; sending it ourselves is the one way to know
+both ends. Everything sent to one client goes through one queue, in order:
+at connect, the proxy subscriptions (``client_connected``/``session_created``)
+are added to amqtt's session and each subscription's offline then retained
+messages (``session_subscribed``) are sent; live messages that arrive
+meanwhile wait behind them and are skipped if the offline fetch already
+brought them. Acknowledgements follow PUBACKs in order; after a failed
+delivery, nothing later of that shard is acknowledged on that connection, so
+a reconnect gets it again (at least once: redelivery after a failure, never a
+skipped message).
+
+**Clean sessions** are delivered live by amqtt as usual; the plugin sends them
+the offline and retained messages of each new subscription (and
+acknowledges those).
+
+**Retained messages** are kept in mqds when a ``retain`` rule applies to the
+topic; amqtt's in-memory copy is then dropped, so a subscriber gets the one
+copy from mqds (``on_retain_lookup``), also after a broker restart.
+
+amqtt's internals this relies on (0.12): ``BrokerContext._broker_instance``
+for the sessions' protocol handlers, ``BrokerProtocolHandler.mqtt_publish``,
+``Broker.subscriptions`` and ``Broker.retained_messages``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from amqtt.broker import BrokerContext
+from amqtt.contexts import Action, BaseContext
+from amqtt.mqtt.disconnect import DisconnectPacket
+from amqtt.plugins.base import BaseTopicPlugin
+
+from mqds.broker.actions import BrokerHooks
+from mqds.broker.hooks import load_config, parse_config
+from mqds.client import aio
+from mqds.client.connection import ConnectionSettings
+from mqds.client.model import Message
+from mqds.protocol.sharding import shard_of
+from mqds.protocol.topics import matches
+
+if TYPE_CHECKING:
+    from amqtt.broker import Broker
+    from amqtt.mqtt.packet import MQTTPacket
+    from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+    from amqtt.session import ApplicationMessage, Session
+
+__all__ = ["DEFAULT_RULES", "MqdsPlugin", "settings_from"]
+
+log = logging.getLogger("mqds.broker.amqtt")
+
+DEFAULT_RULES = parse_config(
+    {
+        "rule": [
+            {"hook": "client.connected", "action": "on_client_connected"},
+            {"hook": "client.connected", "action": "on_subscribe_lookup"},
+            {"hook": "client.disconnected", "action": "on_client_disconnected"},
+            {"hook": "session.subscribed", "topic": "#", "action": "on_subscription_store"},
+            {"hook": "session.subscribed", "topic": "#", "action": "on_message_fetch_for_pubsub"},
+            {"hook": "session.subscribed", "topic": "#", "action": "on_retain_lookup"},
+            {"hook": "session.unsubscribed", "topic": "#", "action": "on_subscription_delete"},
+            {"hook": "session.unsubscribed", "topic": "#", "action": "on_acked_delete"},
+            {"hook": "message.publish", "topic": "#", "action": "on_message_publish"},
+            {"hook": "message.publish", "topic": "#", "action": "on_message_retain"},
+            {"hook": "message.acked", "topic": "#", "action": "on_message_acked"},
+        ]
+    },
+    source="mqds.broker.amqtt_plugin.DEFAULT_RULES",
+)
+"""The rules without a hooks file: store every QoS 1/2 message and retained message, keep subscriptions,
+deliver offline messages in pubsub mode (every subscriber its own read position), acknowledge on PUBACK."""
+
+# Session attribute: the client sent DISCONNECT (so amqtt did not send its will).
+_SENT_DISCONNECT = "mqds.sent_disconnect"
+# At most this many concurrent stores of one shard (see _ShardWriter).
+_WAVE_LIMIT = 64
+# The writer used while the cluster's shard count is unknown.
+_ANY_SHARD = -1
+# How many delivered positions a client remembers to skip live copies of what its offline fetch sent.
+_SEEN_LIMIT = 65_536
+_ACK_CONCURRENCY = 16
+
+
+def settings_from(config: Any) -> ConnectionSettings:
+    """The mqds connection settings of a plugin configuration (``MqdsPlugin.Config``)."""
+    return ConnectionSettings(
+        timeout_s=float(config.timeout_s),
+        tls=config.tls,
+        tls_ca=config.tls_ca,
+        tls_client_cert=config.tls_cert,
+        tls_client_key=config.tls_key,
+        tls_server_name=config.tls_server_name,
+        auth_token=config.token,
+    )
+
+
+@dataclass
+class _Out:
+    """One message to send to a client, and what to do once it is acknowledged."""
+
+    message: Message
+    qos: int
+    kind: str  # "offline", "retained" or "live": what the stats count it as
+    retain: bool = False
+    # It has a stored position: pass it to message_acked once the client acknowledged it (PUBACK,
+    # PUBCOMP), or once it was sent at QoS 0 (at most once: not again at the next connect).
+    ack: bool = False
+
+
+@dataclass
+class _Connect:
+    pass
+
+
+@dataclass
+class _Subscribe:
+    topic_filter: str
+    qos: int
+
+
+@dataclass
+class _Unsubscribe:
+    topic_filter: str
+
+
+@dataclass
+class _Live:
+    message: Message
+    qos: int
+    stored: bool
+
+
+@dataclass
+class _Close:
+    record: bool  # run the client.disconnected rules (False: a newer connection of the client took over)
+
+
+_Item = _Connect | _Subscribe | _Unsubscribe | _Live | _Close
+
+
+class _ShardWriter:
+    """Stores one shard's messages in waves: one store call per wave, one wave after another.
+
+    A wave takes the oldest waiting messages (``_WAVE_LIMIT`` at most) and
+    stores them with one ``store_batch`` call, in arrival order; the next wave
+    starts when this one finished. So every message of a wave gets a later
+    timestamp than every message of the waves before it, and a publisher's
+    messages are stored in the order it sent them; the plugin hands a wave on
+    sorted by timestamp, which is the order acknowledgements must follow. One
+    call per wave is one Raft write for the shard, however many messages it
+    holds (about 7 ms each one by one).
+    """
+
+    def __init__(self, plugin: MqdsPlugin) -> None:
+        self.plugin = plugin
+        self.waiting: collections.deque[tuple[Message, asyncio.Future[None]]] = collections.deque()
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or (self.task is not None and not self.task.done())
+
+    def add(self, message: Message) -> asyncio.Future[None]:
+        """Queue ``message``; the future is done once it was stored (or failed) and handed on."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiting.append((message, done))
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self._run(), name="mqds-amqtt-store")
+        return done
+
+    def _wave(self) -> list[tuple[Message, asyncio.Future[None]]]:
+        return [self.waiting.popleft() for _ in range(min(_WAVE_LIMIT, len(self.waiting)))]
+
+    async def _run(self) -> None:
+        while self.waiting:
+            wave = self._wave()
+            try:
+                results = await self.plugin.store([message for message, _ in wave])
+                stored = sorted((s for s in results if s is not None), key=lambda s: s.timestamp_us or 0)
+                for (message, _), result in zip(wave, results, strict=True):
+                    if result is None:
+                        self.plugin.hand_on(message, stored=False)
+                for message in stored:
+                    self.plugin.hand_on(message, stored=True)
+            finally:
+                for _, done in wave:
+                    if not done.done():
+                        done.set_result(None)
+
+
+class _Connection:
+    """One connection of a client: everything the plugin sends it, in order, and its acknowledgements.
+
+    A worker task handles the items one at a time; it starts only when the
+    client's previous connection finished (its acknowledgements recorded, its
+    disconnect recorded), so a reconnect fetches after what was acknowledged.
+    """
+
+    def __init__(
+        self,
+        plugin: MqdsPlugin,
+        clientid: str,
+        session: Session,
+        handler: BrokerProtocolHandler | None,
+        previous: _Connection | None,
+    ) -> None:
+        self.plugin = plugin
+        self.clientid = clientid
+        self.session = session
+        self.handler = handler
+        self.persistent = session.clean_session is False
+        self.new_session = session.parent == 0
+        self.open = True
+        # Filters whose offline fetch has started: live messages matching them are sent by the plugin.
+        self.active: dict[str, int] = {}
+        self._items: collections.deque[_Item] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._seen: collections.OrderedDict[tuple[Any, ...], None] = collections.OrderedDict()
+        self._failed_shards: set[int] = set()
+        # Delivered-and-confirmed messages to acknowledge; a future is a barrier
+        # (set once everything queued before it was acknowledged); None ends the loop.
+        self._acks: asyncio.Queue[Message | asyncio.Future[None] | None] = asyncio.Queue()
+        self.task = asyncio.create_task(self._run(previous), name=f"mqds-amqtt-{clientid}")
+
+    # -- the queue -----------------------------------------------------------------
+
+    def put(self, item: _Item) -> None:
+        self._items.append(item)
+        self._wakeup.set()
+
+    def close(self, record: bool) -> None:
+        """Stop sending (at once) and finish: acknowledgements first, then the disconnect rules."""
+        if self.open:
+            self.open = False
+            self.put(_Close(record))
+
+    async def _next(self) -> _Item:
+        while not self._items:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        return self._items.popleft()
+
+    def _take_live(self, first: _Live) -> list[_Live]:
+        """``first`` and the live messages queued right after it: sent as one pipelined batch."""
+        batch = [first]
+        while self._items and isinstance(self._items[0], _Live):
+            item = self._items.popleft()
+            assert isinstance(item, _Live)
+            batch.append(item)
+        return batch
+
+    async def _run(self, previous: _Connection | None) -> None:
+        if previous is not None:
+            await asyncio.wait([previous.task])
+        acks = asyncio.create_task(self._ack_loop(), name=f"mqds-amqtt-acks-{self.clientid}")
+        record = True
+        try:
+            while True:
+                item = await self._next()
+                if isinstance(item, _Close):
+                    record = item.record
+                    break
+                try:
+                    await self._handle(item)
+                except Exception as err:
+                    self.plugin.count("errors")
+                    log.warning("client %s: %s failed: %s", self.clientid, type(item).__name__.strip("_"), err)
+        finally:
+            self.open = False
+            self._acks.put_nowait(None)
+            await asyncio.wait([acks])
+            if record:
+                try:
+                    await self.plugin.hooks.client_disconnected(self.clientid)
+                except Exception as err:
+                    self.plugin.count("errors")
+                    log.warning("client %s: recording the disconnect failed: %s", self.clientid, err)
+
+    async def _handle(self, item: _Item) -> None:
+        hooks = self.plugin.hooks
+        if isinstance(item, _Connect):
+            await self._connected()
+        elif isinstance(item, _Subscribe):
+            await self._subscribed(item.topic_filter, item.qos, send_retained=True)
+        elif isinstance(item, _Unsubscribe):
+            await hooks.session_unsubscribed(self.clientid, item.topic_filter)
+        elif isinstance(item, _Live):
+            outs = []
+            for live in self._take_live(item):
+                if live.stored and self._key(live.message) in self._seen:
+                    continue  # the offline fetch already sent it
+                outs.append(_Out(live.message, live.qos, "live", ack=live.stored))
+            await self._deliver(outs)
+
+    # -- what happens on connect and subscribe ---------------------------------------
+
+    async def _connected(self) -> None:
+        hooks = self.plugin.hooks
+        proxies: dict[str, int] = {}
+        if hooks.config.rules_for("client.connected"):
+            proxies.update(await hooks.client_connected(self.clientid))
+        if self.new_session and hooks.config.rules_for("session.created"):
+            proxies.update(await hooks.session_created(self.clientid))
+        for topic_filter, qos in proxies.items():
+            if topic_filter.startswith(("$share/", "$queue/")):
+                log.warning(
+                    "client %s: shared subscription %r not applied (amqtt has none)", self.clientid, topic_filter
+                )
+                continue
+            await self.plugin.broker_context.add_subscription(self.clientid, topic_filter, qos)
+            self.plugin.count("proxy_subscriptions")
+        for topic_filter, qos in self.plugin.amqtt_subscriptions(self.clientid).items():
+            if not self.open:
+                return
+            await self._subscribed(topic_filter, qos, send_retained=True)
+
+    async def _subscribed(self, topic_filter: str, qos: int, *, send_retained: bool) -> None:
+        # Active before the fetch: a live message stored after the fetch read is sent live;
+        # one stored before is in the fetch (and its live copy skipped).
+        self.active[topic_filter] = qos
+        hooks = self.plugin.hooks
+        delivery = await hooks.session_subscribed(self.clientid, topic_filter, qos, send_retained=send_retained)
+        outs = self._offline_outs(delivery.offline, qos)
+        for m in delivery.retained:
+            key = ("retained", m.topic, m.timestamp_us)
+            if key in self._seen:
+                continue
+            self._remember(key)
+            outs.append(_Out(m, min(m.qos, qos), "retained", retain=True))
+        await self._deliver(outs)
+        more = delivery.more
+        # A backlog over max_returned_count comes page by page: the read position
+        # moves only with acknowledgements, so each page is acknowledged before
+        # the next is fetched. Live messages wait behind (they are later), so
+        # none is acknowledged past a message of the backlog not yet sent.
+        while more and self.open:
+            await self._acknowledged()
+            page, more = await hooks.next_offline_page(self.clientid, topic_filter)
+            outs = self._offline_outs(page, qos)
+            if not outs:
+                break  # nothing new (a delivery or an acknowledgement failed): the rest comes at the next connect
+            await self._deliver(outs)
+
+    def _offline_outs(self, messages: list[Message], qos: int) -> list[_Out]:
+        return [_Out(m, min(m.qos, qos), "offline", ack=True) for m in messages if self._key(m) not in self._seen]
+
+    async def _acknowledged(self) -> None:
+        """Wait until every message confirmed so far was acknowledged in mqds (or failed to be)."""
+        barrier: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._acks.put_nowait(barrier)
+        await barrier
+
+    # -- sending ---------------------------------------------------------------------
+
+    @staticmethod
+    def _key(message: Message) -> tuple[Any, ...]:
+        return (message.shard, message.timestamp_us)
+
+    def _remember(self, key: tuple[Any, ...]) -> None:
+        self._seen[key] = None
+        if len(self._seen) > _SEEN_LIMIT:
+            self._seen.popitem(last=False)
+
+    def live_qos(self, topic: str) -> int | None:
+        """The QoS of this connection's subscriptions matching ``topic`` (the highest), None if none matches."""
+        found = [qos for topic_filter, qos in self.active.items() if matches(topic_filter, topic)]
+        return max(found) if found else None
+
+    async def _deliver(self, outs: list[_Out]) -> None:
+        """Send in order, up to ``max_inflight`` awaiting their acknowledgement; settle in order."""
+        window: collections.deque[tuple[_Out, asyncio.Task[Any]]] = collections.deque()
+        limit = max(1, self.plugin.config.max_inflight)
+        for out in outs:
+            handler = self.handler
+            if not self.open or handler is None or self.session.transitions.state != "connected":
+                break
+            if not await self.plugin.others_allow(self.session, out.message.topic):
+                self.plugin.count("refused_by_topic_filter")
+                continue
+            if out.ack:
+                self._remember(self._key(out.message))
+            send = handler.mqtt_publish(out.message.topic, out.message.payload, out.qos, out.retain)
+            window.append((out, asyncio.ensure_future(send)))
+            if len(window) >= limit:
+                self._settle(*await _first(window))
+        while window:
+            self._settle(*await _first(window))
+
+    def _settle(self, out: _Out, task: asyncio.Task[Any]) -> None:
+        shard = out.message.shard
+        if task.cancelled() or task.exception() is not None:
+            self.plugin.count("delivery_failed")
+            if shard is not None:
+                self._failed_shards.add(shard)
+            return
+        self.plugin.count(f"delivered_{out.kind}")
+        if out.ack and shard not in self._failed_shards:
+            self._acks.put_nowait(out.message)
+
+    async def _ack_loop(self) -> None:
+        """Pass acknowledged messages to message_acked: what is queued at a time, coalesced, a few calls at once."""
+        while True:
+            item = await self._acks.get()
+            batch: list[Message] = []
+            barriers: list[asyncio.Future[None]] = []
+            closing = item is None
+            while item is not None:
+                if isinstance(item, asyncio.Future):
+                    barriers.append(item)
+                else:
+                    batch.append(item)
+                if self._acks.empty():
+                    break
+                item = self._acks.get_nowait()
+                closing = item is None
+            if batch:
+                await self._ack(batch)
+            for barrier in barriers:
+                if not barrier.done():
+                    barrier.set_result(None)
+            if closing:
+                return
+
+    def _coalesce(self, batch: list[Message]) -> list[Message]:
+        """The calls that acknowledge ``batch`` (in delivery order, every one acknowledged by the client).
+
+        A pubsub acknowledgement moves a (client, filter) read position up to
+        the message in its shard, covering that filter's earlier messages of
+        the shard; so, of the messages with the same shard and the same
+        matching filters, the last one stands for all. A message matching a
+        queue-mode filter is removed on its own acknowledgement: kept as is.
+        """
+        config = self.plugin.hooks.config
+        known = self.plugin.hooks.known_filters(self.clientid)
+        calls: list[Message] = []
+        last: dict[tuple[int | None, frozenset[str]], int] = {}
+        for message in batch:
+            filters = frozenset(f for f in known if matches(f, message.topic))
+            ack_rules = [rule for rule in config.rules_for("message.acked", message.topic) if rule.kind == "ack"]
+            default_mode = (ack_rules[0].mode if ack_rules else None) or "pubsub"
+            queued = any(
+                (fetch.mode if fetch is not None and fetch.mode else default_mode) == "queue"
+                for fetch in (config.fetch_rule(f) for f in filters)
+            )
+            if queued or not filters:
+                calls.append(message)
+                continue
+            key = (message.shard, filters)
+            if key in last:
+                calls[last[key]] = message
+            else:
+                last[key] = len(calls)
+                calls.append(message)
+        return calls
+
+    async def _ack(self, batch: list[Message]) -> None:
+        limit = asyncio.Semaphore(_ACK_CONCURRENCY)
+
+        async def ack(message: Message) -> bool:
+            async with limit:
+                try:
+                    await self.plugin.hooks.message_acked(self.clientid, message)
+                    return True
+                except Exception as err:
+                    log.warning("client %s: acknowledging %s failed: %s", self.clientid, message.topic, err)
+                    return False
+
+        calls = self._coalesce(batch)
+        done = await asyncio.gather(*(ack(message) for message in calls))
+        self.plugin.count("ack_calls", len(calls))
+        if all(done):
+            self.plugin.count("acked", len(batch))
+        else:  # read positions stay behind: those messages come again at the next connect
+            self.plugin.count("ack_failed", len(batch))
+
+
+async def _first(window: collections.deque[tuple[_Out, asyncio.Task[Any]]]) -> tuple[_Out, asyncio.Task[Any]]:
+    """Wait for the oldest send of ``window`` (without raising its error) and take it out."""
+    out, task = window.popleft()
+    await asyncio.wait([task])
+    return out, task
+
+
+class MqdsPlugin(BaseTopicPlugin):
+    """amqtt broker plugin: stores, replays and acknowledges through mqds (see the module's documentation)."""
+
+    @dataclass
+    class Config:
+        """The plugin's options in amqtt's broker configuration."""
+
+        endpoints: str = "127.0.0.1:7101"
+        """mqds nodes to start from, comma-separated host:port."""
+        hooks: str | None = None
+        """The hook rules file (TOML or YAML); None for DEFAULT_RULES."""
+        node: str | None = None
+        """This broker's name, recorded with its online clients; default: the rules' node, then the host name."""
+        timeout_s: float = 10.0
+        """Deadline of one mqds call, retries included, in seconds."""
+        tls: bool = False
+        tls_ca: str | None = None
+        tls_cert: str | None = None
+        tls_key: str | None = None
+        tls_server_name: str | None = None
+        token: str | None = None
+        """Bearer token sent with every mqds call."""
+        max_inflight: int = 32
+        """Messages sent to one client by the plugin that may await their PUBACK at once."""
+
+    def __init__(self, context: BaseContext) -> None:
+        super().__init__(context)
+        if not isinstance(context, BrokerContext) or not isinstance(context.config, MqdsPlugin.Config):
+            raise TypeError(f"{type(self).__name__} is an amqtt broker plugin: list it in the broker's plugins")
+        self.broker_context: BrokerContext = context
+        self.config: MqdsPlugin.Config = context.config
+        rules = load_config(self.config.hooks) if self.config.hooks else DEFAULT_RULES
+        self.client: aio.Client = aio.Client(self.config.endpoints, settings=settings_from(self.config))
+        self.node: str = self.config.node or rules.node or socket.gethostname()
+        self.hooks: BrokerHooks = BrokerHooks(self.client, rules, self.node)
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.started_at: float = time.monotonic()
+        self._connections: dict[str, _Connection] = {}
+        self._writers: dict[int, _ShardWriter] = {}
+        self._n_shards: int | None = None
+        self._learning: asyncio.Task[None] | None = None
+        self._publishing: set[asyncio.Task[Any]] = set()
+
+    # -- amqtt's internals, in one place ---------------------------------------------
+
+    @property
+    def broker(self) -> Broker:
+        broker: Broker = self.broker_context._broker_instance
+        return broker
+
+    def amqtt_subscriptions(self, clientid: str) -> dict[str, int]:
+        """The subscriptions amqtt holds for ``clientid``: filter -> QoS."""
+        return {
+            topic_filter: qos
+            for topic_filter, subscribers in self.broker.subscriptions.items()
+            for session, qos in subscribers
+            if session.client_id == clientid
+        }
+
+    async def others_allow(self, session: Session, topic: str) -> bool:
+        """Whether the broker's other topic plugins (ACLs) let ``session`` receive ``topic``."""
+        manager = self.broker.plugins_manager
+        if not manager.is_topic_filtering_enabled():
+            return True
+        others = [p for p in manager.plugins if isinstance(p, BaseTopicPlugin) and p is not self]
+        for plugin in others:
+            if not await plugin.topic_filtering(session=session, topic=topic, action=Action.RECEIVE):
+                return False
+        return True
+
+    # -- what the rules say about a topic --------------------------------------------
+
+    def served_from_mqds(self, topic: str) -> bool:
+        """Whether persistent sessions get ``topic``'s messages from the plugin: some rule stores them."""
+        return any(rule.kind == "store" for rule in self.hooks.config.rules_for("message.publish", topic))
+
+    def keeps_retained(self, topic: str) -> bool:
+        return any(rule.kind == "retain" for rule in self.hooks.config.rules_for("message.publish", topic))
+
+    def count(self, what: str, n: int = 1) -> None:
+        self.stats[what] += n
+
+    # -- amqtt's topic filter ---------------------------------------------------------
+
+    async def topic_filtering(
+        self, *, session: Session | None = None, topic: str | None = None, action: Action | None = None
+    ) -> bool:
+        """Refuse amqtt's own delivery of stored topics to persistent sessions: the plugin sends those."""
+        if action == Action.RECEIVE and session is not None and topic is not None:
+            return not (session.clean_session is False and self.served_from_mqds(topic))
+        return True
+
+    # -- broker life cycle ------------------------------------------------------------
+
+    async def on_broker_pre_start(self) -> None:
+        """Before the listeners open: learn the shard count and mark clients left online by a crash offline."""
+        try:
+            cluster = await self.client.cluster_map()
+            self._n_shards = cluster.n_shards or None
+        except Exception as err:
+            log.warning("mqds at %s does not answer yet (%s); storing will retry", self.config.endpoints, err)
+            return
+        if not self.hooks.config.rules_for("client.disconnected"):
+            return
+        try:
+            stale = await self.client.clients_on_node(self.node)
+            for clientid in stale:
+                await self.hooks.client_disconnected(clientid)
+            self.count("stale_clients_marked_offline", len(stale))
+        except Exception as err:
+            log.warning("could not mark the clients left online on node %s offline: %s", self.node, err)
+
+    async def on_broker_pre_shutdown(self) -> None:
+        """Finish every connection (acknowledgements, disconnect records) and the stores in progress."""
+        for connection in list(self._connections.values()):
+            connection.close(record=True)
+        pending = [c.task for c in self._connections.values()] + list(self._publishing)
+        if pending:
+            await asyncio.wait(pending, timeout=self.config.timeout_s + 5)
+
+    async def close(self) -> None:
+        if self._publishing:
+            await asyncio.wait(list(self._publishing), timeout=self.config.timeout_s + 5)
+        if self._learning is not None:
+            self._learning.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._learning
+        await self.client.close()
+
+    # -- clients ---------------------------------------------------------------------
+
+    async def on_broker_client_connected(self, *, client_id: str, client_session: Session) -> None:
+        client_session.attributes.pop(_SENT_DISCONNECT, None)
+        handler = self.broker.sessions.get(client_id, (None, None))[1]
+        previous = self._connections.get(client_id)
+        if previous is not None:
+            previous.close(record=False)  # this connection took over; it records itself as connected
+        connection = _Connection(self, client_id, client_session, handler, previous)
+        self._connections[client_id] = connection
+        connection.put(_Connect())
+        self.count("connections")
+        connection.task.add_done_callback(lambda _: self._forget(client_id, connection))
+
+    def _forget(self, clientid: str, connection: _Connection) -> None:
+        if self._connections.get(clientid) is connection:
+            del self._connections[clientid]
+
+    async def on_mqtt_packet_received(
+        self, *, packet: MQTTPacket[Any, Any, Any], session: Session | None = None
+    ) -> None:
+        """Note a client's DISCONNECT: a connection that closes without one gets its will message sent."""
+        if session is not None and isinstance(packet, DisconnectPacket):
+            session.attributes[_SENT_DISCONNECT] = True
+
+    async def on_broker_client_disconnected(self, *, client_id: str, client_session: Session) -> None:
+        connection = self._connections.get(client_id)
+        handler = self.broker.sessions.get(client_id, (None, None))[1]
+        # A late event of a connection a newer one replaced names a handler that is no longer the client's.
+        if connection is not None and (connection.handler is handler or handler is None):
+            connection.close(record=True)
+        sent_disconnect = client_session.attributes.pop(_SENT_DISCONNECT, False)
+        if client_session.will_flag and client_session.will_topic and not sent_disconnect:
+            # amqtt broadcast the will itself, without a message event: store it, and hand it to
+            # persistent sessions (the topic filter kept it from them), like any publish.
+            self.count("will_messages")
+            will = Message(
+                client_session.will_topic,
+                bytes(client_session.will_message or b""),
+                sender=client_id,
+                qos=int(client_session.will_qos or 0),
+                retain=bool(client_session.will_retain),
+            )
+            await self._route(will)
+
+    async def on_broker_client_subscribed(self, *, client_id: str, topic: str, qos: int) -> None:
+        connection = self._connections.get(client_id)
+        if connection is not None and connection.open:
+            connection.put(_Subscribe(topic, qos))
+
+    async def on_broker_client_unsubscribed(self, *, client_id: str, topic: str) -> None:
+        connection = self._connections.get(client_id)
+        if connection is not None and connection.open:
+            connection.active.pop(topic, None)
+            connection.put(_Unsubscribe(topic))
+
+    # -- messages ----------------------------------------------------------------------
+
+    async def on_broker_retained_message(self, *, client_id: str | None, retained_message: ApplicationMessage) -> None:
+        """amqtt retained a message: drop its in-memory copy when mqds keeps the topic's retained message."""
+        topic = retained_message.topic
+        if client_id is None and topic and self.keeps_retained(topic):
+            retained = self.broker.retained_messages
+            if retained.get(topic) is retained_message:
+                del retained[topic]
+
+    async def on_broker_message_broadcast(self, *, client_id: str | None, message: ApplicationMessage) -> None:
+        """A message amqtt routes: store it in its shard's order, then send it to persistent subscribers."""
+        topic = message.topic
+        if not topic or topic.startswith("$"):
+            return
+        packet = message.publish_packet
+        sender = client_id or ""
+        outgoing = Message(
+            topic,
+            bytes(message.data or b""),
+            sender=sender,
+            qos=int(message.qos or 0),
+            retain=bool(packet is not None and packet.retain_flag),
+        )
+        await self._route(outgoing)
+
+    async def _route(self, outgoing: Message) -> None:
+        # Queued before the first await, so in the order amqtt fired the events: its receive order.
+        done = self._writer(outgoing.sender).add(outgoing)
+        task = asyncio.current_task()
+        if task is not None:
+            self._publishing.add(task)
+        try:
+            await done
+        finally:
+            if task is not None:
+                self._publishing.discard(task)
+
+    def _writer(self, sender: str) -> _ShardWriter:
+        key = _ANY_SHARD
+        if self._n_shards is not None and not (_ANY_SHARD in self._writers and self._writers[_ANY_SHARD].busy):
+            key = shard_of(sender, self._n_shards)
+        elif self._n_shards is None and (self._learning is None or self._learning.done()):
+            # Shard count unknown (mqds did not answer at start): one writer for all, until it is learnt
+            # and that writer has drained (its messages may share shards with the new ones).
+            self._learning = asyncio.create_task(self._learn_shards())
+        writer = self._writers.get(key)
+        if writer is None:
+            writer = self._writers[key] = _ShardWriter(self)
+        return writer
+
+    async def _learn_shards(self) -> None:
+        while self._n_shards is None:
+            try:
+                self._n_shards = (await self.client.cluster_map()).n_shards or None
+            except Exception:
+                await asyncio.sleep(1.0)
+
+    async def store(self, messages: list[Message]) -> list[Message | None]:
+        """``message_publish_batch``: each message as stored (with its position), or None (not stored, or failed)."""
+        try:
+            stored = await self.hooks.message_publish_batch(messages)
+        except Exception as err:
+            self.count("store_failed", len(messages))
+            log.warning("storing %d messages failed: %s", len(messages), err)
+            return [None] * len(messages)
+        self.count("stored", sum(1 for s in stored if s is not None))
+        return stored
+
+    def hand_on(self, message: Message, stored: bool) -> None:
+        """Queue a routed message for the persistent sessions subscribed to it (amqtt left them to us)."""
+        if not self.served_from_mqds(message.topic):
+            return
+        for connection in self._connections.values():
+            if not connection.persistent or not connection.open:
+                continue
+            qos = connection.live_qos(message.topic)
+            if qos is not None:
+                connection.put(_Live(message, min(qos, message.qos), stored))
+
+    # -- reporting ---------------------------------------------------------------------
+
+    def summary(self) -> str:
+        """One readable line of what the plugin did since it started."""
+        s = self.stats
+        parts = [
+            f"{s['connections']} connections",
+            f"{s['stored']} messages stored" + (f" ({s['store_failed']} failed)" if s["store_failed"] else ""),
+            f"delivered from mqds: {s['delivered_offline']} offline, {s['delivered_retained']} retained, "
+            f"{s['delivered_live']} live to persistent sessions",
+            f"{s['acked']} acknowledged" + (f" ({s['ack_failed']} failed)" if s["ack_failed"] else ""),
+        ]
+        if s["delivery_failed"]:
+            parts.append(f"{s['delivery_failed']} deliveries unacknowledged by clients")
+        if s["errors"]:
+            parts.append(f"{s['errors']} errors (see the log)")
+        return ", ".join(parts)
+
+    def connected_clients(self) -> Iterable[str]:
+        return list(self._connections)

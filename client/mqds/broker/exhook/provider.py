@@ -1,0 +1,385 @@
+"""EMQX's ExHook interface served by mqds: EMQX's hook calls become :class:`BrokerHooks` calls.
+
+EMQX connects to this gRPC server (service ``emqx.exhook.v3.HookProvider``),
+calls ``OnProviderLoaded`` and from then on calls the hooks the answer listed
+(:meth:`BrokerHooks.needed_hooks`: the configuration's hooks, with the rules'
+topics for message hooks, so EMQX does not call for other topics).
+
+What ExHook allows, and so what this provider does:
+
+- ``message.publish`` is the one hook EMQX waits for. The provider stores the
+  message by the rules and answers CONTINUE with the message unchanged (a
+  message an earlier hook refused, header ``allow_publish=false``, is not
+  stored). It remembers EMQX's message id -> stored position in a bounded
+  LRU, since the message EMQX later reports as acknowledged carries its id,
+  not mqds's position; an acknowledgement of a message it does not remember
+  (published before this process started, or pushed out of the LRU) is
+  counted and skipped.
+- Every other hook is a notification: EMQX ignores the answer. Client state,
+  stored subscriptions, read positions and queue acknowledgements are all
+  recorded; but **fetched offline and retained messages and looked-up proxy
+  subscriptions cannot be handed back to EMQX sessions** through ExHook. The
+  provider counts and logs them; delivering them needs an EMQX-side component
+  or a broker integration that can deliver (the amqtt plugin).
+- EMQX does not send the RETAIN flag in ExHook messages, so retain rules act
+  only on messages whose ``headers`` carry ``retain=true`` (a bridge replaying
+  messages may set it); with EMQX use its own retainer for retained messages.
+
+Requests that are wrong (no clientid, a topic with wildcards, a QoS above 2)
+get INVALID_ARGUMENT with a message saying what was wrong; mqds failures keep
+their gRPC code (UNAVAILABLE when the cluster cannot be reached); anything
+else is INTERNAL, logged with its traceback. No request stops the server.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from mqds.broker.actions import BrokerHooks, Delivery
+from mqds.broker.exhook.v3 import exhook_pb2 as pb
+from mqds.broker.exhook.v3 import exhook_pb2_grpc as pb_grpc
+from mqds.client.model import Message
+from mqds.protocol.errors import MqdsError
+
+__all__ = ["SERVICE", "ExhookServer", "HookProvider", "UndecodableRequests", "to_message"]
+
+log = logging.getLogger(__name__)
+
+SERVICE = "emqx.exhook.v3.HookProvider"
+DEFAULT_ACK_CACHE_SIZE = 100_000
+
+T = TypeVar("T")
+
+
+def to_message(message: pb.Message, user_props: Any = ()) -> Message:
+    """An EMQX message as an mqds :class:`Message`: ``from`` is the sender; MQTT 5 user properties are kept.
+
+    ``retain`` is read from the ``retain`` header (EMQX itself does not send
+    the flag, see the module's documentation).
+    """
+    return Message(
+        topic=message.topic,
+        payload=message.payload,
+        sender=getattr(message, "from"),
+        qos=message.qos,
+        retain=message.headers.get("retain", "").lower() in ("true", "1"),
+        properties=tuple((p.name, p.value) for p in user_props),
+    )
+
+
+class UndecodableRequests(logging.Filter):
+    """Logs a request gRPC could not decode as one warning line instead of an error with a traceback.
+
+    Install it on the ``grpc._cython.cygrpc`` logger: a peer sending bytes
+    that are not the expected message is the peer's mistake (gRPC answers it
+    with UNKNOWN and the parse error), not a failure of this server.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, DecodeError):
+            record.msg, record.args = "%s: %s", (record.getMessage(), error)
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def _clientid(info: pb.ClientInfo) -> str:
+    if not info.clientid:
+        raise ValueError("clientinfo.clientid is empty")
+    return info.clientid
+
+
+class HookProvider(pb_grpc.HookProviderServicer):
+    """The ExHook servicer: one method per EMQX hook, each mapped to a :class:`BrokerHooks` call.
+
+    ``calls`` counts the calls of each RPC, ``failures`` those answered with an
+    error, ``stats`` what the provider itself did or could not do (the
+    dispatcher's own counts are in ``hooks.stats``).
+    """
+
+    def __init__(self, hooks: BrokerHooks, *, ack_cache_size: int = DEFAULT_ACK_CACHE_SIZE) -> None:
+        if ack_cache_size < 1:
+            raise ValueError("ack_cache_size must be at least 1")
+        self.hooks = hooks
+        self.ack_cache_size = ack_cache_size
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.failures: collections.Counter[str] = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.started = time.monotonic()
+        # EMQX message id -> (shard, timestamp_us) of the stored copy, least recently used first.
+        self._positions: collections.OrderedDict[str, tuple[int, int]] = collections.OrderedDict()
+        self._told_undeliverable = False
+
+    # -- plumbing --------------------------------------------------------------------
+
+    async def _run(self, name: str, context: Any, work: Callable[[], Awaitable[T]]) -> T:
+        """Count the call and run it; turn a failure into a gRPC status that says what went wrong."""
+        self.calls[name] += 1
+        try:
+            return await work()
+        except MqdsError as err:
+            self.failures[name] += 1
+            log.warning("%s failed: %s", name, err)
+            await context.abort(err.code, f"{name}: {err}")
+        except ValueError as err:
+            self.failures[name] += 1
+            log.warning("%s: invalid request: %s", name, err)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: invalid request: {err}")
+        except Exception as err:
+            self.failures[name] += 1
+            log.exception("%s failed", name)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{name}: internal error: {type(err).__name__}: {err}")
+        raise AssertionError("context.abort returned")  # it raises
+
+    def _remember_position(self, message_id: str, stored: Message) -> None:
+        if not message_id or stored.shard is None or stored.timestamp_us is None:
+            return
+        self._positions[message_id] = (stored.shard, stored.timestamp_us)
+        self._positions.move_to_end(message_id)
+        while len(self._positions) > self.ack_cache_size:
+            self._positions.popitem(last=False)
+
+    def position_of(self, message_id: str) -> tuple[int, int] | None:
+        """The stored position remembered for an EMQX message id, if any."""
+        return self._positions.get(message_id)
+
+    def _undeliverable(self, what: str, clientid: str, count: int) -> None:
+        self.stats[what] += count
+        level = logging.DEBUG if self._told_undeliverable else logging.INFO
+        self._told_undeliverable = True
+        log.log(
+            level,
+            "client %s: %d %s that ExHook cannot hand to EMQX (counted; see README: Broker persistence)",
+            clientid,
+            count,
+            what.replace("_", " "),
+        )
+
+    # -- provider ----------------------------------------------------------------------
+
+    async def OnProviderLoaded(self, request: pb.ProviderLoadedRequest, context: Any) -> pb.LoadedResponse:
+        async def work() -> pb.LoadedResponse:
+            specs = [pb.HookSpec(name=name, topics=topics) for name, topics in self.hooks.needed_hooks().items()]
+            log.info(
+                "loaded by EMQX %s (node %s, cluster %s): hooks %s",
+                request.broker.version or "?",
+                request.meta.node or "?",
+                request.meta.cluster_name or "?",
+                ", ".join(spec.name for spec in specs),
+            )
+            return pb.LoadedResponse(hooks=specs)
+
+        return await self._run("OnProviderLoaded", context, work)
+
+    async def OnProviderUnloaded(self, request: pb.ProviderUnloadedRequest, context: Any) -> pb.EmptySuccess:
+        async def work() -> pb.EmptySuccess:
+            log.info("unloaded by EMQX node %s", request.meta.node or "?")
+            return pb.EmptySuccess()
+
+        return await self._run("OnProviderUnloaded", context, work)
+
+    # -- clients -----------------------------------------------------------------------
+
+    async def OnClientConnected(self, request: pb.ClientConnectedRequest, context: Any) -> pb.EmptySuccess:
+        async def work() -> pb.EmptySuccess:
+            clientid = _clientid(request.clientinfo)
+            found = await self.hooks.client_connected(clientid, node=request.clientinfo.node or None)
+            if found:
+                self._undeliverable("proxy_subscriptions_found", clientid, len(found))
+            return pb.EmptySuccess()
+
+        return await self._run("OnClientConnected", context, work)
+
+    async def OnClientDisconnected(self, request: pb.ClientDisconnectedRequest, context: Any) -> pb.EmptySuccess:
+        async def work() -> pb.EmptySuccess:
+            clientid = _clientid(request.clientinfo)
+            await self.hooks.client_disconnected(clientid, node=request.clientinfo.node or None)
+            return pb.EmptySuccess()
+
+        return await self._run("OnClientDisconnected", context, work)
+
+    async def OnSessionCreated(self, request: pb.SessionCreatedRequest, context: Any) -> pb.EmptySuccess:
+        async def work() -> pb.EmptySuccess:
+            clientid = _clientid(request.clientinfo)
+            found = await self.hooks.session_created(clientid, node=request.clientinfo.node or None)
+            if found:
+                self._undeliverable("proxy_subscriptions_found", clientid, len(found))
+            return pb.EmptySuccess()
+
+        return await self._run("OnSessionCreated", context, work)
+
+    # -- subscriptions -----------------------------------------------------------------
+
+    async def OnSessionSubscribed(self, request: pb.SessionSubscribedRequest, context: Any) -> pb.EmptySuccess:
+        async def work() -> pb.EmptySuccess:
+            clientid = _clientid(request.clientinfo)
+            if not request.topic:
+                raise ValueError("topic is empty")
+            delivery: Delivery = await self.hooks.session_subscribed(
+                clientid, request.topic, request.subopts.qos, send_retained=request.subopts.rh != 2
+            )
+            if delivery.offline:
+                self._undeliverable("offline_messages_found", clientid, len(delivery.offline))
+            if delivery.retained:
+                self._undeliverable("retained_messages_found", clientid, len(delivery.retained))
+            return pb.EmptySuccess()
+
+        return await self._run("OnSessionSubscribed", context, work)
+
+    async def OnSessionUnsubscribed(self, request: pb.SessionUnsubscribedRequest, context: Any) -> pb.EmptySuccess:
+        async def work() -> pb.EmptySuccess:
+            clientid = _clientid(request.clientinfo)
+            if not request.topic:
+                raise ValueError("topic is empty")
+            await self.hooks.session_unsubscribed(clientid, request.topic)
+            return pb.EmptySuccess()
+
+        return await self._run("OnSessionUnsubscribed", context, work)
+
+    # -- messages ----------------------------------------------------------------------
+
+    async def OnMessagePublish(self, request: pb.MessagePublishRequest, context: Any) -> pb.ValuedResponse:
+        async def work() -> pb.ValuedResponse:
+            if not request.HasField("message"):
+                raise ValueError("message is missing")
+            if request.message.headers.get("allow_publish", "").lower() == "false":
+                # An earlier hook refused it: EMQX drops it, so there is nothing to keep.
+                self.stats["refused_messages_skipped"] += 1
+            else:
+                stored = await self.hooks.message_publish(to_message(request.message, request.user_props))
+                if stored is not None:
+                    self._remember_position(request.message.id, stored)
+            return pb.ValuedResponse(type=pb.ValuedResponse.CONTINUE, message=request.message)
+
+        return await self._run("OnMessagePublish", context, work)
+
+    async def OnMessageAcked(self, request: pb.MessageAckedRequest, context: Any) -> pb.EmptySuccess:
+        async def work() -> pb.EmptySuccess:
+            clientid = _clientid(request.clientinfo)
+            if not request.HasField("message"):
+                raise ValueError("message is missing")
+            position = self._positions.get(request.message.id) if request.message.id else None
+            if position is None:
+                self.stats["acks_of_unknown_messages"] += 1
+                return pb.EmptySuccess()
+            self._positions.move_to_end(request.message.id)
+            message = to_message(request.message)
+            message.shard, message.timestamp_us = position
+            await self.hooks.message_acked(clientid, message)
+            return pb.EmptySuccess()
+
+        return await self._run("OnMessageAcked", context, work)
+
+    # -- hooks mqds does not use: answered, counted --------------------------------------
+
+    async def _ignored(self, name: str) -> pb.EmptySuccess:
+        self.calls[name] += 1
+        return pb.EmptySuccess()
+
+    async def OnClientConnect(self, request: pb.ClientConnectRequest, context: Any) -> pb.EmptySuccess:
+        return await self._ignored("OnClientConnect")
+
+    async def OnClientConnack(self, request: pb.ClientConnackRequest, context: Any) -> pb.EmptySuccess:
+        return await self._ignored("OnClientConnack")
+
+    async def OnClientSubscribe(self, request: pb.ClientSubscribeRequest, context: Any) -> pb.EmptySuccess:
+        return await self._ignored("OnClientSubscribe")
+
+    async def OnClientUnsubscribe(self, request: pb.ClientUnsubscribeRequest, context: Any) -> pb.EmptySuccess:
+        return await self._ignored("OnClientUnsubscribe")
+
+    async def OnSessionResumed(self, request: pb.SessionResumedRequest, context: Any) -> pb.EmptySuccess:
+        return await self._ignored("OnSessionResumed")
+
+    async def OnSessionDiscarded(self, request: pb.SessionDiscardedRequest, context: Any) -> pb.EmptySuccess:
+        return await self._ignored("OnSessionDiscarded")
+
+    async def OnSessionTakenover(self, request: pb.SessionTakenoverRequest, context: Any) -> pb.EmptySuccess:
+        return await self._ignored("OnSessionTakenover")
+
+    async def OnSessionTerminated(self, request: pb.SessionTerminatedRequest, context: Any) -> pb.EmptySuccess:
+        return await self._ignored("OnSessionTerminated")
+
+    async def OnMessageDelivered(self, request: pb.MessageDeliveredRequest, context: Any) -> pb.EmptySuccess:
+        return await self._ignored("OnMessageDelivered")
+
+    async def OnMessageDropped(self, request: pb.MessageDroppedRequest, context: Any) -> pb.EmptySuccess:
+        return await self._ignored("OnMessageDropped")
+
+    async def OnClientAuthenticate(self, request: pb.ClientAuthenticateRequest, context: Any) -> pb.ValuedResponse:
+        # Never registered; should EMQX call anyway, IGNORE leaves its decision alone.
+        self.calls["OnClientAuthenticate"] += 1
+        return pb.ValuedResponse(type=pb.ValuedResponse.IGNORE)
+
+    async def OnClientAuthorize(self, request: pb.ClientAuthorizeRequest, context: Any) -> pb.ValuedResponse:
+        self.calls["OnClientAuthorize"] += 1
+        return pb.ValuedResponse(type=pb.ValuedResponse.IGNORE)
+
+    # -- reporting ---------------------------------------------------------------------
+
+    def summary(self) -> str:
+        """What was handled, done and refused, as a few readable lines."""
+        elapsed = time.monotonic() - self.started
+        total = sum(self.calls.values())
+        failed = sum(self.failures.values())
+        lines = [f"handled {total} call{'' if total == 1 else 's'} in {elapsed:.1f} s, {failed} answered with an error"]
+        if self.calls:
+            lines.append("  calls: " + ", ".join(f"{name} {n}" for name, n in sorted(self.calls.items())))
+        if self.failures:
+            lines.append("  errors: " + ", ".join(f"{name} {n}" for name, n in sorted(self.failures.items())))
+        done = self.hooks.stats + self.stats
+        if done:
+            lines.append("  done: " + ", ".join(f"{what.replace('_', ' ')} {n}" for what, n in sorted(done.items())))
+        return "\n".join(lines)
+
+
+class ExhookServer:
+    """A ``grpc.aio`` server serving a :class:`HookProvider` on ``listen`` (``HOST:PORT``; port 0 picks one).
+
+    ``credentials``: TLS server credentials for EMQX's ``ssl`` option of the
+    exhook server, or None for plaintext.
+    """
+
+    def __init__(self, provider: HookProvider, listen: str, credentials: grpc.ServerCredentials | None = None) -> None:
+        host, sep, port = listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"--listen {listen!r}: expected HOST:PORT, e.g. 0.0.0.0:9000")
+        self.provider = provider
+        self.listen = listen
+        self.credentials = credentials
+        self.address = listen
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> str:
+        """Bind and start serving; return the address bound (``HOST:PORT`` with the real port)."""
+        # No SO_REUSEPORT: a second server on a port in use must fail, not share its connections.
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_HookProviderServicer_to_server(self.provider, server)
+        try:
+            if self.credentials is None:
+                port = server.add_insecure_port(self.listen)
+            else:
+                port = server.add_secure_port(self.listen, self.credentials)
+        except RuntimeError as err:
+            raise OSError(f"cannot listen on {self.listen}: {err}") from None
+        if not port:
+            raise OSError(f"cannot listen on {self.listen}: the address is in use or not local")
+        await server.start()
+        self._server = server
+        self.address = f"{self.listen.rpartition(':')[0]}:{port}"
+        return self.address
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop taking calls; let the calls in flight finish for up to ``grace_s`` seconds."""
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None

@@ -1,0 +1,160 @@
+"""``mqds exhook``: serve EMQX's ExHook gRPC interface, keeping broker state in mqds by hook rules."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+
+from mqds.broker.actions import BrokerHooks
+from mqds.broker.exhook.provider import (
+    DEFAULT_ACK_CACHE_SIZE,
+    SERVICE,
+    ExhookServer,
+    HookProvider,
+    UndecodableRequests,
+)
+from mqds.broker.hooks import HookConfig, HookConfigError, load_config
+from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, connection
+from mqds.client import aio
+from mqds.client.connection import ConnectionSettings
+from mqds.protocol.errors import MqdsError
+
+DEFAULT_LISTEN = "127.0.0.1:9000"
+STARTUP_CHECK_TIMEOUT_S = 10.0
+STOP_GRACE_S = 5.0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _server_credentials(opts: argparse.Namespace) -> grpc.ServerCredentials | None:
+    if bool(opts.server_cert) != bool(opts.server_key):
+        raise CommandError("--server-cert and --server-key go together", EXIT_USAGE)
+    if not opts.server_cert:
+        return None
+    try:
+        cert = Path(opts.server_cert).read_bytes()
+        key = Path(opts.server_key).read_bytes()
+    except OSError as err:
+        raise CommandError(f"cannot read {err.filename}: {err.strerror}", EXIT_USAGE) from None
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+async def _serve(
+    opts: argparse.Namespace,
+    config: HookConfig,
+    settings: ConnectionSettings,
+    credentials: grpc.ServerCredentials | None,
+) -> int:
+    async with aio.Client(opts.endpoints, settings=settings) as client:
+        try:
+            cmap = await client.cluster_map(timeout_s=min(settings.timeout_s, STARTUP_CHECK_TIMEOUT_S))
+        except MqdsError as err:
+            raise CommandError(f"cannot reach the mqds cluster at {opts.endpoints}: {err}") from None
+        hooks = BrokerHooks(client, config, node=opts.node)
+        provider = HookProvider(hooks, ack_cache_size=opts.ack_cache_size)
+        try:
+            server = ExhookServer(provider, opts.listen, credentials)
+        except ValueError as err:
+            raise CommandError(str(err), EXIT_USAGE) from None
+        try:
+            address = await server.start()
+        except OSError as err:
+            raise CommandError(str(err)) from None
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        try:
+            needed = ", ".join(hooks.needed_hooks()) or "none"
+            scheme = "TLS" if credentials is not None else "plaintext"
+            print(
+                f"mqds exhook: serving {SERVICE} on {address} ({scheme}) for the mqds cluster at {opts.endpoints} "
+                f"({_count(len(cmap.nodes), 'node')}, {_count(cmap.n_shards, 'vnode')}); "
+                f"{_count(len(config.rules), 'rule')} from {config.source}, hooks: {needed}. Ctrl-C stops.",
+                flush=True,
+            )
+            await stop.wait()
+        finally:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(signum)
+            await server.stop(STOP_GRACE_S)
+        print("mqds exhook: stopped; " + provider.summary(), flush=True)
+    return EXIT_OK
+
+
+def run(opts: argparse.Namespace) -> int:
+    try:
+        config = load_config(opts.config)
+    except HookConfigError as err:
+        raise CommandError(str(err), EXIT_USAGE) from None
+    if opts.ack_cache_size < 1:
+        raise CommandError("--ack-cache-size must be at least 1", EXIT_USAGE)
+    credentials = _server_credentials(opts)
+    logging.basicConfig(
+        level=logging.INFO if opts.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("grpc._cython.cygrpc").addFilter(UndecodableRequests())
+    return asyncio.run(_serve(opts, config, connection(opts, 30.0), credentials))
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connection: argparse.ArgumentParser) -> None:
+    parser = sub.add_parser(
+        "exhook",
+        parents=[connection],
+        help="serve EMQX's ExHook gRPC interface, keeping client state, subscriptions and messages in mqds",
+        description=(
+            f"Serve {SERVICE} (EMQX 5.9+ ExHook v3) so that EMQX calls mqds at its hook points. The rules in "
+            "--config (TOML or YAML; examples in deploy/hooks/) decide what each hook does: record clients "
+            "online and offline, store published messages and retained messages, store subscriptions, record "
+            "acknowledgements. Point EMQX at it with exhook.servers = [{name = mqds, url = "
+            '"http://HOST:PORT"}]. ExHook cannot hand messages or subscriptions back to EMQX sessions: offline '
+            "and retained messages found on subscribe are counted, not delivered (see README, Broker "
+            "persistence). Runs until Ctrl-C or SIGTERM, then prints what it handled."
+        ),
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        required=True,
+        help="the hook rules: a .toml or .yaml file (see README, Broker persistence; deploy/hooks/ has examples)",
+    )
+    parser.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        default=DEFAULT_LISTEN,
+        help=f"where EMQX connects (default {DEFAULT_LISTEN}; 0.0.0.0:9000 for every interface; port 0 picks one)",
+    )
+    parser.add_argument(
+        "--node",
+        metavar="NAME",
+        help="the broker node name recorded with online clients (default: the config's node, else the EMQX "
+        "node each call names)",
+    )
+    parser.add_argument(
+        "--ack-cache-size",
+        type=int,
+        metavar="N",
+        default=DEFAULT_ACK_CACHE_SIZE,
+        help="how many EMQX message ids to remember with their stored positions, to record their "
+        f"acknowledgements (default {DEFAULT_ACK_CACHE_SIZE:,}; older ones are forgotten first)",
+    )
+    parser.add_argument(
+        "--server-cert",
+        metavar="FILE",
+        help="PEM certificate (chain) to serve TLS with, for EMQX's exhook ssl option; needs --server-key",
+    )
+    parser.add_argument("--server-key", metavar="FILE", help="PEM private key of --server-cert")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log each provider load and what could not be delivered"
+    )
+    parser.set_defaults(run=run)

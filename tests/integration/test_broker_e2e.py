@@ -1,0 +1,478 @@
+"""The amqtt broker with the mqds plugin, end to end: a real 3-node cluster, `mqds broker` as a process, paho clients.
+
+One cluster and one broker (restarted by the last test) serve the module; each
+test uses topics and clientids of its own. The hook rules are the EMQX-style
+file written below: everything stored, pubsub offline delivery on
+``e2e/pubsub/#`` and ``e2e/offline/#``, queue delivery on ``e2e/queue/#``, no
+offline fetch for ``e2e/retained/#`` and ``e2e/proxy/#`` (so what those
+tests receive is the retained lookup or amqtt's live routing alone).
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+
+from mqds.client import Client, ClientState
+from mqds.protocol.sharding import shard_of
+from mqds.server.localproc import LocalCluster, free_port, free_port_block, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MQDS = str(Path(sys.executable).with_name("mqds"))
+N_SHARDS = 4
+NODE = "broker-e2e"
+HOOKS = """
+[[rule]]
+hook = "client.connected"
+action = "on_client_connected"
+
+[[rule]]
+hook = "client.connected"
+action = "on_subscribe_lookup"
+
+[[rule]]
+hook = "client.disconnected"
+action = "on_client_disconnected"
+
+[[rule]]
+hook = "message.publish"
+topic = "#"
+action = "on_message_publish"
+
+[[rule]]
+hook = "message.publish"
+topic = "#"
+action = "on_message_retain"
+
+[[rule]]
+hook = "session.subscribed"
+topic = "#"
+action = "on_subscription_store"
+
+[[rule]]
+hook = "session.subscribed"
+topic = "#"
+action = "on_retain_lookup"
+
+[[rule]]
+hook = "session.subscribed"
+topic = "e2e/queue/#"
+action = "on_message_fetch_for_queue"
+
+[[rule]]
+hook = "session.subscribed"
+topic = "e2e/pubsub/#"
+action = "on_message_fetch_for_pubsub"
+
+[[rule]]
+hook = "session.subscribed"
+topic = "e2e/offline/#"
+action = "on_message_fetch_for_pubsub"
+# Smaller than the offline story's backlog: it must come page by page, none skipped.
+offline_opts = { max_returned_count = 25 }
+
+[[rule]]
+hook = "session.subscribed"
+topic = "e2e/will/#"
+action = "on_message_fetch_for_pubsub"
+
+[[rule]]
+hook = "session.unsubscribed"
+topic = "#"
+action = "on_subscription_delete"
+
+[[rule]]
+hook = "message.acked"
+topic = "#"
+action = "on_message_acked"
+"""
+
+
+@dataclass
+class Cluster:
+    data_dir: Path
+    endpoints: str
+    client: Client
+
+    def harness(self) -> LocalCluster:
+        return LocalCluster.load(self.data_dir)
+
+
+class BrokerProcess:
+    """`mqds broker` on a fixed port; restartable, so clients reconnect to the same address."""
+
+    def __init__(self, workdir: Path, endpoints: str, hooks: Path) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        self.args = [
+            MQDS,
+            "broker",
+            "--endpoints",
+            endpoints,
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--hooks",
+            str(hooks),
+            "--node",
+            NODE,
+            "--timeout",
+            "20",
+        ]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.runs = 0
+
+    @property
+    def out_path(self) -> Path:
+        return self.workdir / f"broker-{self.runs}.out"
+
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace") if self.out_path.exists() else ""
+
+    def start(self, timeout_s: float = 30) -> None:
+        self.runs += 1
+        with open(self.out_path, "wb") as out:
+            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = self.proc
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"mqds broker exited with {proc.returncode}:\n{self.output()}")
+            return "mqds broker: ready" in self.output()
+
+        wait_until("mqds broker ready", ready, timeout_s)
+
+    def stop(self, timeout_s: float = 30) -> str:
+        """SIGTERM and wait: the clean stop; returns what it printed."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"mqds broker did not stop within {timeout_s}s:\n{self.output()}") from None
+        out = self.output()
+        assert code == 0, out
+        return out
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    data_dir = tmp_path_factory.mktemp("broker-e2e") / "cluster"
+    base = free_port_block(3)
+    try:
+        up = subprocess.run(
+            [MQDS, "cluster", "up", "--data-dir", str(data_dir), "--base-port", str(base), "--shards", str(N_SHARDS)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert up.returncode == 0, up.stdout + up.stderr
+        endpoints = ",".join(f"127.0.0.1:{base + i}" for i in range(3))
+        with Client(endpoints, timeout_s=30) as client:
+            yield Cluster(data_dir, endpoints, client)
+    finally:
+        if LocalCluster.recorded(data_dir):
+            subprocess.run([MQDS, "cluster", "down", "--data-dir", str(data_dir)], capture_output=True, timeout=120)
+            LocalCluster.load(data_dir).kill_all()
+
+
+@pytest.fixture(scope="module")
+def broker(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    workdir = tmp_path_factory.mktemp("broker")
+    hooks = workdir / "hooks.toml"
+    hooks.write_text(HOOKS)
+    process = BrokerProcess(workdir, cluster.endpoints, hooks)
+    try:
+        process.start()
+        yield process
+    finally:
+        process.kill()
+
+
+Received = tuple[str, bytes, int, bool]  # topic, payload, qos, retain
+
+
+class Mqtt:
+    """A paho-mqtt 2 client in its own network thread; every wait is bounded."""
+
+    def __init__(self, port: int, clientid: str, *, clean_session: bool, will: tuple[str, bytes] | None = None) -> None:
+        self.clientid = clientid
+        self.messages: queue.Queue[Received] = queue.Queue()
+        self._connected = threading.Event()
+        self._acked: set[int] = set()
+        self._suback = threading.Condition()
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=clientid, clean_session=clean_session)
+        self.client.on_connect = self._on_connect
+        self.client.on_message = self._on_message
+        self.client.on_subscribe = self._on_subscribe
+        if will is not None:
+            self.client.will_set(will[0], will[1], qos=1)
+        self.client.connect("127.0.0.1", port, keepalive=30)
+        self.client.loop_start()
+        if not self._connected.wait(10):
+            self.close()
+            raise AssertionError(f"{clientid} did not connect within 10s")
+
+    def _on_connect(self, client: object, userdata: object, flags: object, reason: object, props: object) -> None:
+        self._connected.set()
+
+    def _on_message(self, client: object, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        self.messages.put((msg.topic, bytes(msg.payload), msg.qos, bool(msg.retain)))
+
+    def _on_subscribe(self, client: object, userdata: object, mid: int, codes: object, props: object) -> None:
+        with self._suback:
+            self._acked.add(mid)
+            self._suback.notify_all()
+
+    def subscribe(self, topic_filter: str, qos: int = 1) -> None:
+        result, mid = self.client.subscribe(topic_filter, qos=qos)
+        assert result == mqtt.MQTT_ERR_SUCCESS
+        with self._suback:
+            assert self._suback.wait_for(lambda: mid in self._acked, 10), f"no SUBACK for {topic_filter}"
+
+    def publish(self, topic: str, payload: bytes | str, *, qos: int = 1, retain: bool = False) -> None:
+        info = self.client.publish(topic, payload, qos=qos, retain=retain)
+        info.wait_for_publish(10)
+        assert info.is_published(), f"{self.clientid}: {topic} not acknowledged by the broker"
+
+    def take(self, count: int, timeout_s: float = 20) -> list[Received]:
+        """Exactly the next ``count`` messages, or fail naming what did arrive."""
+        got: list[Received] = []
+        deadline = time.monotonic() + timeout_s
+        while len(got) < count:
+            try:
+                got.append(self.messages.get(timeout=max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                raise AssertionError(
+                    f"{self.clientid}: {len(got)} of {count} messages in {timeout_s}s: {got}"
+                ) from None
+        return got
+
+    def quiet(self, seconds: float = 1.5) -> list[Received]:
+        """What arrives within ``seconds`` (tests expect nothing)."""
+        time.sleep(seconds)
+        got = []
+        while not self.messages.empty():
+            got.append(self.messages.get_nowait())
+        return got
+
+    def drop(self) -> None:
+        """Lose the connection without DISCONNECT (the broker then sends the will)."""
+        self.client.loop_stop()
+        sock = self.client.socket()
+        if sock is not None:
+            sock.close()
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+@pytest.fixture
+def connect(broker: BrokerProcess) -> Iterator[Callable[..., Mqtt]]:
+    """connect(clientid, clean_session=...) -> a connected client; all are closed after the test."""
+    made: list[Mqtt] = []
+
+    def make(clientid: str, *, clean_session: bool = True, will: tuple[str, bytes] | None = None) -> Mqtt:
+        client = Mqtt(broker.port, clientid, clean_session=clean_session, will=will)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close()
+
+
+def payloads(messages: list[Received]) -> list[str]:
+    return [payload.decode() for _, payload, _, _ in messages]
+
+
+def test_broker_command_explains_itself_and_refuses_bad_input(tmp_path: Path) -> None:
+    shown = subprocess.run([MQDS, "broker", "--help"], capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0
+    for option in ("--listen", "--hooks", "--node", "--amqtt-config", "--max-inflight", "--endpoints", "--tls-ca"):
+        assert option in shown.stdout
+    bad = tmp_path / "hooks.toml"
+    bad.write_text('[[rule]]\nhook = "message.publish"\naction = "on_mesage_publish"\n')
+    refused = subprocess.run([MQDS, "broker", "--hooks", str(bad)], capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 2
+    assert f"{bad}: rule 1" in refused.stderr and "did you mean 'on_message_publish'" in refused.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = subprocess.run(
+            [MQDS, "broker", "--endpoints", "127.0.0.1:1", "--timeout", "1", "--listen", f"127.0.0.1:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert busy.returncode == 1 and "the broker did not start" in busy.stderr and "Traceback" not in busy.stderr
+
+
+def state_when(cluster: Cluster, clientid: str, online: bool) -> ClientState:
+    def check() -> ClientState | None:
+        state = cluster.client.client_state(clientid)
+        return state if state is not None and state.online == online else None
+
+    return wait_until(f"{clientid} recorded {'online' if online else 'offline'}", check, 10)
+
+
+def test_client_state_follows_connect_and_disconnect(cluster: Cluster, connect: Callable[..., Mqtt]) -> None:
+    client = connect("e2e-state")
+    state = state_when(cluster, "e2e-state", online=True)
+    assert state.node == NODE and state.online_at_us > 0 and state.offline_at_us == 0
+    assert "e2e-state" in cluster.client.clients_on_node(NODE)
+    client.close()
+    state = state_when(cluster, "e2e-state", online=False)
+    assert state.node == NODE and state.offline_at_us >= state.online_at_us
+    assert "e2e-state" not in cluster.client.clients_on_node(NODE)
+
+
+def test_proxy_subscription_applies_on_connect(cluster: Cluster, connect: Callable[..., Mqtt]) -> None:
+    cluster.client.subscribe("e2e-proxy", "e2e/proxy/#", qos=1)
+    listener = connect("e2e-proxy")  # subscribes to nothing itself
+    publisher = connect("e2e-proxy-pub")
+
+    def probe() -> bool:
+        publisher.publish("e2e/proxy/probe", b"p")
+        return not listener.messages.empty()
+
+    # The plugin adds the proxy subscription just after CONNACK: probe until it is in place.
+    wait_until("the proxy subscription delivers", probe, 10, interval_s=0.2)
+    listener.quiet(0.5)
+    publisher.publish("e2e/proxy/door", b"open")
+    assert listener.take(1) == [("e2e/proxy/door", b"open", 1, False)]
+
+
+def test_retained_lookup_and_delete(cluster: Cluster, connect: Callable[..., Mqtt]) -> None:
+    publisher = connect("e2e-ret-pub")
+    publisher.publish("e2e/retained/lamp", b"on", retain=True)
+    wait_until("the retained message in mqds", lambda: cluster.client.retained("e2e/retained/#"), 10)
+    first = connect("e2e-ret-sub-1")
+    first.subscribe("e2e/retained/#")
+    # Exactly once: mqds's copy; amqtt's in-memory copy was dropped.
+    assert first.take(1) == [("e2e/retained/lamp", b"on", 1, True)]
+    assert first.quiet(1.0) == []
+
+    publisher.publish("e2e/retained/lamp", b"", retain=True)  # an empty retained payload deletes it
+    assert first.take(1) == [("e2e/retained/lamp", b"", 1, False)]  # routed live like any message
+    wait_until("the retained message deleted", lambda: cluster.client.retained("e2e/retained/#") == [], 10)
+    second = connect("e2e-ret-sub-2")
+    second.subscribe("e2e/retained/#")
+    assert second.quiet(1.0) == []
+
+
+def test_queue_acknowledged_message_is_gone_for_everyone(cluster: Cluster, connect: Callable[..., Mqtt]) -> None:
+    reader_b = connect("e2e-queue-b", clean_session=False)
+    reader_b.subscribe("e2e/queue/#")
+    reader_b.close()  # subscribed, now offline
+    reader_a = connect("e2e-queue-a", clean_session=False)
+    reader_a.subscribe("e2e/queue/#")
+    publisher = connect("e2e-queue-pub")
+    for i in range(3):
+        publisher.publish("e2e/queue/jobs", f"job-{i}")
+    assert payloads(reader_a.take(3)) == ["job-0", "job-1", "job-2"]
+    # a's PUBACKs removed them from the queue (in mqds, for every reader).
+    wait_until(
+        "the queue emptied by a's acknowledgements",
+        lambda: cluster.client.fetch_offline("e2e-queue-b", "e2e/queue/#", mode="queue") == [],
+        10,
+    )
+    reader_b = connect("e2e-queue-b", clean_session=False)
+    assert reader_b.quiet(1.5) == []
+    reader_a.close()
+    reader_a = connect("e2e-queue-a", clean_session=False)
+    assert reader_a.quiet(1.0) == []
+
+
+def test_pubsub_every_subscriber_gets_every_message(cluster: Cluster, connect: Callable[..., Mqtt]) -> None:
+    reader_b = connect("e2e-pubsub-b", clean_session=False)
+    reader_b.subscribe("e2e/pubsub/#")
+    reader_b.close()
+    reader_a = connect("e2e-pubsub-a", clean_session=False)
+    reader_a.subscribe("e2e/pubsub/#")
+    publisher = connect("e2e-pubsub-pub")
+    for i in range(3):
+        publisher.publish("e2e/pubsub/news", f"news-{i}")
+    assert payloads(reader_a.take(3)) == ["news-0", "news-1", "news-2"]
+    reader_b = connect("e2e-pubsub-b", clean_session=False)  # offline meanwhile: its own read position
+    assert payloads(reader_b.take(3)) == ["news-0", "news-1", "news-2"]
+    assert reader_b.quiet(1.0) == []
+
+
+def test_will_message_is_stored_and_reaches_persistent_subscribers(
+    cluster: Cluster, connect: Callable[..., Mqtt]
+) -> None:
+    watcher = connect("e2e-will-watch", clean_session=False)
+    watcher.subscribe("e2e/will/#")
+    device = connect("e2e-will-dev", will=("e2e/will/dev", b"gone"))
+    device.publish("e2e/will/dev", b"alive")
+    assert watcher.take(1) == [("e2e/will/dev", b"alive", 1, False)]
+    device.drop()  # no DISCONNECT: amqtt sends the will, which has no message event of its own
+    assert watcher.take(1) == [("e2e/will/dev", b"gone", 1, False)]
+    wait_until(
+        "the will message stored",
+        lambda: [m.payload for m in cluster.client.replay("e2e/will/#")] == [b"alive", b"gone"],
+        10,
+    )
+    watcher.close()
+    wait_until(
+        "e2e-will-watch's acknowledgements recorded",
+        lambda: cluster.client.fetch_offline("e2e-will-watch", "e2e/will/#") == [],
+        10,
+    )
+    assert connect("e2e-will-watch", clean_session=False).quiet(1.0) == []
+
+
+def test_offline_subscriber_gets_everything_after_broker_restart_and_node_kill(
+    cluster: Cluster, broker: BrokerProcess, connect: Callable[..., Mqtt]
+) -> None:
+    n = 60
+    subscriber = connect("e2e-offline-sub", clean_session=False)
+    subscriber.subscribe("e2e/offline/#", qos=1)
+    subscriber.close()
+    publisher = connect("e2e-offline-pub")
+    for i in range(n):
+        publisher.publish("e2e/offline/dev", str(i))
+    publisher.close()
+
+    stopped = broker.stop()  # the clean stop stores what amqtt acknowledged before it exits
+    assert "mqds broker: stopped after" in stopped and "messages stored" in stopped, stopped
+    harness = cluster.harness()
+    victim = harness.leader(shard_of("e2e-offline-pub", N_SHARDS))  # the leader holding the messages
+    assert victim is not None
+    harness.kill(victim)  # kill -9; the cluster fixture's teardown stops the rest
+    broker.start()
+    subscriber = connect("e2e-offline-sub", clean_session=False)  # subscribes to nothing: mqds restores it
+    got = subscriber.take(n, timeout_s=30)
+    assert payloads(got) == [str(i) for i in range(n)]
+    assert {(topic, qos) for topic, _, qos, _ in got} == {("e2e/offline/dev", 1)}
+    assert subscriber.quiet(1.0) == []
+
+    # Its PUBACKs moved its read position: the next reconnect brings nothing again.
+    subscriber.close()
+    wait_until(
+        "e2e-offline-sub's acknowledgements recorded",
+        lambda: cluster.client.fetch_offline("e2e-offline-sub", "e2e/offline/#") == [],
+        15,
+    )
+    again = connect("e2e-offline-sub", clean_session=False)
+    assert again.quiet(1.5) == []

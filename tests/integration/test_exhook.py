@@ -1,0 +1,408 @@
+"""The EMQX ExHook provider against a real 3-node cluster: EMQX's hook calls replayed over gRPC, state checked in mqds.
+
+`mqds exhook` runs as a real process with deploy/hooks/redis-style.toml (queue
+delivery on queue/#, pubsub on pubsub/#); a gRPC client plays EMQX, calling
+the hooks in the order EMQX does for a client's life. What the provider wrote
+is read back with the mqds client. The dispatcher itself is also driven
+in-process with the DynamoDB-style rules (QoS 0 stored, queue mode, a
+restarted dispatcher that has to look subscriptions up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+
+from mqds.broker.actions import BrokerHooks
+from mqds.broker.exhook.v3 import exhook_pb2 as pb
+from mqds.broker.exhook.v3 import exhook_pb2_grpc as pb_grpc
+from mqds.broker.hooks import load_config
+from mqds.client import Client, Message, aio
+from mqds.server.localproc import LocalCluster, free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MQDS = str(Path(sys.executable).with_name("mqds"))
+EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "hooks"
+N_SHARDS = 4
+CALL_TIMEOUT_S = 20
+
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with LocalCluster(tmp_path_factory.mktemp("exhook") / "c", 3, n_shards=N_SHARDS) as c:
+        c.start()
+        yield c
+
+
+@pytest.fixture(scope="module")
+def mqds(cluster: LocalCluster) -> Iterator[Client]:
+    with cluster.client(timeout_s=CALL_TIMEOUT_S) as client:
+        yield client
+
+
+@dataclass
+class Provider:
+    process: subprocess.Popen[str]
+    address: str
+    banner: str
+    lines: queue.Queue[str]
+    pump: threading.Thread
+    stub: pb_grpc.HookProviderStub
+    channel: grpc.Channel
+
+    def stop(self) -> tuple[int, str]:
+        """Ctrl-C it; its exit code and what it printed after the banner."""
+        self.process.send_signal(signal.SIGINT)
+        code = self.process.wait(timeout=30)
+        self.pump.join(timeout=10)  # it ends with the process's stdout
+        rest = []
+        while not self.lines.empty():
+            rest.append(self.lines.get_nowait())
+        return code, "".join(rest)
+
+
+def _pump(stream: Any, lines: queue.Queue[str]) -> None:
+    for line in stream:
+        lines.put(line)
+
+
+@pytest.fixture(scope="module")
+def provider(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Provider]:
+    address = f"127.0.0.1:{free_port()}"
+    stderr = open(tmp_path_factory.mktemp("exhook-log") / "stderr.log", "w+")  # noqa: SIM115 (closed below)
+    process = subprocess.Popen(
+        [
+            *(MQDS, "--endpoints", ",".join(cluster.addresses), "exhook"),
+            *("--config", str(EXAMPLES / "redis-style.toml"), "--listen", address, "--verbose"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    assert process.stdout is not None
+    pump = threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True)
+    pump.start()
+    channel = grpc.insecure_channel(address)
+    try:
+        try:
+            banner = lines.get(timeout=30)
+        except queue.Empty:
+            stderr.seek(0)
+            pytest.fail(f"mqds exhook printed nothing in 30 s; stderr: {stderr.read()}")
+        yield Provider(process, address, banner, lines, pump, pb_grpc.HookProviderStub(channel), channel)
+    finally:
+        channel.close()
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+        stderr.seek(0)
+        assert "Traceback" not in stderr.read()
+        stderr.close()
+
+
+def info(clientid: str, node: str = "emqx@n1") -> pb.ClientInfo:
+    return pb.ClientInfo(
+        node=node, clientid=clientid, username="user", peerhost="127.0.0.1", sockport=1883, protocol="mqtt"
+    )
+
+
+def emqx_message(
+    msg_id: str, topic: str, payload: bytes, qos: int = 1, sender: str = "pub-1", retain: bool = False
+) -> pb.Message:
+    headers = {"username": "user", "protocol": "mqtt", "peerhost": "127.0.0.1"}
+    if retain:
+        headers["retain"] = "true"
+    return pb.Message(
+        node="emqx@n1",
+        id=msg_id,
+        qos=qos,
+        topic=topic,
+        payload=payload,
+        timestamp=int(time.time() * 1000),
+        headers=headers,
+        **{"from": sender},
+    )
+
+
+def publish(provider: Provider, message: pb.Message) -> None:
+    answer = provider.stub.OnMessagePublish(pb.MessagePublishRequest(message=message), timeout=CALL_TIMEOUT_S)
+    # EMQX goes on with the message as it was.
+    assert answer.type == pb.ValuedResponse.CONTINUE and answer.message == message
+
+
+def payloads(messages: list[Message]) -> list[bytes]:
+    return [m.payload for m in messages]
+
+
+def test_a_client_lifecycle_in_emqx_hook_order(provider: Provider, mqds: Client) -> None:
+    stub = provider.stub
+    assert provider.banner.startswith(f"mqds exhook: serving emqx.exhook.v3.HookProvider on {provider.address}")
+    assert "14 rules" in provider.banner and "hooks: client.connected" in provider.banner
+
+    loaded = stub.OnProviderLoaded(
+        pb.ProviderLoadedRequest(broker=pb.BrokerInfo(version="5.9.0"), meta=pb.RequestMeta(node="emqx@n1")),
+        timeout=CALL_TIMEOUT_S,
+    )
+    assert {spec.name: list(spec.topics) for spec in loaded.hooks} == {
+        "client.connected": [],
+        "client.disconnected": [],
+        "session.subscribed": [],
+        "session.unsubscribed": [],
+        "message.publish": ["#"],
+        "message.acked": ["queue/#", "pubsub/#"],
+    }
+
+    # The subscriber connects to emqx@n1 and subscribes.
+    conninfo = pb.ConnInfo(node="emqx@n1", clientid="sub-1", proto_name="MQTT", proto_ver="5", keepalive=60)
+    stub.OnClientConnect(pb.ClientConnectRequest(conninfo=conninfo), timeout=CALL_TIMEOUT_S)
+    stub.OnClientConnack(pb.ClientConnackRequest(conninfo=conninfo, result_code="success"), timeout=CALL_TIMEOUT_S)
+    stub.OnClientConnected(pb.ClientConnectedRequest(clientinfo=info("sub-1")), timeout=CALL_TIMEOUT_S)
+    state = mqds.client_state("sub-1")
+    assert state is not None and state.online and state.node == "emqx@n1" and state.offline_at_us == 0
+    stub.OnSessionCreated(pb.SessionCreatedRequest(clientinfo=info("sub-1")), timeout=CALL_TIMEOUT_S)
+    filters = [pb.TopicFilter(name="pubsub/news/#", subopts=pb.SubOpts(qos=1)), pb.TopicFilter(name="queue/jobs")]
+    stub.OnClientSubscribe(
+        pb.ClientSubscribeRequest(clientinfo=info("sub-1"), topic_filters=filters), timeout=CALL_TIMEOUT_S
+    )
+    for name, qos in (("pubsub/news/#", 1), ("queue/jobs", 2)):
+        stub.OnSessionSubscribed(
+            pb.SessionSubscribedRequest(clientinfo=info("sub-1"), topic=name, subopts=pb.SubOpts(qos=qos)),
+            timeout=CALL_TIMEOUT_S,
+        )
+    assert mqds.subscriptions("sub-1") == {"pubsub/news/#": 1, "queue/jobs": 2}
+
+    # A publisher publishes; QoS 0 is not kept (on_message_publish without keep_qos0).
+    publish(provider, emqx_message("id-1", "pubsub/news/a", b"m1"))
+    publish(provider, emqx_message("id-2", "pubsub/news/b", b"m2", qos=2))
+    publish(provider, emqx_message("id-3", "pubsub/news/c", b"qos0", qos=0))
+    publish(provider, emqx_message("id-4", "queue/jobs", b"j1"))
+    publish(provider, emqx_message("id-5", "queue/jobs", b"j2"))
+    publish(provider, emqx_message("id-6", "pubsub/news/state", b"on", retain=True))
+    assert payloads(mqds.fetch_offline("sub-1", "pubsub/news/#")) == [b"m1", b"m2", b"on"]
+    # Not even there to be fetched with include_qos0: it was never stored.
+    assert payloads(mqds.fetch_offline("sub-1", "pubsub/news/#", include_qos0=True)) == [b"m1", b"m2", b"on"]
+    assert [(m.topic, m.payload) for m in mqds.retained("pubsub/#")] == [("pubsub/news/state", b"on")]
+
+    # EMQX delivers; the subscriber acknowledges m1 (pubsub) and j1 (queue).
+    for msg_id, topic, payload in (("id-1", "pubsub/news/a", b"m1"), ("id-4", "queue/jobs", b"j1")):
+        message = emqx_message(msg_id, topic, payload)
+        delivered = pb.MessageDeliveredRequest(clientinfo=info("sub-1"), message=message)
+        stub.OnMessageDelivered(delivered, timeout=CALL_TIMEOUT_S)
+        stub.OnMessageAcked(pb.MessageAckedRequest(clientinfo=info("sub-1"), message=message), timeout=CALL_TIMEOUT_S)
+    # The read position of (sub-1, pubsub/news/#) moved past m1; j1 is gone for every queue reader.
+    assert payloads(mqds.fetch_offline("sub-1", "pubsub/news/#")) == [b"m2", b"on"]
+    assert payloads(mqds.fetch_offline("someone-else", "pubsub/news/#")) == [b"m1", b"m2", b"on"]
+    assert payloads(mqds.fetch_offline("someone-else", "queue/jobs", mode="queue")) == [b"j2"]
+
+    stub.OnClientDisconnected(
+        pb.ClientDisconnectedRequest(clientinfo=info("sub-1"), reason="normal"), timeout=CALL_TIMEOUT_S
+    )
+    state = mqds.client_state("sub-1")
+    assert state is not None and not state.online and state.offline_at_us >= state.online_at_us > 0
+
+    # While it is away: one more message, and the retained message is deleted (RETAIN, empty payload).
+    publish(provider, emqx_message("id-7", "pubsub/news/a", b"m3"))
+    publish(provider, emqx_message("id-8", "pubsub/news/state", b"", retain=True))
+    assert mqds.retained("pubsub/#") == []
+
+    # It comes back through another EMQX node: online there, and its stored subscriptions are found.
+    stub.OnClientConnected(pb.ClientConnectedRequest(clientinfo=info("sub-1", "emqx@n2")), timeout=CALL_TIMEOUT_S)
+    stub.OnSessionSubscribed(
+        pb.SessionSubscribedRequest(clientinfo=info("sub-1", "emqx@n2"), topic="pubsub/news/#"),
+        timeout=CALL_TIMEOUT_S,
+    )
+    assert payloads(mqds.fetch_offline("sub-1", "pubsub/news/#")) == [b"m2", b"on", b"m3", b""]
+    # A late disconnect from the node it left does not mark it offline.
+    stub.OnClientDisconnected(pb.ClientDisconnectedRequest(clientinfo=info("sub-1", "emqx@n1")), timeout=CALL_TIMEOUT_S)
+    state = mqds.client_state("sub-1")
+    assert state is not None and state.online and state.node == "emqx@n2"
+    assert mqds.clients_on_node("emqx@n2") == ["sub-1"] and mqds.clients_on_node("emqx@n1") == []
+
+    # Unsubscribing deletes the stored subscription and the read position (on_acked_delete).
+    stub.OnSessionUnsubscribed(
+        pb.SessionUnsubscribedRequest(clientinfo=info("sub-1", "emqx@n2"), topic="pubsub/news/#"),
+        timeout=CALL_TIMEOUT_S,
+    )
+    assert mqds.subscriptions("sub-1") == {"queue/jobs": 2}
+    assert payloads(mqds.fetch_offline("sub-1", "pubsub/news/#")) == [b"m1", b"m2", b"on", b"m3", b""]
+
+    # An acknowledgement of a message the provider never saw published is counted, not an error.
+    unknown = emqx_message("never-published", "queue/jobs", b"?")
+    stub.OnMessageAcked(pb.MessageAckedRequest(clientinfo=info("sub-1"), message=unknown), timeout=CALL_TIMEOUT_S)
+
+
+def test_malformed_requests_get_clear_errors_and_the_provider_goes_on(provider: Provider, mqds: Client) -> None:
+    stub = provider.stub
+    bad_calls = [
+        (lambda: stub.OnClientConnected(pb.ClientConnectedRequest(), timeout=CALL_TIMEOUT_S), "clientid is empty"),
+        (
+            lambda: stub.OnMessagePublish(
+                pb.MessagePublishRequest(message=emqx_message("x1", "a/+/b", b"p")), timeout=CALL_TIMEOUT_S
+            ),
+            "wildcards",
+        ),
+        (
+            lambda: stub.OnMessagePublish(
+                pb.MessagePublishRequest(message=emqx_message("x2", "a/b", b"p", qos=5)), timeout=CALL_TIMEOUT_S
+            ),
+            "qos must be 0, 1 or 2",
+        ),
+        (lambda: stub.OnMessagePublish(pb.MessagePublishRequest(), timeout=CALL_TIMEOUT_S), "message is missing"),
+        (
+            lambda: stub.OnSessionSubscribed(
+                pb.SessionSubscribedRequest(clientinfo=info("sub-x"), topic="a/#/b"), timeout=CALL_TIMEOUT_S
+            ),
+            "'#' must be the last level",
+        ),
+        (
+            lambda: stub.OnSessionSubscribed(
+                pb.SessionSubscribedRequest(clientinfo=info("sub-x"), topic="$share/g"), timeout=CALL_TIMEOUT_S
+            ),
+            "invalid shared subscription",
+        ),
+    ]
+    for call, expected in bad_calls:
+        with pytest.raises(grpc.RpcError) as failure:
+            call()
+        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failure.value.details()
+        assert expected in failure.value.details() and "invalid request" in failure.value.details()
+
+    # Bytes that are no protobuf message at all.
+    raw = provider.channel.unary_unary("/emqx.exhook.v3.HookProvider/OnMessagePublish")
+    with pytest.raises(grpc.RpcError) as failure:
+        raw(b"\xff\xff\xff\xff", timeout=CALL_TIMEOUT_S)
+    # gRPC itself refuses them, before the provider sees them.
+    assert failure.value.code() == grpc.StatusCode.UNKNOWN
+    assert "Error parsing message with type 'emqx.exhook.v3.MessagePublishRequest'" in failure.value.details()
+
+    # Still serving, and still storing.
+    loaded = stub.OnProviderLoaded(pb.ProviderLoadedRequest(), timeout=CALL_TIMEOUT_S)
+    assert "message.publish" in [spec.name for spec in loaded.hooks]
+    publish(provider, emqx_message("after-errors", "queue/after", b"still here"))
+    assert payloads(mqds.fetch_offline("anyone", "queue/after", mode="queue")) == [b"still here"]
+
+
+def test_ctrl_c_prints_what_was_handled(provider: Provider) -> None:
+    code, out = provider.stop()
+    assert code == 0, out
+    assert out.startswith("mqds exhook: stopped; handled "), out
+    lines = {line.strip().split(": ", 1)[0]: line.strip().split(": ", 1)[1] for line in out.splitlines()[1:]}
+    counts = {
+        part: {name: int(n) for name, n in (item.rsplit(" ", 1) for item in text.split(", "))}
+        for part, text in lines.items()
+    }
+    calls, errors, done = counts["calls"], counts["errors"], counts["done"]
+    # Publishes: 8 in the lifecycle, 3 refused and 1 more after them (the undecodable bytes never reach it).
+    assert calls["OnMessagePublish"] == 12 and errors["OnMessagePublish"] == 3
+    assert calls["OnMessageAcked"] == 3 and calls["OnClientConnected"] == 3 and errors["OnClientConnected"] == 1
+    assert errors == {"OnClientConnected": 1, "OnMessagePublish": 3, "OnSessionSubscribed": 2}
+    assert calls["OnClientConnect"] == 1 and calls["OnMessageDelivered"] == 2
+    assert {name: done.get(name) for name in ("stored", "retained", "retained deleted", "acked")} == {
+        "stored": 8,  # QoS 1/2 only: the QoS 0 message was not kept
+        "retained": 1,
+        "retained deleted": 1,
+        "acked": 2,
+    }
+    assert done["acks of unknown messages"] == 1
+    assert done["late disconnects ignored"] == 1 and done["clients disconnected"] == 1
+    # What ExHook cannot hand back to EMQX is counted: the reconnect's lookup and the resubscription's backlog.
+    assert done["proxy subscriptions found"] == 2 and done["offline messages found"] == 4
+
+
+def run(coro: Coroutine[Any, Any, T], timeout_s: float = 60) -> T:
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+def test_dispatcher_with_dynamodb_rules(cluster: LocalCluster, mqds: Client) -> None:
+    """Queue delivery with QoS 0 kept, shared subscriptions, and acknowledgements after a dispatcher restart."""
+    config = load_config(EXAMPLES / "dynamodb-style.toml")
+
+    async def scenario() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with aio.Client(cluster.addresses, timeout_s=CALL_TIMEOUT_S) as client:
+            hooks = BrokerHooks(client, config, node="amqtt-1")
+            assert await hooks.client_connected("worker-1") == {}  # no lookup on client.connected here
+            assert await hooks.session_created("worker-1") == {}
+            first = await hooks.session_subscribed("worker-1", "$share/pool/dyn/jobs/+", 1)
+            out["first"] = first
+            stored = [
+                await hooks.message_publish(Message(topic=f"dyn/jobs/{n}", payload=f"job{n}".encode(), sender="p"))
+                for n in range(3)
+            ]
+            out["stored"] = stored
+            out["retained_publish"] = await hooks.message_publish(
+                Message(topic="dyn/state", payload=b"up", sender="p", qos=1, retain=True)
+            )
+            # The dispatcher is gone (a broker restart); a new one must find the subscription in mqds.
+            hooks = BrokerHooks(client, config, node="amqtt-1")
+            assert hooks.known_filters("worker-1") == {}
+            await hooks.message_acked("worker-1", stored[0])
+            out["after_ack"] = await client.fetch_offline("x", "dyn/jobs/+", mode="queue", include_qos0=True)
+            out["known"] = hooks.known_filters("worker-1")
+            out["second"] = await hooks.session_subscribed("worker-2", "dyn/#", 1)
+            out["lookup"] = await hooks.session_created("worker-1")
+            with pytest.raises(ValueError, match="stored position"):
+                await hooks.message_acked("worker-1", Message(topic="dyn/jobs/1", payload=b"job1"))
+            await hooks.client_disconnected("worker-1")
+            out["stats"] = dict(hooks.stats)
+        return out
+
+    got = run(scenario())
+    assert got["first"].messages == [] and got["first"].modes == {"dyn/jobs/+": "queue"}
+    # on_message_store keeps QoS 0 messages, and the queue fetch includes them.
+    assert [m.qos for m in got["stored"]] == [0, 0, 0] and all(m.shard is not None for m in got["stored"])
+    assert got["retained_publish"] is not None  # stored too: on_message_store keeps every message
+    assert payloads(got["after_ack"]) == [b"job1", b"job2"]
+    assert got["known"] == {"dyn/jobs/+": 1}
+    second = got["second"]
+    assert payloads(second.offline) == [b"job1", b"job2", b"up"] and second.modes == {"dyn/#": "queue"}
+    assert [(m.topic, m.payload) for m in second.retained] == [("dyn/state", b"up")]
+    assert second.messages == second.offline + second.retained
+    # The shared subscription was stored as given, prefix and all.
+    assert got["lookup"] == {"$share/pool/dyn/jobs/+": 1}
+    assert mqds.subscriptions("worker-1") == {"$share/pool/dyn/jobs/+": 1}
+    state = mqds.client_state("worker-1")
+    assert state is not None and not state.online and state.node == "amqtt-1"
+    # The restarted dispatcher read stored subscriptions for worker-1's ack and worker-2's first subscription.
+    assert got["stats"]["subscription_cache_misses"] == 2 and got["stats"]["acked"] == 1
+
+
+def test_mqds_exhook_refuses_what_it_cannot_serve(cluster: LocalCluster, tmp_path: Path) -> None:
+    endpoints = ",".join(cluster.addresses)
+    config = str(EXAMPLES / "cassandra-style.yaml")
+
+    def exhook(*args: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([MQDS, *args], capture_output=True, text=True, timeout=60)
+        assert "Traceback" not in done.stderr, done.stderr
+        return done
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[rule]]\nhook = "message.publish"\naction = "on_message_fetch"\n')
+    refused = exhook("--endpoints", endpoints, "exhook", "--config", str(bad), "--listen", "127.0.0.1:0")
+    assert refused.returncode == 2
+    assert f"mqds exhook: {bad}: rule 1 (message.publish -> on_message_fetch): on_message_fetch does not run" in (
+        refused.stderr
+    )
+    # The listening port of a node is taken: refused, not shared.
+    taken = exhook("--endpoints", endpoints, "exhook", "--config", config, "--listen", cluster.addresses[0])
+    assert taken.returncode == 1 and f"cannot listen on {cluster.addresses[0]}" in taken.stderr, taken.stderr
+    nobody = f"127.0.0.1:{free_port()}"
+    unreachable = exhook("--endpoints", nobody, "--timeout", "2", "exhook", "--config", config)
+    assert unreachable.returncode == 1 and f"cannot reach the mqds cluster at {nobody}" in unreachable.stderr
+    assert exhook("exhook", "--config", config, "--ack-cache-size", "0").returncode == 2
