@@ -1208,3 +1208,35 @@ def test_dedup_is_the_same_on_replicas_whatever_their_restarts(tmp_path: Path, e
 
 def shard_meta(storage: ShardStorage, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
     return storage._scan(storage._db, prefix)
+
+
+def test_reads_up_to_a_fence_are_repeatable_and_end_there(shard: ShardStorage) -> None:
+    shard.store([pb.Message(topic=f"f/{i % 3}/x", payload=str(i).encode()) for i in range(30)], 1000)
+    fence = shard.last_ts
+    shard.store([pb.Message(topic="f/1/x", payload=b"after")], 2000)
+
+    def read(topic_filter: str, fence_us: int | None, batch: int) -> list[int]:
+        seen: list[int] = []
+        for ref in shard.get_streams(topic_filter.split("/"), 0):
+            state = shard.make_iterator(ref.generation, ref.stream, topic_filter, 0)
+            while True:
+                result = shard.next(state, batch, fence_us)
+                seen.extend(ts for ts, _ in result.entries)
+                if result.end_of_stream or (fence_us is None and not result.entries):
+                    break
+                state = result.state
+        return sorted(seen)
+
+    for topic_filter in ("f/+/x", "f/1/x", "#"):
+        fenced = read(topic_filter, fence, 4)
+        assert fenced and max(fenced) <= fence, topic_filter
+        assert fenced == [ts for ts in read(topic_filter, None, 100) if ts <= fence], topic_filter
+    # The current generation without a fence never ends; with a fence it does.
+    ref = shard.get_streams(["#"], 0)[0]
+    state = shard.make_iterator(ref.generation, ref.stream, "#", 0)
+    assert not shard.next(state, 1000).end_of_stream
+    assert shard.next(state, 1000, fence).end_of_stream
+    # A fence the shard has not reached yet is refused: the answer could still change.
+    with pytest.raises(MqdsError) as behind:
+        shard.next(state, 10, shard.last_ts + 1)
+    assert behind.value.reason is Reason.REPLICA_BEHIND

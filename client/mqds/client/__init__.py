@@ -10,12 +10,13 @@
 from mqds.client import aio, errors
 from mqds.client.client import Client
 from mqds.client.connection import ConnectionSettings
-from mqds.client.model import ClientState, Generation, Iterator, Message, NextResult, Rank, Stream
+from mqds.client.model import ClientState, Fence, Generation, Iterator, Message, NextResult, Rank, Stream
 
 __all__ = [
     "Client",
     "ClientState",
     "ConnectionSettings",
+    "Fence",
     "Generation",
     "Iterator",
     "Message",

@@ -16,7 +16,7 @@ import grpc
 
 from mqds.client import operations as ops
 from mqds.client.connection import DEFAULT_MAX_MESSAGE_BYTES, ConnectionSettings, parse_endpoints, resolve_settings
-from mqds.client.model import ClientState, Generation, Iterator, Message, NextResult, Rank, Stream
+from mqds.client.model import ClientState, Fence, Generation, Iterator, Message, NextResult, Rank, Stream
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.routing import Backoff, Fanout, Router, ShardFailures
 from mqds.protocol.errors import MqdsError
@@ -237,14 +237,30 @@ class Client:
         return self._shard_call(ops.make_iterator(stream, topic_filter, start_time_us, stale_ok), timeout_s)
 
     def next(
-        self, iterator: Iterator, batch_size: int = 100, *, stale_ok: bool = False, timeout_s: float | None = None
+        self,
+        iterator: Iterator,
+        batch_size: int = 100,
+        *,
+        stale_ok: bool = False,
+        timeout_s: float | None = None,
+        fence_us: int | None = None,
     ) -> NextResult:
         """Up to ``batch_size`` messages after ``iterator``, and the advanced iterator.
 
         Iterators are positions, not sessions: after a leader change the call
         continues on the new leader, with no message skipped or repeated.
+        With ``fence_us`` (a :class:`Fence`'s ``timestamp_us``), only messages
+        stored at or before it, and ``end_of_stream`` once they are all read;
+        with ``stale_ok`` too, any replica that applied that far answers (one
+        that has not is skipped), and every answer is the same.
         """
-        return self._shard_call(ops.next_batch(iterator, batch_size, stale_ok), timeout_s)
+        return self._shard_call(ops.next_batch(iterator, batch_size, stale_ok, fence_us), timeout_s)
+
+    def get_fences(
+        self, shards: Iterable[int] | None = None, *, stale_ok: bool = False, timeout_s: float | None = None
+    ) -> list[Fence]:
+        """The read fence of each shard (or of ``shards``), in shard order: see :class:`Fence`."""
+        return self._fanout_call(ops.get_fences(None if shards is None else list(shards), stale_ok), timeout_s)
 
     def _stream_messages(
         self, stream: Stream, topic_filter: str, start_time_us: int, batch_size: int, stale_ok: bool

@@ -157,6 +157,25 @@ class Generation:
 
 
 @dataclass(frozen=True)
+class Fence:
+    """Where a shard stands: the last timestamp it assigned, its applied index and its generations.
+
+    Reading a shard up to ``timestamp_us`` (``Client.next(..., fence_us=...)``)
+    returns the same messages from any replica, at any later time (until
+    retention drops a generation): a consistent snapshot of the shard.
+    """
+
+    shard: int
+    timestamp_us: int
+    applied_index: int
+    generations: tuple[Generation, ...]
+
+    @classmethod
+    def from_pb(cls, f: pb.Fence) -> Fence:
+        return cls(f.shard, f.timestamp_us, f.applied_index, tuple(Generation.from_pb(g) for g in f.generations))
+
+
+@dataclass(frozen=True)
 class ClientState:
     """What mqds knows of a client's connection: online or not, on which broker node, since when.
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from mqds.client.model import ClientState, Generation, Iterator, Message, NextResult, Rank, Stream
+from mqds.client.model import ClientState, Fence, Generation, Iterator, Message, NextResult, Rank, Stream
 from mqds.client.routing import ShardFailures
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, PartialBatchError
@@ -94,9 +94,24 @@ def _next_result(response: pb.NextResponse) -> NextResult:
     )
 
 
-def next_batch(iterator: Iterator, batch_size: int, stale_ok: bool) -> ShardCall[NextResult]:
-    request = pb.NextRequest(iterator=iterator.to_pb(), batch_size=batch_size, stale_ok=stale_ok)
+def next_batch(
+    iterator: Iterator, batch_size: int, stale_ok: bool, fence_us: int | None = None
+) -> ShardCall[NextResult]:
+    request = pb.NextRequest(
+        iterator=iterator.to_pb(), batch_size=batch_size, stale_ok=stale_ok, fence_us=fence_us or 0
+    )
     return ShardCall("Next", iterator.shard, request, _next_result, stale_ok)
+
+
+def get_fences(shards: Sequence[int] | None, stale_ok: bool) -> FanoutCall[Fence]:
+    return FanoutCall(
+        "GetFences",
+        shards,
+        lambda group: pb.GetFencesRequest(shards=group, stale_ok=stale_ok),
+        lambda response: [Fence.from_pb(f) for f in response.fences],
+        lambda f: f.shard,
+        stale_ok,
+    )
 
 
 def _generations(response: Any) -> list[Generation]:

@@ -271,6 +271,8 @@ class ShardRetry:
             self._tried_replicas += 1
             if self.shard is not None:
                 self.table.forget_leader(self.shard)
+        elif err.reason is Reason.REPLICA_BEHIND:
+            self._tried_replicas += 1  # the next replica may have applied further
         elif err.reason in _REDIRECTS:
             if self.table.learn(err, self.shard):
                 return False

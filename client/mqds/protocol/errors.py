@@ -177,6 +177,9 @@ class Reason(enum.Enum):
     # The node holds no replica of the shard; the metadata lists the nodes
     # that do ("replicas").
     NOT_HOSTED = "NOT_HOSTED"
+    # A stale_ok read with a fence reached a replica that has not applied up
+    # to the fence yet; another replica (or this one, later) can answer.
+    REPLICA_BEHIND = "REPLICA_BEHIND"
     # Too much is waiting to be committed; back off and retry.
     OVERLOADED = "OVERLOADED"
     # Another membership change of the group is not committed yet.
@@ -232,6 +235,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.NOT_LEADER: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, True, NotLeaderError),
     Reason.NO_LEADER: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, True, UnavailableError),
     Reason.NOT_HOSTED: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, True, NotLeaderError),
+    Reason.REPLICA_BEHIND: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, False, UnavailableError),
     Reason.OVERLOADED: ReasonInfo(grpc.StatusCode.RESOURCE_EXHAUSTED, True, False, UnavailableError),
     Reason.MEMBERSHIP_CHANGE_IN_PROGRESS: ReasonInfo(grpc.StatusCode.ABORTED, True, False, FailedPreconditionError),
     Reason.UNKNOWN_NODE: ReasonInfo(_NF, False, False, NotFoundError),

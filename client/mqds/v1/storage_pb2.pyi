@@ -156,14 +156,16 @@ class MakeIteratorResponse(_message.Message):
     def __init__(self, iterator: _Optional[_Union[IteratorToken, _Mapping]] = ...) -> None: ...
 
 class NextRequest(_message.Message):
-    __slots__ = ("iterator", "batch_size", "stale_ok")
+    __slots__ = ("iterator", "batch_size", "stale_ok", "fence_us")
     ITERATOR_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     STALE_OK_FIELD_NUMBER: _ClassVar[int]
+    FENCE_US_FIELD_NUMBER: _ClassVar[int]
     iterator: IteratorToken
     batch_size: int
     stale_ok: bool
-    def __init__(self, iterator: _Optional[_Union[IteratorToken, _Mapping]] = ..., batch_size: _Optional[int] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
+    fence_us: int
+    def __init__(self, iterator: _Optional[_Union[IteratorToken, _Mapping]] = ..., batch_size: _Optional[int] = ..., stale_ok: _Optional[bool] = ..., fence_us: _Optional[int] = ...) -> None: ...
 
 class NextResponse(_message.Message):
     __slots__ = ("messages", "iterator", "end_of_stream")
@@ -224,6 +226,32 @@ class ListGenerationsResponse(_message.Message):
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ...) -> None: ...
+
+class GetFencesRequest(_message.Message):
+    __slots__ = ("shards", "stale_ok")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    STALE_OK_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    stale_ok: bool
+    def __init__(self, shards: _Optional[_Iterable[int]] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
+
+class Fence(_message.Message):
+    __slots__ = ("shard", "timestamp_us", "applied_index", "generations")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_US_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_INDEX_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    timestamp_us: int
+    applied_index: int
+    generations: _containers.RepeatedCompositeFieldContainer[Generation]
+    def __init__(self, shard: _Optional[int] = ..., timestamp_us: _Optional[int] = ..., applied_index: _Optional[int] = ..., generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ...) -> None: ...
+
+class GetFencesResponse(_message.Message):
+    __slots__ = ("fences",)
+    FENCES_FIELD_NUMBER: _ClassVar[int]
+    fences: _containers.RepeatedCompositeFieldContainer[Fence]
+    def __init__(self, fences: _Optional[_Iterable[_Union[Fence, _Mapping]]] = ...) -> None: ...
 
 class DropGenerationRequest(_message.Message):
     __slots__ = ("shard", "generation")

@@ -69,6 +69,11 @@ class StorageStub:
                 request_serializer=mqds_dot_v1_dot_storage__pb2.ListGenerationsRequest.SerializeToString,
                 response_deserializer=mqds_dot_v1_dot_storage__pb2.ListGenerationsResponse.FromString,
                 _registered_method=True)
+        self.GetFences = channel.unary_unary(
+                '/mqds.v1.Storage/GetFences',
+                request_serializer=mqds_dot_v1_dot_storage__pb2.GetFencesRequest.SerializeToString,
+                response_deserializer=mqds_dot_v1_dot_storage__pb2.GetFencesResponse.FromString,
+                _registered_method=True)
         self.DropGeneration = channel.unary_unary(
                 '/mqds.v1.Storage/DropGeneration',
                 request_serializer=mqds_dot_v1_dot_storage__pb2.DropGenerationRequest.SerializeToString,
@@ -132,6 +137,16 @@ class StorageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetFences(self, request, context):
+        """The read fence of each shard: the last timestamp it assigned, and its
+        generations. Reading up to a fence (NextRequest.fence_us) gives the same
+        messages from any replica that has applied past it, whenever it is read:
+        a consistent snapshot of the shard, as the Spark connector pins it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DropGeneration(self, request, context):
         """Drops a closed generation and frees its disk. Dropping the current
         generation is refused with FAILED_PRECONDITION.
@@ -172,6 +187,11 @@ def add_StorageServicer_to_server(servicer, server):
                     servicer.ListGenerations,
                     request_deserializer=mqds_dot_v1_dot_storage__pb2.ListGenerationsRequest.FromString,
                     response_serializer=mqds_dot_v1_dot_storage__pb2.ListGenerationsResponse.SerializeToString,
+            ),
+            'GetFences': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetFences,
+                    request_deserializer=mqds_dot_v1_dot_storage__pb2.GetFencesRequest.FromString,
+                    response_serializer=mqds_dot_v1_dot_storage__pb2.GetFencesResponse.SerializeToString,
             ),
             'DropGeneration': grpc.unary_unary_rpc_method_handler(
                     servicer.DropGeneration,
@@ -346,6 +366,33 @@ class Storage:
             '/mqds.v1.Storage/ListGenerations',
             mqds_dot_v1_dot_storage__pb2.ListGenerationsRequest.SerializeToString,
             mqds_dot_v1_dot_storage__pb2.ListGenerationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetFences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mqds.v1.Storage/GetFences',
+            mqds_dot_v1_dot_storage__pb2.GetFencesRequest.SerializeToString,
+            mqds_dot_v1_dot_storage__pb2.GetFencesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -349,7 +349,7 @@ class StorageService(ShardsAPI):
             )
         (vnode,) = self._read(self._shard_numbers(state.shard, False), request.stale_ok)
         with vnode.replica.reading() as storage:
-            result = storage.next(state, min(request.batch_size, self.max_next_batch))
+            result = storage.next(state, min(request.batch_size, self.max_next_batch), request.fence_us or None)
             shard = storage.shard
             body = encode_messages(_MESSAGES_TAG, result.entries, shard)
         token_bytes = pb.IteratorToken(
@@ -381,6 +381,16 @@ class StorageService(ShardsAPI):
         for vnode in self._read(numbers, request.stale_ok):
             with vnode.replica.reading() as storage:
                 response.generations.extend(self._generation(info) for info in storage.generations())
+        return response
+
+    def GetFences(self, request: pb.GetFencesRequest) -> pb.GetFencesResponse:
+        response = pb.GetFencesResponse()
+        for vnode in self._read(sorted(self._shard_numbers(0, True, request.shards)), request.stale_ok):
+            with vnode.replica.reading() as storage:
+                fence = response.fences.add(
+                    shard=vnode.shard, timestamp_us=storage.last_ts, applied_index=storage.applied_index
+                )
+                fence.generations.extend(self._generation(info) for info in storage.generations())
         return response
 
     def DropGeneration(self, request: pb.DropGenerationRequest) -> pb.DropGenerationResponse:

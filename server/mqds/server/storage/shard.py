@@ -43,6 +43,9 @@ from mqds.v1 import storage_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+# "No fence": above every timestamp.
+_NO_FENCE = 1 << 64
+
 # How many topic -> key-prefix routes a shard caches before starting over.
 _ROUTE_CACHE_LIMIT = 100_000
 
@@ -561,8 +564,14 @@ class ShardStorage:
             )
         return IteratorState(self.shard, generation, stream, topic_filter, start_time_us)
 
-    def next(self, state: IteratorState, batch_size: int) -> ReadResult:
-        """Read up to ``batch_size`` messages after the iterator's position."""
+    def next(self, state: IteratorState, batch_size: int, fence_us: int | None = None) -> ReadResult:
+        """Read up to ``batch_size`` messages after the iterator's position.
+
+        With ``fence_us``, only messages stored at or before it, and the stream
+        ends once they are all read: nothing at or before the fence can come
+        any more once this replica assigned it (timestamps only grow). A
+        replica that has not assigned the fence yet refuses (REPLICA_BEHIND).
+        """
         with self._lock:
             gen = self._generation(state.generation)
             if not self.trie.is_stream(state.stream):
@@ -571,22 +580,30 @@ class ShardStorage:
             # Read before scanning: a generation closed after this point is
             # reported as ended by the next call, never too early.
             closed = gen.record.until_us is not None
+            if fence_us is not None and self.last_ts < fence_us:
+                raise errors.error(
+                    Reason.REPLICA_BEHIND,
+                    f"this replica of shard {self.shard} has applied up to timestamp {self.last_ts}, "
+                    f"not yet the fence {fence_us}",
+                )
+        fenced = fence_us is not None
+        limit = fence_us if fence_us is not None else _NO_FENCE
         filter_levels = state.topic_filter.split("/")
         constraints = filter_constraints(pattern, filter_levels)
         if constraints is None:
-            return ReadResult([], state, closed)
+            return ReadResult([], state, closed or fenced)
         indexed = {level: value for level, value in constraints.items() if level < keys.MAX_INDEXED_LEVELS}
         if indexed:
-            entries, next_ts, exhausted = self._scan_index(gen, state, indexed, filter_levels, batch_size)
+            entries, next_ts, exhausted = self._scan_index(gen, state, indexed, filter_levels, batch_size, limit)
         else:
             # Constraints only on levels too deep to be indexed: scan the
             # stream and check each topic.
             check = filter_levels if constraints else None
-            entries, next_ts, exhausted = self._scan_stream(gen, state, batch_size, check)
-        return ReadResult(entries, state.advanced(next_ts), closed and exhausted)
+            entries, next_ts, exhausted = self._scan_stream(gen, state, batch_size, check, limit)
+        return ReadResult(entries, state.advanced(next_ts), (closed or fenced) and exhausted)
 
     def _scan_stream(
-        self, gen: _Generation, state: IteratorState, batch_size: int, check: list[str] | None
+        self, gen: _Generation, state: IteratorState, batch_size: int, check: list[str] | None, limit: int
     ) -> tuple[list[tuple[int, bytes]], int, bool]:
         prefix = keys.data_prefix(state.stream)
         entries: list[tuple[int, bytes]] = []
@@ -597,11 +614,13 @@ class ShardStorage:
         for key, value in gen.cf.items(from_key=prefix + keys.u64(state.next_ts)):
             if not key.startswith(prefix):
                 break
+            ts = int.from_bytes(key[5:13], "big")
+            if ts > limit:
+                break
             if len(entries) == batch_size:
                 exhausted = False
                 break
             scanned += 1
-            ts = int.from_bytes(key[5:13], "big")
             next_ts = ts + 1
             if check is None or matches_levels(check, parse(value).topic.split("/")):
                 entries.append((ts, value))
@@ -615,6 +634,7 @@ class ShardStorage:
         constraints: dict[int, str],
         filter_levels: list[str],
         batch_size: int,
+        limit: int,
     ) -> tuple[list[tuple[int, bytes]], int, bool]:
         level = min(constraints)
         prefix = keys.index_prefix(state.stream, level, constraints[level])
@@ -631,7 +651,11 @@ class ShardStorage:
                 if not key.startswith(prefix):
                     exhausted = True
                     break
-                stamps.append(int.from_bytes(key[width : width + 8], "big"))
+                ts = int.from_bytes(key[width : width + 8], "big")
+                if ts > limit:
+                    exhausted = True
+                    break
+                stamps.append(ts)
                 if len(stamps) == wanted:
                     break
             else:
@@ -648,7 +672,7 @@ class ShardStorage:
                     entries.append((ts, value))
         if not exhausted:
             for key, _ in index:
-                exhausted = not key.startswith(prefix)
+                exhausted = not key.startswith(prefix) or int.from_bytes(key[width : width + 8], "big") > limit
                 self.keys_read += 1
                 break
             else:
