@@ -53,6 +53,7 @@ def test_every_replica_returns_the_same_snapshot_up_to_the_fence(cluster: LocalC
         assert [f.shard for f in fences] == list(range(N_SHARDS))
         assert all(f.timestamp_us > 0 and f.applied_index > 0 and f.generations for f in fences)
         assert fences[0].generations[-1].current
+        assert all(len(f.estimated_keys) == len(f.generations) for f in fences)
         # Writes after the fence are not part of the snapshot.
         client.store_batch([Message(f"fence/{i % 4}/v", b"later", sender=f"s{i % 6}") for i in range(60)])
         for fence in fences:

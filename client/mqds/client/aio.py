@@ -313,10 +313,20 @@ class Client:
     # -- reads ---------------------------------------------------------------
 
     async def get_streams(
-        self, topic_filter: str, start_time_us: int = 0, *, stale_ok: bool = False, timeout_s: float | None = None
+        self,
+        topic_filter: str,
+        start_time_us: int = 0,
+        *,
+        stale_ok: bool = False,
+        timeout_s: float | None = None,
+        shards: Iterable[int] | None = None,
     ) -> list[tuple[Rank, Stream]]:
-        """The streams that may hold messages matching ``topic_filter`` at or after ``start_time_us``, by rank."""
-        return await self._fanout_call(ops.get_streams(topic_filter, start_time_us, stale_ok), timeout_s)
+        """The streams that may hold messages matching ``topic_filter`` at or after ``start_time_us``, by rank.
+
+        ``shards`` limits the question to those shards (default: every shard).
+        """
+        chosen = None if shards is None else list(shards)
+        return await self._fanout_call(ops.get_streams(topic_filter, start_time_us, stale_ok, chosen), timeout_s)
 
     async def make_iterator(
         self,

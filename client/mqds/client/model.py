@@ -169,10 +169,13 @@ class Fence:
     timestamp_us: int
     applied_index: int
     generations: tuple[Generation, ...]
+    estimated_keys: tuple[int, ...] = ()
+    """Per generation, RocksDB's estimate of its keys (messages and index entries): a size hint."""
 
     @classmethod
     def from_pb(cls, f: pb.Fence) -> Fence:
-        return cls(f.shard, f.timestamp_us, f.applied_index, tuple(Generation.from_pb(g) for g in f.generations))
+        generations = tuple(Generation.from_pb(g) for g in f.generations)
+        return cls(f.shard, f.timestamp_us, f.applied_index, generations, tuple(f.estimated_keys))
 
 
 @dataclass(frozen=True)

@@ -67,10 +67,12 @@ def _ranked(response: pb.GetStreamsResponse) -> list[tuple[Rank, Stream]]:
     return [(Rank(s.rank.shard, s.rank.generation), Stream.from_pb(s.stream)) for s in response.streams]
 
 
-def get_streams(topic_filter: str, start_time_us: int, stale_ok: bool) -> FanoutCall[tuple[Rank, Stream]]:
+def get_streams(
+    topic_filter: str, start_time_us: int, stale_ok: bool, shards: Sequence[int] | None = None
+) -> FanoutCall[tuple[Rank, Stream]]:
     return FanoutCall(
         "GetStreams",
-        None,
+        shards,
         lambda shards: pb.GetStreamsRequest(
             topic_filter=topic_filter, start_time_us=start_time_us, shards=shards, stale_ok=stale_ok
         ),

@@ -236,16 +236,18 @@ class GetFencesRequest(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[int]] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
 
 class Fence(_message.Message):
-    __slots__ = ("shard", "timestamp_us", "applied_index", "generations")
+    __slots__ = ("shard", "timestamp_us", "applied_index", "generations", "estimated_keys")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_US_FIELD_NUMBER: _ClassVar[int]
     APPLIED_INDEX_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_KEYS_FIELD_NUMBER: _ClassVar[int]
     shard: int
     timestamp_us: int
     applied_index: int
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
-    def __init__(self, shard: _Optional[int] = ..., timestamp_us: _Optional[int] = ..., applied_index: _Optional[int] = ..., generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ...) -> None: ...
+    estimated_keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shard: _Optional[int] = ..., timestamp_us: _Optional[int] = ..., applied_index: _Optional[int] = ..., generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., estimated_keys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetFencesResponse(_message.Message):
     __slots__ = ("fences",)

@@ -390,7 +390,9 @@ class StorageService(ShardsAPI):
                 fence = response.fences.add(
                     shard=vnode.shard, timestamp_us=storage.last_ts, applied_index=storage.applied_index
                 )
-                fence.generations.extend(self._generation(info) for info in storage.generations())
+                infos = storage.generations()
+                fence.generations.extend(self._generation(info) for info in infos)
+                fence.estimated_keys.extend(storage.estimated_keys(info.generation) for info in infos)
         return response
 
     def DropGeneration(self, request: pb.DropGenerationRequest) -> pb.DropGenerationResponse:

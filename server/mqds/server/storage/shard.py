@@ -526,6 +526,17 @@ class ShardStorage:
         with self._lock:
             return [self._info(self._gens[n]) for n in sorted(self._gens)]
 
+    def estimated_keys(self, number: int) -> int:
+        """RocksDB's estimate of the keys in a generation (messages and index entries); 0 if unknown."""
+        with self._lock:
+            gen = self._gens.get(number)
+            if gen is None:
+                return 0
+            try:
+                return int(gen.cf.property_int_value("rocksdb.estimate-num-keys") or 0)
+            except Exception:  # an estimate only
+                return 0
+
     def expired_generations(self, now_us: int, retention_us: int) -> list[int]:
         """Closed generations whose interval ended before ``now_us - retention_us``."""
         with self._lock:
