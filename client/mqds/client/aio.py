@@ -32,7 +32,7 @@ from mqds.client import operations as ops
 from mqds.client.connection import ConnectionSettings, parse_endpoints, resolve_settings
 from mqds.client.model import ClientState, Fence, Generation, Iterator, Message, NextResult, Rank, Stream
 from mqds.client.operations import FanoutCall, ShardCall
-from mqds.client.routing import Backoff, ClusterView, Fanout, MapRefresh, RoutingTable, ShardRetry
+from mqds.client.routing import CREDENTIAL_CODES, Backoff, ClusterView, Fanout, MapRefresh, RoutingTable, ShardRetry
 from mqds.protocol.errors import MqdsError
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
@@ -121,6 +121,9 @@ class AsyncRouter:
             )
             return cmap, ""
         except grpc.RpcError as err:
+            if err.code() in CREDENTIAL_CODES:
+                # Every node checks the same tokens: asking others cannot help.
+                raise self.settings.call_error(err) from None
             log.debug("cluster map from %s failed: %s", address, err.code())
             return None, self.settings.describe_failure(err)
 

@@ -18,6 +18,7 @@ from mqds.protocol.errors import (
     NotFoundError,
     NotLeaderError,
     PartialBatchError,
+    PermissionDeniedError,
     Reason,
     UnavailableError,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "NotFoundError",
     "NotLeaderError",
     "PartialBatchError",
+    "PermissionDeniedError",
     "Reason",
     "UnavailableError",
 ]

@@ -47,6 +47,7 @@ T = TypeVar("T")
 _MIN_REFRESH_INTERVAL_S = 0.1
 
 # Errors after which the node asked may be down: try another replica, refresh.
+CREDENTIAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 _UNREACHABLE = (Reason.UNAVAILABLE, Reason.SHUTTING_DOWN, Reason.DEADLINE_EXCEEDED)
 _REDIRECTS = (Reason.NOT_LEADER, Reason.NOT_HOSTED)
 
@@ -493,6 +494,9 @@ class Router:
                 clpb.GetClusterMapRequest(), timeout=timeout_s, metadata=self.metadata
             ), ""
         except grpc.RpcError as err:
+            if err.code() in CREDENTIAL_CODES:
+                # Every node checks the same tokens: asking others cannot help.
+                raise self.settings.call_error(err) from None
             log.debug("cluster map from %s failed: %s", address, err.code())
             return None, self.settings.describe_failure(err)
 

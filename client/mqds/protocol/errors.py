@@ -95,6 +95,10 @@ class AuthenticationError(MqdsError):
     """The caller did not prove it may make this call (a wrong or missing cluster secret)."""
 
 
+class PermissionDeniedError(MqdsError, PermissionError):
+    """The caller's role does not allow this call (see the node's auth_tokens_file)."""
+
+
 class DeadlineExceededError(MqdsError, TimeoutError):
     """The call did not finish in time; whether it took effect is unknown."""
 
@@ -189,8 +193,11 @@ class Reason(enum.Enum):
     # The request would break a rule of the cluster (e.g. remove the last
     # node, or a node that still holds replicas).
     MEMBERSHIP_REFUSED = "MEMBERSHIP_REFUSED"
-    # The peer did not present the cluster's credentials.
+    # The caller presented no valid token (or, node to node, not the
+    # cluster's credentials).
     UNAUTHENTICATED = "UNAUTHENTICATED"
+    # The caller's token is valid, but its role may not make this call.
+    PERMISSION_DENIED = "PERMISSION_DENIED"
     # The node is shutting down.
     SHUTTING_DOWN = "SHUTTING_DOWN"
     # The node could not be reached (connection refused, reset, no route).
@@ -215,6 +222,8 @@ class ReasonInfo:
 
 _IA = grpc.StatusCode.INVALID_ARGUMENT
 _NF = grpc.StatusCode.NOT_FOUND
+# Over a size limit of the node: gRPC's own code for a message too large.
+_RE = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 # reason -> (gRPC code, retry?, refresh leader?, exception class)
 REASONS: dict[Reason, ReasonInfo] = {
@@ -222,8 +231,8 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.INVALID_TOPIC: ReasonInfo(_IA, False, False, InvalidArgumentError),
     Reason.INVALID_TOPIC_FILTER: ReasonInfo(_IA, False, False, InvalidArgumentError),
     Reason.INVALID_MESSAGE: ReasonInfo(_IA, False, False, InvalidArgumentError),
-    Reason.PAYLOAD_TOO_LARGE: ReasonInfo(_IA, False, False, InvalidArgumentError),
-    Reason.BATCH_TOO_LARGE: ReasonInfo(_IA, False, False, InvalidArgumentError),
+    Reason.PAYLOAD_TOO_LARGE: ReasonInfo(_RE, False, False, InvalidArgumentError),
+    Reason.BATCH_TOO_LARGE: ReasonInfo(_RE, False, False, InvalidArgumentError),
     Reason.INVALID_ITERATOR: ReasonInfo(_IA, False, False, InvalidArgumentError),
     Reason.INVALID_REQUEST: ReasonInfo(_IA, False, False, InvalidArgumentError),
     Reason.INVALID_CLIENTID: ReasonInfo(_IA, False, False, InvalidArgumentError),
@@ -241,6 +250,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.UNKNOWN_NODE: ReasonInfo(_NF, False, False, NotFoundError),
     Reason.MEMBERSHIP_REFUSED: ReasonInfo(grpc.StatusCode.FAILED_PRECONDITION, False, False, FailedPreconditionError),
     Reason.UNAUTHENTICATED: ReasonInfo(grpc.StatusCode.UNAUTHENTICATED, False, False, AuthenticationError),
+    Reason.PERMISSION_DENIED: ReasonInfo(grpc.StatusCode.PERMISSION_DENIED, False, False, PermissionDeniedError),
     Reason.SHUTTING_DOWN: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, True, UnavailableError),
     Reason.UNAVAILABLE: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, True, UnavailableError),
     Reason.DEADLINE_EXCEEDED: ReasonInfo(grpc.StatusCode.DEADLINE_EXCEEDED, True, True, DeadlineExceededError),
@@ -260,6 +270,7 @@ _BY_CODE: dict[grpc.StatusCode, Reason] = {
     grpc.StatusCode.CANCELLED: Reason.UNAVAILABLE,
     grpc.StatusCode.ABORTED: Reason.MEMBERSHIP_CHANGE_IN_PROGRESS,
     grpc.StatusCode.UNAUTHENTICATED: Reason.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED: Reason.PERMISSION_DENIED,
 }
 
 

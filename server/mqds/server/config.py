@@ -37,6 +37,11 @@ class NodeConfig:
         "127.0.0.1:7101", "host:port the gRPC server binds (public API, cluster API, Raft, health, reflection)"
     )
     advertise: str = _opt("", "host:port other nodes and clients dial to reach this node; empty = listen")
+    metrics_listen: str = _opt(
+        "",
+        "host:port of the plain-HTTP Prometheus endpoint (GET /metrics); empty = no endpoint, port 0 = any free "
+        "port (logged). It is unauthenticated: bind it to a private address (e.g. 0.0.0.0:9101 in a pod)",
+    )
     data_dir: str = _opt("data", "directory for this node's databases; created if missing")
     peers: str = _opt(
         "",
@@ -66,6 +71,20 @@ class NodeConfig:
         "PEM CA certificate(s) for client certificates: when set, every client and peer must present a "
         "certificate they signed (mutual TLS); empty = no client certificate required",
     )
+    auth_tokens_file: str = _opt(
+        "",
+        "file of '<role> <token>' lines (roles: reader, broker, admin): clients must send one of these tokens "
+        "as 'authorization: Bearer <token>', and may make the calls of its role; empty = no client "
+        "authentication (every caller may do everything)",
+    )
+    max_calls_per_client: int = _opt(
+        64, "calls one client connection may have in flight on this node; more get OVERLOADED; 0 = no limit"
+    )
+    max_concurrent_rpcs: int = _opt(
+        1024,
+        "calls in flight or queued on this node in all (Raft streams included); more are refused with "
+        "RESOURCE_EXHAUSTED instead of queueing without bound",
+    )
     raft_heartbeat_s: float = _opt(0.2, "how often a Raft leader sends heartbeats, in seconds")
     raft_election_timeout_s: float = _opt(
         1.0, "a follower that hears no leader for this long (to twice as long, at random) starts an election, seconds"
@@ -79,6 +98,11 @@ class NodeConfig:
         5.0,
         "how often a leader hands leadership back to its vnode's preferred replica when that one is caught up; "
         "0 = never",
+    )
+    ready_max_lag_entries: int = _opt(
+        100,
+        "readiness: a hosted replica counts as caught up while it has applied all but at most this many of the "
+        "entries its leader committed (an entry is one logged batch); 0 = must have applied everything",
     )
     fault_injection: bool = _opt(False, "accept InjectFault calls that drop Raft traffic (tests and chaos runs only)")
     fault_clock_offset_s: float = _opt(
@@ -117,6 +141,13 @@ class NodeConfig:
                 continue
             if not _is_address(value):
                 raise ConfigError(f"{name} {value!r}: expected host:port with a port from 1 to 65535")
+        host, sep, port = self.metrics_listen.rpartition(":")
+        if self.metrics_listen and not (sep and host and port.isdigit() and int(port) < 65536):
+            raise ConfigError(
+                f"metrics_listen {self.metrics_listen!r}: expected host:port with a port from 0 to 65535, or empty"
+            )
+        if self.ready_max_lag_entries < 0:
+            raise ConfigError(f"ready_max_lag_entries must be 0 or more, got {self.ready_max_lag_entries}")
         peers = self.peer_map()
         if len(set(peers) - {self.node_id}) and not self.cluster_secret and not self.dev_mode:
             raise ConfigError(
@@ -143,6 +174,7 @@ class NodeConfig:
             "raft_log_max_bytes",
             "write_timeout_s",
             "read_timeout_s",
+            "max_concurrent_rpcs",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -152,7 +184,24 @@ class NodeConfig:
                 f"raft_election_timeout_s ({self.raft_election_timeout_s}) must be at least three heartbeats "
                 f"(raft_heartbeat_s = {self.raft_heartbeat_s})"
             )
-        for name in ("generation_interval_s", "retention_period_s", "shutdown_grace_s", "leader_balance_interval_s"):
+        if self.max_concurrent_rpcs < self.grpc_workers:
+            raise ConfigError(
+                f"max_concurrent_rpcs ({self.max_concurrent_rpcs}) must be at least grpc_workers ({self.grpc_workers})"
+            )
+        if self.auth_tokens_file:
+            from mqds.server.auth import TokenFileError, load_tokens
+
+            try:
+                load_tokens(self.auth_tokens_file)
+            except TokenFileError as err:
+                raise ConfigError(str(err)) from None
+        for name in (
+            "generation_interval_s",
+            "retention_period_s",
+            "shutdown_grace_s",
+            "leader_balance_interval_s",
+            "max_calls_per_client",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.fault_clock_offset_s and not self.fault_injection:

@@ -20,6 +20,7 @@ pid is never signalled.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -301,6 +302,27 @@ class NodeProcess:
         if self.running:
             assert self.pid is not None
             os.kill(self.pid, signal.SIGCONT)
+
+
+class _SecretMetadata(grpc.UnaryUnaryClientInterceptor):
+    """Adds the cluster secret to every unary call of a channel."""
+
+    def __init__(self, secret: str) -> None:
+        self._metadata = ((SECRET_HEADER, secret), (NODE_HEADER, "harness"))
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        metadata = tuple(details.metadata or ()) + self._metadata
+        return continuation(_CallDetails(details.method, details.timeout, metadata, details.credentials), request)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CallDetails(grpc.ClientCallDetails):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None = None
+    compression: Any = None
 
 
 def wait_until(what: str, check: Callable[[], T | None], timeout_s: float, interval_s: float = 0.1) -> T:
@@ -599,10 +621,14 @@ class LocalCluster:
     # -- inspection ------------------------------------------------------------------
 
     def _channel(self, node_id: str) -> grpc.Channel:
+        """A channel whose calls present the cluster secret: the harness inspects nodes as one of them
+        (so it works when the nodes require client tokens, too)."""
         address = self.nodes[node_id].address
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = (self.connection or ConnectionSettings()).open_channel(address)
+            raw = (self.connection or ConnectionSettings()).open_channel(address)
+            channel = grpc.intercept_channel(raw, _SecretMetadata(self.secret))
+            self._channels[address] = channel
         return channel
 
     def cluster_stub(self, node_id: str) -> clpb_grpc.ClusterStub:

@@ -43,6 +43,7 @@ from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.api.handlers import service_handler, unary_handlers
 from mqds.server.api.session_service import SessionService
 from mqds.server.api.storage_service import StorageService, now_us
+from mqds.server.auth import ApiGuard, load_tokens
 from mqds.server.cluster import meta as meta_mod
 from mqds.server.cluster.membership import Membership
 from mqds.server.cluster.v1 import commands_pb2 as cpb
@@ -199,8 +200,13 @@ class Node:
             clock=self.clock,
         )
         self.health = health.HealthServicer()
+        tokens = load_tokens(config.auth_tokens_file) if config.auth_tokens_file else {}
+        self.guard = ApiGuard(tokens, self.auth.is_node, config.max_calls_per_client)
+        """Client authentication, roles and per-client call limits (see mqds.server.auth)."""
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="grpc"),
+            interceptors=(self.guard,),
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", 2 * config.max_request_bytes + 4 * _CHUNK),
@@ -521,7 +527,7 @@ class Node:
                 continue
             try:
                 cmap = clpb_grpc.ClusterStub(self._channel(address)).GetClusterMap(
-                    clpb.GetClusterMapRequest(), timeout=2
+                    clpb.GetClusterMapRequest(), timeout=2, metadata=self.auth.metadata()
                 )
             except grpc.RpcError:
                 continue

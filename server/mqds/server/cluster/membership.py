@@ -198,7 +198,11 @@ class Membership:
             view = ClusterView()
             for replica in meta_mod.placement_of(self._map())[shard]:
                 try:
-                    view.merge(self.node.cluster_stub(replica).GetClusterMap(clpb.GetClusterMapRequest(), timeout=2))
+                    view.merge(
+                        self.node.cluster_stub(replica).GetClusterMap(
+                            clpb.GetClusterMapRequest(), timeout=2, metadata=self.node.auth.metadata()
+                        )
+                    )
                 except (grpc.RpcError, MqdsError):
                     continue
             if shard in view.leaders:
@@ -209,7 +213,9 @@ class Membership:
 
     def _status(self, node_id: str, shard: int) -> clpb.ReplicaStatus | None:
         try:
-            status = self.node.cluster_stub(node_id).GetNodeStatus(clpb.GetNodeStatusRequest(), timeout=5)
+            status = self.node.cluster_stub(node_id).GetNodeStatus(
+                clpb.GetNodeStatusRequest(), timeout=5, metadata=self.node.auth.metadata()
+            )
         except grpc.RpcError:
             return None
         return next((r for r in status.replicas if r.group == shard), None)

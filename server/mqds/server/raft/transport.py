@@ -26,7 +26,7 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -84,6 +84,10 @@ class ClusterAuth:
         if self._secret:
             md.append((SECRET_HEADER, self._secret.decode("utf-8")))
         return md
+
+    def is_node(self, metadata: Mapping[str, str]) -> bool:
+        """Whether a call's metadata carries the cluster secret (the caller is a node of this cluster)."""
+        return bool(self._secret) and hmac.compare_digest(metadata.get(SECRET_HEADER, "").encode("utf-8"), self._secret)
 
     def check(self, context: grpc.ServicerContext) -> tuple[str, str]:
         """The calling node's (id, address); raises UNAUTHENTICATED unless it proved it is one of us."""
