@@ -47,6 +47,12 @@ def test_a_short_mixed_chaos_run_passes(tmp_path: Path) -> None:
     counts = report.result.counts
     assert counts["acked"] > 1000 and counts["lost"] == counts["duplicates"] == counts["unexpected"] == 0
     assert counts["reads_observed"] > 0
+    # Every persistent-session consumer drained and got every acknowledged message it had to get.
+    consumers = {c.name: c for c in report.result.consumers}
+    assert sorted(consumers) == ["chaos-queue-1", "chaos-queue-2", "chaos-sub-1", "chaos-sub-2"]
+    for c in consumers.values():
+        assert c.drained and c.missing == 0 and c.delivered >= c.distinct > 0, c
+    assert consumers["chaos-sub-1"].expected == counts["acked"]
     assert all(c.converged for c in report.result.convergence) and len(report.result.convergence) == opts.shards
     # The wiped node came back by snapshot: its journal had been compacted away.
     wipe = next(f for f in report.faults if f.nemesis == "wipe-node")

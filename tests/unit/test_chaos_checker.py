@@ -2,19 +2,47 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Sequence
 from itertools import islice
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from mqds.chaos import runner
-from mqds.chaos.checker import Convergence, ReplicaState, check, check_reads, longest_gap, write_outages
-from mqds.chaos.history import Ack, FaultRecord, History, ReadMessage, parse_message, payload_of, topic_of
+from mqds.chaos.checker import (
+    CheckResult,
+    Convergence,
+    ReplicaState,
+    check,
+    check_consumers,
+    check_reads,
+    longest_gap,
+    write_outages,
+)
+from mqds.chaos.history import (
+    PUBSUB,
+    QUEUE,
+    Ack,
+    FaultRecord,
+    History,
+    ReadMessage,
+    parse_message,
+    payload_of,
+    topic_of,
+)
 from mqds.chaos.nemesis import NEMESES, Schedule, cut_off
+from mqds.chaos.report import json_report, text_report
+from mqds.chaos.workload import PubsubConsumer, QueueConsumer, SessionConsumer
+from mqds.client import Client, Message
+from mqds.client import errors as E
+from mqds.protocol.topics import matches
 from mqds.server.config import ConfigError, NodeConfig
 
 
-def history_with(acked: dict[tuple[str, int], Ack], attempted_only: list[tuple[str, int]] = ()) -> History:
+def history_with(acked: dict[tuple[str, int], Ack], attempted_only: Sequence[tuple[str, int]] = ()) -> History:
     """A history where ``acked`` were attempted and acknowledged, ``attempted_only`` only attempted."""
     history = History()
     history.record_attempted([*acked, *attempted_only])
@@ -122,6 +150,233 @@ def test_replicas_that_differ_fail_the_run() -> None:
     assert ok.passed
     bad = check(history, stored("a", [0]), [Convergence(0, True, same), Convergence(1, False, differ)], n_shards=2)
     assert bad.violation_counts() == {"not-converged": 1}
+
+
+def consumed(
+    history: History, name: str, mode: str, deliveries: list[ReadMessage], topic_filter: str = "chaos/#"
+) -> None:
+    """Register consumer ``name`` and record ``deliveries`` as its fetches returned them, drained."""
+    history.add_consumer(name, mode, topic_filter).drained = True
+    history.record_delivered(name, deliveries)
+
+
+def consumers_checked(history: History) -> CheckResult:
+    result = CheckResult(counts=history.counts())
+    check_consumers(history, result)
+    return result
+
+
+def test_a_pubsub_consumer_that_missed_an_acknowledged_message_fails() -> None:
+    history = history_with({**acks("a", [0, 1]), **acks("a", [2], at=11.0)}, attempted_only=[("a", 3)])
+    history.faults.append(FaultRecord(1, "partition", ["n3"], "", started=10.0, healed=13.0, recovered=14.0))
+    consumed(history, "sub-1", PUBSUB, stored("a", [0, 1, 2]))
+    consumed(history, "sub-2", PUBSUB, stored("a", [0, 1]))  # a#3 was never acknowledged: not required
+    result = consumers_checked(history)
+    assert result.violation_counts() == {"consumer-lost": 1}
+    (lost,) = result.of_kind("consumer-lost")
+    assert (lost.sender, lost.seq, lost.shard, lost.where) == ("a", 2, 1, "during fault #1 partition")
+    assert "sub-2" in lost.detail
+    assert result.consumer_loss_classes == {"consumer sub-2: shard 1, during fault #1 partition": 1}
+    sub1, sub2 = result.consumers
+    assert (sub1.name, sub1.expected, sub1.missing, sub2.missing) == ("sub-1", 3, 0, 1)
+    assert result.counts["consumer_missing"] == 1
+
+
+def test_redeliveries_pass_and_are_counted_per_consumer() -> None:
+    history = history_with({**acks("a", [0, 1, 2]), **acks("b", [0, 1], shard=2)})
+    # sub-1's acknowledgement of a#0..a#1 was lost: they came again, then the rest.
+    again = [*stored("a", [0, 1]), *stored("a", [0, 1, 2]), *stored("b", [0, 1], shard=2)]
+    consumed(history, "sub-1", PUBSUB, again)
+    consumed(history, "sub-2", PUBSUB, [*stored("a", [0, 1, 2]), *stored("b", [0, 1], shard=2)])
+    result = consumers_checked(history)
+    assert result.passed, result.findings
+    by_name = {c.name: c for c in result.consumers}
+    assert (by_name["sub-1"].delivered, by_name["sub-1"].distinct, by_name["sub-1"].redelivered) == (7, 5, 2)
+    assert by_name["sub-2"].redelivered == 0 and by_name["sub-2"].missing == 0
+    assert result.counts["consumer_redelivered"] == 2 and result.counts["consumer_delivered"] == 12
+    # The report shows them, and the JSON has the same figures.
+    run = {"seed": 1, "nodes": 3, "shards": 4, "nemeses": ["partition"], "elapsed_s": 1.0, "duration_s": 1.0}
+    text = text_report({**run, "network": "hook", "readers": 0}, result, [])
+    assert "every consumer got everything" in text
+    row = next(line for line in text.splitlines() if line.strip().startswith("sub-1"))
+    assert row.split()[:7] == ["sub-1", "pubsub", "chaos/#", "7", "5", "2", "-"]
+    data = json_report(run, result, [])
+    assert data["consumers"][0]["redelivered"] == 2 and data["passed"] is True
+
+
+def test_queue_consumers_cover_their_filter_between_them() -> None:
+    history = history_with({**acks("q", [0, 1, 2, 3]), **acks("other", [0, 1])})
+    # Each got part of the queue, q#1 both (an ack that came too late for the other one); "other" is out of scope.
+    consumed(history, "queue-1", QUEUE, stored("q", [0, 1]), topic_filter="chaos/q/#")
+    consumed(history, "queue-2", QUEUE, [*stored("q", [1, 2, 3]), *stored("q", [3])], topic_filter="chaos/q/#")
+    result = consumers_checked(history)
+    assert result.passed, result.findings
+    one, two = result.consumers
+    assert (one.expected, one.missing, one.also_to_others, one.redelivered) == (4, 0, 1, 0)
+    assert (two.distinct, two.also_to_others, two.redelivered) == (3, 1, 1)
+    # Neither got q#3: one consumer-lost for the pair, not one per consumer.
+    short = history_with(acks("q", [0, 1, 2, 3]))
+    consumed(short, "queue-1", QUEUE, stored("q", [0, 1]), topic_filter="chaos/q/#")
+    consumed(short, "queue-2", QUEUE, stored("q", [1, 2]), topic_filter="chaos/q/#")
+    failed = consumers_checked(short)
+    (lost,) = failed.of_kind("consumer-lost")
+    assert (lost.sender, lost.seq) == ("q", 3) and "queue consumers queue-1,queue-2" in lost.detail
+    assert [c.missing for c in failed.consumers] == [1, 1]
+
+
+def test_a_pubsub_consumer_getting_a_sender_out_of_order_fails() -> None:
+    history = history_with({**acks("a", [0, 1, 2, 3]), **acks("b", [0, 1], shard=2)})
+    # Redelivering a#0 after a#1 is fine; a first delivery of a#2 after a#3 is not.
+    deliveries = [*stored("a", [0, 1, 0]), *stored("b", [0]), *stored("a", [3, 2]), *stored("b", [1])]
+    consumed(history, "sub-1", PUBSUB, deliveries)
+    result = consumers_checked(history)
+    (finding,) = result.of_kind("consumer-order")
+    assert (finding.sender, finding.seq) == ("a", 2) and "after seq 3" in finding.detail
+    assert result.violation_counts() == {"consumer-order": 1}
+    assert result.consumers[0].redelivered == 1
+
+
+def test_a_consumer_delivery_never_attempted_or_not_stored_fails() -> None:
+    history = history_with(acks("a", [0]), attempted_only=[("a", 1)])
+    consumed(history, "sub-1", PUBSUB, [*stored("a", [0, 1]), ReadMessage("ghost", 3, 2, 7)])
+    result = check(history, stored("a", [0]), [], n_shards=4)
+    (ghost,) = result.of_kind("consumer-unexpected")
+    (gone,) = result.of_kind("consumer-vanished")
+    assert (ghost.sender, ghost.seq, gone.sender, gone.seq) == ("ghost", 3, "a", 1)
+    assert result.counts["consumer_unexpected"] == 1
+
+
+def test_a_consumer_that_did_not_drain_says_so_in_its_losses() -> None:
+    history = history_with(acks("a", [0, 1]))
+    history.add_consumer("sub-1", PUBSUB, "chaos/#")
+    history.record_delivered("sub-1", stored("a", [0]))
+    result = consumers_checked(history)
+    (lost,) = result.of_kind("consumer-lost")
+    assert "did not finish draining" in lost.detail and result.consumers[0].drained is False
+    with pytest.raises(ValueError, match="registered twice"):
+        history.add_consumer("sub-1", PUBSUB, "chaos/#")
+
+
+class InMemorySessions:
+    """``fetch_offline``/``ack`` with the semantics of the real ones over fixed stored messages; the first
+    ``failing_acks`` acks and ``failing_fetches`` fetches fail with ``error`` (as faults make them)."""
+
+    def __init__(
+        self, messages: list[Message], failing_acks: int = 0, failing_fetches: int = 0, error: E.MqdsError | None = None
+    ) -> None:
+        self.messages = sorted(messages, key=lambda m: (m.timestamp_us or 0, m.shard or 0))
+        self.positions: dict[tuple[str, str], dict[int, int]] = {}
+        self.queue_acked: set[tuple[int, int]] = set()
+        self.acked: list[tuple[str, int, int]] = []
+        self.failing_acks = failing_acks
+        self.failing_fetches = failing_fetches
+        self.error = error or E.UnavailableError(E.Reason.NO_LEADER, "no leader (injected)")
+        self.lock = threading.Lock()
+
+    def fetch_offline(
+        self,
+        clientid: str,
+        topic_filter: str,
+        mode: str = "pubsub",
+        max_count: int = 500,
+        time_range_s: float | None = None,
+        *,
+        include_qos0: bool = False,
+        timeout_s: float | None = None,
+    ) -> list[Message]:
+        with self.lock:
+            if self.failing_fetches:
+                self.failing_fetches -= 1
+                raise self.error
+            after = self.positions.get((clientid, topic_filter), {})
+            found = [
+                m
+                for m in self.messages
+                if matches(topic_filter, m.topic)
+                and (
+                    (m.shard or 0, m.timestamp_us or 0) not in self.queue_acked
+                    if mode == QUEUE
+                    else (m.timestamp_us or 0) > after.get(m.shard or 0, 0)
+                )
+            ]
+            return found[:max_count]
+
+    def ack(
+        self, clientid: str, topic_filter: str, message: Message, mode: str = "pubsub", timeout_s: float | None = None
+    ) -> None:
+        shard, ts = message.shard or 0, message.timestamp_us or 0
+        with self.lock:
+            if self.failing_acks:
+                self.failing_acks -= 1
+                raise self.error
+            self.acked.append((clientid, shard, ts))
+            if mode == QUEUE:
+                self.queue_acked.add((shard, ts))
+            else:
+                position = self.positions.setdefault((clientid, topic_filter), {})
+                position[shard] = max(position.get(shard, 0), ts)
+
+    def close(self) -> None:
+        pass
+
+
+def as_stored(sender: str, seqs: list[int], shard: int) -> list[Message]:
+    """The workload's messages as fetch_offline returns them (with their positions)."""
+    return [
+        Message(topic_of(sender, s), payload_of(sender, s), sender, 1, timestamp_us=1000 + s, shard=shard) for s in seqs
+    ]
+
+
+def run_to_drained(consumers: Sequence[SessionConsumer]) -> None:
+    for consumer in consumers:
+        consumer.start()
+    time.sleep(0.2)
+    for consumer in consumers:
+        consumer.finish()
+    for consumer in consumers:
+        consumer.thread.join(10)
+        assert not consumer.thread.is_alive()
+
+
+def test_a_pubsub_consumer_gets_again_what_a_lost_ack_left_and_acks_the_last_of_each_shard() -> None:
+    history = history_with({**acks("a", [0, 1, 2]), **acks("b", [0, 1], shard=2)})
+    sessions = InMemorySessions([*as_stored("a", [0, 1, 2], 1), *as_stored("b", [0, 1], 2)], failing_acks=1)
+    consumer = PubsubConsumer("sub-1", lambda: cast(Client, sessions), history, poll_s=0.01)
+    run_to_drained([consumer])
+    # The first fetch's first ack failed: the next fetch gave all five again, then one ack per shard.
+    assert consumer.log.drained and consumer.log.errors == 1 and consumer.log.acks == 2
+    assert sessions.acked == [("sub-1", 1, 1002), ("sub-1", 2, 1001)]
+    assert [m.key for m in history.deliveries("sub-1")] == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2)] * 2
+    result = consumers_checked(history)
+    assert result.passed, result.findings
+    assert result.consumers[0].redelivered == 5 and not history.anomalies
+
+
+def test_queue_consumers_share_the_queue_and_a_non_retriable_error_is_an_anomaly() -> None:
+    history = history_with(acks("q", list(range(30)), shard=3))
+    refused = E.InvalidArgumentError(E.Reason.INVALID_REQUEST, "refused (injected)")
+    sessions = InMemorySessions(as_stored("q", list(range(30)), 3), failing_fetches=1, error=refused)
+    pair = [
+        QueueConsumer(
+            f"queue-{i}",
+            lambda: cast(Client, sessions),
+            history,
+            topic_filter="chaos/q/#",
+            max_count=7,
+            poll_s=0.02,
+            phase_s=0.01 * (i - 1),
+        )
+        for i in (1, 2)
+    ]
+    run_to_drained(pair)
+    assert all(c.log.drained for c in pair)
+    # Every message was acknowledged (one call each), so the queue is empty for both.
+    assert {ts for _, _, ts in sessions.acked} == {1000 + s for s in range(30)}
+    assert sessions.fetch_offline("anyone", "chaos/q/#", mode=QUEUE) == []
+    result = check(history, stored("q", list(range(30)), shard=3), [], n_shards=4)
+    assert result.violation_counts() == {"consumer-error": 1}, result.findings
+    assert sum(c.errors for c in result.consumers) == 1
+    assert result.consumers[0].missing == result.consumers[1].missing == 0
 
 
 def test_longest_gap_measures_the_write_outage_from_the_fault() -> None:

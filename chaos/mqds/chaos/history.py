@@ -8,13 +8,15 @@ so a message read back names itself, and a topic and payload that disagree
 show corruption.
 
 A :class:`History` is filled by the workload threads (thread-safe) and read by
-the checker once the run is over. Times are seconds since the run began
+the checker once the run is over; what each persistent-session consumer was
+delivered is kept per consumer (:class:`ConsumerLog`). Times are seconds since the run began
 (``History.clock``), on the monotonic clock of the process that runs the
 workload and the nemeses, so faults and acknowledgements can be compared.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,7 +42,8 @@ def parse_message(topic: str, payload: bytes) -> MessageKey | None:
     parts = topic.split("/")
     if len(parts) != 3 or parts[0] != TOPIC_ROOT or not parts[2].isdigit():
         return None
-    sender, seq = parts[1], int(parts[2])
+    # Interned: a long run keeps millions of these (final read, readers, consumers), a few senders among them.
+    sender, seq = sys.intern(parts[1]), int(parts[2])
     if payload != payload_of(sender, seq):
         return None
     return sender, seq
@@ -119,6 +122,30 @@ class FaultRecord:
         return self.recovered or self.healed or self.started
 
 
+PUBSUB = "pubsub"  # every subscriber has its own read position and gets every message
+QUEUE = "queue"  # the queue readers share the messages: an acknowledged one is gone for all of them
+
+
+@dataclass
+class ConsumerLog:
+    """What one persistent-session consumer was delivered, in order, redeliveries included.
+
+    ``deliveries`` is appended to under the history's lock (the checker may
+    read it while a consumer that did not stop is still running); the
+    counters are written by the consumer's own thread only.
+    """
+
+    name: str
+    mode: str
+    topic_filter: str
+    deliveries: list[ReadMessage] = field(default_factory=list)
+    fetches: int = 0
+    acks: int = 0
+    errors: int = 0
+    drained: bool = False
+    """A fetch begun after the workload ended came back empty: the consumer had everything."""
+
+
 class History:
     """Everything the workload recorded. Keys are recorded as attempted before they are sent."""
 
@@ -133,6 +160,7 @@ class History:
         self.seen: dict[MessageKey, tuple[int, int]] = {}
         self.reads_observed = 0
         self.faults: list[FaultRecord] = []
+        self.consumers: dict[str, ConsumerLog] = {}
         self.workload_ended: float | None = None
 
     def clock(self) -> float:
@@ -176,6 +204,28 @@ class History:
             for m in messages:
                 self.seen.setdefault(m.key, (m.shard, m.timestamp_us))
 
+    def add_consumer(self, name: str, mode: str, topic_filter: str) -> ConsumerLog:
+        """Register a persistent-session consumer; its deliveries go to the log returned."""
+        if mode not in (PUBSUB, QUEUE):
+            raise ValueError(f"mode must be {PUBSUB!r} or {QUEUE!r}, got {mode!r}")
+        with self._lock:
+            if name in self.consumers:
+                raise ValueError(f"consumer {name!r} registered twice: clientids must be unique")
+            log = self.consumers[name] = ConsumerLog(name, mode, topic_filter)
+            return log
+
+    def record_delivered(self, name: str, messages: list[ReadMessage]) -> None:
+        """One fetch's messages, as consumer ``name`` got them (in order)."""
+        with self._lock:
+            log = self.consumers[name]
+            log.fetches += 1
+            log.deliveries.extend(messages)
+
+    def deliveries(self, name: str) -> list[ReadMessage]:
+        """A copy of what consumer ``name`` was delivered so far."""
+        with self._lock:
+            return list(self.consumers[name].deliveries)
+
     def is_attempted(self, key: MessageKey) -> bool:
         return key in self.attempted
 
@@ -194,4 +244,5 @@ class History:
                 "calls": len(self.attempts),
                 **{f"calls_{k}": v for k, v in outcomes.items()},
                 "reads_observed": self.reads_observed,
+                "consumer_deliveries": sum(len(c.deliveries) for c in self.consumers.values()),
             }

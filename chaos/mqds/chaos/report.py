@@ -6,7 +6,7 @@ from collections import defaultdict
 from typing import Any
 
 from mqds.chaos.checker import EXAMPLES, CheckResult
-from mqds.chaos.history import FaultRecord
+from mqds.chaos.history import QUEUE, FaultRecord
 
 DESCRIPTIONS = {
     "lost": "acknowledged, not read back",
@@ -16,6 +16,12 @@ DESCRIPTIONS = {
     "moved": "read at another position than acknowledged",
     "vanished": "seen by a reader during the run, gone at the end",
     "not-converged": "vnodes whose replicas differ after healing",
+    "consumer-lost": "acknowledged, never delivered to a consumer that had to get it",
+    "consumer-unexpected": "delivered to a consumer, never attempted (or topic and payload disagree)",
+    "consumer-order": "a sender's sequences not increasing in a pubsub consumer's first deliveries",
+    "consumer-vanished": "delivered to a consumer during the run, gone at the end",
+    "consumer-error": "a consumer's fetch or ack failed with a non-retriable error",
+    "consumer-crashed": "a consumer thread died",
 }
 
 
@@ -32,7 +38,10 @@ def text_report(run: dict[str, Any], result: CheckResult, faults: list[FaultReco
     ]
     violations = result.violation_counts()
     if result.passed:
-        lines.append("RESULT: PASS (nothing lost, nothing unexpected, no duplicates, in order, replicas converged)")
+        delivered = ", every consumer got everything" if result.consumers else ""
+        lines.append(
+            f"RESULT: PASS (nothing lost, nothing unexpected, no duplicates, in order, replicas converged{delivered})"
+        )
     else:
         lines.append("RESULT: FAIL (" + ", ".join(f"{k} {v}" for k, v in violations.items()) + ")")
     converged = sum(1 for v in result.convergence if v.converged)
@@ -53,6 +62,7 @@ def text_report(run: dict[str, Any], result: CheckResult, faults: list[FaultReco
         f"  read while running    {c.get('reads_observed', 0):>10,}   by {run['readers']} readers",
         f"  replicas              {converged:>10} of {len(result.convergence)} vnodes converged "
         "(same applied index and digest)",
+        *_consumer_table(result),
         "",
         "fault timeline (outage = longest time a vnode got no acknowledged write, from the fault until 10 s "
         "after recovery)",
@@ -85,6 +95,9 @@ def text_report(run: dict[str, Any], result: CheckResult, faults: list[FaultReco
     if result.loss_classes:
         lines += ["", "lost messages by where they fall"]
         lines += [f"  {count:>8,}  {where}" for where, count in result.loss_classes.items()]
+    if result.consumer_loss_classes:
+        lines += ["", "messages consumers never got, by where their write was acknowledged"]
+        lines += [f"  {count:>8,}  {where}" for where, count in result.consumer_loss_classes.items()]
     if not result.passed:
         lines += ["", f"violations (first {EXAMPLES} of each kind)"]
         by_kind: dict[str, list[str]] = defaultdict(list)
@@ -101,6 +114,27 @@ def text_report(run: dict[str, Any], result: CheckResult, faults: list[FaultReco
                 states = ", ".join(f"{r.node}@{r.applied_index}:{r.sha256[:10]}" for r in conv.replicas)
                 lines.append(f"  not-converged: shard {conv.shard}: {states} {conv.detail}")
     return "\n".join(lines) + "\n"
+
+
+def _consumer_table(result: CheckResult) -> list[str]:
+    """One row per persistent-session consumer (no lines when the run had none)."""
+    if not result.consumers:
+        return []
+    lines = [
+        "",
+        "persistent-session consumers (at-least-once: redeliveries allowed, counted; missing = acknowledged, never",
+        "delivered: for queue consumers, to neither of them; to both = queue messages the other one got too)",
+        f"  {'consumer':<16} {'mode':<6} {'filter':<20} {'delivered':>10} {'distinct':>9} {'redelivered':>11} "
+        f"{'to both':>8} {'missing':>8} {'acks':>8} {'errors':>6}  drained",
+    ]
+    for c in result.consumers:
+        both = f"{c.also_to_others:,}" if c.mode == QUEUE else "-"
+        lines.append(
+            f"  {c.name:<16} {c.mode:<6} {c.topic_filter:<20} {c.delivered:>10,} {c.distinct:>9,} "
+            f"{c.redelivered:>11,} {both:>8} {c.missing:>8,} {c.acks:>8,} {c.errors:>6,}  "
+            f"{'yes' if c.drained else 'NO'}"
+        )
+    return lines
 
 
 def json_report(run: dict[str, Any], result: CheckResult, faults: list[FaultRecord]) -> dict[str, Any]:

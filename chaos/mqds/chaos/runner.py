@@ -30,10 +30,20 @@ import grpc
 from mqds.chaos import nemesis as nem
 from mqds.chaos.checker import CheckResult, Convergence, Finding, ReplicaState, check
 from mqds.chaos.cluster import ChaosCluster
-from mqds.chaos.history import TOPIC_FILTER, FaultRecord, History, ReadMessage, parse_message
+from mqds.chaos.history import TOPIC_FILTER, TOPIC_ROOT, FaultRecord, History, ReadMessage, parse_message
 from mqds.chaos.network import NetworkError, make_network
 from mqds.chaos.report import json_report, text_report
-from mqds.chaos.workload import SESSION_CONSUMERS, Publisher, Reader, SessionConsumer, senders_for_shards
+from mqds.chaos.workload import (
+    QUEUE_BATCH,
+    QUEUE_INTERVAL_S,
+    QUEUE_SENDER,
+    Publisher,
+    PubsubConsumer,
+    QueueConsumer,
+    Reader,
+    SessionConsumer,
+    senders_for_shards,
+)
 from mqds.client import Client
 from mqds.client import errors as E
 
@@ -62,6 +72,9 @@ class Options:
     network: str = "auto"
     multi_publishers: int = 2
     readers: int = 2
+    pubsub_consumers: int = 2
+    queue_consumers: int = 2
+    consumer_poll_s: float = 2.0
     batch: int = 10
     interval_s: float = 0.05
     call_timeout_s: float = 3.0
@@ -108,7 +121,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         description=(
             "Start a real multi-process mqds cluster, write and read it while injecting faults, heal, drain, and "
             "check the history: every acknowledged message read back, nothing unexpected, no duplicates, each "
-            "sender's messages in order, replicas identical; report how long writes stopped per fault. Exit code "
+            "sender's messages in order, replicas identical, every acknowledged message delivered to the "
+            "persistent-session consumers (redeliveries counted); report how long writes stopped per fault. Exit code "
             "0 = passed, 1 = a violation, 2 = bad options, 3 = the run could not be carried out."
         ),
         epilog="nemeses:\n  " + "\n  ".join(f"{n:<14} {cls.description}" for n, cls in nem.NEMESES.items()),
@@ -155,6 +169,28 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--readers", type=int, default=2, metavar="N", help="readers tailing with iterators; odd ones stale_ok (2)"
+    )
+    parser.add_argument(
+        "--pubsub-consumers",
+        type=int,
+        default=2,
+        metavar="N",
+        help="persistent-session consumers with their own read position on chaos/#: fetch_offline, ack (2)",
+    )
+    parser.add_argument(
+        "--queue-consumers",
+        type=int,
+        default=2,
+        metavar="N",
+        help="consumers sharing queue mode on the topics of a slow sender of their own: fetch_offline, ack each (2)",
+    )
+    parser.add_argument(
+        "--consumer-poll",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="once caught up, a consumer fetches every S seconds; each fetch reads every shard, and acks are Raft "
+        "writes, so a shorter S costs the publishers throughput (2)",
     )
     parser.add_argument("--batch", type=int, default=10, metavar="N", help="messages per store_batch call (10)")
     parser.add_argument(
@@ -210,8 +246,14 @@ def parse_options(argv: Sequence[str] | None, prog: str = PROG) -> tuple[Options
     ns = parser.parse_args(argv)
     if ns.nodes < 3:
         parser.error("--nodes must be 3 or more (a majority must survive a minority failing)")
-    if ns.shards < 1 or ns.batch < 1 or ns.readers < 0 or ns.multi_publishers < 0:
-        parser.error("--shards and --batch must be 1 or more, --readers and --multi-publishers 0 or more")
+    counts = (ns.readers, ns.multi_publishers, ns.pubsub_consumers, ns.queue_consumers)
+    if ns.shards < 1 or ns.batch < 1 or min(counts) < 0:
+        parser.error(
+            "--shards and --batch must be 1 or more; --readers, --multi-publishers, --pubsub-consumers and "
+            "--queue-consumers 0 or more"
+        )
+    if ns.consumer_poll <= 0:
+        parser.error("--consumer-poll must be greater than 0")
     if ns.duration <= 0 or ns.call_timeout <= 0 or ns.drain_timeout <= 0:
         parser.error("--duration, --call-timeout and --drain-timeout must be greater than 0")
     opts = Options(
@@ -223,6 +265,9 @@ def parse_options(argv: Sequence[str] | None, prog: str = PROG) -> tuple[Options
         network=ns.network,
         multi_publishers=ns.multi_publishers,
         readers=ns.readers,
+        pubsub_consumers=ns.pubsub_consumers,
+        queue_consumers=ns.queue_consumers,
+        consumer_poll_s=ns.consumer_poll,
         batch=ns.batch,
         interval_s=ns.interval,
         call_timeout_s=ns.call_timeout,
@@ -282,7 +327,7 @@ class ChaosRun:
             self.say(
                 f"acked {c['acked']:,}/{c['attempted']:,} msgs, calls unknown {c['calls_unknown']:,} "
                 f"partial {c['calls_partial']:,} failed {c['calls_failed']:,} | read {reads:,} | "
-                f"faults {len(self.history.faults)} | {self.current}"
+                f"delivered {c['consumer_deliveries']:,} | faults {len(self.history.faults)} | {self.current}"
             )
 
     # -- the phases -------------------------------------------------------------------
@@ -300,10 +345,14 @@ class ChaosRun:
             picks = [(i * 3 + k) % opts.shards for k in range(3)]
             senders = senders_for_shards(f"multi{i}-", opts.shards, sorted(set(picks)))
             self.publishers.append(self._publisher(f"multi{i}", senders))
+        if opts.queue_consumers:
+            # The queue consumers' topics: a sender of their own, written slowly (see QueueConsumer).
+            self.publishers.append(
+                self._publisher(QUEUE_SENDER, [QUEUE_SENDER], batch=QUEUE_BATCH, interval_s=QUEUE_INTERVAL_S)
+            )
         for i in range(opts.readers):
             self.readers.append(Reader(f"reader{i}", self._client, self.history, stale_ok=i % 2 == 1))
-        assert self.cluster is not None
-        self.consumers = [factory(self._client, self.history) for factory in SESSION_CONSUMERS]
+        self._make_consumers()
         for publisher in self.publishers:
             publisher.start()
         for reader in self.readers:
@@ -311,15 +360,40 @@ class ChaosRun:
         for consumer in self.consumers:
             consumer.start()
 
-    def _publisher(self, name: str, senders: list[str]) -> Publisher:
+    def _make_consumers(self) -> None:
+        """The pubsub consumers on ``chaos/#``; the queue consumers on the queue sender's topics (see QueueConsumer)."""
+        opts = self.opts
+        # max_count: a turn's worth of messages in one fetch (the publishers write several hundred a second).
+        for i in range(opts.pubsub_consumers):
+            self.consumers.append(
+                PubsubConsumer(
+                    f"chaos-sub-{i + 1}", self._client, self.history, max_count=2000, poll_s=opts.consumer_poll_s
+                )
+            )
+        for i in range(opts.queue_consumers):
+            self.consumers.append(
+                QueueConsumer(
+                    f"chaos-queue-{i + 1}",
+                    self._client,
+                    self.history,
+                    topic_filter=f"{TOPIC_ROOT}/{QUEUE_SENDER}/#",
+                    max_count=100,
+                    poll_s=opts.consumer_poll_s,
+                    phase_s=opts.consumer_poll_s * i / opts.queue_consumers,
+                )
+            )
+
+    def _publisher(
+        self, name: str, senders: list[str], *, batch: int | None = None, interval_s: float | None = None
+    ) -> Publisher:
         return Publisher(
             name,
             senders,
             self._client,
             self.history,
             self.opts.shards,
-            batch=self.opts.batch,
-            interval_s=self.opts.interval_s,
+            batch=self.opts.batch if batch is None else batch,
+            interval_s=self.opts.interval_s if interval_s is None else interval_s,
             call_timeout_s=self.opts.call_timeout_s,
         )
 
@@ -472,14 +546,31 @@ class ChaosRun:
             if p.thread.is_alive():
                 self.harness_findings.append(Finding("fault-error", f"publisher {p.name} did not stop"))
         self.history.workload_ended = self.history.clock()
+        # Consumers go on until a fetch begun from now on comes back empty: they got everything.
+        for consumer in self.consumers:
+            consumer.finish()
         # Give the readers a moment to catch up with the last writes, then stop them.
         time.sleep(2.0)
         for reader in self.readers:
             reader.stop()
-        for consumer in self.consumers:
-            consumer.stop()
         for r in self.readers:
             r.thread.join(15)
+        self._drain_consumers()
+
+    def _drain_consumers(self) -> None:
+        """Wait (``--drain-timeout`` at most) for every consumer to fetch nothing new, then stop them."""
+        self.current = "draining the consumers"
+        deadline = time.monotonic() + self.opts.drain_timeout_s
+        for c in self.consumers:
+            c.thread.join(max(0.0, deadline - time.monotonic()))
+        for c in self.consumers:
+            if c.thread.is_alive():
+                self.say(f"consumer {c.name} had not fetched everything {self.opts.drain_timeout_s:g}s into the drain")
+                c.stop()
+        for c in self.consumers:
+            c.thread.join(self.opts.call_timeout_s + 10)
+            if c.thread.is_alive():
+                self.harness_findings.append(Finding("fault-error", f"consumer {c.name} did not stop"))
 
     def _final_read(self) -> tuple[list[ReadMessage] | None, int]:
         """Everything stored, from the leaders; from any replica if some vnode has no leader (a finding)."""
@@ -601,6 +692,7 @@ class ChaosRun:
                 "publishers": len(self.publishers),
                 "readers": len(self.readers),
                 "session_consumers": len(self.consumers),
+                "consumer_poll_s": opts.consumer_poll_s,
                 "batch": opts.batch,
                 "call_timeout_s": opts.call_timeout_s,
                 "generation_interval_s": opts.generation_interval_s,
@@ -624,6 +716,8 @@ class ChaosRun:
                 p.abandon.set()
             for r in self.readers:
                 r.stop()
+            for consumer in self.consumers:
+                consumer.stop()
             if self.cluster is not None:
                 self.cluster.kill_all()
             network.close()

@@ -1,4 +1,4 @@
-"""The workload of a chaos run: publishers that write exactly once, readers that tail with iterators.
+"""The workload of a chaos run: exactly-once publishers, iterator readers, persistent-session consumers.
 
 **Publishers.** Each publisher thread has its own :class:`~mqds.client.Client`
 (its own producer id) and writes batches of messages of its senders, numbered
@@ -22,29 +22,43 @@ can tell whether anything read during the faults is missing at the end. One
 reader reads from leaders (linearizable), the other with ``stale_ok`` from any
 replica.
 
-**Persistent-session consumers** (fetch offline messages, then ack) are the
-third client the issue asks for; their API (``fetch_offline``/``ack``) comes
-with the broker-persistence issue and does not exist yet. :class:`SessionConsumer`
-is the extension point: implement it, add a factory to
-:data:`SESSION_CONSUMERS`, and the runner starts, stops and reports it; its
-redeliveries are counted per consumer (at-least-once delivery allows them).
+**Persistent-session consumers** fetch what a broker would deliver to an
+offline MQTT session (``fetch_offline``) and acknowledge it (``ack``), each
+with its own client, over and over while the faults run, then until a fetch
+begun after the workload ended comes back empty (the drain). Every delivered
+message is recorded in order, redeliveries included: an acknowledgement lost
+to a fault means the message comes again, which at-least-once delivery allows,
+so the checker counts redeliveries and reports a loss only for an
+acknowledged write that a consumer never got. Each :class:`PubsubConsumer`
+(``chaos-sub-<n>``) has its own read position on ``chaos/#`` and must get
+every message; two :class:`QueueConsumer` threads (``chaos-queue-<n>``) share
+queue mode on the topics of a slow publisher of their own (sender
+``queue``; see the class for why not all of ``chaos/#``), and between them
+must get every message of it.
+:class:`SessionConsumer` is what the runner needs of a consumer.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import ClassVar, Protocol
 
 from mqds.chaos.history import (
     FAILED,
     OK,
     PARTIAL,
+    PUBSUB,
+    QUEUE,
     TOPIC_FILTER,
     UNKNOWN,
     Attempt,
+    ConsumerLog,
     History,
     MessageKey,
     ReadMessage,
@@ -312,23 +326,231 @@ class Reader:
 
 
 class SessionConsumer(Protocol):
-    """A persistent-session consumer (fetch offline messages, ack them): the extension point.
+    """A persistent-session consumer, as the runner drives it.
 
-    Not implemented yet: the broker-persistence API it needs (``fetch_offline``,
-    ``ack``) arrives with that issue. A consumer starts its thread in
-    ``start``, stops it in ``stop``, and reports ``delivered`` (every message
-    it got, redeliveries included, in order) so the runner can count
-    redeliveries per consumer and check nothing acknowledged to it is missing.
+    ``start`` starts its thread; ``finish`` begins the drain (stop once a
+    fetch begun after this comes back empty); ``stop`` stops it at once (the
+    drain ran out of time, or the run is over); ``thread`` is joined. What it
+    was delivered goes to its :class:`~mqds.chaos.history.ConsumerLog`
+    (``log``), which the checker reads.
     """
 
     name: str
+    log: ConsumerLog
+    thread: threading.Thread
 
     def start(self) -> None: ...
 
+    def finish(self) -> None: ...
+
     def stop(self) -> None: ...
 
-    def delivered(self) -> list[ReadMessage]: ...
+
+QUEUE_SENDER = "queue"
+"""The sender (and topic level) of the queue consumers' messages: ``chaos/queue/<seq>``."""
+QUEUE_BATCH = 2
+QUEUE_INTERVAL_S = 0.25
+"""The queue publisher writes QUEUE_BATCH messages, then pauses this long: at most 8 messages a second."""
 
 
-SESSION_CONSUMERS: list[Callable[[Callable[[], Client], History], SessionConsumer]] = []
-"""Factories of the persistent-session consumers a run starts (none until broker persistence exists)."""
+class _FetchAckConsumer(ABC):
+    """The loop both consumer kinds share: fetch, record, acknowledge, back off on errors, idle when caught up.
+
+    A fetch that does not fill ``max_count`` means the consumer caught up, so
+    it waits for its next turn: every ``poll_s`` on the run's clock,
+    ``phase_s`` into the period (this bounds the load it adds, as a fetch is a
+    read of every shard and each acknowledgement a Raft write, and lets
+    consumers that share a queue take turns). A full one means more is
+    waiting, so it fetches again at once. Errors are expected while faults
+    run: a retriable one (no leader, a deadline) backs off and the loop goes
+    on, and whatever was not acknowledged comes again. A non-retriable error
+    is a finding (an anomaly), as for the readers.
+    """
+
+    mode: ClassVar[str]
+
+    def __init__(
+        self,
+        name: str,
+        make_client: Callable[[], Client],
+        history: History,
+        *,
+        topic_filter: str = TOPIC_FILTER,
+        max_count: int = 500,
+        poll_s: float = 2.0,
+        phase_s: float = 0.0,
+        call_timeout_s: float = 5.0,
+    ) -> None:
+        self.name = name
+        self.topic_filter = topic_filter
+        self.client = make_client()
+        self.history = history
+        self.log = history.add_consumer(name, self.mode, topic_filter)
+        self.max_count = max_count
+        self.poll_s = poll_s
+        self.phase_s = phase_s
+        self.call_timeout_s = call_timeout_s
+        self._stop = threading.Event()
+        self._finish = threading.Event()
+        # Ends the wait for the next turn: once draining, nothing new comes, so there is no point waiting.
+        self._wake = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"chaos-{name}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def finish(self) -> None:
+        self._finish.set()
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def _run(self) -> None:
+        backoff = 0.1
+        try:
+            self._idle()
+            while not self._stop.is_set():
+                # Only a fetch that began after the workload ended can prove the consumer has everything.
+                finishing = self._finish.is_set()
+                try:
+                    messages = self.client.fetch_offline(
+                        self.name, self.topic_filter, self.mode, self.max_count, timeout_s=self.call_timeout_s
+                    )
+                except E.MqdsError as err:
+                    self._error(err)
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, 1.0)
+                    continue
+                backoff = 0.1
+                if not messages and finishing:
+                    self.log.drained = True
+                    return
+                if messages:
+                    self._deliver(messages)
+                    self._ack(messages)
+                if len(messages) < self.max_count:
+                    self._idle()
+        except Exception as err:  # a bug in the client or here: record it, it fails the run
+            log.exception("consumer %s died", self.name)
+            self.history.record_anomaly("consumer-crashed", f"{self.name}: {err!r}")
+        finally:
+            self._close()
+
+    def _idle(self) -> None:
+        """Wait for this consumer's next turn: ``phase_s`` past a multiple of ``poll_s`` on the run's clock."""
+        now = self.history.clock()
+        turns = math.floor((now - self.phase_s) / self.poll_s) + 1
+        self._wake.wait(self.phase_s + turns * self.poll_s - now)
+
+    def _close(self) -> None:
+        self.client.close()
+
+    def _error(self, err: E.MqdsError) -> None:
+        self.log.errors += 1
+        if not err.retriable:
+            self.history.record_anomaly("consumer-error", f"{self.name}: {err}")
+
+    def _deliver(self, messages: list[Message]) -> None:
+        got = []
+        for m in messages:
+            key = parse_message(m.topic, m.payload)
+            if key is None:
+                self.history.record_anomaly("consumer-unexpected", f"{self.name}: unparsable message on {m.topic!r}")
+                continue
+            got.append(ReadMessage(key[0], key[1], int(m.shard or 0), int(m.timestamp_us or 0)))
+        self.history.record_delivered(self.name, got)
+
+    def _ack_one(self, message: Message) -> E.MqdsError | None:
+        """Acknowledge one message; the error, if it failed (it is then delivered again)."""
+        try:
+            self.client.ack(self.name, self.topic_filter, message, mode=self.mode, timeout_s=self.call_timeout_s)
+        except E.MqdsError as err:
+            return err
+        return None
+
+    @abstractmethod
+    def _ack(self, messages: list[Message]) -> None:
+        """Acknowledge what a fetch delivered (counting acks and errors in ``log``)."""
+
+
+class PubsubConsumer(_FetchAckConsumer):
+    """A subscriber with its own read position on ``chaos/#``: it must get every stored message.
+
+    It acknowledges the last message of each shard in a fetch, as a broker
+    does once the client acknowledged everything delivered: the read
+    position is per shard, and acknowledging a message acknowledges the
+    earlier ones of its shard. All of a consumer's acknowledgements go to the
+    shard of its clientid, so after the first one fails the others would
+    wait out the same missing leader: it stops there, and the rest come
+    again with the next fetch.
+    """
+
+    mode = PUBSUB
+
+    def _ack(self, messages: list[Message]) -> None:
+        last: dict[int | None, Message] = {}
+        for m in messages:  # oldest first: the last of each shard is the furthest
+            last[m.shard] = m
+        for m in last.values():
+            if self._stop.is_set():
+                return
+            err = self._ack_one(m)
+            if err is not None:
+                self._error(err)
+                return
+            self.log.acks += 1
+
+
+class QueueConsumer(_FetchAckConsumer):
+    """One of the queue readers sharing ``topic_filter``: between them they must get every message of it.
+
+    Queue mode has no read position: every fetch reads the matching streams
+    from their start and skips what a queue reader acknowledged, and every
+    message takes an acknowledgement of its own (a Raft write in its shard).
+    On all of ``chaos/#`` that would add a write per message to the
+    publishers' load and make each fetch read the whole history. Even one
+    ordinary sender (30 messages a second) was too much: the acknowledgements
+    tripled the writes to its vnode, whose leadership then could not be
+    handed over (a transfer needs the target to have the whole log), and the
+    membership fault took two to three times as long. So the runner adds a
+    publisher of their own (sender :data:`QUEUE_SENDER`,
+    :data:`QUEUE_BATCH` messages every :data:`QUEUE_INTERVAL_S` s, retried
+    exactly once like the others). A fetch's acknowledgements go out together
+    (``ACKS_IN_FLIGHT``), and the consumers take turns (``phase_s``), so each
+    mostly finds what the other took already acknowledged; what both got (a
+    turn that ran long, an acknowledgement lost) is counted, not a violation.
+    """
+
+    mode = QUEUE
+    ACKS_IN_FLIGHT = 8
+    _pool: ThreadPoolExecutor | None = None
+
+    def start(self) -> None:
+        self._pool = ThreadPoolExecutor(self.ACKS_IN_FLIGHT, thread_name_prefix=f"chaos-{self.name}-ack")
+        super().start()
+
+    def _ack(self, messages: list[Message]) -> None:
+        pool = self._pool
+        assert pool is not None, "acknowledging before start()"
+        failed = threading.Event()
+
+        def one(m: Message) -> tuple[bool, E.MqdsError | None]:
+            """(acknowledged, the error): skipped after a failure, as the shard most likely has no leader."""
+            if failed.is_set() or self._stop.is_set():
+                return False, None
+            err = self._ack_one(m)
+            if err is not None:
+                failed.set()
+            return err is None, err
+
+        for acked, err in pool.map(one, messages):
+            self.log.acks += acked
+            if err is not None:
+                self._error(err)
+
+    def _close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        super()._close()
