@@ -386,8 +386,10 @@ def test_a_batch_retried_after_its_answer_was_lost_is_stored_once(cluster: Local
         real = client._rpc
         lost: list[str] = []
 
-        def lose_first_answer(address: str, method: str, request: object, timeout_s: float) -> object:
-            response = real(address, method, request, timeout_s)
+        def lose_first_answer(
+            address: str, method: str, request: object, timeout_s: float, service: str = "Storage"
+        ) -> object:
+            response = real(address, method, request, timeout_s, service)
             if method == "StoreBatch" and not lost:
                 lost.append(address)
                 raise E.DeadlineExceededError(E.Reason.DEADLINE_EXCEEDED, "answer lost on the way back")

@@ -43,6 +43,8 @@ def test_precedence_file_env_flags(tmp_path: Path) -> None:
         ([], {"MQDS_N_SHARDS": "many"}, "environment variable MQDS_N_SHARDS: n_shards must be int"),
         (["--max-payload-bytes", "100000000"], {}, "max_request_bytes"),
         (["--log-level", "LOUD"], {}, "log_level"),
+        (["--metrics-listen", "9101"], {}, "metrics_listen '9101': expected host:port"),
+        ([], {"MQDS_READY_MAX_LAG_ENTRIES": "-1"}, "ready_max_lag_entries must be 0 or more"),
     ],
 )
 def test_bad_settings_name_the_problem(argv: list[str], env: dict[str, str], words: str) -> None:

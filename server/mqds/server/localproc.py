@@ -158,10 +158,13 @@ class NodeProcess:
         env: dict[str, str] | None = None,
         detach: bool = False,
         connection: ConnectionSettings | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.node_id = node_id
         self.port = port or free_port()
+        # The node's Prometheus endpoint on 127.0.0.1 (metrics_listen), if any.
+        self.metrics_port = metrics_port
         self.args = list(args)
         self.env = dict(env or {})
         # Detached: in a session of its own, so it outlives this program and
@@ -179,7 +182,13 @@ class NodeProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def metrics_url(self) -> str | None:
+        """Where the node serves its Prometheus metrics, when started with a metrics port."""
+        return None if self.metrics_port is None else f"http://127.0.0.1:{self.metrics_port}/metrics"
+
     def command(self) -> list[str]:
+        metrics = ["--metrics-listen", f"127.0.0.1:{self.metrics_port}"] if self.metrics_port is not None else []
         return [
             SERVER,
             "--node-id",
@@ -188,6 +197,7 @@ class NodeProcess:
             self.address,
             "--data-dir",
             str(self.data_dir),
+            *metrics,
             *self.args,
         ]
 
@@ -359,6 +369,7 @@ class LocalCluster:
         fault_injection: bool = True,
         detach: bool = False,
         connection: ConnectionSettings | None = None,
+        metrics: bool = False,
     ) -> None:
         # Absolute: the nodes get their data directories on the command line,
         # and a later program (mqds cluster start) may run from elsewhere.
@@ -369,6 +380,8 @@ class LocalCluster:
         self.args = list(args)
         self.fault_injection = fault_injection
         self.detach = detach
+        # Each node serves Prometheus metrics on a free port of its own (NodeProcess.metrics_url).
+        self.metrics = metrics
         # How the harness and its clients reach the nodes (TLS; pass the
         # nodes' TLS flags in args).
         self.connection = connection
@@ -403,6 +416,7 @@ class LocalCluster:
             env={"MQDS_CLUSTER_SECRET": self.secret},
             detach=self.detach,
             connection=self.connection,
+            metrics_port=free_port() if self.metrics else None,
         )
 
     # -- a cluster that outlives its program (mqds cluster) ----------------------
@@ -423,6 +437,7 @@ class LocalCluster:
             "n_shards": self.n_shards,
             "replication_factor": self.replication_factor,
             "fault_injection": self.fault_injection,
+            "metrics": self.metrics,
             "args": self.args,
             "secret": self.secret,
             "founders": self.founders,
@@ -464,6 +479,7 @@ class LocalCluster:
                 secret=str(state["secret"]),
                 fault_injection=bool(state["fault_injection"]),
                 detach=detach,
+                metrics=bool(state.get("metrics", False)),
             )
             for node_id, info in state["nodes"].items():
                 proc = cluster.nodes.get(node_id)

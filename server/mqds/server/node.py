@@ -49,6 +49,7 @@ from mqds.server.cluster.membership import Membership
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.cluster.vnode import VnodeReplica
 from mqds.server.config import NodeConfig
+from mqds.server.metrics import NodeMetrics
 from mqds.server.raft.group import META_GROUP, ROLE_LEADER, PendingRead, RaftGroup, RaftTiming
 from mqds.server.raft.journal import NodeLog
 from mqds.server.raft.transport import ClusterAuth, PeerRouter, raft_stream_handler
@@ -70,6 +71,8 @@ SESSIONS_SERVICE = spb.DESCRIPTOR.services_by_name["Sessions"].full_name
 RAFT_SERVICE = rpb.DESCRIPTOR.services_by_name["Raft"].full_name
 _CHUNK = 1024 * 1024
 _ROLES = {0: clpb.RAFT_ROLE_FOLLOWER, 1: clpb.RAFT_ROLE_CANDIDATE, 2: clpb.RAFT_ROLE_LEADER}
+# How often readiness is computed again: a probe sees a change within this.
+_HEALTH_INTERVAL_S = 0.25
 
 
 class StartupError(RuntimeError):
@@ -142,6 +145,11 @@ class Node:
         self._lock = threading.RLock()
         self._changed = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._health_lock = threading.Lock()
+        self._readiness: int | None = None
+        self.dropped_by_closed_groups = 0
+        """Raft messages from non-members that groups since closed here had dropped (the metrics keep counting)."""
+        self.metrics = NodeMetrics(self)
         try:
             self.tls = NodeTls.from_config(config)
         except OSError as err:
@@ -218,8 +226,12 @@ class Node:
         )
         self.server.add_generic_rpc_handlers(
             (
-                service_handler(pb.DESCRIPTOR.services_by_name["Storage"], self.storage_service, pb),
-                service_handler(clpb.DESCRIPTOR.services_by_name["Cluster"], ClusterAPI(self), clpb),
+                service_handler(
+                    pb.DESCRIPTOR.services_by_name["Storage"], self.storage_service, pb, self.metrics.requests
+                ),
+                service_handler(
+                    clpb.DESCRIPTOR.services_by_name["Cluster"], ClusterAPI(self), clpb, self.metrics.requests
+                ),
                 service_handler(
                     spb.DESCRIPTOR.services_by_name["Sessions"],
                     SessionService(
@@ -229,6 +241,7 @@ class Node:
                         clock=self.clock,
                     ),
                     spb,
+                    self.metrics.requests,
                 ),
                 self._raft_handler(),
             )
@@ -248,6 +261,15 @@ class Node:
             raise StartupError(
                 f"cannot listen on {config.listen}: the address is in use or not available on this host"
             ) from None
+        if config.metrics_listen:
+            try:
+                bound = self.metrics.serve(config.metrics_listen)
+            except OSError as err:
+                self._close_all()
+                raise StartupError(
+                    f"cannot serve metrics on {config.metrics_listen} (metrics_listen): {err.strerror or err}"
+                ) from None
+            log.info("metrics on http://%s/metrics", bound)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -262,11 +284,14 @@ class Node:
 
     def start(self) -> None:
         self.server.start()
+        # Alive (liveness SERVING) from here on, and not ready until the
+        # replicas below are open, led and caught up.
+        self._set_health()
         if self.meta_group is not None:
             self.meta_group.start()
             self._reconcile()
         self._set_health()
-        for target, name in ((self._background, "maintenance"),):
+        for target, name in ((self._background, "maintenance"), (self._health_loop, "health")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -331,6 +356,7 @@ class Node:
             log.info("stopping while still leading %s", ", ".join(still))
 
     def _close_all(self) -> None:
+        self.metrics.close()
         with self._lock:
             vnodes = list(self.vnodes.values())
             self.vnodes.clear()
@@ -351,21 +377,66 @@ class Node:
             self._dir_lock = -1
 
     def ready(self) -> bool:
-        """Joined, and every replica here has a leader and is initialised: the node can serve."""
-        if self.meta is None or self.meta_group is None or self.meta_group.leader_id is None:
+        """Joined, and every replica the metadata places here is open, has a leader and is caught up.
+
+        Caught up: not installing a snapshot, and applied all but at most
+        ``ready_max_lag_entries`` of the entries its leader committed, as far
+        as this replica heard (the metadata replica too). So a node replaying
+        its journal after a restart, or fetching snapshots after its disk was
+        wiped, is not ready; it is alive all along (liveness stays SERVING).
+        """
+        meta, meta_group = self.meta, self.meta_group
+        if meta is None or meta_group is None or not self._caught_up(meta_group):
             return False
-        for vnode in list(self.vnodes.values()):
-            if vnode.group.leader_id is None or not vnode.replica.storage.initialized:
+        for info in meta.map.vnodes:
+            if self.node_id not in info.replicas:
+                continue
+            vnode = self.vnodes.get(info.shard)
+            if vnode is None or not vnode.replica.storage.initialized or not self._caught_up(vnode.group):
                 return False
         return True
 
+    def _caught_up(self, group: RaftGroup) -> bool:
+        return (
+            group.leader_id is not None
+            and not group.installing_snapshot
+            and group.catch_up_lag() <= self.config.ready_max_lag_entries
+        )
+
     def _set_health(self) -> None:
-        """Liveness ("") once the server runs; readiness (the API services) once ready()."""
+        """Liveness ("") SERVING while the process serves; readiness (the API services) while ready().
+
+        Only changes reach the health service: each one is sent to every
+        Watch stream of the service.
+        """
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-        self.health.set("", serving)
-        status = serving if self.ready() else not_serving
-        for service in (STORAGE_SERVICE, CLUSTER_SERVICE, SESSIONS_SERVICE):
-            self.health.set(service, status)
+        with self._health_lock:
+            status = serving if self.ready() else not_serving
+            if self._readiness is None:
+                self.health.set("", serving)
+            if status == self._readiness:
+                return
+            for service in (STORAGE_SERVICE, CLUSTER_SERVICE, SESSIONS_SERVICE):
+                self.health.set(service, status)
+            if self._readiness is not None or status == serving:
+                log.info("readiness: %s", "SERVING" if status == serving else "NOT_SERVING (catching up)")
+            self._readiness = status
+
+    def _health_loop(self) -> None:
+        """Refresh readiness on a thread of its own: the maintenance loop can wait seconds on a proposal."""
+        while not self._stopping.wait(_HEALTH_INTERVAL_S):
+            try:
+                self._set_health()
+            except Exception:
+                log.exception("readiness check failed; will retry")
+
+    def groups(self) -> list[tuple[int, RaftGroup]]:
+        """The Raft groups hosted here, by group id (a copy: safe to use from any thread)."""
+        return sorted(list(self._groups.items()), key=lambda item: item[0])
+
+    def hosted_vnodes(self) -> list[tuple[int, Vnode]]:
+        """The vnode replicas hosted here, by shard (a copy)."""
+        return sorted(list(self.vnodes.items()), key=lambda item: item[0])
 
     # -- groups ------------------------------------------------------------------
 
@@ -463,6 +534,7 @@ class Node:
         vnode.replica.stopping.set()
         vnode.group.stop()
         vnode.replica.close()
+        self.dropped_by_closed_groups += vnode.group.dropped_messages
         if delete:
             self.raft_log.drop_group(shard)
             for path in self._vnode_paths(shard):
@@ -592,6 +664,7 @@ class Node:
                         if gen.until_us is not None and gen.until_us <= horizon:
                             body = cpb.VnodeCommand(drop_generation=cpb.DropGeneration(generation=gen.generation))
                             self.propose(vnode.shard, body.SerializeToString())
+                            self.metrics.retention_drops.labels(str(vnode.shard)).inc()
                             log.info("shard %d: generation %d dropped (retention)", vnode.shard, gen.generation)
             except MqdsError as err:
                 log.info("shard %d: generation maintenance postponed: %s", vnode.shard, err)
@@ -807,11 +880,14 @@ class Node:
             for fh in handles.values():
                 fh.close()
         log.info("shard %d: fetched %d bytes of snapshot from %s", shard, received, node_id)
+        self.metrics.snapshot_received(shard, received)
         return int(header.applied_index)
 
     def serve_snapshot(self, request: rpb.FetchSnapshotRequest) -> Iterator[rpb.SnapshotChunk]:
         vnode = self.vnode(request.group)
         directory = os.path.join(self._tmp_dir, f"snapshot-{request.group}-{uuid.uuid4().hex}")
+        started = time.monotonic()
+        sent = 0
         try:
             with vnode.replica.reading() as storage:
                 if storage.applied_index < request.min_index:
@@ -837,6 +913,8 @@ class Node:
                         if not data:
                             break
                         yield rpb.SnapshotChunk(chunk=rpb.FileChunk(file=i, data=data))
+                        sent += len(data)
+            self.metrics.snapshot_sent(request.group, sent, time.monotonic() - started)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -845,7 +923,7 @@ class Node:
     def _raft_handler(self) -> grpc.GenericRpcHandler:
         api = RaftAPI(self)
         descriptor = rpb.DESCRIPTOR.services_by_name["Raft"]
-        handlers = unary_handlers(descriptor, api, rpb)
+        handlers = unary_handlers(descriptor, api, rpb, self.metrics.requests)
         handlers["Stream"] = raft_stream_handler(self.router)
         handlers["FetchSnapshot"] = grpc.unary_stream_rpc_method_handler(
             api.FetchSnapshot,

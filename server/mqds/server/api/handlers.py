@@ -5,6 +5,8 @@ not parse (for example a topic that is not UTF-8) fail inside gRPC with a
 status that says nothing useful. These handlers parse themselves, so such a
 request gets INVALID_ARGUMENT / MALFORMED_REQUEST naming the message type, and
 any ``MqdsError`` a method raises is sent with its reason in ErrorInfo.
+Being that one place, they also time every call and count the refused ones
+by reason for the node's metrics (one histogram observation per call).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import inspect
 import logging
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from google.protobuf import descriptor as protobuf_descriptor
@@ -21,6 +23,9 @@ from google.protobuf import message as protobuf_message
 
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
+
+if TYPE_CHECKING:
+    from mqds.server.metrics import MethodMetrics, RequestMetrics
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +72,15 @@ def _serialize(response: Any) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
 
 
-def _unary(method: Callable[..., Any], request_cls: type[protobuf_message.Message]) -> grpc.RpcMethodHandler:
+def _unary(
+    method: Callable[..., Any], request_cls: type[protobuf_message.Message], metrics: MethodMetrics | None = None
+) -> grpc.RpcMethodHandler:
     name = method.__name__
     keep_raw = getattr(method, "takes_raw_request", False)
     wants_context = not keep_raw and len(inspect.signature(method).parameters) >= 2
 
     def handle(request: Any, context: grpc.ServicerContext) -> Any:
+        started = metrics.started(context) if metrics is not None else 0.0
         try:
             if isinstance(request, _Malformed):
                 raise errors.error(
@@ -84,10 +92,17 @@ def _unary(method: Callable[..., Any], request_cls: type[protobuf_message.Messag
                 return method(request.parsed, request.raw)
             return method(request, context) if wants_context else method(request)
         except MqdsError as err:
+            if metrics is not None:
+                metrics.rejected(err.reason)
             context.abort_with_status(errors.to_status(err))
         except Exception as err:
             log.exception("%s failed", name)
+            if metrics is not None:
+                metrics.rejected(Reason.INTERNAL)
             context.abort_with_status(errors.to_status(errors.error(Reason.INTERNAL, f"{name} failed: {err}")))
+        finally:
+            if metrics is not None:
+                metrics.finished(started)
 
     return grpc.unary_unary_rpc_method_handler(
         handle, request_deserializer=_parser(request_cls, keep_raw), response_serializer=_serialize
@@ -95,24 +110,32 @@ def _unary(method: Callable[..., Any], request_cls: type[protobuf_message.Messag
 
 
 def unary_handlers(
-    descriptor: protobuf_descriptor.ServiceDescriptor, impl: Any, module: ModuleType
+    descriptor: protobuf_descriptor.ServiceDescriptor,
+    impl: Any,
+    module: ModuleType,
+    metrics: RequestMetrics | None = None,
 ) -> dict[str, grpc.RpcMethodHandler]:
     """Handlers for the unary methods of a service, calling ``impl``'s methods of the same names.
 
     A method of ``impl`` takes the parsed request, and the call context if it
-    has a second parameter.
+    has a second parameter. With ``metrics``, each call is timed and a refused
+    one counted, under the service's short name (``Storage``) and the method's.
     """
     methods = {}
     for method in descriptor.methods:
         if method.client_streaming or method.server_streaming:
             continue
         request_cls = getattr(module, method.input_type.name)
-        methods[method.name] = _unary(getattr(impl, method.name), request_cls)
+        counted = metrics.method(descriptor.name, method.name) if metrics is not None else None
+        methods[method.name] = _unary(getattr(impl, method.name), request_cls, counted)
     return methods
 
 
 def service_handler(
-    descriptor: protobuf_descriptor.ServiceDescriptor, impl: Any, module: ModuleType
+    descriptor: protobuf_descriptor.ServiceDescriptor,
+    impl: Any,
+    module: ModuleType,
+    metrics: RequestMetrics | None = None,
 ) -> grpc.GenericRpcHandler:
     """The generic handler serving every (unary) method of a service with ``impl``."""
-    return grpc.method_handlers_generic_handler(descriptor.full_name, unary_handlers(descriptor, impl, module))
+    return grpc.method_handlers_generic_handler(descriptor.full_name, unary_handlers(descriptor, impl, module, metrics))

@@ -61,6 +61,12 @@ class VnodeReplica:
         self._swapping = False
         self.stopping = threading.Event()
         self.storage = self._open()
+        # For the metrics, counted per applied batch (never per message) by
+        # the group's thread, the only one that applies: plain ints suffice.
+        self.stored_messages = 0
+        """Messages this replica stored since it was opened (a retry the dedup memory recognised stores none)."""
+        self.stored_bytes = 0
+        """Bytes of the store commands behind ``stored_messages``, as logged (messages encoded in protobuf)."""
 
     def _open(self) -> ShardStorage:
         return ShardStorage(
@@ -110,12 +116,17 @@ class VnodeReplica:
             if not storage.initialized:
                 storage.initialize(store.now_us)
             dedup = (store.producer_id.encode(), store.sequence) if store.producer_id else None
+            last_ts = storage.last_ts
             try:
-                return storage.store(store.messages, store.now_us, applied_index=index, dedup=dedup)
+                first = storage.store(store.messages, store.now_us, applied_index=index, dedup=dedup)
             except MqdsError as err:
                 if err.reason is Reason.STORAGE_ERROR:
                     raise
                 return err  # a reused sequence number: refused alike everywhere
+            if storage.last_ts != last_ts:  # stored, not a retry answered from the dedup memory
+                self.stored_messages += len(store.messages)
+                self.stored_bytes += len(command)
+            return first
         if kind == "add_generation":
             add = cmd.add_generation
             if not storage.initialized:

@@ -339,8 +339,19 @@ class RaftGroup(SyncObj):
         self._inbox: collections.deque[tuple[int, str, Any]] = collections.deque()
         self._wake = threading.Event()
         self._stopping = False
+        # Counted for the metrics, each written by the group's thread only
+        # (so plain ints, exact and free); read by scrapes from any thread.
         self.snapshots_installed = 0
+        self.snapshot_install_seconds = 0.0
+        self.installing_snapshot = False
+        """True while a snapshot is being fetched and installed: the replica cannot serve (readiness)."""
         self.dropped_messages = 0
+        self.elections = 0
+        """Elections this replica started (it became a candidate)."""
+        self.leader_changes = 0
+        """New (term, leader) pairs this replica learned of, the first one after it started not counted."""
+        self._seen_leader: str | None = None
+        self._seen_term = -1
         self._role = ROLE_FOLLOWER
         os.makedirs(directory, exist_ok=True)
         self.journal = journal
@@ -532,6 +543,14 @@ class RaftGroup(SyncObj):
             "leader_commit": raw.get("leader_commit_idx") or 0,
         }
 
+    def catch_up_lag(self) -> int:
+        """Entries committed (as far as this replica knows from its leader) that it has not applied yet.
+
+        Cheaper than ``status()``: readiness asks it of every group several times a second.
+        """
+        known = max(self._SyncObj__leaderCommitIndex or 0, self.raftCommitIndex)
+        return max(0, int(known) - int(self.raftLastApplied))
+
     def match_index(self, node_id: str) -> int:
         return int(self._SyncObj__raftMatchIndex.get(PeerNode(node_id), 0))
 
@@ -594,6 +613,11 @@ class RaftGroup(SyncObj):
             if now < self._quiet_until:
                 self._SyncObj__raftElectionDeadline = now + self.timing.election_timeout_max_s
         self._onTick(0)
+        leader = self._SyncObj__raftLeader
+        if leader is not None and (leader.id != self._seen_leader or self.raftCurrentTerm != self._seen_term):
+            if self._seen_leader is not None:
+                self.leader_changes += 1
+            self._seen_leader, self._seen_term = leader.id, self.raftCurrentTerm
         self._serve_reads()
         if self.journal.size_bytes > self.timing.log_max_bytes:
             self.forceLogCompaction()
@@ -686,6 +710,8 @@ class RaftGroup(SyncObj):
 
     def _state_changed(self, old: int, new: int) -> None:
         self._role = new
+        if new == ROLE_CANDIDATE:
+            self.elections += 1
         log.info("%s: %s -> %s (term %d)", self.name, ROLE_NAMES[old], ROLE_NAMES[new], self.raftCurrentTerm)
         if self._on_role_change is not None:
             self._on_role_change(self, old, new)
@@ -737,8 +763,14 @@ class RaftGroup(SyncObj):
                 manifest.source,
                 self.machine.applied_index,
             )
-            self.machine.install(manifest.payload, index, manifest.source, manifest.members)
+            started = time.monotonic()
+            self.installing_snapshot = True
+            try:
+                self.machine.install(manifest.payload, index, manifest.source, manifest.members)
+            finally:
+                self.installing_snapshot = False
             self.snapshots_installed += 1
+            self.snapshot_install_seconds += time.monotonic() - started
         # As nodes, not ids: pysyncobj drops this node from the list by comparing
         # with its own Node, and an id never equals a Node. With ids it kept
         # itself as a peer, a phantom member that raised every majority by one,

@@ -132,6 +132,7 @@ class _PeerLink:
                 self._queued_bytes += len(item)
             if self._queued_bytes > _MAX_QUEUED_BYTES:
                 log.warning("raft link to %s: %d bytes queued; dropping them", self.node_id, self._queued_bytes)
+                self.router.dropped_overflow += len(self._queue)
                 self._queue.clear()
                 self._queued_bytes = 0
             self._cond.notify()
@@ -221,8 +222,24 @@ class PeerRouter:
         self._lock = threading.Lock()
         self._blocked: frozenset[str] = frozenset()
         self._listeners: list[Callable[[str, bool], None]] = []
-        self.dropped_messages = 0
+        # Dropped incoming traffic, by cause (metrics and node status).
         self.dropped_frames = 0
+        """Frames that did not parse (every message in them lost)."""
+        self.dropped_malformed = 0
+        """Messages the restricted decoder refused."""
+        self.dropped_unknown_group = 0
+        """Messages for a group this node does not host (a replica moved away, or not opened yet)."""
+        self.dropped_overflow = 0
+        """Outgoing messages dropped because a peer's queue grew past its bound (Raft resends)."""
+
+    @property
+    def dropped_messages(self) -> int:
+        """Incoming messages dropped one by one: malformed or for a group not hosted here."""
+        return self.dropped_malformed + self.dropped_unknown_group
+
+    def peer_links(self) -> dict[str, bool]:
+        """Each peer this node keeps a Raft link to, and whether the link is up (and not blocked)."""
+        return {node_id: self.is_connected(node_id) for node_id in list(self._links)}
 
     def open_channel(self, address: str) -> grpc.Channel:
         """A channel to a peer: TLS when the node serves TLS (``credentials``), plaintext otherwise."""
@@ -324,12 +341,12 @@ class PeerRouter:
         for env in frame.messages:
             group = self._lookup(env.group)
             if group is None:
-                self.dropped_messages += 1
+                self.dropped_unknown_group += 1
                 continue
             try:
                 message = codec.decode_message(env.message)
             except codec.MalformedMessage as err:
-                self.dropped_messages += 1
+                self.dropped_malformed += 1
                 log.warning("dropped a malformed Raft message from %s for group %d: %s", sender, env.group, err)
                 continue
             group.deliver(sender, message, env.message.echo)

@@ -143,6 +143,18 @@ class StreamRef:
     pattern: str
 
 
+@dataclass(frozen=True)
+class DiskUsage:
+    """A shard's size as RocksDB accounts it (SST files; memtables are not on disk yet)."""
+
+    generation_bytes: dict[int, int]
+    """SST bytes of each generation's column family, by generation number."""
+    metadata_bytes: int
+    """SST bytes of the metadata family (trie, generation records, dedup memory, broker state)."""
+    memtable_bytes: int
+    """Bytes in memtables, all families together: written, not flushed to SST files yet."""
+
+
 class ShardStorage:
     """The storage of one shard: generations, streams, iterators."""
 
@@ -536,6 +548,24 @@ class ShardStorage:
                 return int(gen.cf.property_int_value("rocksdb.estimate-num-keys") or 0)
             except Exception:  # an estimate only
                 return 0
+
+    def disk_usage(self) -> DiskUsage:
+        """The shard's size from RocksDB's properties: cheap (no file walk), for the metrics scrape."""
+
+        def prop(cf: Rdict, name: str) -> int:
+            try:
+                return int(cf.property_int_value(name) or 0)
+            except Exception:  # a figure for monitoring: unknown counts as 0
+                return 0
+
+        with self._lock:
+            if self._db is None:
+                return DiskUsage({}, 0, 0)
+            gens = {n: prop(g.cf, "rocksdb.total-sst-files-size") for n, g in sorted(self._gens.items())}
+            memtables = prop(self._db, "rocksdb.cur-size-all-mem-tables") + sum(
+                prop(g.cf, "rocksdb.cur-size-all-mem-tables") for g in self._gens.values()
+            )
+            return DiskUsage(gens, prop(self._db, "rocksdb.total-sst-files-size"), memtables)
 
     def expired_generations(self, now_us: int, retention_us: int) -> list[int]:
         """Closed generations whose interval ended before ``now_us - retention_us``."""
