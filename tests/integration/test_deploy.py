@@ -1,0 +1,526 @@
+"""deploy/ and k8s/ run for real here, without a container engine or a Kubernetes cluster.
+
+* The Dockerfile's build commands run as a script (container paths under a temporary root) and
+  the image's entrypoint, environment and HEALTHCHECK start and probe a node.
+* The compose file's three node services start as local processes with their commands and
+  environments, and form a cluster that the Prometheus targets point at.
+* The dev overlay's StatefulSet gives three pods' commands and environments (downward API,
+  ConfigMap, Secret, ``$(VAR)`` expansion as the kubelet does it); they form a cluster and pass
+  the StatefulSet's own probes; k8s/scale-up.sh and k8s/scale-down.sh add and remove a fourth pod.
+
+The substitutions that put containers on loopback are documented in tests/deploy_support.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import sysconfig
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from deploy_support import (
+    K8S,
+    PROMETHEUS_FILE,
+    VENV_BIN,
+    Loopback,
+    Processes,
+    Stage,
+    compose_environment,
+    container_env,
+    copy_context,
+    dockerfile,
+    expand_k8s,
+    find,
+    healthcheck_command,
+    image_file,
+    image_stage,
+    kustomize,
+    kustomize_with_components,
+    load_compose,
+    local_path_env,
+    map_path,
+)
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tls_certs import TestCA
+
+from mqds.client import Client, Message
+from mqds.server.localproc import wait_serving, wait_until
+from mqds.v1 import cluster_pb2 as clpb
+from mqds.v1 import cluster_pb2_grpc as clpb_grpc
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MQDS = str(VENV_BIN / "mqds")
+READY = "mqds.v1.Storage"
+
+
+def health(address: str, service: str) -> str:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+        except grpc.RpcError as err:
+            return str(err.code().name)
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+def cluster_map(address: str) -> clpb.ClusterMap:
+    with grpc.insecure_channel(address) as channel:
+        return clpb_grpc.ClusterStub(channel).GetClusterMap(clpb.GetClusterMapRequest(), timeout=5)
+
+
+def mqds_status(endpoints: list[str]) -> str:
+    result = subprocess.run(
+        [MQDS, "--endpoints", ",".join(endpoints), "--timeout", "20", "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def wait_status_ok(endpoints: list[str], timeout_s: float = 60) -> str:
+    """Until `mqds status` says every node is up and every vnode has a leader."""
+
+    def ok() -> str | None:
+        result = subprocess.run(
+            [MQDS, "--endpoints", ",".join(endpoints), "--timeout", "10", "status"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        return result.stdout if result.returncode == 0 else None
+
+    return wait_until("mqds status reporting OK", ok, timeout_s, interval_s=0.5)
+
+
+def store_and_replay(endpoints: list[str], topic: str) -> None:
+    with Client(endpoints, timeout_s=30) as client:
+        client.store_batch([Message(topic=f"{topic}/{i}", payload=f"m{i}".encode(), sender=f"s{i}") for i in range(8)])
+        assert sorted(m.payload for m in client.replay(f"{topic}/#")) == [f"m{i}".encode() for i in range(8)]
+
+
+def scrape(address: str) -> str:
+    """GET /metrics (MQDS_METRICS_LISTEN): Prometheus text with mqds_ metrics."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        assert reply.status == 200
+        text = str(reply.read().decode())
+    assert re.search(r"^mqds_\w+", text, re.M), text[:2000]
+    return text
+
+
+def settings_value(argv: list[str], env: dict[str, str], name: str) -> str:
+    """A node's setting as mqds-server reads it: a --flag wins over MQDS_<NAME>."""
+    flag = "--" + name.replace("_", "-")
+    for i, word in enumerate(argv):
+        if word == flag:
+            return argv[i + 1]
+        if word.startswith(flag + "="):
+            return word.split("=", 1)[1]
+    return env.get("MQDS_" + name.upper(), "")
+
+
+def container_port(address: str) -> int:
+    return int(address.rpartition(":")[2])
+
+
+# -- the Dockerfile -----------------------------------------------------------------------------
+
+
+def rooted(text: str, root: Path) -> str:
+    """Absolute container paths in ``text`` under ``root`` (/opt/mqds -> ROOT/opt/mqds)."""
+    return re.sub(r"(?<![\w./$-])/(?=\w)", str(root) + "/", text)
+
+
+def copy_instruction(args: str, context: Path, workdir: Path, root: Path) -> None:
+    """COPY SRC... DEST from the build context, as Docker does: a directory's contents go into DEST."""
+    *sources, dest = args.split()
+    target = Path(rooted(dest, root)) if dest.startswith("/") else workdir / dest
+    for source in sources:
+        src = context / source
+        if src.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["cp", "-a", f"{src}/.", str(target)], check=True, timeout=60)
+        elif dest.endswith("/") or len(sources) > 1:
+            target.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["cp", "-a", str(src), str(target / src.name)], check=True, timeout=60)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["cp", "-a", str(src), str(target)], check=True, timeout=60)
+
+
+def dependency_farm(directory: Path) -> Path:
+    """A directory of links to the test virtualenv's third-party packages (not mqds, not pip)."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    directory.mkdir(parents=True)
+    skip = re.compile(r"^(mqds|__editable__|pip$|pip-|_distutils_hack|distutils-precedence|setuptools|_virtualenv)")
+    for entry in site.iterdir():
+        if not skip.match(entry.name):
+            (directory / entry.name).symlink_to(entry)
+    return directory
+
+
+def run_build_stage(stage: Stage, context: Path, root: Path, shim: Path, deps: Path) -> None:
+    """The build stage's WORKDIR, COPY and RUN instructions, in order, with paths under ``root``.
+
+    Dependencies come from the test's virtualenv instead of PyPI (PIP_NO_DEPS and a .pth into each new
+    virtualenv); the packages themselves are built from the copied sources by the Dockerfile's pip
+    command, in pip's usual isolated build environment."""
+    env = {k: rooted(v, root) for k, v in stage.env().items()}
+    env.update(PATH=f"{shim}:/usr/bin:/bin", HOME=str(root / "root"), PIP_NO_DEPS="1")
+    workdir = root
+    for inst in stage.instructions:
+        if inst.keyword == "WORKDIR":
+            workdir = Path(rooted(inst.args, root))
+            workdir.mkdir(parents=True, exist_ok=True)
+        elif inst.keyword == "COPY":
+            assert "from" not in inst.flags
+            copy_instruction(inst.args, context, workdir, root)
+        elif inst.keyword == "RUN":
+            result = subprocess.run(
+                ["/bin/sh", "-ec", rooted(inst.args, root)],
+                cwd=workdir,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert result.returncode == 0, f"RUN {inst.args}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            for cfg in root.glob("opt/*/pyvenv.cfg"):
+                purelib = next(cfg.parent.glob("lib/python3*/site-packages"))
+                (purelib / "zz_test_dependencies.pth").write_text(f"{deps}\n")
+        else:
+            assert inst.keyword == "ENV", f"the test does not run {inst.keyword} in the build stage"
+
+
+def test_dockerfile_builds_here_and_its_entrypoint_serves(tmp_path: Path) -> None:
+    build, image = dockerfile()[0], image_stage()
+    root = tmp_path / "fs"
+    context = copy_context(tmp_path / "context")
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    # The base image's python (with pip): this test's interpreter, the same version as python:3.11-slim's.
+    (shim / "python").symlink_to(sys.executable)
+    run_build_stage(build, context, root, shim, dependency_farm(tmp_path / "deps"))
+
+    # The final stage: COPY --from=build of the same path (one root here: nothing to copy), and
+    # system setup that the test checks and does not run (it would add a user to this machine).
+    for inst in image.instructions:
+        if inst.keyword == "COPY":
+            assert inst.flags.get("from") == build.name
+            source, dest = inst.args.split()
+            assert source == dest, "a virtualenv only works at the path it was built at"
+            assert Path(rooted(source, root)).is_dir()
+        if inst.keyword == "RUN":
+            for command in re.split(r"\s*&&\s*", inst.args):
+                program = command.split()[0]
+                assert program in ("groupadd", "useradd", "mkdir", "chown"), command
+                if program == "mkdir":
+                    subprocess.run(rooted(command, root), shell=True, check=True, timeout=30)
+
+    venv_python = Path(rooted("/opt/mqds/bin/python", root))
+    where = subprocess.run(
+        [str(venv_python), "-c", "import mqds.server, mqds.client; print(mqds.server.__file__, mqds.client.__file__)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
+    assert all(path.startswith(str(root / "opt" / "mqds" / "lib")) for path in where), where
+    check = subprocess.run(
+        [str(shim / "python"), "-m", "pip", "--python", str(venv_python), "check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert not [line for line in check.splitlines() if line.startswith("mqds-")], check
+
+    # The container: the image's ENV, WORKDIR, ENTRYPOINT and HEALTHCHECK; its ports on loopback.
+    loop = Loopback(lambda host: None)
+    env = {k: loop.rewrite(rooted(v, root), "node") for k, v in image.env().items()}
+    env["PATH"] = env["PATH"].replace("$PATH", "/usr/local/bin:/usr/bin:/bin")
+    workdir = Path(rooted(image.required("WORKDIR").args, root))
+    env.update(HOME=str(workdir), HOSTNAME="mqds-image-test")
+    volume = yaml.safe_load(image.required("VOLUME").args)
+    assert env["MQDS_DATA_DIR"] in [rooted(v, root) for v in volume]
+    entrypoint = image.required("ENTRYPOINT").exec_form()
+    assert image.last("CMD") is None
+    processes = Processes(tmp_path / "logs")
+    try:
+        proc = processes.start("image", entrypoint, env, workdir)
+        address = loop.address("node", container_port(image.env()["MQDS_LISTEN"]))
+        assert wait_serving(address, 60, READY), processes.output("image")
+        exe = Path(os.readlink(f"/proc/{proc.pid}/exe")) if Path("/proc").is_dir() else None
+        assert exe is None or exe.name.startswith("python")
+        assert str(root) in Path(f"/proc/{proc.pid}/cmdline").read_text(), "the image's mqds-server runs"
+        assert list((workdir / "shards").iterdir()), "data goes to the volume"
+        probe = [rooted(word, root) for word in healthcheck_command(image)]
+        for extra in ([], ["--service", READY]):
+            result = subprocess.run([*probe, *extra], env=env, capture_output=True, text=True, timeout=30)
+            assert result.returncode == 0, result.stderr
+        cli = subprocess.run(
+            [rooted("/opt/mqds/bin/mqds", root), "--endpoints", address, "status"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert cli.returncode == 0 and "OK:" in cli.stdout, cli.stdout + cli.stderr
+        scrape(loop.address("node", container_port(image.env()["MQDS_METRICS_LISTEN"])))
+        assert processes.terminate("image") == 0, processes.output("image")
+        down = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=30)
+        assert down.returncode == 1 and "healthcheck:" in down.stderr
+    finally:
+        processes.kill_all()
+
+
+# -- docker-compose -----------------------------------------------------------------------------
+
+
+def test_compose_node_services_form_a_cluster_prometheus_scrapes(tmp_path: Path) -> None:
+    compose = load_compose({"MQDS_CLUSTER_SECRET": secrets.token_hex(16)})
+    services: dict[str, Any] = compose["services"]
+    nodes = [name for name, svc in services.items() if svc.get("build", {}).get("dockerfile") == "deploy/Dockerfile"]
+    assert len(nodes) == 3
+    image = image_stage()
+    loop = Loopback(lambda host: host if host in services else None)
+    processes = Processes(tmp_path / "logs")
+    grpc_address: dict[str, str] = {}
+    metrics_address: dict[str, str] = {}
+    try:
+        for name in nodes:
+            svc = services[name]
+            # Named volumes: a directory each; the container path they are mounted at maps to it.
+            mounts = {v.split(":")[1]: tmp_path / "volumes" / v.split(":")[0] for v in svc["volumes"]}
+            env = {**image.env(), **compose_environment(svc)}
+            argv = [*image.required("ENTRYPOINT").exec_form(), *svc["command"]]
+            env = {k: map_path(loop.rewrite(v, name), mounts) for k, v in env.items()}
+            env.update(PATH=local_path_env(), HOSTNAME=svc.get("hostname", name))
+            env["HOME"] = map_path(image.required("WORKDIR").args, mounts)
+            original = (argv, {**image.env(), **compose_environment(svc)})
+            argv = [map_path(loop.rewrite(word, name), mounts) for word in argv]
+            processes.start(name, argv, env, Path(env["HOME"]))
+            grpc_address[name] = loop.address(name, container_port(settings_value(*original, "listen")))
+            metrics_address[name] = loop.address(name, container_port(settings_value(*original, "metrics_listen")))
+        for name in nodes:
+            assert wait_serving(grpc_address[name], 90, READY), processes.outputs()
+        status = wait_status_ok(list(grpc_address.values()))
+        assert "3 nodes" in status and "OK:" in status, status
+        store_and_replay(list(grpc_address.values()), "compose")
+
+        # Prometheus scrapes exactly the nodes' metrics addresses.
+        prometheus = yaml.safe_load(PROMETHEUS_FILE.read_text())
+        targets = [t for job in prometheus["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
+        assert sorted(loop.rewrite(t, "prometheus") for t in targets) == sorted(metrics_address.values())
+        for address in metrics_address.values():
+            scrape(address)
+        assert set(processes.terminate_all().values()) == {0}, processes.outputs()
+    finally:
+        processes.kill_all()
+
+
+# -- Kubernetes ---------------------------------------------------------------------------------
+
+
+class Pods:
+    """The dev overlay's StatefulSet pods as local processes: exactly their command, args and env."""
+
+    def __init__(self, base: Path, objects: list[dict[str, Any]]) -> None:
+        self.base = base
+        self.objects = objects
+        self.sts = find(self.objects, "StatefulSet")
+        self.name = self.sts["metadata"]["name"]
+        self.namespace = self.sts["metadata"]["namespace"]
+        self.service = self.sts["spec"]["serviceName"]
+        self.replicas = int(self.sts["spec"]["replicas"])
+        pod_spec = self.sts["spec"]["template"]["spec"]
+        (self.container,) = pod_spec["containers"]
+        dns = re.compile(rf"^(?P<pod>{re.escape(self.name)}-\d+)\.{re.escape(self.service)}\.{self.namespace}\.svc\.")
+        self.loop = Loopback(lambda host: m.group("pod") if (m := dns.match(host)) else None)
+        self.processes = Processes(base / "logs")
+        self.image = image_stage()
+        self.env: dict[str, dict[str, str]] = {}
+        self.unmapped_env: dict[str, dict[str, str]] = {}
+
+    def pod(self, ordinal: int) -> str:
+        return f"{self.name}-{ordinal}"
+
+    def mounts(self, pod: str) -> dict[str, Path]:
+        """Each volume mount of the container: a directory of the test's, per pod."""
+        return {m["mountPath"]: self.base / pod / m["name"] for m in self.container["volumeMounts"]}
+
+    def start(self, ordinal: int) -> None:
+        pod = self.pod(ordinal)
+        mounts = self.mounts(pod)
+        fields = {"metadata.name": pod, "metadata.namespace": self.namespace}
+        env = container_env(self.container, self.objects, fields, self.image.env())
+        self.unmapped_env[pod] = env
+        argv = [expand_k8s(word, env) for word in [*self.container["command"], *self.container.get("args", [])]]
+        env = {k: map_path(self.loop.rewrite(v, pod), mounts) for k, v in env.items()}
+        # The runtime's own variables: PATH (the image's /opt/mqds/bin is the test's virtualenv), HOSTNAME, HOME.
+        env.update(PATH=local_path_env(), HOSTNAME=pod, HOME=map_path(self.image.required("WORKDIR").args, mounts))
+        self.env[pod] = env
+        argv = [map_path(self.loop.rewrite(word, pod), mounts) for word in argv]
+        self.processes.start(pod, argv, env, Path(env["HOME"]))
+
+    def address(self, pod: str, port: int | None = None) -> str:
+        return self.loop.address(pod, port or container_port(self.unmapped_env[pod]["MQDS_LISTEN"]))
+
+    def probe(self, pod: str, kind: str) -> str:
+        """The StatefulSet's probe of ``kind`` (startupProbe, ...) run against the pod: the status it sees."""
+        spec = self.container[kind]["grpc"]
+        return health(self.address(pod, int(spec["port"])), spec.get("service", ""))
+
+    def endpoints(self, count: int | None = None) -> list[str]:
+        return [self.address(self.pod(i)) for i in range(self.replicas if count is None else count)]
+
+
+@pytest.fixture(scope="module")
+def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pods]:
+    pods = Pods(tmp_path_factory.mktemp("k8s"), kustomize(K8S / "overlays" / "dev"))
+    try:
+        for ordinal in range(pods.replicas):
+            pods.start(ordinal)
+        for ordinal in range(pods.replicas):
+            assert wait_serving(pods.address(pods.pod(ordinal)), 90, READY), pods.processes.outputs()
+        yield pods
+    finally:
+        pods.processes.kill_all()
+
+
+def test_statefulset_pods_form_a_cluster_and_pass_their_probes(pods: Pods) -> None:
+    assert pods.replicas == 3
+    dns = {pods.pod(i): f"{pods.pod(i)}.{pods.service}.{pods.namespace}.svc.cluster.local:7101" for i in range(3)}
+    for ordinal in range(3):
+        pod = pods.pod(ordinal)
+        given = pods.unmapped_env[pod]
+        # What the pod is told, before the loopback mapping: its name, its DNS name, its peers' DNS names.
+        assert given["MQDS_NODE_ID"] == pod
+        assert given["MQDS_ADVERTISE"] == dns[pod]
+        assert given["MQDS_PEERS"] == ",".join(f"{p}={a}" for p, a in dns.items())
+        assert given["MQDS_CLUSTER_SECRET"]
+        for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert pods.probe(pod, kind) == "SERVING", (pod, kind)
+    status = wait_status_ok(pods.endpoints())
+    assert "3 nodes" in status, status
+    cmap = cluster_map(pods.endpoints()[0])
+    assert {n.id: n.address for n in cmap.nodes} == {pods.pod(i): pods.address(pods.pod(i)) for i in range(3)}
+    assert len(cmap.vnodes) == int(pods.unmapped_env[pods.pod(0)]["MQDS_N_SHARDS"])
+    store_and_replay(pods.endpoints(), "k8s")
+    # The metrics port the ServiceMonitor scrapes (the headless Service's "metrics" port -> the container's).
+    port = next(p["containerPort"] for p in pods.container["ports"] if p["name"] == "metrics")
+    for ordinal in range(3):
+        scrape(pods.address(pods.pod(ordinal), port))
+
+
+def run_script(name: str, *args: str, mqds_endpoints: list[str]) -> subprocess.CompletedProcess[str]:
+    """k8s/NAME with kubectl replaced by echo (the test checks what it would run) and mqds by the local CLI."""
+    env = {
+        **os.environ,
+        "KUBECTL": "echo",
+        "MQDS": f"{MQDS} --endpoints {','.join(mqds_endpoints)}",
+    }
+    return subprocess.run(
+        ["bash", str(K8S / name), *args], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_scale_up_then_scale_down_scripts(pods: Pods) -> None:
+    founders = pods.endpoints()
+    new = pods.pod(3)
+    pods.start(3)
+    # Not a founder: it runs (startup and liveness probes pass), and is not ready before it joins.
+    wait_until(f"{new} serving liveness", lambda: pods.probe(new, "livenessProbe") == "SERVING", 60)
+    assert pods.probe(new, "startupProbe") == "SERVING"
+    assert pods.probe(new, "readinessProbe") != "SERVING"
+
+    # The script derives the address the pod advertises.
+    dry = run_script("scale-up.sh", "-n", pods.namespace, "--replicas", "3", "--dry-run", mqds_endpoints=founders)
+    assert dry.returncode == 0, dry.stderr
+    assert f"admin join {new} --address {pods.unmapped_env[new]['MQDS_ADVERTISE']}" in dry.stdout
+    assert "dry run: nothing was changed" in dry.stdout
+    assert new not in [n.id for n in cluster_map(founders[0]).nodes]
+
+    up = run_script(
+        "scale-up.sh", "-n", pods.namespace, "--replicas", "3", "--address", pods.address(new), mqds_endpoints=founders
+    )
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert f"scale statefulset {pods.name} -n {pods.namespace} --replicas=4" in up.stdout
+    assert f"node {new} joined" in up.stdout and "rebalanced" in up.stdout
+    assert wait_serving(pods.address(new), 60, READY), pods.processes.output(new)
+    held = [v.shard for v in cluster_map(founders[0]).vnodes if new in v.replicas]
+    assert held, "the rebalance moved replicas onto the new node"
+    wait_status_ok(pods.endpoints(4))
+
+    # A failed leave (no such node) scales nothing.
+    bad = run_script("scale-down.sh", "-n", pods.namespace, "--replicas", "9", mqds_endpoints=founders)
+    assert bad.returncode == 1 and "nothing was scaled" in bad.stderr
+    assert "scale statefulset" not in bad.stdout
+
+    dry = run_script("scale-down.sh", "-n", pods.namespace, "--replicas", "4", "--dry-run", mqds_endpoints=founders)
+    assert dry.returncode == 0 and f"admin leave {new}" in dry.stdout, dry.stdout + dry.stderr
+    assert new in [n.id for n in cluster_map(founders[0]).nodes], "a dry run changes nothing"
+
+    down = run_script("scale-down.sh", "-n", pods.namespace, "--replicas", "4", mqds_endpoints=founders)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert f"node {new} left the cluster" in down.stdout
+    lines = down.stdout.splitlines()
+    # kubectl (echo) ran after the leave: scale to 3, wait for the pod to go, delete its claim.
+    scale = lines.index(f"scale statefulset {pods.name} -n {pods.namespace} --replicas=3")
+    assert lines.index(f"node {new} left the cluster; it can be stopped now") < scale
+    assert f"wait --for=delete pod/{new} -n {pods.namespace} --timeout=1800s" in lines[scale:]
+    assert f"delete pvc data-{new} -n {pods.namespace}" in lines[scale:]
+    cmap = cluster_map(founders[0])
+    assert new not in [n.id for n in cmap.nodes]
+    assert all(new not in v.replicas and len(v.replicas) == 3 for v in cmap.vnodes)
+    # What the scale-down does to the pod: SIGTERM; the cluster stays whole.
+    assert pods.processes.terminate(new) == 0, pods.processes.output(new)
+    assert "OK:" in wait_status_ok(founders)
+
+
+def test_tls_component_pod_serves_tls_and_its_exec_probes_pass(tmp_path: Path) -> None:
+    objects = kustomize_with_components(tmp_path / "overlay", [K8S / "overlays" / "dev"], [K8S / "components" / "tls"])
+    pods = Pods(tmp_path / "pods", objects)
+    pod = pods.pod(0)
+    # The Secret mqds-tls, mounted: a certificate for the pod's DNS name, and 127.0.0.1, which the
+    # loopback mapping puts in its place.
+    ca = TestCA(tmp_path / "ca")
+    issued = ca.issue(pod, dns=(f"{pod}.{pods.service}.{pods.namespace}.svc.cluster.local",), ips=("127.0.0.1",))
+    tls_dir = pods.mounts(pod)[next(m["mountPath"] for m in pods.container["volumeMounts"] if m["name"] == "tls")]
+    tls_dir.mkdir(parents=True)
+    for name, source in (("tls.crt", issued.cert_file), ("tls.key", issued.key_file), ("ca.crt", ca.file)):
+        shutil.copy(source, tls_dir / name)
+    try:
+        pods.start(0)
+        env = pods.env[pod]
+
+        def probe(kind: str, environ: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+            """The StatefulSet's exec probe, run as the kubelet would: in the container's environment."""
+            command = [
+                str(image_file(w)) if w.startswith("/opt/mqds/") else w for w in pods.container[kind]["exec"]["command"]
+            ]
+            return subprocess.run(command, env=environ or env, capture_output=True, text=True, timeout=30)
+
+        wait_until(f"{pod}'s startup probe", lambda: probe("startupProbe").returncode == 0, 60)
+        assert probe("livenessProbe").returncode == 0
+        # Alone (its two fellow founders are not started) it is alive but not ready.
+        not_ready = probe("readinessProbe")
+        assert not_ready.returncode == 1 and "NOT_SERVING" in not_ready.stderr, not_ready.stderr
+        # It really is TLS with client certificates: a plaintext probe, and one without the node's certificate, fail.
+        assert health(pods.address(pod), "") != "SERVING"
+        other = TestCA(tmp_path / "other").issue("stranger")
+        stranger = {**env, "MQDS_TLS_CERT_FILE": str(other.cert_file), "MQDS_TLS_KEY_FILE": str(other.key_file)}
+        assert probe("livenessProbe", stranger).returncode == 1
+        pods.processes.assert_running()
+    finally:
+        pods.processes.kill_all()

