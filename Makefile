@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # The long fault-injection run; override with CHAOS_ARGS="--duration 600 --seed 7".
 CHAOS_ARGS ?= --duration 1800 --nodes 5 --nemesis mix --report-json chaos-report.json
 
-.PHONY: help install lint test test-unit test-integration chaos proto bench-storage bench-cluster demo server cluster clean
+.PHONY: help install lint test test-unit test-integration test-spark chaos proto bench-storage bench-cluster bench-spark demo server cluster clean
 
 help:
 	@echo "make demo            set up, start a local 3-node cluster, publish, kill a leader, replay, check, stop"
@@ -18,10 +18,14 @@ help:
 	@echo "make lint            ruff and mypy only"
 	@echo "make bench-storage   storage-layer benchmark: 1,000,000 messages vs raw rocksdict"
 	@echo "make bench-cluster   replicated writes: 3 nodes x 3 replicas vs 1 node, failover time"
+	@echo "make bench-spark     Spark connector: 1,000,000 stored messages read into Spark vs the client's replay"
+	@echo "make test-spark      only the Spark connector tests (local[2] Spark against a real 3-node cluster)"
 	@echo "make server          run one node in the foreground on 127.0.0.1:7101 (data in ./data/n1)"
 	@echo "make cluster         start a local 3-node cluster in the background on 127.0.0.1:7101-7103 (data in ./data/cluster)"
 	@echo "make proto           regenerate client/mqds/v1 from proto/"
 	@echo "make chaos           the long fault-injection run: 30 min, 5 nodes, every nemesis (CHAOS_ARGS=...)"
+	@echo "make test-deploy     the deployment tests: Dockerfile, compose and k8s/ manifests, run and validated offline"
+	@echo "make image           docker build -f deploy/Dockerfile -t mqds:0.1.0 . (needs a Docker engine)"
 	@echo "make clean           remove .venv and caches"
 
 $(STAMP): pyproject.toml client/pyproject.toml
@@ -35,7 +39,7 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check client server tests proto chaos
 	$(BIN)/ruff format --check client server tests proto chaos
-	$(BIN)/mypy -p mqds.protocol -p mqds.client -p mqds.server -p mqds.cli -p mqds.broker -p mqds.chaos -m mqds.bench
+	$(BIN)/mypy -p mqds.protocol -p mqds.client -p mqds.server -p mqds.cli -p mqds.broker -p mqds.chaos -p mqds.spark -m mqds.bench
 
 test: lint
 	$(BIN)/python proto/generate.py --check
@@ -47,10 +51,23 @@ test-unit: $(STAMP)
 test-integration: $(STAMP)
 	$(BIN)/python -m pytest -m integration $(PYTEST_ARGS)
 
+# The Spark connector's tests alone (they are part of make test too): one
+# local[2] Spark session shared by all of them, one 3-node cluster.
+test-spark: $(STAMP)
+	$(BIN)/python -m pytest -m spark $(PYTEST_ARGS)
+
 # The long chaos run (python -m mqds.chaos --help for the options); run as root
 # for real network partitions. The short run is part of make test.
 chaos: $(STAMP)
 	$(BIN)/python -m mqds.chaos $(CHAOS_ARGS)
+
+# deploy/ and k8s/: manifests validated offline, and their commands run as local processes.
+.PHONY: test-deploy image
+test-deploy: $(STAMP)
+	$(BIN)/python -m pytest tests/unit/test_manifests.py tests/integration/test_deploy.py $(PYTEST_ARGS)
+
+image:
+	docker build -f deploy/Dockerfile -t mqds:0.1.0 .
 
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py
@@ -60,6 +77,9 @@ bench-storage: $(STAMP)
 
 bench-cluster: $(STAMP)
 	$(BIN)/python -m mqds.server.bench_cluster
+
+bench-spark: $(STAMP)
+	$(BIN)/python -m mqds.spark.bench
 
 server: $(STAMP)
 	$(BIN)/mqds-server --node-id n1 --listen 127.0.0.1:7101 --data-dir data/n1

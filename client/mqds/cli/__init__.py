@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from mqds.cli import admin, bench, broker, chaos, exhook, generations, local_cluster, messages, status
+from mqds.cli import admin, bench, broker, chaos, exhook, generations, local_cluster, messages, spark_job, status
 from mqds.cli.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CommandError
 from mqds.protocol.errors import InvalidArgumentError, MqdsError
 
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.register(sub)
     exhook.register(sub, connection)
     broker.register(sub, connection)
+    spark_job.register(sub, connection)
     return parser
 
 

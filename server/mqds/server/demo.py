@@ -9,17 +9,23 @@ subscriber comes back and replays everything it missed with a wildcard
 filter; what was acknowledged is compared with what is replayed, by (device,
 sequence number): nothing may be lost, duplicated or out of order. The
 killed node starts again and every replica is checked to hold the same data.
-The cluster is stopped at the end, also on Ctrl-C or an error; the exit code
-is 0 only if every check passed.
+Last, the pipeline job (``mqds spark-job``, Spark in local mode) reads the
+run's messages and writes per-topic and per-sender statistics to Parquet;
+its count must match the replays. The cluster is stopped at the end, also
+on Ctrl-C or an error; the exit code is 0 only if every check passed.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import json
+import os
+import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -229,6 +235,7 @@ def start_cluster(base_dir: Path) -> LocalCluster:
 
 def story(cluster: LocalCluster, opts: argparse.Namespace, failures: list[str]) -> None:
 
+    story_started_us = int(time.time() * 1_000_000)
     client = cluster.client(timeout_s=30)
     names = [f"device-{i}" for i in range(opts.devices)]
     devices = [Device(name, shard_of(name, cluster.n_shards)) for name in names]
@@ -331,6 +338,40 @@ def story(cluster: LocalCluster, opts: argparse.Namespace, failures: list[str]) 
         failures.append(str(err))
     client.close()
 
+    step("8. the data pipeline: mqds spark-job reads the run's messages with Spark, statistics go to Parquet")
+    spark_job(cluster, story_started_us, len(seen) + len(missed), failures)
+
+
+def spark_job(cluster: LocalCluster, since_us: int, expected: int, failures: list[str]) -> None:
+    """Run the pipeline job over the story's messages (a Spark of its own, local[2]) and show its report.
+
+    The job counts the messages of the window in a snapshot it pins; nothing
+    is written meanwhile, so it must count what the replays found.
+    """
+    if importlib.util.find_spec("pyspark") is None:
+        say("skipped: pyspark is not installed (pip install 'mqds-client[spark]', or make install)")
+        return
+    out = cluster.base_dir.parent / "stats"
+    since = format_time_us(since_us)
+    say(f"$ mqds spark-job --since {since} --until now --topic-filter 'sensor/#' --out {out.name} --top 5")
+    command = [sys.executable, "-m", "mqds.spark.job", "--endpoints", ",".join(cluster.addresses), "--since", since]
+    command += ["--until", "now", "--topic-filter", "sensor/#", "--out", str(out), "--top", "5", "--master", "local[2]"]
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    started = time.monotonic()
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    for line in run.stdout.splitlines():
+        say(f"  {line}" if line else "")
+    if run.returncode != 0:
+        failures.append(f"the Spark job failed (exit {run.returncode}): {run.stderr.strip()[-1500:]}")
+        return
+    found = re.search(r"^read ([\d,]+) messages", run.stdout, re.MULTILINE)
+    counted = int(found.group(1).replace(",", "")) if found else None
+    if counted != expected:
+        failures.append(f"the Spark job counted {counted} messages, replay found {expected:,}")
+        return
+    took = time.monotonic() - started
+    say(f"the job counted the {expected:,} messages replay found (hellos and readings), in {took:.0f} s")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -366,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     except (MqdsError, RuntimeError, TimeoutError) as err:
         failures.append(f"{type(err).__name__}: {err}")
     finally:
-        step("8. stop the cluster (mqds cluster down)")
+        step("9. stop the cluster (mqds cluster down)")
         if cluster is not None:
             try:
                 cluster.stop()

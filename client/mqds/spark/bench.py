@@ -1,0 +1,201 @@
+"""Benchmark: read stored messages into Spark, next to replaying them with the client in one process.
+
+``python -m mqds.spark.bench`` (``make bench-spark``) starts a local 3-node
+cluster in a temporary directory (or uses ``--endpoints``), stores
+``--messages`` (default 1,000,000) messages under a topic prefix of its own,
+then in the same run:
+
+- Spark (``--master``, default ``local[*]``): ``df.count()``, and a group-by
+  per sender (count, payload bytes, first and last timestamp), each timed;
+- ``Client.replay`` of the same filter in this one process, counted.
+
+It prints rows/s of each and the ratio Spark / replay. Both read every
+message from the nodes and decode it; Spark spreads the vnodes over its
+tasks, replay goes vnode by vnode. On a small machine the nodes, the Spark
+workers and the replaying process share the same cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyspark.sql import functions as F
+
+from mqds.cli.console import ProgressLine, bar, table
+from mqds.client import Client, Message
+from mqds.client.connection import parse_endpoints
+from mqds.spark import FORMAT, register
+from mqds.spark.job import session
+from mqds.spark.snapshot import pin_snapshot
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured read: what, how many rows, how long."""
+
+    what: str
+    rows: int
+    seconds: float
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / self.seconds if self.seconds > 0 else 0.0
+
+
+def store(endpoints: list[str], prefix: str, messages: int, senders: int, size: int, batch: int, threads: int) -> float:
+    """Store ``messages`` messages under ``prefix`` as fast as acknowledged; the seconds it took."""
+    payload = bytes(range(256)) * (size // 256 + 1)
+    payload = payload[:size]
+    names = [f"spark-bench-{i}" for i in range(senders)]
+    done = 0
+    lock = threading.Lock()
+    line = ProgressLine(sys.stderr, every_s=5.0)
+
+    def batches() -> Iterator[list[Message]]:
+        for start in range(0, messages, batch):
+            sender = names[(start // batch) % senders]
+            count = min(batch, messages - start)
+            yield [Message(f"{prefix}/{sender}/m{(start + i) % 10}", payload, sender, qos=1) for i in range(count)]
+
+    started = time.monotonic()
+    with Client(endpoints, timeout_s=60) as client:
+
+        def send(part: list[Message]) -> None:
+            nonlocal done
+            client.store_batch(part)
+            with lock:
+                done += len(part)
+                rate = done / max(time.monotonic() - started, 1e-3)
+                line.show(f"storing {bar(done / messages)} {done:>9,}/{messages:,}  {rate:>8,.0f} msg/s")
+
+        with ThreadPoolExecutor(threads) as pool:
+            for _ in pool.map(send, batches()):
+                pass
+    took = time.monotonic() - started
+    line.show(f"stored {messages:,} messages in {took:.1f} s ({messages / took:,.0f} msg/s)", final=True)
+    return took
+
+
+def measure(endpoints: list[str], prefix: str, master: str | None) -> tuple[list[Figure], float, int]:
+    """The timed reads; also the Spark start-up time and the number of Spark partitions."""
+    endpoint_text = ",".join(endpoints)
+    topic_filter = f"{prefix}/#"
+    started = time.monotonic()
+    spark = session(master, "mqds-spark-bench")
+    startup_s = time.monotonic() - started
+    try:
+        register(spark)
+        # Pinned: both Spark reads see the same rows even if something else writes meanwhile.
+        token = pin_snapshot(endpoint_text)
+        df = (
+            spark.read.format(FORMAT)
+            .option("endpoints", endpoint_text)
+            .option("topicFilter", topic_filter)
+            .option("snapshot", token)
+            .load()
+        )
+        # Start the Python workers first: the first task of a session pays for that, not the source.
+        spark.sparkContext.parallelize(range(4), 2).map(lambda x: x).count()
+        figures = []
+        t0 = time.monotonic()
+        counted = df.count()
+        cores = spark.sparkContext.defaultParallelism
+        figures.append(Figure(f"Spark df.count() ({cores} cores)", counted, time.monotonic() - t0))
+        partitions = df.rdd.getNumPartitions()
+        t0 = time.monotonic()
+        grouped = (
+            df.groupBy("sender")
+            .agg(
+                F.count(F.lit(1)).alias("messages"),
+                F.sum(F.length("payload")).alias("bytes"),
+                F.min("timestamp").alias("first"),
+                F.max("timestamp").alias("last"),
+            )
+            .collect()
+        )
+        rows = sum(int(r["messages"]) for r in grouped)
+        figures.append(Figure(f"Spark group-by sender ({len(grouped)} groups)", rows, time.monotonic() - t0))
+    finally:
+        spark.stop()
+    with Client(endpoints, timeout_s=60) as client:
+        t0 = time.monotonic()
+        replayed = sum(1 for _ in client.replay(topic_filter))
+        figures.append(Figure("Client.replay, one process", replayed, time.monotonic() - t0))
+    return figures, startup_s, partitions
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mqds.spark.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--messages", type=int, default=1_000_000, help="messages to store and read (1,000,000)")
+    parser.add_argument("--size", type=int, default=100, help="payload bytes (100)")
+    parser.add_argument("--senders", type=int, default=64, help="distinct senders (clientids), spread over vnodes (64)")
+    parser.add_argument("--batch", type=int, default=1000, help="messages per store call (1000)")
+    parser.add_argument("--threads", type=int, default=8, help="store calls in flight (8)")
+    parser.add_argument(
+        "--endpoints", help="an existing cluster (host:port,...) instead of a local 3-node one in a temporary directory"
+    )
+    parser.add_argument("--shards", type=int, default=16, help="vnodes of the local cluster (16)")
+    parser.add_argument("--master", help="Spark master (default local[*])")
+    parser.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
+    opts = parser.parse_args(argv)
+    if min(opts.messages, opts.senders, opts.batch, opts.threads, opts.shards) < 1 or opts.size < 0:
+        parser.error("--messages, --senders, --batch, --threads and --shards must be at least 1, --size 0 or more")
+    prefix = f"sparkbench/{uuid.uuid4().hex[:8]}"
+    with contextlib.ExitStack() as stack:
+        if opts.endpoints:
+            endpoints = parse_endpoints(opts.endpoints)
+        else:
+            try:
+                from mqds.server.localproc import LocalCluster
+            except ImportError:
+                parser.error("starting a local cluster needs the server package (mqds-server); or give --endpoints")
+            base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mqds-spark-bench-")))
+            cluster = stack.enter_context(LocalCluster(base / "c", 3, n_shards=opts.shards))
+            print(f"starting a local 3-node cluster ({opts.shards} vnodes, 3 replicas each) ...", flush=True)
+            cluster.start()
+            endpoints = cluster.addresses
+        store_s = store(endpoints, prefix, opts.messages, opts.senders, opts.size, opts.batch, opts.threads)
+        figures, startup_s, partitions = measure(endpoints, prefix, opts.master)
+    replay = figures[-1]
+    rows = [[f.what, f"{f.rows:,}", f"{f.seconds:.1f}", f"{f.rows_per_s:,.0f}"] for f in figures]
+    print(
+        f"\nread {opts.messages:,} messages of {opts.size} bytes ({partitions} Spark partitions; Spark started in "
+        f"{startup_s:.1f} s, not counted)"
+    )
+    print(table(["READ", "ROWS", "SECONDS", "ROWS/S"], rows, right=(1, 2, 3)))
+    for f in figures[:-1]:
+        print(f"{f.what}: {f.rows_per_s / replay.rows_per_s:.2f}x the single-process replay")
+    wrong = [f.what for f in figures if f.rows != opts.messages]
+    if opts.json:
+        print(
+            json.dumps(
+                {
+                    "messages": opts.messages,
+                    "store_s": round(store_s, 2),
+                    "spark_startup_s": round(startup_s, 2),
+                    "partitions": partitions,
+                    "reads": [{"what": f.what, "rows": f.rows, "seconds": round(f.seconds, 3)} for f in figures],
+                }
+            )
+        )
+    if wrong:
+        print(f"FAILED: {', '.join(wrong)} did not read {opts.messages:,} rows", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
