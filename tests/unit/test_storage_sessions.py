@@ -148,3 +148,22 @@ def test_retained_lookup_equals_matching_every_topic(
         assert found == sorted((t for t in topics if matches(topic_filter, t)), key=lambda t: t.encode())
     finally:
         storage.close()
+
+
+def test_a_fetch_never_returns_a_later_message_without_an_earlier_one_stored_meanwhile(shard: ShardStorage) -> None:
+    """A store landing during a fetch may start a stream the fetch did not list; its later messages must wait.
+
+    Found by the chaos run: a pubsub consumer acknowledged a message the
+    fetch read from a listed stream, stored after a batch that had started a
+    new stream, and so moved its read position past that batch for good.
+    """
+    shard.store([msg("old/a", str(i)) for i in range(600)], 100)  # more than one read chunk
+    reading = shard.sessions._ordered("#", 0)
+    first = next(reading)
+    shard.store([msg("brand/new/stream", "B")], 1_000)  # a stream the fetch did not list
+    shard.store([msg("old/a", "C")], 2_000)  # later, in a listed stream
+    rest = [pb.Message.FromString(stored).payload.decode() for _, stored in reading]
+    assert pb.Message.FromString(first[1]).payload == b"0"
+    assert "C" not in rest and len(rest) == 599
+    # The next fetch sees both, in order.
+    assert fetched(shard, wanted("#", after_us=100 + 599))[-2:] == ["B", "C"]

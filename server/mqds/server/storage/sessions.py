@@ -241,22 +241,27 @@ class SessionState:
         """Every stored message matching ``topic_filter`` from ``start_us`` on, in timestamp order, read lazily.
 
         Generations one after the other; within one, its matching streams
-        merged by timestamp.
+        merged by timestamp. The read stops at the shard's last timestamp as
+        it was before the streams were listed (a fence): a store that lands
+        while this runs may start a stream the list does not have, and
+        returning its later messages from the listed streams would skip its
+        own. A reader that acknowledges what it got would never see them.
         """
         storage = self._storage
+        fence = storage.last_ts  # first: every stream with data up to it is listed next
         by_generation: dict[int, list[int]] = {}
         for ref in storage.get_streams(topic_filter.split("/"), start_us):
             by_generation.setdefault(ref.generation, []).append(ref.stream)
         for generation in sorted(by_generation):
             runs = [
-                self._stream(IteratorState(storage.shard, generation, stream, topic_filter, start_us))
+                self._stream(IteratorState(storage.shard, generation, stream, topic_filter, start_us), fence)
                 for stream in by_generation[generation]
             ]
             yield from heapq.merge(*runs, key=_timestamp) if len(runs) > 1 else runs[0]
 
-    def _stream(self, state: IteratorState) -> Iterator[tuple[int, bytes]]:
+    def _stream(self, state: IteratorState, fence_us: int) -> Iterator[tuple[int, bytes]]:
         while True:
-            result = self._storage.next(state, _FETCH_CHUNK)
+            result = self._storage.next(state, _FETCH_CHUNK, fence_us)
             yield from result.entries
             if result.end_of_stream or result.state.next_ts == state.next_ts:
                 return
