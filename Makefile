@@ -43,7 +43,7 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python proto/generate.py --check
-	$(BIN)/python -m pytest -m "not chaos" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not chaos" -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
