@@ -42,7 +42,7 @@ def test_demo_story_passes_its_own_checks() -> None:
         [sys.executable, "-m", "mqds.server.demo", "--devices", "4", "--readings", "600", "--batch", "20"],
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=300,  # the story, then a Spark job (a JVM start and a local session)
     )
     out = run.stdout
     assert run.returncode == 0, out + run.stderr

@@ -55,9 +55,13 @@ def run(opts: argparse.Namespace) -> int:
     try:
         from mqds.spark import job
     except ImportError as err:
-        raise CommandError(
-            f"mqds spark-job needs pyspark and pyarrow: pip install 'mqds-client[spark]' ({err})"
-        ) from None
+        # mqds.spark's own message says what to install; anything else gets the hint here.
+        hint = (
+            str(err)
+            if "pip install" in str(err)
+            else f"needs pyspark and pyarrow: pip install 'mqds-client[spark]' ({err})"
+        )
+        raise CommandError(hint) from None
     snapshot = _snapshot(opts.snapshot)
     extra = {}
     if opts.max_records_per_partition:

@@ -614,6 +614,14 @@ class ShardStorage:
         replica that has not assigned the fence yet refuses (REPLICA_BEHIND).
         """
         with self._lock:
+            # First: a replica this far behind may not know the stream (or the
+            # generation) yet, and that must read as "ask another replica".
+            if fence_us is not None and self.last_ts < fence_us:
+                raise errors.error(
+                    Reason.REPLICA_BEHIND,
+                    f"this replica of shard {self.shard} has applied up to timestamp {self.last_ts}, "
+                    f"not yet the fence {fence_us}",
+                )
             gen = self._generation(state.generation)
             if not self.trie.is_stream(state.stream):
                 raise errors.error(Reason.UNKNOWN_STREAM, f"shard {self.shard} has no stream {state.stream}")
@@ -621,12 +629,6 @@ class ShardStorage:
             # Read before scanning: a generation closed after this point is
             # reported as ended by the next call, never too early.
             closed = gen.record.until_us is not None
-            if fence_us is not None and self.last_ts < fence_us:
-                raise errors.error(
-                    Reason.REPLICA_BEHIND,
-                    f"this replica of shard {self.shard} has applied up to timestamp {self.last_ts}, "
-                    f"not yet the fence {fence_us}",
-                )
         fenced = fence_us is not None
         limit = fence_us if fence_us is not None else _NO_FENCE
         filter_levels = state.topic_filter.split("/")
