@@ -252,9 +252,11 @@ def _client_state(response: spb.ClientStateResponse) -> ClientState | None:
     return ClientState.from_pb(response.state) if response.found else None
 
 
-def _session_call(method: str, key: str, n_shards: int, request: Any, parse: Callable[[Any], T]) -> ShardCall[T]:
+def _session_call(
+    method: str, key: str, n_shards: int, request: Any, parse: Callable[[Any], T], stale_ok: bool = False
+) -> ShardCall[T]:
     """A Sessions request kept in ``key``'s shard (a clientid's, or a retained topic's)."""
-    return ShardCall(method, shard_of(key, n_shards), request, parse, service="Sessions")
+    return ShardCall(method, shard_of(key, n_shards), request, parse, stale_ok, "Sessions")
 
 
 def client_connected(clientid: str, node: str, n_shards: int) -> ShardCall[ClientState | None]:
@@ -269,7 +271,7 @@ def client_disconnected(clientid: str, node: str | None, n_shards: int) -> Shard
 
 def client_state(clientid: str, n_shards: int, stale_ok: bool) -> ShardCall[ClientState | None]:
     request = spb.GetClientStateRequest(clientid=clientid, stale_ok=stale_ok)
-    return ShardCall("GetClientState", shard_of(clientid, n_shards), request, _client_state, stale_ok, "Sessions")
+    return _session_call("GetClientState", clientid, n_shards, request, _client_state, stale_ok)
 
 
 def clients_on_node(node: str, stale_ok: bool) -> FanoutCall[str]:
@@ -302,13 +304,13 @@ def unsubscribe(clientid: str, topic_filter: str, n_shards: int) -> ShardCall[bo
 
 def subscriptions(clientid: str, n_shards: int, stale_ok: bool) -> ShardCall[dict[str, int]]:
     request = spb.GetSubscriptionsRequest(clientid=clientid, stale_ok=stale_ok)
-    return ShardCall(
+    return _session_call(
         "GetSubscriptions",
-        shard_of(clientid, n_shards),
+        clientid,
+        n_shards,
         request,
         lambda r: {s.topic_filter: s.qos for s in r.subscriptions},
         stale_ok,
-        "Sessions",
     )
 
 
