@@ -41,12 +41,14 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check client server tests proto chaos
 	$(BIN)/mypy -p mqds.protocol -p mqds.client -p mqds.server -p mqds.cli -p mqds.broker -p mqds.chaos -p mqds.spark -m mqds.bench
 
-# Two workers, each running whole test files (a file's cluster fixture and its
+# The Spark tests first, in a process of their own (Spark's JVM must start
+# before any gRPC channel of the process). Then two workers, each running whole test files (a file's cluster fixture and its
 # tests stay together); most of what the tests wait for is elections, fsyncs
 # and timeouts, so two files at a time fit on two cores.
 test: lint
 	$(BIN)/python proto/generate.py --check
-	$(BIN)/python -m pytest -m "not chaos" -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m spark $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not chaos and not spark" -n 2 --dist loadfile $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

@@ -43,7 +43,10 @@ def spark() -> Iterator[SparkSession]:
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def cluster(spark: SparkSession, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    # After Spark: pyspark forks its JVM launcher with a preexec_fn, which can
+    # fail in a process whose gRPC threads already run ("Java gateway process
+    # exited"); started first, the JVM is up before any gRPC channel exists.
     with LocalCluster(tmp_path_factory.mktemp("spark") / "c", 3, n_shards=N_SHARDS) as c:
         c.start()
         yield c
