@@ -180,11 +180,38 @@ class Membership:
             self._retry(lambda: self._change(shard, target, add=True))
             self._wait_caught_up(shard, target)
         if source:
-            if self._vnode_leader(shard) == source:
-                self._retry(lambda: self._transfer(shard, target))
-            self._retry(lambda: self._change(shard, source, add=False))
+            self._remove_replica(shard, source, prefer=target)
         final = placement.apply_move({shard: replicas}, move)[shard]
         self._set_replicas(shard, final)
+
+    def _remove_replica(self, shard: int, source: str, prefer: str) -> None:
+        """Take ``source`` out of the vnode's Raft group, moving leadership off it first.
+
+        Leadership can come back to ``source`` between the transfer and the
+        removal (an election after a fault, or the leader balancer handing it
+        to the vnode's preferred replica), and a leader cannot remove itself.
+        So ``source`` is first made the least preferred replica in the map, and
+        the transfer and the removal are retried together as one step.
+        """
+        replicas = meta_mod.placement_of(self._map())[shard]
+        if replicas and replicas[0] == source:
+            self._set_replicas(shard, [*(r for r in replicas if r != source), source])
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        delay = _POLL_S
+        while True:
+            try:
+                if self._vnode_leader(shard) == source:
+                    self._transfer(shard, prefer)
+                self._change(shard, source, add=False)
+                return
+            except MqdsError as err:
+                came_back = err.reason == Reason.MEMBERSHIP_REFUSED and self._vnode_leader(shard) == source
+                if not (err.retriable or came_back) or time.monotonic() > deadline:
+                    raise
+                log.info("shard %d: retrying the removal of %s after: %s", shard, source, err)
+                prefer = ""  # any caught-up replica will do now
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     # -- talking to vnode leaders --------------------------------------------------
 
