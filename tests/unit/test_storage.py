@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rocksdict import Rdict
+from rocksdict import Rdict, WriteBatch
 
 from mqds.protocol.errors import (
     FailedPreconditionError,
@@ -749,12 +749,12 @@ def test_unknown_format_version_is_refused(tmp_path: Path, engine: Engine) -> No
     path = str(tmp_path / "s")
     ShardStorage(path, 0, engine).close()
     db = Rdict(path, engine.db_options())
-    db[keys.META_FORMAT] = keys.u16(2)
+    db[keys.META_FORMAT] = keys.u16(3)
     db.close()
     with pytest.raises(MqdsError) as info:
         ShardStorage(path, 0, engine)
     assert info.value.reason is Reason.STORAGE_ERROR
-    assert "format version 2 is not supported" in info.value.message
+    assert "format version 3 is not supported" in info.value.message
 
 
 def test_orphan_generation_column_families_are_dropped_on_open(tmp_path: Path, engine: Engine) -> None:
@@ -875,6 +875,94 @@ def test_index_reads_only_the_wanted_sensor(tmp_path: Path, engine: Engine) -> N
         assert storage.keys_read >= total
     finally:
         storage.close()
+
+
+def _index_keys(storage: ShardStorage) -> list[tuple[bytes, bytes]]:
+    gen = storage._gens[storage.current_generation]
+    return [(k, v) for k, v in gen.cf.items(from_key=keys.INDEX_TAG) if k.startswith(keys.INDEX_TAG)]
+
+
+def test_a_batch_writes_one_index_key_per_value_and_reads_resume_inside_it(tmp_path: Path, engine: Engine) -> None:
+    storage = ShardStorage(str(tmp_path / "s"), 0, engine, lts_threshold_top=3, lts_threshold=2)
+    storage.initialize(1)
+    try:
+        stored: list[pb.Message] = []
+        for round_ in range(3):
+            batch = [msg(f"plant/{i % 7}/m{i % 3}", f"{round_}:{i}".encode()) for i in range(600)]
+            first = storage.store(batch, 1_000 + round_)
+            stored += [stamped(m, first + i, 0) for i, m in enumerate(batch)]
+        # Past the first few topics they share the stream plant/+/+, whose two
+        # varying levels have 7 and 3 values: each batch writes an index key
+        # per stream, level and value (a few dozen in all), where one per
+        # message and level would be thousands.
+        assert "plant/+/+" in {storage.trie.pattern(s) for s in storage.trie.streams()}
+        index = _index_keys(storage)
+        assert 0 < len(index) <= 3 * 30
+        assert sum(len(keys.decode_postings(0, v)) for _, v in index) > 20 * len(index)
+        for topic_filter in ("plant/4/#", "plant/+/m1", "plant/2/m2", "plant/#"):
+            wanted = [m for m in stored if matches(topic_filter, m.topic)]
+            for batch_size in (1, 7, 100, 5_000):
+                reads = replay(storage, topic_filter, batch_size=batch_size)
+                assert sorted((r.message for r in reads), key=lambda m: m.timestamp_us) == wanted
+            # Starting inside a batch (and inside an index key's list) misses nothing before it.
+            start = stored[901].timestamp_us
+            reads = replay(storage, topic_filter, start_time_us=start, batch_size=3)
+            got = sorted((r.message for r in reads), key=lambda m: m.timestamp_us)
+            assert got == [m for m in wanted if m.timestamp_us >= start], topic_filter
+    finally:
+        storage.close()
+
+
+def test_a_database_with_one_index_key_per_message_reads_the_same_and_is_upgraded(
+    tmp_path: Path, engine: Engine
+) -> None:
+    path = str(tmp_path / "s")
+    storage = ShardStorage(path, 0, engine, lts_threshold_top=3, lts_threshold=2)
+    storage.initialize(1)
+    stored: list[pb.Message] = []
+    batch = [msg(f"room/{i % 4}/t", str(i).encode()) for i in range(40)]
+    first = storage.store(batch, 1_000)
+    stored += [stamped(m, first + i, 0) for i, m in enumerate(batch)]
+    # Rewrite the index as format 1 wrote it: one key per message, empty values.
+    gen = storage._gens[storage.current_generation]
+    old = WriteBatch(raw_mode=True)
+    lists = _index_keys(storage)
+    assert any(value for _, value in lists)
+    for key, value in lists:
+        prefix, ts = key[: keys.INDEX_PREFIX_LEN], keys.read_u64(key[keys.INDEX_PREFIX_LEN :])
+        old.delete(key, gen.handle)
+        for stamp in keys.decode_postings(ts, value):
+            old.put(keys.index_key(prefix, stamp), b"", gen.handle)
+    old.put(keys.META_FORMAT, keys.u16(1), storage.meta_handle)
+    storage._db.write(old)
+    del gen, old
+    storage.close()
+
+    storage = ShardStorage(path, 0, engine, lts_threshold_top=3, lts_threshold=2)
+    try:
+        assert keys.read_u16(storage.meta_get(keys.META_FORMAT) or b"") == keys.FORMAT_VERSION
+        assert not any(value for _, value in _index_keys(storage))
+        more = [msg(f"room/{i % 4}/t", f"new {i}".encode()) for i in range(12)]
+        first = storage.store(more, 2_000)
+        stored += [stamped(m, first + i, 0) for i, m in enumerate(more)]
+        for topic_filter in ("room/2/#", "room/+/t", "#"):
+            for batch_size in (1, 5, 100):
+                reads = replay(storage, topic_filter, batch_size=batch_size)
+                got = sorted((r.message for r in reads), key=lambda m: m.timestamp_us)
+                assert got == [m for m in stored if matches(topic_filter, m.topic)], (topic_filter, batch_size)
+    finally:
+        storage.close()
+
+
+def test_posting_lists_round_trip_and_damage_is_named() -> None:
+    assert keys.encode_postings([5]) == b""
+    assert keys.decode_postings(77, b"") == [77]
+    positions = [3, 4, 10, 999, 70_000]
+    assert keys.decode_postings(1_000_003, keys.encode_postings(positions)) == [1_000_000 + p for p in positions]
+    with pytest.raises(ValueError, match="not a posting list"):
+        keys.decode_postings(1, b"\x02" + bytes(8))
+    with pytest.raises(ValueError, match="not a posting list"):
+        keys.decode_postings(1, keys.encode_postings([1, 2])[:-1])
 
 
 # -- failures half-way -------------------------------------------------------

@@ -8,7 +8,10 @@ batches of 1,000 under its own clientid, as fast as acknowledgements come
 back, for ``--duration`` seconds. A publisher sends pre-serialised requests
 straight to its shard's leader (following NOT_LEADER hints), so the client's
 own cost stays small next to the cluster's. It prints, per setup:
-acknowledged messages/s, p50/p99/p999 ``StoreBatch`` latency; then the
+acknowledged messages/s, p50/p99/p999 ``StoreBatch`` latency, and the CPU
+time the servers used per 1,000 acknowledged messages (user and system time
+of their processes over the whole run, a steadier figure than throughput on a
+shared machine); then the
 latency at half the replicated throughput (paced publishers); then the time
 writes to a vnode fail when its leader is killed with ``kill -9``; then the
 ratio of replicated to single-replica throughput. ``--json`` prints one JSON
@@ -19,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +33,36 @@ from mqds.protocol.sharding import shard_of
 from mqds.server.localproc import LocalCluster
 
 
-def _line(result: RunResult) -> str:
+def _line(result: RunResult, cpu_ms: float) -> str:
     return (
         f"  {result.acked_msgs_per_s:>10,.0f} msg/s acknowledged   p50 {result.p50_ms:.1f} ms   "
-        f"p99 {result.p99_ms:.1f} ms   p999 {result.p999_ms:.1f} ms"
+        f"p99 {result.p99_ms:.1f} ms   p999 {result.p999_ms:.1f} ms   "
+        f"server CPU {cpu_ms:.1f} ms per 1,000 msgs"
     )
+
+
+def _cpu_s(cluster: LocalCluster) -> float:
+    """User plus system CPU seconds the cluster's server processes have used so far (Linux ``/proc``)."""
+    ticks = 0
+    for proc in cluster.nodes.values():
+        if proc.pid is None:
+            continue
+        try:
+            with open(f"/proc/{proc.pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # killed meanwhile
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _measured(cluster: LocalCluster, load: Callable[[], RunResult]) -> tuple[RunResult, float]:
+    """Run ``load`` and return its result with the servers' CPU milliseconds per 1,000 acknowledged messages."""
+    before = _cpu_s(cluster)
+    result = load()
+    used = _cpu_s(cluster) - before
+    acked = result.acked_msgs_per_s * (result.end_at - result.start_at)
+    return result, (used * 1e6 / acked if acked else 0.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,14 +93,22 @@ def main(argv: list[str] | None = None) -> int:
     with LocalCluster(base / "r3", 3, n_shards=opts.shards, replication_factor=3) as cluster:
         cluster.start()
         say("3 nodes, replication factor 3 (fsync on a majority before every acknowledgement) ...")
-        r3 = run_load(cluster.addresses, opts.shards, opts.publishers, opts.batch, opts.size, opts.duration)
-        say(_line(r3))
-        report["r3"] = r3.__dict__
+        r3, r3_cpu = _measured(
+            cluster,
+            lambda: run_load(cluster.addresses, opts.shards, opts.publishers, opts.batch, opts.size, opts.duration),
+        )
+        say(_line(r3, r3_cpu))
+        report["r3"] = {**r3.__dict__, "server_cpu_ms_per_1000": r3_cpu}
         half = r3.acked_msgs_per_s / 2
         say(f"same cluster, paced at half that ({half:,.0f} msg/s) ...")
-        paced = run_load(cluster.addresses, opts.shards, opts.publishers, opts.batch, opts.size, opts.duration, half)
-        say(_line(paced))
-        report["r3_half_load"] = paced.__dict__
+        paced, paced_cpu = _measured(
+            cluster,
+            lambda: run_load(
+                cluster.addresses, opts.shards, opts.publishers, opts.batch, opts.size, opts.duration, half
+            ),
+        )
+        say(_line(paced, paced_cpu))
+        report["r3_half_load"] = {**paced.__dict__, "server_cpu_ms_per_1000": paced_cpu}
         if not opts.skip_failover:
             victim_shard = shard_of(publisher_ids(opts.publishers, opts.shards)[0], opts.shards)
             kill = LeaderKill(victim_shard, lambda: cluster.wait_for_leader(victim_shard), cluster.kill)
@@ -85,9 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         with LocalCluster(base / "r1", 1, n_shards=opts.shards, replication_factor=1) as single:
             single.start()
             say("1 node, replication factor 1 (the storage layer behind the same API) ...")
-            r1 = run_load(single.addresses, opts.shards, opts.publishers, opts.batch, opts.size, opts.duration)
-            say(_line(r1))
-            report["r1"] = r1.__dict__
+            r1, r1_cpu = _measured(
+                single,
+                lambda: run_load(single.addresses, opts.shards, opts.publishers, opts.batch, opts.size, opts.duration),
+            )
+            say(_line(r1, r1_cpu))
+            report["r1"] = {**r1.__dict__, "server_cpu_ms_per_1000": r1_cpu}
             report["ratio_r3_to_r1"] = r3.acked_msgs_per_s / r1.acked_msgs_per_s
             say(f"ratio replicated / single replica: {report['ratio_r3_to_r1']:.0%}")
     report["acked_msgs_per_s"] = r3.acked_msgs_per_s

@@ -9,7 +9,7 @@ order is numeric order.
 =====================  ==========================================  =========================================
 column family          key                                         value
 =====================  ==========================================  =========================================
-default                ``m:format``                                u16 layout version of the database (1)
+default                ``m:format``                                u16 layout version of the database (2)
 default                ``m:shard``                                 u32 shard number
 default                ``m:last_ts``                               u64 last timestamp assigned (microseconds)
 default                ``m:applied``                               u64 last applied Raft index
@@ -32,13 +32,21 @@ default                ``f:`` topic filter                         u64 queue flo
                                                                    timestamp matching the filter is acknowledged
 gen-NNNNNNNN           ``D`` u32 stream, u64 timestamp             message: a serialised ``mqds.v1.Message``
                                                                    without ``timestamp_us`` and ``shard``
-gen-NNNNNNNN           ``I`` u32 stream, u8 level, 8-byte hash,    empty: the message at this timestamp has
-                       u64 timestamp                               this value at the stream's varying level
+gen-NNNNNNNN           ``I`` u32 stream, u8 level, 8-byte hash,    postings: which messages of one stored batch
+                       u64 timestamp of the first such message     have this value at the stream's varying level
+                                                                   (see ``encode_postings``)
 =====================  ==========================================  =========================================
 
 Only the first ``MAX_INDEXED_LEVELS`` varying levels of a topic get index keys
 (the level number is one byte, and each index key costs a write); a filter that
 constrains only deeper varying levels scans the stream and checks each topic.
+
+An index key covers one stored batch: all of its messages that have the value
+at that level, as a posting list, so a batch of 1,000 messages from a few
+devices writes a few index keys instead of 1,000 (the memtable inserts of index
+keys were half the cost of applying a batch). The value is empty when the
+batch had one such message, at the key's timestamp; databases written before
+posting lists have only such keys and read the same.
 
 A trie token is a literal topic level, ``+`` for the wildcard edge, or ``#``
 for the end of a topic; none of them can be a literal level, because topic
@@ -57,6 +65,10 @@ Examples (these run as tests):
 '49000000070057b43cf02666687a'
 >>> index_key(index_prefix(7, 0, "42"), 5)[-8:] == (5).to_bytes(8, "big")
 True
+>>> decode_postings(1_000, encode_postings([3, 4, 9]))
+[1000, 1001, 1006]
+>>> decode_postings(1_000, encode_postings([3]))
+[1000]
 >>> trie_edge_key(0, "sensor")
 b't:\\x00\\x00\\x00\\x00sensor'
 >>> generation_cf(3)
@@ -69,9 +81,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from dataclasses import dataclass
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: index keys hold posting lists (1: one index key per message, empty values)."""
+READABLE_FORMATS = (1, 2)
 GENERATION_RECORD_VERSION = 1
 
 META_FORMAT = b"m:format"
@@ -193,6 +209,41 @@ def index_prefix(stream: int, level: int, value: str) -> bytes:
 
 def index_key(prefix: bytes, timestamp_us: int) -> bytes:
     return prefix + u64(timestamp_us)
+
+
+POSTINGS_V1 = 1
+_POSTING_HEAD = struct.Struct("<BI")
+
+
+def encode_postings(positions: list[int]) -> bytes:
+    """The value of an index key from the positions in their batch of the messages it covers.
+
+    ``positions`` are ascending; the key's timestamp is that of the first
+    one. One position is an empty value. More are a version byte (1), the
+    first position and then every position, as little-endian u32 (positions
+    rather than offsets, so encoding is one C call, not a loop).
+    """
+    if len(positions) == 1:
+        return b""
+    body = array("I", positions)
+    if sys.byteorder != "little":
+        body.byteswap()
+    return _POSTING_HEAD.pack(POSTINGS_V1, positions[0]) + body.tobytes()
+
+
+def decode_postings(timestamp_us: int, value: bytes) -> list[int]:
+    """The timestamps an index key with this timestamp and value stands for, ascending."""
+    if not value:
+        return [timestamp_us]
+    version, first = _POSTING_HEAD.unpack_from(value)
+    if version != POSTINGS_V1 or (len(value) - _POSTING_HEAD.size) % 4:
+        raise ValueError(f"index value of {len(value)} bytes with version {version} is not a posting list")
+    body = array("I")
+    body.frombytes(value[_POSTING_HEAD.size :])
+    if sys.byteorder != "little":
+        body.byteswap()
+    base = timestamp_us - first
+    return [base + position for position in body]
 
 
 def dedup_key(producer: bytes, sequence: int) -> bytes:

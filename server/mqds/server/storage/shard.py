@@ -12,6 +12,7 @@ See ``keys.py`` for the key layout and ``DESIGN.md`` for the why.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import struct
@@ -202,11 +203,18 @@ class ShardStorage:
             db.write(batch, self._engine.sync_write)
         else:
             version = keys.read_u16(fmt)
-            if version != keys.FORMAT_VERSION:
+            if version not in keys.READABLE_FORMATS:
+                readable = " and ".join(str(v) for v in keys.READABLE_FORMATS)
                 raise errors.error(
                     Reason.STORAGE_ERROR,
-                    f"{self.path}: storage format version {version} is not supported by this node (it reads 1)",
+                    f"{self.path}: storage format version {version} is not supported by this node "
+                    f"(it reads {readable})",
                 )
+            if version != keys.FORMAT_VERSION:
+                # Version 1 had no posting lists; this node reads its keys as
+                # they are and writes new ones with them, which an older node
+                # would misread: mark the database as the current version.
+                db.put(keys.META_FORMAT, keys.u16(keys.FORMAT_VERSION), self._engine.sync_write)
             stored_shard = keys.read_u32(db[keys.META_SHARD])
             if stored_shard != self.shard:
                 raise errors.error(
@@ -374,21 +382,33 @@ class ShardStorage:
             put = batch.put
             new_edges: list[tuple[int, str, int]] = []
             new_streams: list[int] = []
-            ts = first
+            # Per topic: its data key prefix, the positions of its messages in
+            # this batch, and its route (index key prefixes, stream).
+            groups: dict[str, tuple[bytes, list[int], tuple[bytes, tuple[bytes, ...], int]]] = {}
+            position = 0
             for message in messages:
                 topic = message.topic
-                route = routes.get(topic)
-                if route is None:
-                    route = self._route(topic, new_edges)
-                dprefix, iprefixes, stream = route
-                tsb = ts.to_bytes(8, "big")
-                put(dprefix + tsb, message.SerializeToString(), handle)
+                group = groups.get(topic)
+                if group is None:
+                    route = routes.get(topic)
+                    if route is None:
+                        route = self._route(topic, new_edges)
+                    group = groups[topic] = (route[0], [], route)
+                put(group[0] + (first + position).to_bytes(8, "big"), message.SerializeToString(), handle)
+                group[1].append(position)
+                position += 1
+            ts = first + position
+            # One index key per (level, value) for the whole batch, listing its messages.
+            postings: dict[bytes, list[list[int]]] = {}
+            for _, positions, (_, iprefixes, stream) in groups.values():
                 for iprefix in iprefixes:
-                    put(iprefix + tsb, b"", handle)
+                    postings.setdefault(iprefix, []).append(positions)
                 if stream not in present:
                     present.add(stream)
                     new_streams.append(stream)
-                ts += 1
+            for iprefix, lists in postings.items():
+                merged = lists[0] if len(lists) == 1 else sorted(itertools.chain.from_iterable(lists))
+                put(iprefix + (first + merged[0]).to_bytes(8, "big"), keys.encode_postings(merged), handle)
             meta = self._meta_handle
             for parent, token, child in new_edges:
                 put(keys.trie_edge_key(parent, token), keys.u32(child), meta)
@@ -681,32 +701,18 @@ class ShardStorage:
     ) -> tuple[list[tuple[int, bytes]], int, bool]:
         level = min(constraints)
         prefix = keys.index_prefix(state.stream, level, constraints[level])
-        width = len(prefix)
-        index = gen.cf.items(from_key=prefix + keys.u64(state.next_ts))
+        candidates = self._postings(gen, prefix, state.next_ts, limit)
         entries: list[tuple[int, bytes]] = []
         next_ts = state.next_ts
         exhausted = False
         parse = pb.Message.FromString
-        while len(entries) < batch_size and not exhausted:
-            wanted = batch_size - len(entries)
-            stamps: list[int] = []
-            for key, _ in index:
-                if not key.startswith(prefix):
-                    exhausted = True
-                    break
-                ts = int.from_bytes(key[width : width + 8], "big")
-                if ts > limit:
-                    exhausted = True
-                    break
-                stamps.append(ts)
-                if len(stamps) == wanted:
-                    break
-            else:
-                exhausted = True
+        while len(entries) < batch_size:
+            stamps = list(itertools.islice(candidates, batch_size - len(entries)))
             if not stamps:
+                exhausted = True
                 break
             values = gen.cf.get([keys.data_key(state.stream, ts) for ts in stamps])
-            self.keys_read += 2 * len(stamps)
+            self.keys_read += len(stamps)
             for ts, value in zip(stamps, values, strict=True):
                 next_ts = ts + 1
                 # The hash may collide and other constrained levels are not
@@ -714,13 +720,35 @@ class ShardStorage:
                 if value is not None and matches_levels(filter_levels, parse(value).topic.split("/")):
                     entries.append((ts, value))
         if not exhausted:
-            for key, _ in index:
-                exhausted = not key.startswith(prefix) or int.from_bytes(key[width : width + 8], "big") > limit
-                self.keys_read += 1
-                break
-            else:
-                exhausted = True
+            exhausted = next(candidates, None) is None
         return entries, next_ts, exhausted
+
+    def _postings(self, gen: _Generation, prefix: bytes, start: int, limit: int) -> Iterator[int]:
+        """The timestamps the index keys under ``prefix`` list, from ``start`` up to ``limit``, ascending.
+
+        An index key is named after the first message it lists, so the one
+        listing ``start`` may be named before it: begin at the last key at or
+        before ``start``.
+        """
+        width = len(prefix)
+        it = gen.cf.iter()
+        it.seek_for_prev(prefix + keys.u64(start))
+        if not (it.valid() and it.key().startswith(prefix)):
+            it.seek(prefix + keys.u64(start))
+        while it.valid():
+            key = it.key()
+            if not key.startswith(prefix):
+                return
+            first = int.from_bytes(key[width : width + 8], "big")
+            if first > limit:
+                return
+            self.keys_read += 1
+            for ts in keys.decode_postings(first, it.value()):
+                if ts > limit:
+                    return
+                if ts >= start:
+                    yield ts
+            it.next()
 
     # -- durability and copies ------------------------------------------------
 
