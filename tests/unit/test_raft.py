@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from mqds.server.cluster import placement
 from mqds.server.raft import codec
+from mqds.server.raft import journal as journal_mod
 from mqds.server.raft.group import PeerNode, RaftGroup, RaftTiming, decode_manifest, encode_manifest
 from mqds.server.raft.journal import JournalCorrupt, NodeLog
 
@@ -85,14 +86,147 @@ def test_a_new_segment_keeps_every_groups_live_state(tmp_path: Path) -> None:
             j.sync()
     expected = [[e[1] for e in j] for j in journals]
     assert log.flushes < 3 * 59 + 1
-    segments = list(tmp_path.glob("wal-*"))
-    assert len(segments) == 1 and int(segments[0].name[4:]) > 1, "old segments are deleted"
+    numbers = sorted(int(p.name[4:]) for p in tmp_path.glob("wal-*"))
+    # Older segments go once every entry in them was compacted (here up to 13
+    # live entries a group, spread over the last few small segments).
+    assert numbers[0] > 1 and len(numbers) <= 3 < numbers[-1], numbers
     log.close()
     again = NodeLog(str(tmp_path))
     for g in range(3):
         j = again.journal(g)
         assert [e[1] for e in j] == expected[g]
         assert j.getVotedForNodeId() == f"n{g}"
+
+
+def test_a_new_segment_copies_only_small_logs_and_old_ones_go_once_compacted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(journal_mod, "COPY_BYTES", 150)
+    log = NodeLog(str(tmp_path), segment_bytes=4000)
+    busy, pinned, small = log.journal(1), log.journal(2), log.journal(3)
+    pinned.add(b"\x00" + bytes(200), 1, 1)  # over COPY_BYTES, never compacted: keeps the first segment
+    pinned.setCurrentTerm(1, "n1")
+    pinned.sync()
+    small.add(b"\x00small", 1, 1)  # copied into every new segment
+    small.sync()
+    for i in range(1, 200):
+        busy.add(b"\x00" + bytes(100), i, 1)
+        busy.sync()
+    segments = sorted(tmp_path.glob("wal-*"))
+    assert len(segments) > 3, "the busy group filled several segments"
+    # A new segment starts with each group's state and the small group's entry, not the busy group's entries.
+    assert all(p.stat().st_size < 4000 + 200 for p in segments)
+    assert segments[0].name == "wal-00000001", "the pinned group's live entry is in the first segment"
+    # The busy group compacts: nothing goes while the pinned group's entry is live...
+    busy.deleteEntriesTo(len(busy) - 5)
+    busy.add(b"\x00more", 200, 1)
+    busy.sync()
+    assert sorted(tmp_path.glob("wal-*"))[0].name == "wal-00000001"
+    # ...and once it is compacted too, every segment before the active one goes.
+    pinned.deleteEntriesTo(1)
+    pinned.add(b"\x00" + bytes(200), 2, 1)
+    pinned.sync()
+    busy.add(b"\x00last", 201, 1)
+    busy.sync()
+    left = sorted(tmp_path.glob("wal-*"))
+    assert len(left) <= 2 and left[0].name != "wal-00000001", [p.name for p in left]
+    expected = {g: [(e[1], e[0]) for e in j] for g, j in ((1, busy), (2, pinned), (3, small))}
+    log.close()
+    again = NodeLog(str(tmp_path))
+    reopened = {g: again.journal(g) for g in (1, 2, 3)}
+    for g in (1, 2, 3):
+        assert [(e[1], e[0]) for e in reopened[g]] == expected[g]
+    assert reopened[2].getVotedForNodeId() == "n1"
+    again.close()
+
+
+def test_an_idle_group_does_not_keep_old_segments(tmp_path: Path) -> None:
+    log = NodeLog(str(tmp_path), segment_bytes=4000)
+    busy, idle = log.journal(1), log.journal(2)
+    idle.add(b"\x00idle", 1, 1)
+    idle.add(b"\x00idle too", 2, 1)
+    idle.sync()
+    for i in range(1, 200):
+        busy.add(b"\x00" + bytes(100), i, 1)
+        if i % 20 == 0:
+            busy.deleteEntriesTo(len(busy) - 2)
+        busy.sync()
+    # The idle group's two entries are copied into each new segment, so the
+    # old ones go as the busy group compacts.
+    assert len(list(tmp_path.glob("wal-*"))) <= 3
+    log.close()
+    again = NodeLog(str(tmp_path))
+    assert [e[0] for e in again.journal(2)] == [b"\x00idle", b"\x00idle too"]
+    again.close()
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.integers(0, 2),  # group
+        st.sampled_from(["add", "add", "add", "truncate", "compact", "clear", "sync", "drop", "restart"]),
+        st.integers(0, 6),
+    ),
+    max_size=120,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_OPS, st.sampled_from([0, 150, journal_mod.COPY_BYTES]))
+def test_whatever_happens_a_restart_rebuilds_every_synced_journal(
+    ops: list[tuple[int, str, int]], copy_bytes: int
+) -> None:
+    """Random appends, truncations, compactions, clears, drops and restarts on small segments.
+
+    With ``copy_bytes`` 0 a new segment copies no group's entries, with the
+    default every group's here, and in between some.
+    """
+    import tempfile
+
+    default = journal_mod.COPY_BYTES
+    journal_mod.COPY_BYTES = copy_bytes
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            log = NodeLog(d, segment_bytes=600)
+            journals = {g: log.journal(g) for g in range(3)}
+            synced: dict[int, list[tuple[int, bytes]]] = {g: [] for g in range(3)}
+            for step, (g, op, n) in enumerate(ops):
+                j = journals[g]
+                if op == "add":
+                    nxt = j[-1][1] + 1 if len(j) else 1
+                    for k in range(n + 1):
+                        j.add(b"\x00" + bytes([step % 256]) * 40, nxt + k, 1)
+                elif op == "truncate" and len(j) > n:
+                    j.deleteEntriesFrom(n)
+                elif op == "compact" and len(j) > n + 1:
+                    j.deleteEntriesTo(n + 1)
+                elif op == "clear":
+                    j.clear()
+                elif op == "drop":
+                    log.drop_group(g)
+                    journals[g] = log.journal(g)
+                    synced[g] = []
+                    continue
+                elif op == "restart":
+                    for other in journals.values():
+                        other.sync()
+                    log.close()
+                    log = NodeLog(d, segment_bytes=600)
+                    journals = {h: log.journal(h) for h in range(3)}
+                    for h in range(3):
+                        assert [(e[1], e[0]) for e in journals[h]] == synced[h], (step, h)
+                    continue
+                j.sync()
+                synced[g] = [(e[1], e[0]) for e in j]
+            for j in journals.values():
+                j.sync()
+            expected = {g: [(e[1], e[0]) for e in j] for g, j in journals.items()}
+            log.close()
+            again = NodeLog(d)
+            for g in range(3):
+                assert [(e[1], e[0]) for e in again.journal(g)] == expected[g], g
+            again.close()
+    finally:
+        journal_mod.COPY_BYTES = default
 
 
 def test_damage_in_the_middle_of_the_log_refuses_to_start(tmp_path: Path) -> None:

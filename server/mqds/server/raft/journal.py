@@ -36,8 +36,16 @@ kind  name      body
 A record cut short at the end of the last segment (a crash during a write)
 is cut off on open; damage anywhere else refuses to start. When the active
 segment grows past its size, the writer starts a new one beginning with
-every group's live state (STATE, CLEAR and its entries), after which the
-older segments are deleted.
+every group's state: STATE, then for a group with little in its log
+(``COPY_BYTES``; an idle group keeps a couple of entries after compacting)
+CLEAR and its entries, and for a busy one just HEAD at its first live entry.
+So starting a segment costs little, instead of a rewrite of every live entry
+(which stalled every group's sync for a second or more under load). An older
+segment is deleted once it and every segment before it hold only dead
+entries: for each group, below what it has durably kept (compacted after a
+snapshot), or followed by a CLEAR in a later segment. Replaying the
+segments that are left, in order, rebuilds every group: each retained
+segment after the first starts with every group's state.
 
 >>> import tempfile
 >>> with tempfile.TemporaryDirectory() as d:
@@ -77,6 +85,11 @@ _STATE = struct.Struct("<QQ")
 _U16 = struct.Struct("<H")
 
 DEFAULT_SEGMENT_BYTES = 256 * 1024 * 1024
+# The live floor of a group without live entries: everything it wrote is dead.
+NO_FLOOR = 2**64
+# A group with at most this many bytes of entries has them copied into a new
+# segment (so a group that went idle does not keep old segments forever).
+COPY_BYTES = 1024 * 1024
 # How often a changed commit index alone is recorded.
 _COMMIT_RECORD_INTERVAL_S = 1.0
 
@@ -180,7 +193,18 @@ class NodeLog:
         self._journals: dict[int, RaftJournal] = {}
         self.flushes = 0
         self.bytes_written = 0
+        # What the writer thread knows of each segment (by number): per group,
+        # the highest entry index written to it; and per group, the lowest
+        # index it has durably kept (entries below it are dead everywhere).
+        self._segment_entries: dict[int, dict[int, int]] = {}
+        self._floors: dict[int, int] = {}
+        # Per group, the last segment with a CLEAR of it: its entries in
+        # earlier segments are dead.
+        self._cleared_in: dict[int, int] = {}
+        self._queued_marks: list[tuple[int, int, int, bool]] = []
         self._recovered = self._recover()
+        for group, recovered in self._recovered.items():
+            self._floors[group] = recovered.entries[0][1] if recovered.entries else NO_FLOOR
         self._open_active()
         self._writer = threading.Thread(target=self._run, name="raft-wal", daemon=True)
         self._writer.start()
@@ -194,13 +218,21 @@ class NodeLog:
     def _recover(self) -> dict[int, _Recovered]:
         groups: dict[int, _Recovered] = {}
         segments = self._segments()
-        for number, path in enumerate(segments):
-            last = number == len(segments) - 1
+        for position, path in enumerate(segments):
+            last = position == len(segments) - 1
+            written: dict[int, int] = {}
+            number = _segment_number(path)
             for group, kind, body in self._read_segment(path, last):
                 if kind == DROP:
                     groups.pop(group, None)
+                    self._cleared_in[group] = number
                 else:
                     groups.setdefault(group, _Recovered()).apply(kind, body)
+                    if kind == ENTRY:
+                        written[group] = max(written.get(group, 0), _ENTRY.unpack_from(body)[0])
+                    elif kind == CLEAR:
+                        self._cleared_in[group] = number
+            self._segment_entries[number] = written
         return groups
 
     def _read_segment(self, path: str, last: bool) -> Iterator[tuple[int, int, bytes]]:
@@ -260,14 +292,30 @@ class NodeLog:
         """Forget a group for good (its replica was deleted); durable when this returns."""
         self._journals.pop(group, None)
         self._recovered.pop(group, None)
-        self.persist([_record(group, DROP)])
+        self.persist([_record(group, DROP)], group, 0, NO_FLOOR, cleared=True)
 
-    def persist(self, records: list[bytes]) -> None:
-        """Write records and return once they are on disk (with whatever other groups queued)."""
+    def persist(
+        self,
+        records: list[bytes],
+        group: int | None = None,
+        last_entry: int = 0,
+        floor: int = 0,
+        cleared: bool = False,
+    ) -> None:
+        """Write records and return once they are on disk (with whatever other groups queued).
+
+        ``group`` names the group whose records they are: ``last_entry`` is
+        the highest entry index among them (0 if none), ``floor`` the lowest
+        index the group keeps once they are written (``NO_FLOOR`` when it
+        keeps none) and ``cleared`` whether they clear its log, so the
+        writer knows which segments still hold live entries.
+        """
         with self._cond:
             if self._closed:
                 raise RuntimeError("the Raft log is closed")
             self._queue.extend(records)
+            if group is not None:
+                self._queued_marks.append((group, last_entry, floor, cleared))
             mine = self._queued_round
             self._cond.notify_all()
             while self._durable_round < mine and self._error is None:
@@ -294,6 +342,7 @@ class NodeLog:
                 if not self._queue and self._closed:
                     return
                 batch, self._queue = self._queue, []
+                marks, self._queued_marks = self._queued_marks, []
                 round_ = self._queued_round
                 self._queued_round += 1
             try:
@@ -306,8 +355,18 @@ class NodeLog:
                 self.flushes += 1
                 self.bytes_written += len(data)
                 self._active_size += len(data)
+                active = _segment_number(self._active)
+                entries = self._segment_entries.setdefault(active, {})
+                for group, last_entry, floor, cleared in marks:
+                    if last_entry > entries.get(group, 0):
+                        entries[group] = last_entry
+                    self._floors[group] = floor
+                    if cleared:
+                        self._cleared_in[group] = active
                 if self._active_size > self.segment_bytes:
                     self._rotate()
+                if len(self._segment_entries) > 1:
+                    self._delete_dead_segments()
             except BaseException as err:
                 log.exception("writing the Raft log failed")
                 with self._cond:
@@ -319,25 +378,58 @@ class NodeLog:
                 self._cond.notify_all()
 
     def _rotate(self) -> None:
-        """Start a segment with every group's live state; delete the older ones."""
-        old = self._segments()
-        number = int(os.path.basename(self._active)[4:]) + 1
+        """Start a segment with every group's state (no entries)."""
+        number = _segment_number(self._active) + 1
         path = os.path.join(self.directory, f"wal-{number:08d}")
         parts = [MAGIC]
+        copied: dict[int, int] = {}
         for journal in list(self._journals.values()):
-            parts.extend(journal.checkpoint_records())
+            records, last = journal.state_records(COPY_BYTES)
+            parts.extend(records)
+            if last is not None:
+                copied[journal.group] = last
         for group, recovered in self._recovered.items():
-            # Groups recovered but not opened (yet): keep them whole too.
-            parts.extend(_checkpoint(group, recovered.entries, recovered))
+            # Groups recovered but not opened (yet): their state and entries as recovered.
+            parts.extend(_state_records(group, recovered.entries, recovered, copy=True))
+            copied[group] = recovered.entries[-1][1] if recovered.entries else 0
         write_atomically(path, b"".join(parts))
         os.close(self._fd)
         self._active = path
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         self._active_size = os.fstat(self._fd).st_size
-        for segment in old:
-            os.remove(segment)
-        fsync_dir(self.directory)
-        log.info("Raft log: started segment %d (%d bytes of live state)", number, self._active_size)
+        self._segment_entries[number] = {group: last for group, last in copied.items() if last}
+        for group in copied:
+            self._cleared_in[group] = number
+        log.info("Raft log: started segment %d (%d bytes of group state)", number, self._active_size)
+
+    def _delete_dead_segments(self) -> None:
+        """Delete the oldest segments while every entry in them is dead."""
+        active = _segment_number(self._active)
+        deleted = []
+        for number in sorted(self._segment_entries):
+            if number >= active:
+                break
+            written = self._segment_entries[number]
+            if any(
+                last >= self._floors.get(group, NO_FLOOR) and self._cleared_in.get(group, 0) <= number
+                for group, last in written.items()
+            ):
+                break
+            os.remove(os.path.join(self.directory, f"wal-{number:08d}"))
+            del self._segment_entries[number]
+            deleted.append(number)
+        if deleted:
+            fsync_dir(self.directory)
+            log.info("Raft log: deleted segment(s) %s, every entry in them compacted", deleted)
+
+    @property
+    def segment_count(self) -> int:
+        """Segments on disk (the active one included)."""
+        return len(self._segment_entries)
+
+
+def _segment_number(path: str) -> int:
+    return int(os.path.basename(path)[4:])
 
 
 def _state_body(term: int, commit: int, voted_for: str | None, members: list[str] | None) -> bytes:
@@ -350,12 +442,14 @@ def _state_body(term: int, commit: int, voted_for: str | None, members: list[str
     return b"".join(parts)
 
 
-def _checkpoint(group: int, entries: Sequence[Entry], state: Any) -> list[bytes]:
-    records = [
-        _record(group, STATE, _state_body(state.term, state.commit, state.voted_for, state.members)),
-        _record(group, CLEAR),
-    ]
-    records.extend(_record(group, ENTRY, _ENTRY.pack(idx, term) + cmd) for cmd, idx, term in entries)
+def _state_records(group: int, entries: Sequence[Entry], state: Any, copy: bool) -> list[bytes]:
+    """What a new segment starts with for a group: its state, then its entries or where they begin."""
+    records = [_record(group, STATE, _state_body(state.term, state.commit, state.voted_for, state.members))]
+    if copy or not entries:
+        records.append(_record(group, CLEAR))
+        records.extend(_record(group, ENTRY, _ENTRY.pack(idx, term) + cmd) for cmd, idx, term in entries)
+    else:
+        records.append(_record(group, HEAD, _U64.pack(entries[0][1])))
     return records
 
 
@@ -373,6 +467,8 @@ class RaftJournal(Journal):
         self.commit = recovered.commit
         self._members = recovered.members
         self._pending: list[bytes] = []
+        self._pending_last_entry = 0
+        self._pending_cleared = False
         self._state_dirty = False
         self._commit_dirty = False
         self._state_recorded_at = 0.0
@@ -386,12 +482,15 @@ class RaftJournal(Journal):
             self._entries.append((command, idx, term))
             self._bytes += len(command)
             self._pending.append(_record(self.group, ENTRY, _ENTRY.pack(idx, term) + command))
+            if idx > self._pending_last_entry:
+                self._pending_last_entry = idx
 
     def clear(self) -> None:
         with self._lock:
             self._entries = []
             self._bytes = 0
             self._pending.append(_record(self.group, CLEAR))
+            self._pending_cleared = True
 
     def deleteEntriesFrom(self, entryFrom: int) -> None:
         with self._lock:
@@ -474,15 +573,25 @@ class RaftJournal(Journal):
                 self._state_dirty = self._commit_dirty = False
                 self._state_recorded_at = time.monotonic()
             records, self._pending = self._pending, []
+            last_entry, self._pending_last_entry = self._pending_last_entry, 0
+            cleared, self._pending_cleared = self._pending_cleared, False
+            floor = self._entries[0][1] if self._entries else NO_FLOOR
         if not records:
             return
         if self._dir_to_sync is not None:
             fsync_dir(self._dir_to_sync)
             self._dir_to_sync = None
-        self._log.persist(records)
+        self._log.persist(records, self.group, last_entry, floor, cleared)
         self.syncs += 1
 
-    def checkpoint_records(self) -> list[bytes]:
-        """Records that rebuild this journal as it is in memory (for a new log segment)."""
+    def state_records(self, copy_bytes: int) -> tuple[list[bytes], int | None]:
+        """What a new log segment starts with for this journal, and the last entry copied into it.
+
+        Its entries are copied when they hold at most ``copy_bytes``
+        (the last index copied is returned, 0 for none); otherwise only where
+        they begin (and None).
+        """
         with self._lock:
-            return _checkpoint(self.group, list(self._entries), self)
+            copy = self._bytes <= copy_bytes
+            last = (self._entries[-1][1] if self._entries else 0) if copy else None
+            return _state_records(self.group, self._entries, self, copy), last
