@@ -83,6 +83,7 @@ class Options:
     drain_timeout_s: float = 60.0
     generation_interval_s: float = 20.0
     raft_log_max_bytes: int = 64 * 1024
+    raft_segment_bytes: int = 1024 * 1024
     work_dir: Path | None = None
     keep: bool = False
     report_json: Path | None = None
@@ -231,6 +232,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="the nodes' raft_log_max_bytes: small, so logs compact and a wiped node needs a snapshot (65536)",
     )
     parser.add_argument(
+        "--raft-segment-bytes",
+        type=int,
+        default=1024 * 1024,
+        metavar="N",
+        help="the nodes' raft_segment_bytes: small, so the Raft log starts new segments and deletes old ones "
+        "while nodes are killed (1048576)",
+    )
+    parser.add_argument(
         "--work-dir", type=Path, metavar="DIR", help="where the nodes' data and logs go (default: a new temp dir)"
     )
     parser.add_argument("--keep", action="store_true", help="keep the work dir (it is always kept when the run fails)")
@@ -276,6 +285,7 @@ def parse_options(argv: Sequence[str] | None, prog: str = PROG) -> tuple[Options
         drain_timeout_s=ns.drain_timeout,
         generation_interval_s=ns.generation_interval,
         raft_log_max_bytes=ns.raft_log_max_bytes,
+        raft_segment_bytes=ns.raft_segment_bytes,
         work_dir=ns.work_dir,
         keep=ns.keep,
         report_json=ns.report_json,
@@ -657,6 +667,7 @@ class ChaosRun:
             )
             args = [
                 f"--raft-log-max-bytes={opts.raft_log_max_bytes}",
+                f"--raft-segment-bytes={opts.raft_segment_bytes}",
                 f"--generation-interval-s={opts.generation_interval_s}",
             ]
             try:

@@ -92,6 +92,11 @@ class NodeConfig:
     raft_log_max_bytes: int = _opt(
         16 * 1024 * 1024, "snapshot a group and compact its Raft journal once the journal holds this many bytes"
     )
+    raft_segment_bytes: int = _opt(
+        256 * 1024 * 1024,
+        "start a new segment of the node's Raft log past this many bytes; older segments are deleted once "
+        "every entry in them is compacted",
+    )
     write_timeout_s: float = _opt(10.0, "how long a write waits to be committed before DEADLINE_EXCEEDED, seconds")
     read_timeout_s: float = _opt(5.0, "how long a read waits to confirm leadership, seconds")
     leader_balance_interval_s: float = _opt(
@@ -172,6 +177,7 @@ class NodeConfig:
             "replication_factor",
             "raft_heartbeat_s",
             "raft_log_max_bytes",
+            "raft_segment_bytes",
             "write_timeout_s",
             "read_timeout_s",
             "max_concurrent_rpcs",

@@ -51,7 +51,7 @@ from mqds.server.cluster.vnode import VnodeReplica
 from mqds.server.config import NodeConfig
 from mqds.server.metrics import NodeMetrics
 from mqds.server.raft.group import META_GROUP, ROLE_LEADER, PendingRead, RaftGroup, RaftTiming
-from mqds.server.raft.journal import NodeLog
+from mqds.server.raft.journal import COPY_BYTES, NodeLog
 from mqds.server.raft.transport import ClusterAuth, PeerRouter, raft_stream_handler
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
@@ -169,7 +169,14 @@ class Node:
             log_max_bytes=config.raft_log_max_bytes,
             max_entry_bytes=config.max_request_bytes + 1024 * 1024,
         )
-        self.raft_log = NodeLog(os.path.join(config.data_dir, "raft", "wal"))
+        # A group past a quarter of its compaction threshold is busy and soon
+        # compacted: a new segment records where its entries begin instead of
+        # copying them.
+        self.raft_log = NodeLog(
+            os.path.join(config.data_dir, "raft", "wal"),
+            config.raft_segment_bytes,
+            min(COPY_BYTES, config.raft_log_max_bytes // 4),
+        )
         self.auth = ClusterAuth(config.node_id, config.advertised, config.cluster_secret, config.dev_mode)
         self.router = PeerRouter(self.auth, self._group_of, self.tls.peer_credentials() if self.tls else None)
         self.router.on_link_change(self._link_changed)

@@ -37,7 +37,9 @@ A record cut short at the end of the last segment (a crash during a write)
 is cut off on open; damage anywhere else refuses to start. When the active
 segment grows past its size, the writer starts a new one beginning with
 every group's state: STATE, then for a group with little in its log
-(``COPY_BYTES``; an idle group keeps a couple of entries after compacting)
+(``copy_bytes``: ``COPY_BYTES``, or a quarter of the node's
+``raft_log_max_bytes`` if less; an idle group keeps a couple of entries
+after compacting)
 CLEAR and its entries, and for a busy one just HEAD at its first live entry.
 So starting a segment costs little, instead of a rewrite of every live entry
 (which stalled every group's sync for a second or more under load). An older
@@ -180,9 +182,13 @@ def _read_text(body: bytes, pos: int) -> tuple[str, int]:
 class NodeLog:
     """The write-ahead log of every Raft group on a node, with group commit."""
 
-    def __init__(self, directory: str, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+    def __init__(
+        self, directory: str, segment_bytes: int = DEFAULT_SEGMENT_BYTES, copy_bytes: int | None = None
+    ) -> None:
         self.directory = directory
         self.segment_bytes = segment_bytes
+        self.copy_bytes = COPY_BYTES if copy_bytes is None else copy_bytes
+        """A group with at most this many bytes of entries has them copied into a new segment."""
         os.makedirs(directory, exist_ok=True)
         self._cond = threading.Condition()
         self._queue: list[bytes] = []
@@ -384,7 +390,7 @@ class NodeLog:
         parts = [MAGIC]
         copied: dict[int, int] = {}
         for journal in list(self._journals.values()):
-            records, last = journal.state_records(COPY_BYTES)
+            records, last = journal.state_records(self.copy_bytes)
             parts.extend(records)
             if last is not None:
                 copied[journal.group] = last
