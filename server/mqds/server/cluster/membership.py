@@ -191,27 +191,30 @@ class Membership:
         removal (an election after a fault, or the leader balancer handing it
         to the vnode's preferred replica), and a leader cannot remove itself.
         So ``source`` is first made the least preferred replica in the map, and
-        the transfer and the removal are retried together as one step.
+        the transfer and the removal are retried together as one step, that
+        refusal counting as retriable when leadership is back on ``source``.
         """
         replicas = meta_mod.placement_of(self._map())[shard]
         if replicas and replicas[0] == source:
             self._set_replicas(shard, [*(r for r in replicas if r != source), source])
-        deadline = time.monotonic() + STEP_TIMEOUT_S
-        delay = _POLL_S
-        while True:
+        tries = 0
+
+        def step() -> None:
+            nonlocal tries
+            tries += 1
+            if self._vnode_leader(shard) == source:
+                # After a failed try any caught-up replica will do.
+                self._transfer(shard, prefer if tries == 1 else "")
             try:
-                if self._vnode_leader(shard) == source:
-                    self._transfer(shard, prefer)
                 self._change(shard, source, add=False)
-                return
             except MqdsError as err:
-                came_back = err.reason == Reason.MEMBERSHIP_REFUSED and self._vnode_leader(shard) == source
-                if not (err.retriable or came_back) or time.monotonic() > deadline:
-                    raise
-                log.info("shard %d: retrying the removal of %s after: %s", shard, source, err)
-                prefer = ""  # any caught-up replica will do now
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                if err.reason is Reason.MEMBERSHIP_REFUSED and self._vnode_leader(shard) == source:
+                    raise errors.error(
+                        Reason.NO_LEADER, f"shard {shard}: leadership came back to {source} before its removal"
+                    ) from err
+                raise
+
+        self._retry(step)
 
     # -- talking to vnode leaders --------------------------------------------------
 

@@ -21,8 +21,7 @@ Move(shard=0, source='n1', target='n3')
 
 from __future__ import annotations
 
-import collections
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -163,7 +162,7 @@ def _shift_one_leadership(out: dict[int, list[str]], leaders: Counter[str]) -> b
             led.setdefault(out[shard][0], []).append(shard)
     for start in sorted(n for n in leaders if leaders[n] == top):
         came_from: dict[str, tuple[str, int] | None] = {start: None}
-        queue = collections.deque([start])
+        queue = deque([start])
         while queue:
             node = queue.popleft()
             for shard in led.get(node, []):

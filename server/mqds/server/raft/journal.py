@@ -39,9 +39,8 @@ segment grows past its size, the writer starts a new one beginning with
 every group's state: STATE, then for a group with little in its log
 (``copy_bytes``: ``COPY_BYTES``, or a quarter of the node's
 ``raft_log_max_bytes`` if less; an idle group keeps a couple of entries
-after compacting)
-CLEAR and its entries, and for a busy one just HEAD at its first live entry.
-So starting a segment costs little, instead of a rewrite of every live entry
+after compacting) CLEAR and its entries, and for a busy one just HEAD at its
+first live entry. So starting a segment costs little, instead of a rewrite of every live entry
 (which stalled every group's sync for a second or more under load). An older
 segment is deleted once it and every segment before it hold only dead
 entries: for each group, below what it has durably kept (compacted after a
@@ -384,7 +383,7 @@ class NodeLog:
                 self._cond.notify_all()
 
     def _rotate(self) -> None:
-        """Start a segment with every group's state (no entries)."""
+        """Start a segment with every group's state, and the entries of groups holding at most ``copy_bytes``."""
         number = _segment_number(self._active) + 1
         path = os.path.join(self.directory, f"wal-{number:08d}")
         parts = [MAGIC]
@@ -427,11 +426,6 @@ class NodeLog:
         if deleted:
             fsync_dir(self.directory)
             log.info("Raft log: deleted segment(s) %s, every entry in them compacted", deleted)
-
-    @property
-    def segment_count(self) -> int:
-        """Segments on disk (the active one included)."""
-        return len(self._segment_entries)
 
 
 def _segment_number(path: str) -> int:
