@@ -92,17 +92,22 @@ def test_a_leader_stopped_with_sigterm_hands_leadership_over_at_once(tmp_path: P
         writer = threading.Thread(target=write, daemon=True)
         writer.start()
         try:
-            victim = cluster.wait_for_leader(0)
+            # The victim is shard 0's preferred replica, leading it (the leader balancer sees to that
+            # within its 5 s interval): the case where leadership used to come back to it.
+            victim = cluster.replicas(0)[0]
+            wait_until(f"{victim} leading shard 0", lambda: cluster.leader(0) == victim or None, 20)
             time.sleep(1.0)
             stopped_at = time.monotonic()
             cluster.nodes[victim].terminate()
             others = [n for n in cluster.nodes if n != victim]
 
-            def new_leader() -> str | None:
+            def new_leader(strict: bool = False) -> str | None:
                 for node_id in others:
                     try:
                         status = cluster.status(node_id, timeout_s=1)
                     except grpc.RpcError:
+                        if strict:
+                            return "unknown"
                         continue
                     for replica in status.replicas:
                         if replica.group == 0 and replica.role == clpb.RAFT_ROLE_LEADER:
@@ -116,7 +121,13 @@ def test_a_leader_stopped_with_sigterm_hands_leadership_over_at_once(tmp_path: P
                 time.sleep(0.05)
             took = time.monotonic() - stopped_at
             assert leader is not None and took < 3.0, f"no new leader {took:.1f}s after SIGTERM (grace is 5 s)"
-            time.sleep(2.0)
+            # Nor does leadership go back to the stopping node while it lives out its grace period:
+            # it is the vnode's preferred replica, and the new leader's balancer (every 5 s) used to
+            # hand leadership straight back to it.
+            until = stopped_at + 8.0
+            while cluster.nodes[victim].running and time.monotonic() < until:
+                assert new_leader(strict=True) is not None, "leadership went back to the stopping node"
+                time.sleep(0.1)
             assert any(t > stopped_at for t in acked), "writes did not resume"
             resumed = min(t for t in acked if t > stopped_at) - stopped_at
             assert resumed < 3.5, f"writes resumed {resumed:.1f}s after the SIGTERM"

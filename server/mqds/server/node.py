@@ -328,6 +328,8 @@ class Node:
         # would not elect another (found by the chaos runs: a SIGTERM cost a
         # shard 5-7 s of writes where kill -9 cost 2).
         stopped = self.server.stop(self.config.shutdown_grace_s)
+        for group in list(self._groups.values()):
+            group.retire()
         self._hand_off_leadership(min(3.0, self.config.shutdown_grace_s))
         stopped.wait()
         for thread in self._threads:
@@ -687,7 +689,7 @@ class Node:
             target = preferred.get(vnode.shard)
             if not group.is_leader or target in (None, self.node_id) or target not in group.members:
                 continue
-            if not self.router.is_connected(target) or group.match_index(target) < group.last_log_index:
+            if not self.router.is_connected(target):
                 continue
             try:
                 group.transfer_leadership(target)

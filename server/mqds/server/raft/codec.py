@@ -129,7 +129,10 @@ def encode_message(message: dict[str, Any], echo: int = 0) -> rpb.RaftMessage:
     elif kind == "next_node_idx":
         out.next_index.CopyFrom(
             rpb.NextIndex(
-                next_index=message["next_node_idx"], reset=bool(message["reset"]), success=bool(message["success"])
+                next_index=message["next_node_idx"],
+                reset=bool(message["reset"]),
+                success=bool(message["success"]),
+                declines_leadership=bool(message.get("declines_leadership", False)),
             )
         )
     elif kind == "apply_command":
@@ -210,12 +213,15 @@ def decode_message(msg: rpb.RaftMessage) -> dict[str, Any]:
         ni = msg.next_index
         if ni.next_index < 1:
             raise MalformedMessage("next index 0")
-        return {
+        answer = {
             "type": "next_node_idx",
             "next_node_idx": _int(ni.next_index, "next index"),
             "reset": ni.reset,
             "success": ni.success,
         }
+        if ni.declines_leadership:
+            answer["declines_leadership"] = True
+        return answer
     if kind == "apply_command":
         ac = msg.apply_command
         check_command(ac.command)

@@ -285,6 +285,8 @@ class GroupTransport(Transport):
             echo = group.echo_round
         elif kind == "next_node_idx":
             echo = group.last_echo_from.get(node.id, 0)
+            if group.retiring:
+                message = {**message, "declines_leadership": True}
         else:
             echo = 0
         try:
@@ -339,6 +341,15 @@ class RaftGroup(SyncObj):
         self._inbox: collections.deque[tuple[int, str, Any]] = collections.deque()
         self._wake = threading.Event()
         self._stopping = False
+        self._retiring = False
+        # A leadership transfer in progress (the group's thread only): the
+        # target ("" = the most caught-up follower), the caller's callback,
+        # and when to give up. New proposals are refused until
+        # ``_paused_until`` (any thread reads it).
+        self._transfer: tuple[str, Callable[[Any, int], None], float] | None = None
+        self._paused_until = 0.0
+        # Followers whose latest answer said their node is stopping (group's thread only).
+        self._declining: set[str] = set()
         # Counted for the metrics, each written by the group's thread only
         # (so plain ints, exact and free); read by scrapes from any thread.
         self.snapshots_installed = 0
@@ -420,6 +431,23 @@ class RaftGroup(SyncObj):
     def stopping(self) -> bool:
         return self._stopping
 
+    @property
+    def retiring(self) -> bool:
+        return self._retiring
+
+    def retire(self) -> None:
+        """This node is about to stop: from now on it refuses to take leadership.
+
+        It neither campaigns nor accepts a leadership transfer (``timeout_now``),
+        but still votes and replicates, so its followers elect one of their own;
+        its answers to a leader say so, and that leader hands leadership to others.
+        Without this, a follower that was handed leadership gave it straight
+        back to the stopping node if that was the vnode's preferred replica
+        (the leader balancer), and writes stopped for the whole grace period.
+        """
+        self._retiring = True
+        self._wake.set()
+
     # -- inputs from other threads ---------------------------------------------
 
     def deliver(self, node_id: str, message: dict[str, Any], echo: int) -> None:
@@ -431,11 +459,16 @@ class RaftGroup(SyncObj):
         self._inbox.append((_CONNECTED if connected else _DISCONNECTED, node_id, None))
         self._wake.set()
 
+    def _check_accepting(self) -> None:
+        if not self._isLeader():
+            raise self.not_leader_error()
+        if raft_clock() < self._paused_until:
+            raise errors.error(Reason.NO_LEADER, f"{self.name}: leadership is being handed over; retry")
+
     def propose(self, body: bytes) -> Proposal:
         """Log a regular command; the returned proposal's ``wait`` gives the result of applying it."""
         proposal = Proposal(self.group)
-        if not self._isLeader():
-            raise self.not_leader_error()
+        self._check_accepting()
         self._applyCommand(body, proposal.on_result, codec.COMMAND_REGULAR)
         self._wake.set()
         return proposal
@@ -443,8 +476,7 @@ class RaftGroup(SyncObj):
     def change_membership(self, add: bool, node_id: str) -> Proposal:
         """Add or remove one member (Raft's single-server change)."""
         proposal = Proposal(self.group)
-        if not self._isLeader():
-            raise self.not_leader_error()
+        self._check_accepting()
         kind = codec.rpb.MembershipChange.KIND_ADD if add else codec.rpb.MembershipChange.KIND_REMOVE
         self._applyCommand(codec.encode_membership(kind, node_id), proposal.on_result, codec.COMMAND_MEMBERSHIP)
         self._wake.set()
@@ -465,6 +497,15 @@ class RaftGroup(SyncObj):
         return read
 
     def transfer_leadership(self, node_id: str | None) -> None:
+        """Hand leadership to ``node_id`` (None: the most caught-up follower), as Raft's TimeoutNow.
+
+        As in etcd, the leader stops taking proposals at once, waits (up to an
+        election timeout) for the target to have its whole log, then tells it
+        to campaign. Returns once that message is sent. Taking new writes
+        meanwhile made transfers under load fail: the target's log was behind
+        when it campaigned, the old leader refused its vote and, its election
+        deadline long past, campaigned at once and won again.
+        """
         result: list[int] = []
         done = threading.Event()
 
@@ -607,12 +648,14 @@ class RaftGroup(SyncObj):
             elif kind == _DISCONNECTED:
                 self._transport._onNodeDisconnected(PeerNode(node_id))
             elif kind == _TRANSFER:
-                self.transferLeadership(node_id or None, payload)
-        if not self._heard_leader:
+                self._begin_transfer(node_id, payload)
+        if self._retiring or not self._heard_leader:
             now = raft_clock()
-            if now < self._quiet_until:
+            if self._retiring or now < self._quiet_until:
                 self._SyncObj__raftElectionDeadline = now + self.timing.election_timeout_max_s
         self._onTick(0)
+        if self._transfer is not None:
+            self._advance_transfer()
         leader = self._SyncObj__raftLeader
         if leader is not None and (leader.id != self._seen_leader or self.raftCurrentTerm != self._seen_term):
             if self._seen_leader is not None:
@@ -635,6 +678,50 @@ class RaftGroup(SyncObj):
             # was just appended (and synced), so go round again at once.
             self._wake.set()
 
+    def _begin_transfer(self, node_id: str, callback: Callable[[Any, int], None]) -> None:
+        if not self._isLeader():
+            callback(None, FAIL_REASON.NOT_LEADER)
+            return
+        if node_id and (node_id not in self._members_set() or node_id in self._declining):
+            callback(None, FAIL_REASON.REQUEST_DENIED)
+            return
+        if self._transfer is not None:
+            self._transfer[1](None, FAIL_REASON.REQUEST_DENIED)  # superseded by this one
+        deadline = raft_clock() + self.timing.election_timeout_max_s
+        self._transfer = (node_id, callback, deadline)
+        self._paused_until = deadline
+
+    def _advance_transfer(self) -> None:
+        """Send TimeoutNow once the target has the whole log (after this cycle's appends); give up at the deadline."""
+        assert self._transfer is not None
+        node_id, callback, deadline = self._transfer
+        outcome: list[int] = []
+        if self._isLeader():
+            target = node_id or self._transfer_target()
+            if target is None:
+                outcome.append(FAIL_REASON.REQUEST_DENIED)
+                deadline = 0.0  # nobody to hand over to: no point waiting
+            else:
+                self.transferLeadership(target, lambda _, fail: outcome.append(fail))
+        else:
+            outcome.append(FAIL_REASON.NOT_LEADER)
+        if outcome and outcome[0] == FAIL_REASON.REQUEST_DENIED and raft_clock() < deadline:
+            return  # not caught up yet: the next cycle looks again
+        self._transfer = None
+        if not outcome or outcome[0] != FAIL_REASON.SUCCESS:
+            self._paused_until = 0.0
+        # Granted: proposals stay refused until the deadline, or until the
+        # target's election makes this replica a follower.
+        callback(None, outcome[0] if outcome else FAIL_REASON.REQUEST_DENIED)
+
+    def _transfer_target(self) -> str | None:
+        """The most caught-up connected follower that does not decline leadership."""
+        connected = self._SyncObj__connectedNodes
+        candidates = [
+            (self.match_index(n.id), n.id) for n in self.otherNodes if n in connected and n.id not in self._declining
+        ]
+        return max(candidates)[1] if candidates else None
+
     def _members_set(self) -> set[str]:
         return {n.id for n in self.otherNodes}
 
@@ -642,12 +729,19 @@ class RaftGroup(SyncObj):
         kind = message["type"]
         if kind == "request_vote" and not self._heard_leader and raft_clock() < self._quiet_until:
             return
+        if kind == "timeout_now" and self._retiring:
+            self.dropped_messages += 1
+            return
         if kind == "append_entries":
             self._heard_leader = True
             self.last_echo_from[node_id] = echo
         elif kind == "next_node_idx":
             if echo > self._acked_round.get(node_id, 0):
                 self._acked_round[node_id] = echo
+            if message.get("declines_leadership"):
+                self._declining.add(node_id)
+            else:
+                self._declining.discard(node_id)
             if message.get("success") and not message.get("reset"):
                 self._ack_without_rewind(PeerNode(node_id), message)
                 return

@@ -84,14 +84,16 @@ class InstallSnapshot(_message.Message):
     def __init__(self, term: _Optional[int] = ..., commit_index: _Optional[int] = ..., has_data: _Optional[bool] = ..., data: _Optional[bytes] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ...) -> None: ...
 
 class NextIndex(_message.Message):
-    __slots__ = ("next_index", "reset", "success")
+    __slots__ = ("next_index", "reset", "success", "declines_leadership")
     NEXT_INDEX_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    DECLINES_LEADERSHIP_FIELD_NUMBER: _ClassVar[int]
     next_index: int
     reset: bool
     success: bool
-    def __init__(self, next_index: _Optional[int] = ..., reset: _Optional[bool] = ..., success: _Optional[bool] = ...) -> None: ...
+    declines_leadership: bool
+    def __init__(self, next_index: _Optional[int] = ..., reset: _Optional[bool] = ..., success: _Optional[bool] = ..., declines_leadership: _Optional[bool] = ...) -> None: ...
 
 class ApplyCommand(_message.Message):
     __slots__ = ("command", "request_id", "has_request_id")
