@@ -33,6 +33,7 @@ from mqds.server.storage import keys
 from mqds.server.storage.iterators import IteratorDecodeError, IteratorState
 from mqds.server.storage.shard import (
     Engine,
+    EngineOptions,
     GenerationInfo,
     ShardStorage,
     StreamRef,
@@ -1328,3 +1329,24 @@ def test_reads_up_to_a_fence_are_repeatable_and_end_there(shard: ShardStorage) -
     with pytest.raises(MqdsError) as behind:
         shard.next(state, 10, shard.last_ts + 1)
     assert behind.value.reason is Reason.REPLICA_BEHIND
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread priorities from /proc")
+def test_compactions_run_at_the_lowest_cpu_priority(tmp_path: Path) -> None:
+    """Compaction bursts used to compete with serving calls and showed in write latency."""
+    engine = Engine(EngineOptions(compaction_low_priority=True))
+    storage = ShardStorage(str(tmp_path / "s"), 0, engine)
+    storage.initialize(1)
+    # Each flush writes a level-0 file; four of them start a compaction.
+    for i in range(5):
+        storage.store([pb.Message(topic=f"a/{j}", payload=b"x" * 100, sender="s") for j in range(500)], 10 + i * 1000)
+        storage.flush()
+    nice = {}
+    for task in Path("/proc/self/task").iterdir():
+        with suppress(OSError):
+            name = (task / "comm").read_text().strip()
+            nice[name] = int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])
+    storage.close()
+    assert nice.get("rocksdb:low") == 19, nice
+    # Flushes keep their priority: a flush that cannot keep up stalls writes.
+    assert nice.get("rocksdb:high") == 0, nice

@@ -133,6 +133,11 @@ class NodeConfig:
     grpc_workers: int = _opt(32, "threads serving gRPC calls (each peer's Raft stream holds one)")
     block_cache_bytes: int = _opt(64 * 1024 * 1024, "RocksDB block cache shared by all shards, in bytes")
     write_buffer_bytes: int = _opt(128 * 1024 * 1024, "RocksDB memtable memory for all shards together, in bytes")
+    compaction_low_priority: bool = _opt(
+        True,
+        "run RocksDB compactions at the lowest CPU and I/O priority, so they use what serving calls leave "
+        "(their bursts otherwise show in write latency)",
+    )
     shutdown_grace_s: float = _opt(5.0, "seconds in-flight calls get to finish on SIGTERM")
     log_level: str = _opt("INFO", "logging level: DEBUG, INFO, WARNING or ERROR")
 

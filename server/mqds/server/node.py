@@ -159,7 +159,11 @@ class Node:
         shutil.rmtree(self._tmp_dir, ignore_errors=True)
         os.makedirs(self._tmp_dir, exist_ok=True)
         self.engine = Engine(
-            EngineOptions(block_cache_bytes=config.block_cache_bytes, write_buffer_bytes=config.write_buffer_bytes)
+            EngineOptions(
+                block_cache_bytes=config.block_cache_bytes,
+                write_buffer_bytes=config.write_buffer_bytes,
+                compaction_low_priority=config.compaction_low_priority,
+            )
         )
         t = config.raft_election_timeout_s
         self.timing = RaftTiming(

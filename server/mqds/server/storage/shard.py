@@ -26,6 +26,7 @@ from rocksdict import (
     Cache,
     Checkpoint,
     DBCompressionType,
+    Env,
     Options,
     Rdict,
     WriteBatch,
@@ -67,6 +68,8 @@ class EngineOptions:
     """Memtable memory for all shards together, in bytes."""
     memtable_bytes: int = 8 * 1024 * 1024
     """Size of one memtable (per column family), in bytes."""
+    compaction_low_priority: bool = True
+    """Run RocksDB's compaction threads at the lowest CPU and I/O priority."""
 
 
 class Engine:
@@ -76,6 +79,16 @@ class Engine:
         self.options = options or EngineOptions()
         self._cache = Cache(self.options.block_cache_bytes)
         self._write_buffers = WriteBufferManager(self.options.write_buffer_bytes, False)
+        self._env = Env()
+        if self.options.compaction_low_priority:
+            # Compactions are background work; the foreground (Raft, applying,
+            # answering) must not wait for them. They came in bursts (every
+            # shard of a node, loaded alike, compacting at about the same
+            # time) and put p99 write latency at half load at 270-350 ms
+            # instead of 60-130 ms. Flushes keep their priority: a flush that
+            # cannot keep up stalls writes.
+            self._env.lower_thread_pool_cpu_priority()
+            self._env.lower_thread_pool_io_priority()
         self.sync_write = WriteOptions()
         self.sync_write.sync = True
         self.async_write = WriteOptions()
@@ -88,6 +101,7 @@ class Engine:
         opts.create_if_missing(True)
         opts.create_missing_column_families(True)
         opts.set_write_buffer_manager(self._write_buffers)
+        opts.set_env(self._env)
         opts.set_max_background_jobs(2)
         opts.set_keep_log_file_num(2)
         opts.set_max_total_wal_size(64 * 1024 * 1024)
