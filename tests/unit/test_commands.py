@@ -43,6 +43,18 @@ def test_a_request_plus_now_is_the_command(
     assert command.WhichOneof("kind") == "store"
     assert list(command.store.messages) == list(request.messages)
     assert (command.store.producer_id, command.store.sequence, command.store.now_us) == (producer, sequence, now)
+    # The view replicas apply a store through: each message as the bytes it was logged as.
+    encoded = cpb.VnodeCommandEncoded.FromString(_STORE_TAG + varint(len(inner)) + inner).store.messages
+    assert list(encoded) == [m.SerializeToString() for m in request.messages]
+
+
+def test_the_encoded_view_matches_the_command() -> None:
+    view, command = cpb.VnodeCommandEncoded.DESCRIPTOR, cpb.VnodeCommand.DESCRIPTOR
+    ours, theirs = view.fields_by_name["store"], command.fields_by_name["store"]
+    assert ours.number == theirs.number
+    messages = cpb.StoreMessagesEncoded.DESCRIPTOR.fields_by_name["messages"]
+    assert messages.number == cpb.StoreMessages.DESCRIPTOR.fields_by_name["messages"].number
+    assert messages.is_repeated and messages.type == messages.TYPE_BYTES
 
 
 @pytest.mark.parametrize(

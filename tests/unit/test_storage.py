@@ -787,8 +787,11 @@ def test_orphan_generation_column_families_are_dropped_on_open(tmp_path: Path, e
 # -- determinism ---------------------------------------------------------------
 
 
-def _script(storage: ShardStorage) -> None:
-    """Stores with a clock that jumps both ways, rotations and drops, each with its log index."""
+def _script(storage: ShardStorage, encoded: bool = False) -> None:
+    """Stores with a clock that jumps both ways, rotations and drops, each with its log index.
+
+    ``encoded``: pass each message's encoding too, as a replica applying a logged command does.
+    """
     rng = random.Random(99)
     storage.initialize(3, applied_index=1)
     index = 2
@@ -799,7 +802,8 @@ def _script(storage: ShardStorage) -> None:
             storage.drop_generation(storage.generations()[0].generation, applied_index=index)
         else:
             batch = [_random_message(rng) for _ in range(rng.randint(0, 6))]
-            storage.store(batch, rng.randint(0, 50_000), applied_index=index)
+            values = [m.SerializeToString() for m in batch] if encoded else None
+            storage.store(batch, rng.randint(0, 50_000), applied_index=index, encoded=values)
         index += 1
 
 
@@ -808,7 +812,8 @@ def test_same_calls_give_identical_content(tmp_path: Path, engine: Engine) -> No
     b = ShardStorage(str(tmp_path / "b"), 4, engine, lts_threshold_top=3, lts_threshold=2)
     try:
         _script(a)
-        _script(b)
+        # Stored through the logged encodings (as replicas do) or encoded again: the same content.
+        _script(b, encoded=True)
         dump_a = list(a.dump())
         assert dump_a == list(b.dump())
         assert {cf for cf, _, _ in dump_a} >= {"default", keys.generation_cf(a.current_generation)}

@@ -118,7 +118,13 @@ class VnodeReplica:
             dedup = (store.producer_id.encode(), store.sequence) if store.producer_id else None
             last_ts = storage.last_ts
             try:
-                first = storage.store(store.messages, store.now_us, applied_index=index, dedup=dedup)
+                first = storage.store(
+                    store.messages,
+                    store.now_us,
+                    applied_index=index,
+                    dedup=dedup,
+                    encoded=cpb.VnodeCommandEncoded.FromString(command).store.messages,
+                )
             except MqdsError as err:
                 if err.reason is Reason.STORAGE_ERROR:
                     raise

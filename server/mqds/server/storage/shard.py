@@ -361,6 +361,7 @@ class ShardStorage:
         sync: bool = False,
         applied_index: int | None = None,
         dedup: tuple[bytes, int] | None = None,
+        encoded: Sequence[bytes] | None = None,
     ) -> int:
         """Store messages in the current generation; return the first timestamp.
 
@@ -369,7 +370,8 @@ class ShardStorage:
         With ``dedup=(producer, sequence)``, a pair stored less than
         ``DEDUP_WINDOW_US`` before ``now_us`` is not stored again: the first
         timestamp it got then is returned. Every input is in the Raft log,
-        so every replica decides the same.
+        so every replica decides the same. ``encoded``, if given, holds each
+        message's bytes as logged, stored as they are (saves encoding them).
         """
         with self._lock:
             dedup_key = None
@@ -400,7 +402,8 @@ class ShardStorage:
             # this batch, and its route (index key prefixes, stream).
             groups: dict[str, tuple[bytes, list[int], tuple[bytes, tuple[bytes, ...], int]]] = {}
             position = 0
-            for message in messages:
+            values = encoded if encoded is not None else [message.SerializeToString() for message in messages]
+            for message, value in zip(messages, values, strict=True):
                 topic = message.topic
                 group = groups.get(topic)
                 if group is None:
@@ -408,7 +411,7 @@ class ShardStorage:
                     if route is None:
                         route = self._route(topic, new_edges)
                     group = groups[topic] = (route[0], [], route)
-                put(group[0] + (first + position).to_bytes(8, "big"), message.SerializeToString(), handle)
+                put(group[0] + (first + position).to_bytes(8, "big"), value, handle)
                 group[1].append(position)
                 position += 1
             ts = first + position

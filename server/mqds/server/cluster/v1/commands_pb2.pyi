@@ -33,6 +33,18 @@ class StoreMessages(_message.Message):
     now_us: int
     def __init__(self, messages: _Optional[_Iterable[_Union[_storage_pb2.Message, _Mapping]]] = ..., producer_id: _Optional[str] = ..., sequence: _Optional[int] = ..., now_us: _Optional[int] = ...) -> None: ...
 
+class VnodeCommandEncoded(_message.Message):
+    __slots__ = ("store",)
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    store: StoreMessagesEncoded
+    def __init__(self, store: _Optional[_Union[StoreMessagesEncoded, _Mapping]] = ...) -> None: ...
+
+class StoreMessagesEncoded(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, messages: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class AddGeneration(_message.Message):
     __slots__ = ("now_us", "if_current")
     NOW_US_FIELD_NUMBER: _ClassVar[int]
