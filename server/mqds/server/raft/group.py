@@ -649,10 +649,9 @@ class RaftGroup(SyncObj):
                 self._transport._onNodeDisconnected(PeerNode(node_id))
             elif kind == _TRANSFER:
                 self._begin_transfer(node_id, payload)
-        if self._retiring or not self._heard_leader:
-            now = raft_clock()
-            if self._retiring or now < self._quiet_until:
-                self._SyncObj__raftElectionDeadline = now + self.timing.election_timeout_max_s
+        if self._retiring or (not self._heard_leader and raft_clock() < self._quiet_until):
+            # Not campaigning: a retiring replica, or a new one that has not heard a leader yet.
+            self._SyncObj__raftElectionDeadline = raft_clock() + self.timing.election_timeout_max_s
         self._onTick(0)
         if self._transfer is not None:
             self._advance_transfer()
@@ -695,24 +694,23 @@ class RaftGroup(SyncObj):
         """Send TimeoutNow once the target has the whole log (after this cycle's appends); give up at the deadline."""
         assert self._transfer is not None
         node_id, callback, deadline = self._transfer
-        outcome: list[int] = []
-        if self._isLeader():
-            target = node_id or self._transfer_target()
-            if target is None:
-                outcome.append(FAIL_REASON.REQUEST_DENIED)
-                deadline = 0.0  # nobody to hand over to: no point waiting
-            else:
-                self.transferLeadership(target, lambda _, fail: outcome.append(fail))
+        if not self._isLeader():
+            fail = FAIL_REASON.NOT_LEADER
+        elif (target := node_id or self._transfer_target()) is None:
+            fail = FAIL_REASON.REQUEST_DENIED  # nobody to hand over to: no point waiting
         else:
-            outcome.append(FAIL_REASON.NOT_LEADER)
-        if outcome and outcome[0] == FAIL_REASON.REQUEST_DENIED and raft_clock() < deadline:
-            return  # not caught up yet: the next cycle looks again
+            # pysyncobj answers at once: denied unless the target has the whole log.
+            answers: list[int] = []
+            self.transferLeadership(target, lambda _, answer: answers.append(answer))
+            fail = answers[0]
+            if fail == FAIL_REASON.REQUEST_DENIED and raft_clock() < deadline:
+                return  # not caught up yet: the next cycle looks again
         self._transfer = None
-        if not outcome or outcome[0] != FAIL_REASON.SUCCESS:
+        if fail != FAIL_REASON.SUCCESS:
             self._paused_until = 0.0
         # Granted: proposals stay refused until the deadline, or until the
         # target's election makes this replica a follower.
-        callback(None, outcome[0] if outcome else FAIL_REASON.REQUEST_DENIED)
+        callback(None, fail)
 
     def _transfer_target(self) -> str | None:
         """The most caught-up connected follower that does not decline leadership."""
