@@ -207,6 +207,10 @@ class NodeLog:
         # earlier segments are dead.
         self._cleared_in: dict[int, int] = {}
         self._queued_marks: list[tuple[int, int, int, bool]] = []
+        # Whether an old segment may have become deletable since the last look
+        # (a floor rose, a group was cleared, a segment started): only then
+        # does the writer look, not after every write.
+        self._look_for_dead = True
         self._recovered = self._recover()
         for group, recovered in self._recovered.items():
             self._floors[group] = recovered.entries[0][1] if recovered.entries else NO_FLOOR
@@ -365,13 +369,17 @@ class NodeLog:
                 for group, last_entry, floor, cleared in marks:
                     if last_entry > entries.get(group, 0):
                         entries[group] = last_entry
+                    if floor > self._floors.get(group, NO_FLOOR) or cleared:
+                        self._look_for_dead = True
                     self._floors[group] = floor
                     if cleared:
                         self._cleared_in[group] = active
                 if self._active_size > self.segment_bytes:
                     self._rotate()
-                if len(self._segment_entries) > 1:
+                    self._look_for_dead = True
+                if self._look_for_dead and len(self._segment_entries) > 1:
                     self._delete_dead_segments()
+                self._look_for_dead = False
             except BaseException as err:
                 log.exception("writing the Raft log failed")
                 with self._cond:
