@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +55,6 @@ def _cpu_s(cluster: LocalCluster) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _measured(cluster: LocalCluster, load: Callable[[], RunResult]) -> tuple[RunResult, float]:
-    """Run ``load`` and return its result with the servers' CPU milliseconds per 1,000 acknowledged messages."""
-    before = _cpu_s(cluster)
-    result = load()
-    used = _cpu_s(cluster) - before
-    acked = result.acked_msgs_per_s * (result.end_at - result.start_at)
-    return result, (used * 1e6 / acked if acked else 0.0)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mqds.server.bench_cluster",
@@ -89,26 +79,26 @@ def main(argv: list[str] | None = None) -> int:
         if not opts.json:
             print(text, flush=True)
 
+    def measure(key: str, cluster: LocalCluster, rate_msgs_per_s: float = 0.0) -> RunResult:
+        """One load run against ``cluster``: print it, with the servers' CPU per 1,000 messages, and report it."""
+        before = _cpu_s(cluster)
+        result = run_load(
+            cluster.addresses, opts.shards, opts.publishers, opts.batch, opts.size, opts.duration, rate_msgs_per_s
+        )
+        acked = result.acked_msgs_per_s * (result.end_at - result.start_at)
+        cpu_ms = (_cpu_s(cluster) - before) * 1e6 / acked if acked else 0.0
+        say(_line(result, cpu_ms))
+        report[key] = {**result.__dict__, "server_cpu_ms_per_1000": cpu_ms}
+        return result
+
     say(f"mqds replicated write benchmark: {opts.publishers} publishers, batches of {opts.batch} x {opts.size} B")
     with LocalCluster(base / "r3", 3, n_shards=opts.shards, replication_factor=3) as cluster:
         cluster.start()
         say("3 nodes, replication factor 3 (fsync on a majority before every acknowledgement) ...")
-        r3, r3_cpu = _measured(
-            cluster,
-            lambda: run_load(cluster.addresses, opts.shards, opts.publishers, opts.batch, opts.size, opts.duration),
-        )
-        say(_line(r3, r3_cpu))
-        report["r3"] = {**r3.__dict__, "server_cpu_ms_per_1000": r3_cpu}
+        r3 = measure("r3", cluster)
         half = r3.acked_msgs_per_s / 2
         say(f"same cluster, paced at half that ({half:,.0f} msg/s) ...")
-        paced, paced_cpu = _measured(
-            cluster,
-            lambda: run_load(
-                cluster.addresses, opts.shards, opts.publishers, opts.batch, opts.size, opts.duration, half
-            ),
-        )
-        say(_line(paced, paced_cpu))
-        report["r3_half_load"] = {**paced.__dict__, "server_cpu_ms_per_1000": paced_cpu}
+        measure("r3_half_load", cluster, half)
         if not opts.skip_failover:
             victim_shard = shard_of(publisher_ids(opts.publishers, opts.shards)[0], opts.shards)
             kill = LeaderKill(victim_shard, lambda: cluster.wait_for_leader(victim_shard), cluster.kill)
@@ -123,12 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         with LocalCluster(base / "r1", 1, n_shards=opts.shards, replication_factor=1) as single:
             single.start()
             say("1 node, replication factor 1 (the storage layer behind the same API) ...")
-            r1, r1_cpu = _measured(
-                single,
-                lambda: run_load(single.addresses, opts.shards, opts.publishers, opts.batch, opts.size, opts.duration),
-            )
-            say(_line(r1, r1_cpu))
-            report["r1"] = {**r1.__dict__, "server_cpu_ms_per_1000": r1_cpu}
+            r1 = measure("r1", single)
             report["ratio_r3_to_r1"] = r3.acked_msgs_per_s / r1.acked_msgs_per_s
             say(f"ratio replicated / single replica: {report['ratio_r3_to_r1']:.0%}")
     report["acked_msgs_per_s"] = r3.acked_msgs_per_s
