@@ -51,9 +51,25 @@ acknowledges those).
 topic; amqtt's in-memory copy is then dropped, so a subscriber gets the one
 copy from mqds (``on_retain_lookup``), also after a broker restart.
 
+**Nothing a publisher was acknowledged is dropped at its disconnect.** amqtt
+sends the PUBACK of a QoS 1 publish when it queues the message in the
+session, and one task per connection takes the queue's messages to routing.
+When the connection ends (the client's DISCONNECT, a lost connection, the
+broker's shutdown), that task stops and amqtt drops what is still queued:
+with a publisher that sends a burst and disconnects, a quarter of the
+acknowledged messages could vanish without any plugin seeing them. The
+plugin wraps that task (``_client_message_loop``): once amqtt's loop ended,
+each message left in the queue goes through amqtt's own delivery step
+(checks, topic filters, the ``message_broadcast`` event that stores it,
+routing to live subscribers), in order, after those before it. Stopping a
+handler (``_stop_handler``: the shutdown, before it clears the sessions'
+queues) waits for that, and a will message is stored after it.
+
 amqtt's internals this relies on (0.12): ``BrokerContext._broker_instance``
 for the sessions' protocol handlers, ``BrokerProtocolHandler.mqtt_publish``,
-``Broker.subscriptions`` and ``Broker.retained_messages``.
+``Broker.subscriptions``, ``Broker.retained_messages``, and
+``Broker._client_message_loop``, ``_handle_message_delivery`` and
+``_stop_handler`` for the messages left at a disconnect.
 """
 
 from __future__ import annotations
@@ -565,6 +581,9 @@ class MqdsPlugin(BaseTopicPlugin):
         self._n_shards: int | None = None
         self._learning: asyncio.Task[None] | None = None
         self._publishing: set[asyncio.Task[Any]] = set()
+        # Per protocol handler: the task running its message loop, and a future set once the
+        # messages amqtt left in its session's queue were handed on (see _keep_acknowledged).
+        self._loops: dict[BrokerProtocolHandler, tuple[asyncio.Task[Any] | None, asyncio.Future[None]]] = {}
 
     # -- amqtt's internals, in one place ---------------------------------------------
 
@@ -581,6 +600,64 @@ class MqdsPlugin(BaseTopicPlugin):
             for session, qos in subscribers
             if session.client_id == clientid
         }
+
+    def _keep_acknowledged(self) -> None:
+        """Make amqtt route the messages it acknowledged but left queued when a connection ended.
+
+        Wraps two methods of this broker instance (not the class): the
+        connection's message loop, which then hands on what is left in the
+        session's queue through amqtt's own delivery step, and
+        ``_stop_handler``, which then waits for that (so the shutdown clears
+        the queues only after).
+        """
+        broker = self.broker
+        if getattr(broker, "_mqds_keeps_acknowledged", False):
+            return
+        message_loop = broker._client_message_loop
+        stop_handler = broker._stop_handler
+
+        async def client_message_loop(client_session: Session, handler: BrokerProtocolHandler) -> None:
+            left: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._loops[handler] = (asyncio.current_task(), left)
+            try:
+                await message_loop(client_session, handler)
+                await self._hand_on_left(client_session, handler)
+            finally:
+                if not left.done():
+                    left.set_result(None)
+                self._loops.pop(handler, None)
+
+        async def stop_handler_then_wait(handler: BrokerProtocolHandler) -> None:
+            await stop_handler(handler)
+            await self.handed_on(handler)
+
+        broker._client_message_loop = client_message_loop  # type: ignore[method-assign]
+        broker._stop_handler = stop_handler_then_wait  # type: ignore[method-assign]
+        broker._mqds_keeps_acknowledged = True  # type: ignore[attr-defined]
+
+    async def _hand_on_left(self, session: Session, handler: BrokerProtocolHandler) -> None:
+        """Route the messages left in ``session``'s queue after its message loop ended, oldest first."""
+        queued = session.delivered_message_queue
+        while not queued.empty():
+            message = queued.get_nowait()
+            if message is None:
+                continue
+            self.count("handed_on_after_disconnect")
+            taken: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            taken.set_result(message)
+            try:
+                # False: amqtt refused the message (an invalid topic); the others are judged on their own.
+                await self.broker._handle_message_delivery(session, handler, taken)
+            except Exception as err:
+                self.count("errors")
+                log.warning("client %s: routing a message left at its disconnect failed: %s", session.client_id, err)
+
+    async def handed_on(self, handler: BrokerProtocolHandler | None) -> None:
+        """Wait (bounded) until the messages ``handler``'s session left queued were handed on; not from that loop."""
+        entry = self._loops.get(handler) if handler is not None else None
+        if entry is None or entry[0] is asyncio.current_task():
+            return
+        await asyncio.wait([entry[1]], timeout=self.config.timeout_s + 5)
 
     async def others_allow(self, session: Session, topic: str) -> bool:
         """Whether the broker's other topic plugins (ACLs) let ``session`` receive ``topic``."""
@@ -619,6 +696,7 @@ class MqdsPlugin(BaseTopicPlugin):
 
     async def on_broker_pre_start(self) -> None:
         """Before the listeners open: learn the shard count and mark clients left online by a crash offline."""
+        self._keep_acknowledged()
         try:
             cluster = await self.client.cluster_map()
             self._n_shards = cluster.n_shards or None
@@ -685,6 +763,8 @@ class MqdsPlugin(BaseTopicPlugin):
             connection.close(record=True)
         sent_disconnect = client_session.attributes.pop(_SENT_DISCONNECT, False)
         if client_session.will_flag and client_session.will_topic and not sent_disconnect:
+            if connection is not None and connection.handler is handler:
+                await self.handed_on(handler)  # the client's last messages are stored before its will
             # amqtt broadcast the will itself, without a message event: store it, and hand it to
             # persistent sessions (the topic filter kept it from them), like any publish.
             self.count("will_messages")
@@ -800,6 +880,10 @@ class MqdsPlugin(BaseTopicPlugin):
             f"{s['delivered_live']} live to persistent sessions",
             f"{s['acked']} acknowledged" + (f" ({s['ack_failed']} failed)" if s["ack_failed"] else ""),
         ]
+        if s["handed_on_after_disconnect"]:
+            parts.append(
+                f"{s['handed_on_after_disconnect']} acknowledged publishes routed after their connection ended"
+            )
         if s["delivery_failed"]:
             parts.append(f"{s['delivery_failed']} deliveries unacknowledged by clients")
         if s["errors"]:
