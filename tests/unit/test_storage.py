@@ -1355,3 +1355,24 @@ def test_compactions_run_at_the_lowest_cpu_priority(tmp_path: Path) -> None:
     assert nice.get("rocksdb:low") == 19, nice
     # Flushes keep their priority: a flush that cannot keep up stalls writes.
     assert nice.get("rocksdb:high") == 0, nice
+
+
+def test_memtable_sizes_are_spread_so_flushes_do_not_come_all_at_once(tmp_path: Path) -> None:
+    """Replicas (and alike-loaded shards) with one memtable size flushed at the same moment."""
+    engine = Engine(EngineOptions(memtable_bytes=8 << 20, memtable_jitter=0.3))
+    storage = ShardStorage(str(tmp_path / "s"), 0, engine)
+    storage.initialize(1)
+    for i in range(8):
+        storage.add_generation(10 + i)
+    storage.close()
+    # RocksDB writes each column family's options, as it uses them, to the OPTIONS file.
+    latest = max(tmp_path.joinpath("s").glob("OPTIONS-*"), key=lambda p: int(p.name.split("-")[1]))
+    sizes = [
+        int(line.split("=")[1])
+        for line in latest.read_text().splitlines()
+        if line.strip().startswith("write_buffer_size=")
+    ]
+    generations = sizes[1:]  # the first is the default column family's (the metadata)
+    assert len(generations) >= 9, sizes
+    assert all(0.7 * (8 << 20) <= size <= 1.3 * (8 << 20) for size in sizes), sizes
+    assert len(set(generations)) > 1, sizes
