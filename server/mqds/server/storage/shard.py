@@ -13,9 +13,9 @@ See ``keys.py`` for the key layout and ``DESIGN.md`` for the why.
 from __future__ import annotations
 
 import itertools
-import random
 import logging
 import os
+import random
 import struct
 import threading
 import time
