@@ -473,7 +473,8 @@ def assert_stored(client: Client, topic_filter: str, expected: list[bytes], time
 
     with contextlib.suppress(TimeoutError):  # the comparison below names what is missing
         wait_until(f"{len(expected)} messages stored under {topic_filter}", all_stored, timeout_s)
-    missing = [p for p in expected if p not in set(stored)]
+    have = set(stored)
+    missing = [p for p in expected if p not in have]
     assert stored == expected, f"{len(stored)} of {len(expected)} stored; missing {missing}"
 
 
