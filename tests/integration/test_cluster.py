@@ -17,10 +17,12 @@ from mqds.client import Client, Message
 from mqds.client import errors as E
 from mqds.protocol.errors import from_rpc_error
 from mqds.protocol.sharding import shard_of
+from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.localproc import LocalCluster, free_port, wait_until
 from mqds.server.raft.transport import NODE_HEADER, SECRET_HEADER
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
+from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc
 
@@ -319,6 +321,60 @@ def test_join_rebalance_leave_and_forget(cluster: LocalCluster) -> None:
     write(3)
     cluster.assert_replicas_identical(timeout_s=60)
     check_every_acked_message(client, acked)
+
+
+def test_a_replica_move_cut_short_is_finished_by_the_metadata_leader(tmp_path: Path) -> None:
+    # A move changes a vnode's placement and its Raft group one after the
+    # other. Here only the placement is changed, as when the metadata leader
+    # dies (or loses leadership) between the two steps. Left so, a node holds
+    # a placed replica that no leader ever contacts and never gets ready.
+    with LocalCluster(tmp_path / "c", 3, n_shards=4, args=["--placement-repair-interval-s", "1"]) as cluster:
+        cluster.start()
+        client = cluster.client()
+        acked: dict[str, list[int]] = defaultdict(list)
+        for name in ("a", "b", "c", "d"):
+            client.store_batch(messages(name, 0, 100))
+            acked[name].extend(range(100))
+        n4 = cluster.add_node("n4")
+        mqds_cli(cluster, "admin", "join", "n4", "--address", n4.address)
+        n4.wait(60)
+        before = {v.shard: list(v.replicas) for v in cluster.cluster_map().vnodes}
+        replaced = before[1][-1]
+        cut_short = {
+            0: [*before[0], "n4"],  # an add cut short before the Raft group took n4
+            1: [*before[1][:-1], "n4"],  # a move of `replaced` to n4, where neither side reached the group
+        }
+        meta_leader = cluster.cluster_map().meta_leader
+        raft = rpb_grpc.RaftStub(grpc.insecure_channel(cluster.nodes[meta_leader].address))
+        for shard, replicas in cut_short.items():
+            command = cpb.MetaCommand(set_replicas=cpb.SetReplicas(shard=shard, replicas=replicas))
+            raft.ProposeMeta(
+                rpb.ProposeMetaRequest(command=command.SerializeToString()),
+                timeout=10,
+                metadata=[(SECRET_HEADER, cluster.secret), (NODE_HEADER, "harness")],
+            )
+
+        def agreed() -> dict[int, list[str]] | None:
+            placed = {v.shard: list(v.replicas) for v in cluster.cluster_map().vnodes}
+            members: dict[int, list[str]] = {}
+            for node_id in cluster.live():
+                for r in cluster.status(node_id).replicas:
+                    if r.role == clpb.RAFT_ROLE_LEADER and r.group in placed:
+                        members[r.group] = sorted(r.members)
+            if all(members.get(s) == sorted(r) for s, r in placed.items()) and placed[1] == cut_short[1]:
+                return placed
+            return None
+
+        placed = wait_until("every vnode's Raft group holding the replicas its placement names", agreed, 90)
+        assert placed[0] == before[0], "the add cut short is undone: n4 left shard 0's placement"
+        assert placed[1] == cut_short[1], "the move cut short is finished: n4 took the replaced replica's place"
+        cluster.wait_ready(60)  # n4 among them: its replica of shard 1 caught up
+        assert all(r.group != 1 for r in cluster.status(replaced).replicas), f"{replaced} still holds shard 1"
+        for name in ("a", "b", "c", "d"):
+            client.store_batch(messages(name, 100, 100))
+            acked[name].extend(range(100, 200))
+        cluster.assert_replicas_identical(timeout_s=60)
+        check_every_acked_message(client, acked)
 
 
 def test_five_replicas_survive_losing_two_nodes(tmp_path: Path) -> None:

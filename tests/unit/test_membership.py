@@ -3,6 +3,7 @@
 The metadata leader moves leadership off a replica and then asks the vnode's
 leader to remove it; between the two an election or the leader balancer can
 make that replica leader again. The move must then try again, not fail.
+And a node that loses the metadata leadership in the middle of a move stops.
 """
 
 from __future__ import annotations
@@ -28,21 +29,43 @@ class FakeVnode:
         self.leader = leader
 
 
+class FakeMetaGroup:
+    """The metadata group on the node running the move: it leads for ``leads_for`` more proposals."""
+
+    def __init__(self, node: FakeNode, leads_for: int) -> None:
+        self.node = node
+        self.leads_for = leads_for
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leads_for > 0
+
+    def not_leader_error(self) -> MqdsError:
+        return errors.error(Reason.NOT_LEADER, "this node is not the leader of meta; its leader is z", leader="z")
+
+    def propose(self, body: bytes) -> types.SimpleNamespace:
+        """Logged and applied here at once (a leader applies before the proposal's wait returns)."""
+        assert self.is_leader, "a metadata change proposed by a node that does not lead"
+        self.leads_for -= 1
+        command = cpb.MetaCommand.FromString(body)
+        assert command.WhichOneof("kind") == "set_replicas", command
+        vnode = next(v for v in self.node.meta.map.vnodes if v.shard == command.set_replicas.shard)
+        del vnode.replicas[:]
+        vnode.replicas.extend(command.set_replicas.replicas)
+        self.node.proposed.append(list(command.set_replicas.replicas))
+        return types.SimpleNamespace(wait=lambda _timeout_s: None)
+
+
 class FakeNode:
     """Just what Membership reads and proposes: the map and the metadata log."""
 
-    def __init__(self, replicas: list[str]) -> None:
+    def __init__(self, replicas: list[str], leads_for: int = 1000) -> None:
         cmap = clpb.ClusterMap(n_shards=1, replication_factor=len(replicas))
         cmap.vnodes.add(shard=0, replicas=replicas)
         self.meta = types.SimpleNamespace(map=cmap)
+        self.meta_group = FakeMetaGroup(self, leads_for)
+        self.config = types.SimpleNamespace(write_timeout_s=10.0)
         self.proposed: list[list[str]] = []
-
-    def propose_meta(self, command: cpb.MetaCommand) -> None:
-        assert command.WhichOneof("kind") == "set_replicas", command
-        vnode = next(v for v in self.meta.map.vnodes if v.shard == command.set_replicas.shard)
-        del vnode.replicas[:]
-        vnode.replicas.extend(command.set_replicas.replicas)
-        self.proposed.append(list(command.set_replicas.replicas))
 
 
 class Bouncing(membership_mod.Membership):
@@ -119,3 +142,16 @@ def test_a_refusal_for_another_reason_is_not_retried() -> None:
     with pytest.raises(MqdsError) as caught:
         Refusing(node, vnode, source="a", bounces=0)._execute(placement.Move(shard=0, source="a", target="d"))
     assert caught.value.reason == Reason.MEMBERSHIP_REFUSED
+
+
+def test_a_node_that_loses_metadata_leadership_stops_the_move() -> None:
+    # Its next step would be decided from its own map, which misses what the
+    # new leader commits: it must stop (the caller retries on the new
+    # leader), not forward more changes there.
+    node = FakeNode(["a", "b", "c"], leads_for=1)
+    vnode = FakeVnode(["a", "b", "c"], leader="b")
+    with pytest.raises(MqdsError) as caught:
+        Bouncing(node, vnode, source="a", bounces=0)._execute(placement.Move(shard=0, source="a", target="d"))
+    assert caught.value.reason == Reason.NOT_LEADER and caught.value.retriable
+    assert node.proposed == [["a", "b", "c", "d"]], "nothing was written after leadership was lost"
+    assert vnode.members == ["a", "b", "c"], "no Raft membership change after leadership was lost"

@@ -46,6 +46,7 @@ from mqds.chaos.workload import (
 )
 from mqds.client import Client
 from mqds.client import errors as E
+from mqds.server.raft.group import META_GROUP
 
 log = logging.getLogger(__name__)
 
@@ -434,6 +435,7 @@ class ChaosRun:
                 leaderless = sorted(set(range(self.opts.shards)) - set(self.cluster.leaders()))
                 detail = f"vnodes without a leader: {leaderless or 'none'}; {err}"
                 detail += "; " + self._raft_states(leaderless)
+                detail += "; " + self._unready_states()
             except (grpc.RpcError, RuntimeError):
                 pass
             self.harness_findings.append(
@@ -444,6 +446,14 @@ class ChaosRun:
 
     def _raft_states(self, shards: list[int]) -> str:
         """What each live replica of ``shards`` says about its group (for a finding's detail)."""
+        return "; ".join(self._replica_states(lambda status, r: r.group in shards))
+
+    def _unready_states(self) -> str:
+        """Each replica of each live node that is not ready: its Raft state (for a finding's detail)."""
+        return "; ".join(self._replica_states(lambda status, r: not status.ready)) or "every live node is ready"
+
+    def _replica_states(self, wanted: Any) -> list[str]:
+        """One line per replica of the live nodes that ``wanted(status, replica)`` picks."""
         assert self.cluster is not None
         states = []
         for node_id in self.cluster.live():
@@ -452,14 +462,15 @@ class ChaosRun:
             except grpc.RpcError:
                 states.append(f"{node_id}: no answer")
                 continue
-            for r in status.replicas:
-                if r.group in shards:
-                    states.append(
-                        f"{node_id}/shard {r.group}: role {r.role} term {r.term} leader {r.leader or '-'} "
-                        f"members {','.join(r.members)} log {r.last_log_index} commit {r.commit_index} "
-                        f"applied {r.applied_index}"
-                    )
-        return "; ".join(states)
+            states += [
+                f"{node_id}{'' if status.ready else ' (not ready)'}/"
+                f"{'meta' if r.group == META_GROUP else f'shard {r.group}'}: role {r.role} term {r.term} "
+                f"leader {r.leader or '-'} members {','.join(r.members)} log {r.last_log_index} "
+                f"commit {r.commit_index} applied {r.applied_index}"
+                for r in status.replicas
+                if wanted(status, r)
+            ]
+        return states
 
     def _faults(self, env: nem.Env) -> None:
         opts = self.opts

@@ -59,7 +59,8 @@ def _meta_call(
 def _print_membership(response: clpb.MembershipResponse, what: str) -> None:
     print(what)
     for move in response.moves:
-        print(f"  moved replica  {move}")
+        # A move cut short earlier and finished now reads "repaired shard ...".
+        print(f"  {move}" if move.startswith("repaired ") else f"  moved replica  {move}")
     for move in response.leader_moves:
         print(f"  moved leader   {move}")
     if not response.moves and not response.leader_moves:

@@ -104,6 +104,11 @@ class NodeConfig:
         "how often a leader hands leadership back to its vnode's preferred replica when that one is caught up; "
         "0 = never",
     )
+    placement_repair_interval_s: float = _opt(
+        10.0,
+        "how often the metadata leader checks that every vnode's Raft group holds the replicas its placement "
+        "names, and finishes a replica move that was cut short when two checks in a row find them apart; 0 = never",
+    )
     ready_max_lag_entries: int = _opt(
         100,
         "readiness: a hosted replica counts as caught up while it has applied all but at most this many of the "
@@ -211,6 +216,7 @@ class NodeConfig:
             "retention_period_s",
             "shutdown_grace_s",
             "leader_balance_interval_s",
+            "placement_repair_interval_s",
             "max_calls_per_client",
         ):
             if getattr(self, name) < 0:

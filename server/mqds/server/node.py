@@ -190,6 +190,8 @@ class Node:
         self.meta_group: RaftGroup | None = None
         self._channels: dict[str, grpc.Channel] = {}
         self._last_leader_balance = time.monotonic()
+        self._last_placement_check = time.monotonic()
+        self._placement_check: threading.Thread | None = None
         self._address_reported = False
         self.membership = Membership(self)
 
@@ -602,6 +604,7 @@ class Node:
                 self._report_address()
                 self._maintain_generations()
                 self._balance_leaders()
+                self._check_placement()
             except Exception:
                 log.exception("background work failed; will retry")
 
@@ -700,6 +703,32 @@ class Node:
                 log.info("shard %d: leadership handed to preferred replica %s", vnode.shard, target)
             except MqdsError as err:
                 log.debug("shard %d: %s", vnode.shard, err)
+
+    def _check_placement(self) -> None:
+        """On the metadata leader: now and then, repair vnodes whose placement and Raft group disagree.
+
+        On a thread of its own: a repair can wait for a replica to catch up.
+        """
+        interval = self.config.placement_repair_interval_s
+        group = self.meta_group
+        if not interval or group is None or not group.is_leader:
+            return
+        if time.monotonic() - self._last_placement_check < interval:
+            return
+        if self._placement_check is not None and self._placement_check.is_alive():
+            return
+        self._last_placement_check = time.monotonic()
+
+        def check() -> None:
+            try:
+                self.membership.repair_if_needed()
+            except MqdsError as err:
+                log.info("placement check: %s; will look again", err)
+            except Exception:
+                log.exception("placement check failed; will look again")
+
+        self._placement_check = threading.Thread(target=check, name="placement-check", daemon=True)
+        self._placement_check.start()
 
     # -- what the API layer uses -------------------------------------------------
 

@@ -13,7 +13,16 @@ vnode drop below its replication factor, because it adds before it removes:
 
 Every step checks the current state first, so a move interrupted by a crash
 (of any node, including the metadata leader) can be run again from the top.
-Moves run one at a time, under one lock, on the metadata leader.
+Moves run one at a time, under one lock, on the metadata leader, and only
+while it leads: each step decides from the map this node holds, so the
+metadata it writes is logged here and applied here before the next step
+(see ``_propose``); a node that lost leadership stops with NOT_LEADER and
+the caller retries on the new leader.
+
+A move cut short between its two halves leaves the placement and the
+vnode's Raft group naming different replicas; ``repair`` finishes it (it
+runs before every rebalance and leave, and on the metadata leader every
+``placement_repair_interval_s``).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -33,6 +43,7 @@ from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.cluster import meta as meta_mod
 from mqds.server.cluster import placement
 from mqds.server.cluster.v1 import commands_pb2 as cpb
+from mqds.server.raft.group import META_GROUP, RaftGroup
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.v1 import cluster_pb2 as clpb
 
@@ -54,6 +65,8 @@ class Membership:
     def __init__(self, node: Node) -> None:
         self.node = node
         self._lock = threading.Lock()
+        # What the last periodic check found apart (see repair_if_needed).
+        self._suspects: set[Divergence] = set()
 
     # -- the operations --------------------------------------------------------
 
@@ -63,7 +76,7 @@ class Membership:
         if not sep or not host or not port.isdigit():
             raise errors.error(Reason.INVALID_REQUEST, f"address {address!r} is not host:port")
         with self._leading():
-            self.node.propose_meta(cpb.MetaCommand(add_node=cpb.AddNode(node_id=node_id, address=address)))
+            self._propose(cpb.MetaCommand(add_node=cpb.AddNode(node_id=node_id, address=address)))
             self.node.router.set_address(node_id, address)
             self._meta_member(node_id, add=True)
             log.info("node %s (%s) joined; run a rebalance to give it replicas", node_id, address)
@@ -77,7 +90,7 @@ class Membership:
 
     def rebalance(self) -> clpb.MembershipResponse:
         with self._leading():
-            moves = self._converge()
+            moves = self._repair() + self._converge()
             leader_moves = self._balance_leaders()
             return self._response(moves, leader_moves)
 
@@ -90,6 +103,30 @@ class Membership:
 
     def _leading(self) -> _Leading:
         return _Leading(self)
+
+    def _meta_leader(self) -> RaftGroup:
+        """The metadata group, as long as this node leads it; NOT_LEADER (or NO_LEADER) once it does not."""
+        group = self.node.meta_group
+        if group is None:
+            raise errors.error(Reason.NO_LEADER, f"node {self.node.node_id} has not joined a cluster yet")
+        if not group.is_leader:
+            raise group.not_leader_error()
+        return group
+
+    def _propose(self, command: cpb.MetaCommand) -> Any:
+        """Log a metadata change on this node's metadata group, which must lead; return once applied here.
+
+        Never forwarded: the next step is decided from this node's map, so a
+        change must be applied here before this returns. Forwarded to a new
+        leader after this node lost leadership, a change was committed there
+        before this replica applied it, and the next step, read from a map
+        missing it, could repeat a move or put a removed replica back in the
+        placement (a chaos run saw a join make six moves instead of three and
+        leave one replica placed on a node outside its Raft group, waiting,
+        empty, for a leader that never contacted it).
+        """
+        group = self._meta_leader()
+        return group.propose(command.SerializeToString()).wait(self.node.config.write_timeout_s)
 
     def _map(self) -> clpb.ClusterMap:
         assert self.node.meta is not None
@@ -110,11 +147,11 @@ class Membership:
                 # The metadata leader is the one leaving: hand the job over.
                 self._hand_over_meta()
                 raise self.node.meta_group.not_leader_error()  # type: ignore[union-attr]
-            self.node.propose_meta(cpb.MetaCommand(set_state=cpb.SetNodeState(node_id=node_id, state=meta_mod.LEAVING)))
+            self._propose(cpb.MetaCommand(set_state=cpb.SetNodeState(node_id=node_id, state=meta_mod.LEAVING)))
             verb = "forgetting" if forget else "moving replicas off"
             log.info("%s node %s", verb, node_id)
-            moves = self._converge()
-            self.node.propose_meta(cpb.MetaCommand(remove_node=cpb.RemoveNode(node_id=node_id)))
+            moves = self._repair() + self._converge()
+            self._propose(cpb.MetaCommand(remove_node=cpb.RemoveNode(node_id=node_id)))
             self._meta_member(node_id, add=False)
             self.node.router.forget(node_id)
             log.info("node %s removed from the cluster", node_id)
@@ -168,8 +205,104 @@ class Membership:
                 moved.append(f"shard {shard}: {leader} -> {target}")
         return moved
 
+    # -- placement and Raft groups that disagree ------------------------------------
+
+    def repair_if_needed(self) -> list[str]:
+        """The metadata leader's periodic check: repair what was found apart in two checks in a row.
+
+        Two in a row, because a move running elsewhere (on a node that lost
+        leadership and has not noticed yet) is apart for a moment between its
+        steps; a move of this node's holds the lock, and then nothing is done.
+        """
+        group = self.node.meta_group
+        if group is None or not group.is_leader:
+            self._suspects = set()
+            return []
+        found = set(self._divergences())
+        suspects, self._suspects = self._suspects, found
+        if not found & suspects or not self._lock.acquire(blocking=False):
+            return []
+        try:
+            done = self._repair(only=found & suspects)
+        finally:
+            self._lock.release()
+        for line in done:
+            log.warning("%s", line)
+        return done
+
+    def _divergences(self) -> list[Divergence]:
+        """Where a vnode's placement and its Raft group (as its leader says) name different replicas.
+
+        Placed-but-not-member first, so a repair adds before it removes.
+        Vnodes without a leader now are skipped: the next check looks again.
+        """
+        cmap = self._map()
+        groups: dict[int, tuple[int, list[str]]] = {}
+        for node in cmap.nodes:
+            try:
+                status = self.node.cluster_stub(node.id).GetNodeStatus(
+                    clpb.GetNodeStatusRequest(), timeout=5, metadata=self.node.auth.metadata()
+                )
+            except (grpc.RpcError, MqdsError):
+                continue
+            for replica in status.replicas:
+                if replica.role != clpb.RAFT_ROLE_LEADER or replica.group == META_GROUP:
+                    continue
+                if replica.group not in groups or groups[replica.group][0] < replica.term:
+                    groups[replica.group] = (replica.term, list(replica.members))
+        placed, unplaced = [], []
+        for vnode in cmap.vnodes:
+            if vnode.shard not in groups:
+                continue
+            members = groups[vnode.shard][1]
+            placed += [Divergence(vnode.shard, n, placed=True) for n in vnode.replicas if n not in members]
+            unplaced += [Divergence(vnode.shard, n, placed=False) for n in members if n not in vnode.replicas]
+        return placed + unplaced
+
+    def _repair(self, only: set[Divergence] | None = None) -> list[str]:
+        """Make each vnode's Raft group and its placement name the same replicas again.
+
+        A move changes the two one after the other: the placement first when
+        it adds a replica, the Raft group first when it removes one. Cut short
+        in between (its metadata leader crashed or lost leadership), it leaves
+        a replica placed on a node but outside the group, which waits, empty,
+        for a leader that never contacts it, so that node never gets ready.
+        Finishing the move: a placed non-member is added to the group when the
+        vnode has no more placed replicas than its replication factor (an add
+        cut short), and dropped from the placement when it has more or its
+        node is leaving (a removal cut short); a member that is not placed is
+        removed from the group. ``only``: act on these divergences alone.
+        """
+        done = []
+        for diverged in self._divergences():
+            if only is not None and diverged not in only:
+                continue
+            shard, node_id = diverged.shard, diverged.node_id
+            cmap = self._map()
+            replicas = meta_mod.placement_of(cmap)[shard]
+            active = [n.id for n in cmap.nodes if n.state == meta_mod.ACTIVE]
+            width = min(cmap.replication_factor, len(active))
+            if diverged.placed:
+                if node_id not in replicas:
+                    continue  # changed meanwhile
+                if len(replicas) > width or node_id not in active:
+                    self._set_replicas(shard, [r for r in replicas if r != node_id])
+                    done.append(f"repaired shard {shard}: {node_id} dropped from the placement (not in the Raft group)")
+                    continue
+                if self._status(node_id, shard) is None:
+                    continue  # down, or its replica is not open yet: the next check looks again
+                self._retry(functools.partial(self._change, shard, node_id, add=True))
+                self._wait_caught_up(shard, node_id)
+                done.append(f"repaired shard {shard}: {node_id} added to the Raft group (placed there)")
+            else:
+                if node_id in replicas:
+                    continue
+                self._remove_replica(shard, node_id, prefer="")
+                done.append(f"repaired shard {shard}: {node_id} removed from the Raft group (not placed there)")
+        return done
+
     def _set_replicas(self, shard: int, replicas: list[str]) -> None:
-        self.node.propose_meta(cpb.MetaCommand(set_replicas=cpb.SetReplicas(shard=shard, replicas=replicas)))
+        self._propose(cpb.MetaCommand(set_replicas=cpb.SetReplicas(shard=shard, replicas=replicas)))
 
     def _execute(self, move: placement.Move) -> None:
         shard, source, target = move.shard, move.source, move.target
@@ -237,6 +370,7 @@ class Membership:
                     continue
             if shard in view.leaders:
                 return view.leaders[shard][1]
+            self._meta_leader()
             if time.monotonic() > deadline:
                 raise errors.error(Reason.NO_LEADER, f"shard {shard} has no leader")
             time.sleep(_POLL_S)
@@ -290,6 +424,7 @@ class Membership:
         last_report = time.monotonic()
         goal: int | None = None
         while time.monotonic() < deadline:
+            self._meta_leader()
             leader = self._vnode_leader(shard)
             status = self._status(leader, shard)
             if status is not None and target in status.members:
@@ -311,6 +446,7 @@ class Membership:
         deadline = time.monotonic() + STEP_TIMEOUT_S
         delay = _POLL_S
         while True:
+            self._meta_leader()  # a node that lost leadership stops here, and the caller retries on the new one
             try:
                 return step()
             except MqdsError as err:
@@ -319,6 +455,19 @@ class Membership:
                 log.info("retrying after: %s", err)
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """A replica the placement and the vnode's Raft group disagree on."""
+
+    shard: int
+    node_id: str
+    placed: bool  # True: placed on node_id, not a member of the group; False: a member, not placed
+
+    def __str__(self) -> str:
+        where = "placed there, not in its Raft group" if self.placed else "in its Raft group, not placed there"
+        return f"shard {self.shard} on {self.node_id}: {where}"
 
 
 class _Leading:
