@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -47,6 +47,7 @@ from mqds.chaos.workload import (
 from mqds.client import Client
 from mqds.client import errors as E
 from mqds.server.raft.group import META_GROUP
+from mqds.v1 import cluster_pb2 as clpb
 
 log = logging.getLogger(__name__)
 
@@ -452,7 +453,7 @@ class ChaosRun:
         """Each replica of each live node that is not ready: its Raft state (for a finding's detail)."""
         return "; ".join(self._replica_states(lambda status, r: not status.ready)) or "every live node is ready"
 
-    def _replica_states(self, wanted: Any) -> list[str]:
+    def _replica_states(self, wanted: Callable[[clpb.NodeStatus, clpb.ReplicaStatus], bool]) -> list[str]:
         """One line per replica of the live nodes that ``wanted(status, replica)`` picks."""
         assert self.cluster is not None
         states = []

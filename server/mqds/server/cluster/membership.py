@@ -465,10 +465,6 @@ class Divergence:
     node_id: str
     placed: bool  # True: placed on node_id, not a member of the group; False: a member, not placed
 
-    def __str__(self) -> str:
-        where = "placed there, not in its Raft group" if self.placed else "in its Raft group, not placed there"
-        return f"shard {self.shard} on {self.node_id}: {where}"
-
 
 class _Leading:
     """Hold the membership lock while this node leads the metadata group."""
