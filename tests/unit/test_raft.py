@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,54 @@ def test_groups_share_the_log_and_keep_their_own_history(tmp_path: Path) -> None
     again.drop_group(2)
     again.close()
     assert len(NodeLog(str(tmp_path)).journal(2)) == 0
+
+
+def test_groups_syncing_at_once_share_flushes_and_all_their_records_survive(tmp_path: Path) -> None:
+    log = NodeLog(str(tmp_path))
+    journals = [log.journal(g) for g in range(8)]
+
+    def write(j: Any) -> None:
+        for i in range(1, 41):
+            j.add(b"\x00" + bytes([j.group]) * 20, i, 1)
+            j.sync()
+
+    threads = [threading.Thread(target=write, args=(j,)) for j in journals]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    # One flush covered several groups' syncs (the thread that writes takes what the others queued).
+    assert sum(j.syncs for j in journals) == 8 * 40
+    assert log.flushes < 8 * 40
+    log.close()
+    again = NodeLog(str(tmp_path))
+    for g in range(8):
+        assert [e[1] for e in again.journal(g)] == list(range(1, 41))
+
+
+def test_a_failed_log_write_fails_every_sync_after_it_and_hangs_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = NodeLog(str(tmp_path))
+    a, b = log.journal(1), log.journal(2)
+    a.add(b"\x00kept", 1, 1)
+    a.sync()
+
+    def broken(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(journal_mod.os, "fdatasync", broken)
+    a.add(b"\x00lost", 2, 1)
+    with pytest.raises(OSError, match="Input/output error"):
+        a.sync()
+    monkeypatch.undo()
+    # The disk's state is unknown from here on: nothing is promised durable again.
+    b.add(b"\x00later", 1, 1)
+    with pytest.raises(OSError, match="writing the Raft log failed"):
+        b.sync()
+    log.close()
+    assert NodeLog(str(tmp_path)).journal(1)[0][0] == b"\x00kept"
 
 
 def test_a_new_segment_keeps_every_groups_live_state(tmp_path: Path) -> None:
@@ -459,6 +508,29 @@ def test_entries_are_durable_before_the_acknowledgement_leaves(tmp_path: Path) -
     group.deliver("n1", {**entry, "commit_index": 2, "prevLogIdx": 2, "prevLogTerm": 1, "entries": []}, 8)
     group._cycle()
     assert machine.applied == [(2, b"hello")]
+    group.stop()
+
+
+def test_a_follower_acknowledges_a_batch_before_it_applies_the_one_before(tmp_path: Path) -> None:
+    group, machine, outbox = _group(tmp_path, ["n1", "n2", "n3"])
+    entry = {"type": "append_entries", "term": 1, "prevLogTerm": 1, "entries": []}
+    first = {**entry, "commit_index": 1, "prevLogIdx": 1, "prevLogTerm": 0, "entries": [(b"\x00a", 2, 1)]}
+    group.deliver("n1", first, 1)
+    group._cycle()
+    acks_when_applied: list[list[int]] = []
+    apply = machine.apply
+
+    def apply_noting_acks(command: bytes, index: int) -> Any:
+        acks_when_applied.append([m["next_node_idx"] for _, _, m in outbox.sent if m["type"] == "next_node_idx"])
+        return apply(command, index)
+
+    machine.apply = apply_noting_acks  # type: ignore[method-assign]
+    # The next batch arrives with the news that the first one is committed.
+    group.deliver("n1", {**entry, "commit_index": 2, "prevLogIdx": 2, "entries": [(b"\x00b", 3, 1)]}, 2)
+    group._cycle()
+    assert machine.applied == [(2, b"a")]
+    # When the first batch was applied, the acknowledgement of the second (next index 4) had left.
+    assert acks_when_applied == [[3, 4]]
     group.stop()
 
 
