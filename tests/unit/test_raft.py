@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,35 @@ def test_a_failed_log_write_fails_every_sync_after_it_and_hangs_none(
         b.sync()
     log.close()
     assert NodeLog(str(tmp_path)).journal(1)[0][0] == b"\x00kept"
+
+
+def test_closing_the_log_writes_the_syncs_still_waiting_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = NodeLog(str(tmp_path))
+    a, b = log.journal(1), log.journal(2)
+    flush = journal_mod.os.fdatasync
+    in_flush = threading.Event()
+
+    def slow(fd: int) -> None:
+        in_flush.set()
+        time.sleep(0.3)
+        flush(fd)
+
+    monkeypatch.setattr(journal_mod.os, "fdatasync", slow)
+    a.add(b"\x00first", 1, 1)
+    first = threading.Thread(target=a.sync)
+    first.start()
+    assert in_flush.wait(5)
+    b.add(b"\x00second", 1, 1)
+    second = threading.Thread(target=b.sync)  # queued behind the write in progress
+    second.start()
+    time.sleep(0.05)
+    log.close()
+    first.join(5)
+    second.join(5)
+    assert not first.is_alive() and not second.is_alive()
+    again = NodeLog(str(tmp_path))
+    assert again.journal(1)[0][0] == b"\x00first"
+    assert again.journal(2)[0][0] == b"\x00second"
 
 
 def test_a_new_segment_keeps_every_groups_live_state(tmp_path: Path) -> None:

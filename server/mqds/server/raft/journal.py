@@ -201,7 +201,7 @@ class NodeLog:
         self._journals: dict[int, RaftJournal] = {}
         self.flushes = 0
         self.bytes_written = 0
-        # What the writer thread knows of each segment (by number): per group,
+        # What the writes so far tell of each segment (by number): per group,
         # the highest entry index written to it; and per group, the lowest
         # index it has durably kept (entries below it are dead everywhere).
         self._segment_entries: dict[int, dict[int, int]] = {}
@@ -212,7 +212,7 @@ class NodeLog:
         self._queued_marks: list[tuple[int, int, int, bool]] = []
         # Whether an old segment may have become deletable since the last look
         # (a floor rose, a group was cleared, a segment started): only then
-        # does the writer look, not after every write.
+        # does a write look, not after every one.
         self._look_for_dead = True
         self._recovered = self._recover()
         for group, recovered in self._recovered.items():
@@ -320,7 +320,7 @@ class NodeLog:
         the highest entry index among them (0 if none), ``floor`` the lowest
         index the group keeps once they are written (``NO_FLOOR`` when it
         keeps none) and ``cleared`` whether they clear its log, so the
-        writer knows which segments still hold live entries.
+        log knows which segments still hold live entries.
         """
         with self._cond:
             if self._closed:
@@ -332,41 +332,52 @@ class NodeLog:
             while self._durable_round < mine and self._error is None:
                 if self._writing:
                     self._cond.wait()
-                    continue
-                # Nobody is writing: this thread writes what every group
-                # queued, its own records among them, and wakes the others.
-                self._writing = True
-                batch, self._queue = self._queue, []
-                marks, self._queued_marks = self._queued_marks, []
-                round_ = self._queued_round
-                self._queued_round += 1
-                failure: BaseException | None = None
-                self._cond.release()
-                try:
-                    self._write(batch, marks)
-                except BaseException as err:  # the log's state on disk is unknown: refuse every later write
-                    log.exception("writing the Raft log failed")
-                    failure = err
-                finally:
-                    self._cond.acquire()
-                self._writing = False
-                if failure is None:
-                    self._durable_round = round_
                 else:
-                    self._error = failure
-                self._cond.notify_all()
+                    self._write_queued()
             if self._durable_round < mine and self._error is not None:
                 raise OSError(f"writing the Raft log failed: {self._error}")
 
     def close(self) -> None:
+        """Write what is still queued, then close the active segment (no sync is accepted after this)."""
         with self._cond:
             self._closed = True
             self._cond.wait_for(lambda: not self._writing, timeout=30)
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+            if self._writing:
+                return  # a write stuck for 30 s: leave its file open rather than pull it away
+            if self._queue and self._error is None:
+                self._write_queued()
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
-    # -- the writer ----------------------------------------------------------------
+    # -- writing (on whichever thread syncs first) ----------------------------------
+
+    def _write_queued(self) -> None:
+        """Write what every group queued, on the calling thread, and wake whoever waits for it.
+
+        Called holding ``_cond`` while no write is in progress; the lock is
+        released during the write, so other groups queue for the next one.
+        """
+        self._writing = True
+        batch, self._queue = self._queue, []
+        marks, self._queued_marks = self._queued_marks, []
+        round_ = self._queued_round
+        self._queued_round += 1
+        failure: BaseException | None = None
+        self._cond.release()
+        try:
+            self._write(batch, marks)
+        except BaseException as err:  # the log's state on disk is unknown: refuse every later write
+            log.exception("writing the Raft log failed")
+            failure = err
+        finally:
+            self._cond.acquire()
+        self._writing = False
+        if failure is None:
+            self._durable_round = round_
+        else:
+            self._error = failure
+        self._cond.notify_all()
 
     def _write(self, batch: list[bytes], marks: list[tuple[int, int, int, bool]]) -> None:
         """Append ``batch`` to the active segment and flush it; then roll over and delete what is dead."""
