@@ -18,8 +18,9 @@ from mqds.server.cluster import placement
 from mqds.server.raft import codec
 from mqds.server.raft import group as raft_group
 from mqds.server.raft import journal as journal_mod
-from mqds.server.raft.group import PeerNode, RaftGroup, RaftTiming, decode_manifest, encode_manifest
+from mqds.server.raft.group import Outgoing, PeerNode, RaftGroup, RaftTiming, decode_manifest, encode_manifest
 from mqds.server.raft.journal import JournalCorrupt, NodeLog
+from mqds.server.raft.transport import FrameQueue
 
 # -- journal -------------------------------------------------------------------
 
@@ -482,9 +483,11 @@ class _Machine:
 class _Outbox:
     def __init__(self) -> None:
         self.sent: list[tuple[int, str, dict[str, Any]]] = []
+        self.lazy: list[bool] = []
 
-    def send(self, group: int, messages: list[tuple[str, bytes]]) -> None:
-        self.sent.extend((group, node, codec.decode(raw)) for node, raw in messages)
+    def send(self, group: int, messages: list[Outgoing]) -> None:
+        self.sent.extend((group, node, codec.decode(raw)) for node, raw, _ in messages)
+        self.lazy.extend(lazy for _, _, lazy in messages)
 
     def is_connected(self, node_id: str) -> bool:
         return True
@@ -628,6 +631,106 @@ def _leader(tmp_path: Path) -> tuple[RaftGroup, _Outbox]:
     group._cycle()
     assert group.is_leader
     return group, outbox
+
+
+def _sent_since(outbox: _Outbox, start: int) -> list[tuple[str, str, bool]]:
+    """(peer, message type, lazy) of what the group sent since ``start``."""
+    sent = zip(outbox.sent[start:], outbox.lazy[start:], strict=True)
+    return [(node, m["type"], lazy) for (_, node, m), lazy in sent]
+
+
+def test_a_leader_lets_only_repeated_heartbeats_wait_for_company(tmp_path: Path) -> None:
+    group, outbox = _leader(tmp_path)
+    # The new leader's first append-entries (its no-op entry) left at once.
+    appends = [(node, lazy) for node, kind, lazy in _sent_since(outbox, 0) if kind == "append_entries"]
+    assert sorted(appends[:2]) == [("n1", False), ("n2", False)]
+    # A heartbeat in the same term and read round: nobody waits for it.
+    mark = len(outbox.sent)
+    group._SyncObj__newAppendEntriesTime = 0
+    group._cycle()
+    assert sorted(_sent_since(outbox, mark)) == [("n1", "append_entries", True), ("n2", "append_entries", True)]
+    # Entries: a commit waits for their acknowledgement.
+    mark = len(outbox.sent)
+    group.propose(b"\x00write")
+    group._cycle()
+    assert sorted(_sent_since(outbox, mark)) == [("n1", "append_entries", False), ("n2", "append_entries", False)]
+    # A read: its heartbeat starts a new round, and the read waits for the echoes.
+    mark = len(outbox.sent)
+    group.begin_read()
+    group._cycle()
+    sent = _sent_since(outbox, mark)
+    assert sent and all(kind == "append_entries" and not lazy for _, kind, lazy in sent)
+    group.stop()
+
+
+def test_a_follower_lets_only_answers_that_repeat_themselves_wait(tmp_path: Path) -> None:
+    group, outbox = _follower(tmp_path)
+
+    def answer_to(message: dict[str, Any], echo: int = 0) -> tuple[int, bool]:
+        mark = len(outbox.sent)
+        group.deliver("n1", message, echo)
+        group._cycle()
+        sent = zip(outbox.sent[mark:], outbox.lazy[mark:], strict=True)
+        (answer,) = [(m["next_node_idx"], lazy) for (_, _, m), lazy in sent if m["type"] == "next_node_idx"]
+        return answer
+
+    # The same heartbeat again: the answer repeats the last one.
+    assert answer_to(_HEARTBEAT) == (2, True)
+    # Entries: the leader's commit waits for this answer.
+    entries = {**_HEARTBEAT, "entries": [(b"\x00a", 2, 1)]}
+    assert answer_to(entries) == (3, False)
+    # A heartbeat after them: nothing new to say.
+    beat = {**_HEARTBEAT, "prevLogIdx": 2, "prevLogTerm": 1}
+    assert answer_to(beat) == (3, True)
+    # The same entries sent again (say after a reconnection): answered at once all the same.
+    assert answer_to(entries) == (3, False)
+    # A heartbeat of a read round: the read waits for its echo.
+    assert answer_to(beat, echo=5) == (3, False)
+    # A heartbeat that does not fit the log: the refusal leaves at once.
+    assert answer_to({**_HEARTBEAT, "prevLogIdx": 9, "prevLogTerm": 1}) == (3, False)
+    group.stop()
+
+
+def test_the_frame_queue_holds_lazy_messages_until_the_linger_passes() -> None:
+    queue = FrameQueue(linger_s=0.3)
+    queue.set_open(True)
+    started = time.monotonic()
+    queue.put([b"beat-1"], lazy=True)
+    queue.put([b"beat-2"], lazy=True)
+    assert queue.take(lambda: False) == b"beat-1beat-2"
+    assert 0.25 <= time.monotonic() - started < 5
+
+
+def test_a_message_somebody_waits_for_sends_the_lazy_ones_with_it_at_once() -> None:
+    queue = FrameQueue(linger_s=30.0)
+    queue.set_open(True)
+    queue.put([b"beat"], lazy=True)
+    threading.Timer(0.05, lambda: queue.put([b"entries"])).start()
+    started = time.monotonic()
+    assert queue.take(lambda: False) == b"beatentries"
+    assert time.monotonic() - started < 5
+    # Without a linger nothing waits.
+    eager = FrameQueue(linger_s=0.0)
+    eager.set_open(True)
+    eager.put([b"beat"], lazy=True)
+    started = time.monotonic()
+    assert eager.take(lambda: False) == b"beat"
+    assert time.monotonic() - started < 0.5
+
+
+def test_the_frame_queue_drops_what_waits_when_the_link_goes_down_or_overflows() -> None:
+    queue = FrameQueue(linger_s=0.0, max_bytes=10)
+    assert queue.put([b"x"]) == 0  # not open yet: not queued
+    queue.set_open(True)
+    queue.put([b"lost"])
+    queue.set_open(False)
+    queue.set_open(True)
+    assert queue.put([b"123456", b"7890ab"]) == 2  # past max_bytes: dropped (Raft resends)
+    queue.put([b"kept"])
+    assert queue.take(lambda: False) == b"kept"
+    stop = threading.Event()
+    threading.Timer(0.05, lambda: (stop.set(), queue.wake())).start()
+    assert queue.take(stop.is_set) is None
 
 
 def _transferring(tmp_path: Path, target: str) -> tuple[RaftGroup, _Outbox, list[int]]:

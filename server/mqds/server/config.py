@@ -86,6 +86,12 @@ class NodeConfig:
         "RESOURCE_EXHAUSTED instead of queueing without bound",
     )
     raft_heartbeat_s: float = _opt(0.2, "how often a Raft leader sends heartbeats, in seconds")
+    raft_heartbeat_linger_s: float = _opt(
+        0.1,
+        "how long a heartbeat, or a follower's answer that only repeats its last one, may wait to leave in "
+        "the same frame as other Raft messages to that peer, in seconds (0 = send each at once); anything "
+        "a commit, a read or an election waits for is sent at once and takes the waiting ones with it",
+    )
     raft_election_timeout_s: float = _opt(
         1.0, "a follower that hears no leader for this long (to twice as long, at random) starts an election, seconds"
     )
@@ -195,6 +201,13 @@ class NodeConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be greater than 0, got {getattr(self, name)}")
+        # A follower then hears its leader at least every 1.5 heartbeats:
+        # twice within the shortest election timeout.
+        if not 0 <= self.raft_heartbeat_linger_s <= self.raft_heartbeat_s / 2:
+            raise ConfigError(
+                f"raft_heartbeat_linger_s must be between 0 and half of raft_heartbeat_s "
+                f"({self.raft_heartbeat_s / 2:g}), got {self.raft_heartbeat_linger_s}"
+            )
         if self.raft_election_timeout_s < 3 * self.raft_heartbeat_s:
             raise ConfigError(
                 f"raft_election_timeout_s ({self.raft_election_timeout_s}) must be at least three heartbeats "

@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -68,10 +69,26 @@ class LocalClusterError(RuntimeError):
     """A local cluster cannot do what was asked (no recorded cluster, a port in use, ...); the message says why."""
 
 
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free on 127.0.0.1 now, and never one this process handed out before.
+
+    The kernel may give the same port to two binds in a row once the first
+    socket is closed: two nodes of one cluster were once given the same
+    port, and the second could not listen.
+    """
+    with _handed_out_lock:
+        for _ in range(100):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = int(sock.getsockname()[1])
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+    raise LocalClusterError("found no free port on 127.0.0.1 that was not handed out already")
 
 
 def port_in_use(port: int) -> bool:

@@ -182,7 +182,12 @@ class Node:
             min(COPY_BYTES, config.raft_log_max_bytes // 4),
         )
         self.auth = ClusterAuth(config.node_id, config.advertised, config.cluster_secret, config.dev_mode)
-        self.router = PeerRouter(self.auth, self._group_of, self.tls.peer_credentials() if self.tls else None)
+        self.router = PeerRouter(
+            self.auth,
+            self._group_of,
+            self.tls.peer_credentials() if self.tls else None,
+            linger_s=config.raft_heartbeat_linger_s,
+        )
         self.router.on_link_change(self._link_changed)
         self._groups: dict[int, RaftGroup] = {}
         self.vnodes: dict[int, Vnode] = {}

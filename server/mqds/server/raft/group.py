@@ -37,7 +37,7 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import pysyncobj.journal
 import pysyncobj.syncobj
@@ -260,10 +260,19 @@ def decode_manifest(raw: bytes) -> Manifest:
     return Manifest(group, source, entries[0], entries[1], members, payload)
 
 
+class Outgoing(NamedTuple):
+    """An encoded message for one peer, once it may leave the node."""
+
+    node_id: str
+    raw: bytes
+    lazy: bool
+    """Nobody waits for it: it may wait a little to share a frame (see ``GroupTransport.send``)."""
+
+
 class Outbox(Protocol):
     """Where a group's messages go once they may leave the node (the router)."""
 
-    def send(self, group: int, messages: list[tuple[str, bytes]]) -> None: ...
+    def send(self, group: int, messages: list[Outgoing]) -> None: ...
 
     def is_connected(self, node_id: str) -> bool: ...
 
@@ -276,17 +285,52 @@ class GroupTransport(Transport):
     def __init__(self, group: RaftGroup) -> None:
         super().__init__(None, None, None)
         self._group = group
-        self.outbox: list[tuple[str, bytes]] = []
+        self.outbox: list[Outgoing] = []
+        self.answering_entries = False
+        """Set while the group handles an append-entries that carries entries (its answer is never lazy)."""
+        # Per peer: the (term, read round) of the last append-entries sent,
+        # and the (next index, read round, declines) of the last answer.
+        self._last_beat: dict[str, tuple[int, int]] = {}
+        self._last_answer: dict[str, tuple[int, int, bool]] = {}
 
     def send(self, node: Node, message: dict[str, Any]) -> bool:
+        """Encode a message for ``node``, and say whether anybody waits for it.
+
+        Lazy (it may wait up to ``raft_heartbeat_linger_s`` in the peer's link
+        to share a frame): a leader's heartbeat (no entries, no snapshot) in a
+        term and read round it already sent this peer, and a follower's
+        answer to a heartbeat that repeats its last answer. A commit waits
+        for answers to entries, a read for a new round's echo, an election for
+        votes, a new leader for its first heartbeat: those leave at once, and
+        take whatever waits for the same peer with them. A lazy heartbeat
+        still resets the follower's election timer within the linger, and
+        tells it the commit index a little later; nothing else changes.
+        """
         group = self._group
         kind = message["type"]
+        lazy = False
         if kind == "append_entries":
             echo = group.echo_round
+            beat = (message["term"], echo)
+            lazy = (
+                not message.get("entries")
+                and "serialized" not in message
+                and "transmission" not in message
+                and self._last_beat.get(node.id) == beat
+            )
+            self._last_beat[node.id] = beat
         elif kind == "next_node_idx":
             echo = group.last_echo_from.get(node.id, 0)
             if group.retiring:
                 message = {**message, "declines_leadership": True}
+            answer = (message["next_node_idx"], echo, bool(message.get("declines_leadership")))
+            lazy = (
+                not self.answering_entries
+                and message["success"]
+                and not message["reset"]
+                and self._last_answer.get(node.id) == answer
+            )
+            self._last_answer[node.id] = answer
         else:
             echo = 0
         try:
@@ -294,7 +338,7 @@ class GroupTransport(Transport):
         except ValueError:
             log.exception("%s: cannot send %s to %s", group.name, kind, node.id)
             return False
-        self.outbox.append((node.id, raw))
+        self.outbox.append(Outgoing(node.id, raw, lazy))
         return True
 
     def addNode(self, node: Node) -> None:
@@ -741,6 +785,13 @@ class RaftGroup(SyncObj):
         if kind == "append_entries":
             self._heard_leader = True
             self.last_echo_from[node_id] = echo
+            if message.get("entries") or "serialized" in message or "transmission" in message:
+                self._transport.answering_entries = True
+                try:
+                    self._transport._onMessageReceived(PeerNode(node_id), message)
+                finally:
+                    self._transport.answering_entries = False
+                return
         elif kind == "next_node_idx":
             if echo > self._acked_round.get(node_id, 0):
                 self._acked_round[node_id] = echo
