@@ -1376,3 +1376,15 @@ def test_memtable_sizes_are_spread_so_flushes_do_not_come_all_at_once(tmp_path: 
     assert len(generations) >= 9, sizes
     assert all(0.7 * (8 << 20) <= size <= 1.3 * (8 << 20) for size in sizes), sizes
     assert len(set(generations)) > 1, sizes
+
+
+@pytest.mark.parametrize("bytes_per_sync", [1 << 20, 0])
+def test_rocksdb_files_are_written_back_as_they_grow(tmp_path: Path, bytes_per_sync: int) -> None:
+    """Unsynced WAL and SST pages were written back in bursts that stalled every Raft log fdatasync."""
+    storage = ShardStorage(str(tmp_path / "s"), 0, Engine(EngineOptions(bytes_per_sync=bytes_per_sync)))
+    storage.initialize(1)
+    storage.close()
+    latest = max(tmp_path.joinpath("s").glob("OPTIONS-*"), key=lambda p: int(p.name.split("-")[1]))
+    options = dict(line.strip().split("=", 1) for line in latest.read_text().splitlines() if "=" in line)
+    assert options["bytes_per_sync"] == str(bytes_per_sync)
+    assert options["wal_bytes_per_sync"] == str(bytes_per_sync)
