@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import pickle
 import threading
 import time
@@ -220,6 +222,61 @@ def test_a_new_segment_copies_only_small_logs_and_old_ones_go_once_compacted(
     for g in (1, 2, 3):
         assert [(e[1], e[0]) for e in reopened[g]] == expected[g]
     assert reopened[2].getVotedForNodeId() == "n1"
+    again.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="tells files apart by /proc/self/fd")
+def test_dropped_segments_leave_the_log_at_once_and_are_deleted_a_few_mib_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deleting a whole 256 MiB segment inside a log write stalled every group of the node 90-155 ms."""
+    monkeypatch.setattr(journal_mod, "_REAP_STEP_BYTES", 1000)
+    monkeypatch.setattr(journal_mod, "_REAP_PAUSE_S", 0.0)
+    cuts: list[int] = []
+    real_ftruncate = os.ftruncate
+
+    def ftruncate(fd: int, size: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path)):  # not other tests' reapers
+            cuts.append(size)
+        real_ftruncate(fd, size)
+
+    monkeypatch.setattr(journal_mod.os, "ftruncate", ftruncate)
+    log = NodeLog(str(tmp_path), segment_bytes=4000)
+    busy = log.journal(1)
+    for i in range(1, 120):
+        busy.add(b"\x00" + bytes(100), i, 1)
+        if len(busy) > 10:
+            busy.deleteEntriesTo(len(busy) - 5)  # compacted as it goes: old segments die
+        busy.sync()
+    log._reaper.wait_idle(10)
+    live = sorted(p.name for p in tmp_path.glob("wal-*"))
+    assert len(live) <= 2, live
+    assert not list((tmp_path / journal_mod.DEAD_DIR).iterdir()), "every dropped segment was deleted"
+    assert log._reaper.deleted >= 3
+    # Each was cut down in steps (of 1,000 bytes here), never freed whole.
+    assert len(cuts) >= 4 * log._reaper.deleted
+    assert cuts.count(0) == log._reaper.deleted
+    assert all(before - after <= 1000 for before, after in itertools.pairwise(cuts) if after < before)
+    expected = [(e[1], e[0]) for e in busy]
+    log.close()
+    again = NodeLog(str(tmp_path))
+    assert [(e[1], e[0]) for e in again.journal(1)] == expected
+    again.close()
+
+
+def test_a_dead_segment_left_by_a_crash_is_never_read_and_is_deleted_on_open(tmp_path: Path) -> None:
+    log = NodeLog(str(tmp_path))
+    journal = log.journal(1)
+    journal.add(b"\x00kept", 1, 1)
+    journal.sync()
+    log.close()
+    # A crash while the reaper was cutting a dropped segment down: half of it is left.
+    (tmp_path / journal_mod.DEAD_DIR).mkdir()
+    (tmp_path / journal_mod.DEAD_DIR / "wal-00000000").write_bytes(b"MQDSWAL1" + b"\xff" * 500)
+    again = NodeLog(str(tmp_path))
+    assert [e[0] for e in again.journal(1)] == [b"\x00kept"]
+    assert again._reaper.wait_idle(10)
+    assert not list((tmp_path / journal_mod.DEAD_DIR).iterdir())
     again.close()
 
 
