@@ -690,32 +690,37 @@ def _leader(tmp_path: Path) -> tuple[RaftGroup, _Outbox]:
     return group, outbox
 
 
-def _sent_since(outbox: _Outbox, start: int) -> list[tuple[str, str, bool]]:
-    """(peer, message type, lazy) of what the group sent since ``start``."""
+def _sent_since(outbox: _Outbox, start: int) -> list[tuple[str, dict[str, Any], bool]]:
+    """(peer, message, lazy) of what the group sent since ``start``."""
     sent = zip(outbox.sent[start:], outbox.lazy[start:], strict=True)
-    return [(node, m["type"], lazy) for (_, node, m), lazy in sent]
+    return [(node, m, lazy) for (_, node, m), lazy in sent]
+
+
+def _kinds_since(outbox: _Outbox, start: int) -> list[tuple[str, str, bool]]:
+    """(peer, message type, lazy) of what the group sent since ``start``."""
+    return [(node, m["type"], lazy) for node, m, lazy in _sent_since(outbox, start)]
 
 
 def test_a_leader_lets_only_repeated_heartbeats_wait_for_company(tmp_path: Path) -> None:
     group, outbox = _leader(tmp_path)
     # The new leader's first append-entries (its no-op entry) left at once.
-    appends = [(node, lazy) for node, kind, lazy in _sent_since(outbox, 0) if kind == "append_entries"]
+    appends = [(node, lazy) for node, kind, lazy in _kinds_since(outbox, 0) if kind == "append_entries"]
     assert sorted(appends[:2]) == [("n1", False), ("n2", False)]
     # A heartbeat in the same term and read round: nobody waits for it.
     mark = len(outbox.sent)
     group._SyncObj__newAppendEntriesTime = 0
     group._cycle()
-    assert sorted(_sent_since(outbox, mark)) == [("n1", "append_entries", True), ("n2", "append_entries", True)]
+    assert sorted(_kinds_since(outbox, mark)) == [("n1", "append_entries", True), ("n2", "append_entries", True)]
     # Entries: a commit waits for their acknowledgement.
     mark = len(outbox.sent)
     group.propose(b"\x00write")
     group._cycle()
-    assert sorted(_sent_since(outbox, mark)) == [("n1", "append_entries", False), ("n2", "append_entries", False)]
+    assert sorted(_kinds_since(outbox, mark)) == [("n1", "append_entries", False), ("n2", "append_entries", False)]
     # A read: its heartbeat starts a new round, and the read waits for the echoes.
     mark = len(outbox.sent)
     group.begin_read()
     group._cycle()
-    sent = _sent_since(outbox, mark)
+    sent = _kinds_since(outbox, mark)
     assert sent and all(kind == "append_entries" and not lazy for _, kind, lazy in sent)
     group.stop()
 
@@ -727,8 +732,8 @@ def test_a_follower_lets_only_answers_that_repeat_themselves_wait(tmp_path: Path
         mark = len(outbox.sent)
         group.deliver("n1", message, echo)
         group._cycle()
-        sent = zip(outbox.sent[mark:], outbox.lazy[mark:], strict=True)
-        (answer,) = [(m["next_node_idx"], lazy) for (_, _, m), lazy in sent if m["type"] == "next_node_idx"]
+        sent = _sent_since(outbox, mark)
+        (answer,) = [(m["next_node_idx"], lazy) for _, m, lazy in sent if m["type"] == "next_node_idx"]
         return answer
 
     # The same heartbeat again: the answer repeats the last one.

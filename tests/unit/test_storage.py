@@ -1357,6 +1357,11 @@ def test_compactions_run_at_the_lowest_cpu_priority(tmp_path: Path) -> None:
     assert nice.get("rocksdb:high") == 0, nice
 
 
+def latest_options_file(db_dir: Path) -> Path:
+    """RocksDB writes the options it runs with, each column family's too, to a new OPTIONS file on open."""
+    return max(db_dir.glob("OPTIONS-*"), key=lambda p: int(p.name.split("-")[1]))
+
+
 def test_memtable_sizes_are_spread_so_flushes_do_not_come_all_at_once(tmp_path: Path) -> None:
     """Replicas (and alike-loaded shards) with one memtable size flushed at the same moment."""
     engine = Engine(EngineOptions(memtable_bytes=8 << 20, memtable_jitter=0.3))
@@ -1365,8 +1370,7 @@ def test_memtable_sizes_are_spread_so_flushes_do_not_come_all_at_once(tmp_path: 
     for i in range(8):
         storage.add_generation(10 + i)
     storage.close()
-    # RocksDB writes each column family's options, as it uses them, to the OPTIONS file.
-    latest = max(tmp_path.joinpath("s").glob("OPTIONS-*"), key=lambda p: int(p.name.split("-")[1]))
+    latest = latest_options_file(tmp_path / "s")
     sizes = [
         int(line.split("=")[1])
         for line in latest.read_text().splitlines()
@@ -1384,7 +1388,7 @@ def test_rocksdb_files_are_written_back_as_they_grow(tmp_path: Path, bytes_per_s
     storage = ShardStorage(str(tmp_path / "s"), 0, Engine(EngineOptions(bytes_per_sync=bytes_per_sync)))
     storage.initialize(1)
     storage.close()
-    latest = max(tmp_path.joinpath("s").glob("OPTIONS-*"), key=lambda p: int(p.name.split("-")[1]))
+    latest = latest_options_file(tmp_path / "s")
     options = dict(line.strip().split("=", 1) for line in latest.read_text().splitlines() if "=" in line)
     assert options["bytes_per_sync"] == str(bytes_per_sync)
     assert options["wal_bytes_per_sync"] == str(bytes_per_sync)

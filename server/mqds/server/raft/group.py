@@ -260,6 +260,11 @@ def decode_manifest(raw: bytes) -> Manifest:
     return Manifest(group, source, entries[0], entries[1], members, payload)
 
 
+def carries_entries(message: dict[str, Any]) -> bool:
+    """Whether an append-entries carries log entries or a snapshot (not just a heartbeat)."""
+    return bool(message.get("entries")) or "serialized" in message or "transmission" in message
+
+
 class Outgoing(NamedTuple):
     """An encoded message for one peer, once it may leave the node."""
 
@@ -312,12 +317,7 @@ class GroupTransport(Transport):
         if kind == "append_entries":
             echo = group.echo_round
             beat = (message["term"], echo)
-            lazy = (
-                not message.get("entries")
-                and "serialized" not in message
-                and "transmission" not in message
-                and self._last_beat.get(node.id) == beat
-            )
+            lazy = not carries_entries(message) and self._last_beat.get(node.id) == beat
             self._last_beat[node.id] = beat
         elif kind == "next_node_idx":
             echo = group.last_echo_from.get(node.id, 0)
@@ -785,13 +785,7 @@ class RaftGroup(SyncObj):
         if kind == "append_entries":
             self._heard_leader = True
             self.last_echo_from[node_id] = echo
-            if message.get("entries") or "serialized" in message or "transmission" in message:
-                self._transport.answering_entries = True
-                try:
-                    self._transport._onMessageReceived(PeerNode(node_id), message)
-                finally:
-                    self._transport.answering_entries = False
-                return
+            self._transport.answering_entries = carries_entries(message)
         elif kind == "next_node_idx":
             if echo > self._acked_round.get(node_id, 0):
                 self._acked_round[node_id] = echo
@@ -802,7 +796,10 @@ class RaftGroup(SyncObj):
             if message.get("success") and not message.get("reset"):
                 self._ack_without_rewind(PeerNode(node_id), message)
                 return
-        self._transport._onMessageReceived(PeerNode(node_id), message)
+        try:
+            self._transport._onMessageReceived(PeerNode(node_id), message)
+        finally:
+            self._transport.answering_entries = False
 
     def _ack_without_rewind(self, node: PeerNode, message: dict[str, Any]) -> None:
         """Take a follower's acknowledgement without moving its next index back.

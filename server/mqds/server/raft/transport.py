@@ -151,6 +151,10 @@ class FrameQueue:
                 self._cond.notify()
             return 0
 
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
     def set_open(self, open_: bool) -> bool:
         """Open or close the queue (closing drops what waits); whether that changed anything."""
         with self._cond:
@@ -198,7 +202,6 @@ class _PeerLink:
         self.node_id = node_id
         self.address = address
         self.queue = FrameQueue(router.linger_s)
-        self._connected = False
         self._closed = False
         self._call_done = threading.Event()
         self.sent_frames = 0
@@ -207,7 +210,8 @@ class _PeerLink:
 
     @property
     def connected(self) -> bool:
-        return self._connected
+        """Whether the stream to the peer is up (its queue takes messages only then)."""
+        return self.queue.is_open
 
     def enqueue(self, items: list[bytes], lazy: bool = False) -> None:
         """Queue envelopes for this peer; unless ``lazy``, the link sends at once (with what waits)."""
@@ -231,7 +235,6 @@ class _PeerLink:
     def _set_connected(self, connected: bool) -> None:
         if not self.queue.set_open(connected):
             return
-        self._connected = connected
         log.info("raft link to %s (%s) %s", self.node_id, self.address, "up" if connected else "down")
         self.router.link_changed(self.node_id, connected)
 
