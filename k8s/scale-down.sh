@@ -25,7 +25,8 @@ StatefulSet is scaled down by one and the node's PersistentVolumeClaim is delete
 
 Environment:
   KUBECTL   the kubectl command (default: kubectl), e.g. "kubectl --context prod"
-  MQDS      the mqds command line run against the cluster (default: kubectl exec into <sts>-0,
+  MQDS      the mqds command line run against the cluster (admin calls: export MQDS_CLUSTER_SECRET
+            for it; the default runs inside the pod, which has it) (default: kubectl exec into <sts>-0,
             "mqds" there talks to its own node); e.g. "mqds --endpoints HOST:PORT --tls-ca ca.pem"
 EOF
 }

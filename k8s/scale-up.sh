@@ -30,7 +30,8 @@ to the cluster and rebalances replicas onto it.
 
 Environment:
   KUBECTL   the kubectl command (default: kubectl)
-  MQDS      the mqds command line run against the cluster (default: kubectl exec into <sts>-0)
+  MQDS      the mqds command line run against the cluster (admin calls: export MQDS_CLUSTER_SECRET
+            for it; the default runs inside the pod, which has it) (default: kubectl exec into <sts>-0)
 EOF
 }
 

@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -289,6 +290,15 @@ def kustomize_command() -> list[str]:
     if path := shutil.which("kubectl"):
         return [path, "kustomize"]
     pytest.skip("neither kustomize nor kubectl is installed: cannot render the manifests")
+
+
+def dev_overlay() -> Path:
+    """The dev overlay, with the cluster secret file it needs (made once per checkout, kept out of git)."""
+    overlay = ROOT / "k8s" / "overlays" / "dev"
+    secret = overlay / "cluster-secret.txt"
+    if not secret.exists():
+        secret.write_text(secrets.token_hex(24))
+    return overlay
 
 
 def kustomize(directory: Path) -> list[dict[str, Any]]:

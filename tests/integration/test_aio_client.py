@@ -94,7 +94,9 @@ def test_store_and_replay_match_the_sync_client(cluster: LocalCluster) -> None:
 
 def test_generations_and_typed_errors(cluster: LocalCluster) -> None:
     async def scenario() -> None:
-        async with aio.Client(cluster.addresses, timeout_s=20) as client:
+        # Generations are admin calls: the client presents the cluster secret.
+        settings = ConnectionSettings(timeout_s=20, cluster_secret=cluster.secret)
+        async with aio.Client(cluster.addresses, settings=settings) as client:
             stored = await client.store_batch([Message(topic="aio/g/1", payload=b"old", sender="gen-s")])
             shard = stored[0].shard
             assert shard is not None

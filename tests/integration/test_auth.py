@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from mqds.client import Client, ConnectionSettings, Message
 from mqds.client import errors as E
@@ -71,6 +72,29 @@ def test_each_role_may_make_its_calls_and_no_others(cluster: LocalCluster) -> No
     with client(cluster, ADMIN) as admin:
         assert admin.add_generation(0)[0].shard == 0
         assert admin.store_batch([Message("auth/roles", b"admin too", sender="dev-1")])
+
+
+def reflect(address: str, token: str | None, **request: str) -> reflection_pb2.ServerReflectionResponse:
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    with grpc.insecure_channel(address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(**request)]), metadata=metadata, timeout=5
+        )
+        return next(iter(answers))
+
+
+def test_reflection_needs_a_token_and_describes_only_the_public_api(cluster: LocalCluster) -> None:
+    address = cluster.addresses[0]
+    with pytest.raises(grpc.RpcError) as refused:
+        reflect(address, None, list_services="")
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    listed = {s.name for s in reflect(address, READER, list_services="").list_services_response.service}
+    assert "mqds.v1.Storage" in listed and not any("raft" in name for name in listed)
+    internal = reflect(address, READER, file_containing_symbol="mqds.server.raft.v1.Raft")
+    assert internal.HasField("error_response")
+    public = reflect(address, READER, file_containing_symbol="mqds.v1.Storage")
+    assert public.HasField("file_descriptor_response")
 
 
 def test_token_file_mistakes_are_named(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,7 +209,11 @@ def test_generations_list_add_drop(cli_cluster: CliCluster) -> None:
     counted = re.search(r"^(\d+) generations in 4 shards", listing.out, re.MULTILINE)
     assert counted, listing.out
     before = int(counted.group(1))
-    added = cli_cluster.run("generations", "add", "--shard", "2")
+    # add and drop are admin calls: they present the cluster secret (`mqds cluster up` recorded it).
+    secret_file = cli_cluster.data_dir.parent / "cluster-secret"
+    secret_file.write_text(cli_cluster.harness().secret)
+    proof = ("--cluster-secret-file", str(secret_file))
+    added = cli_cluster.run("generations", "add", "--shard", "2", *proof)
     assert added.code == 0 and "started 1 new generation" in added.out
     rows = re.findall(
         r"^\s+2\s+(\d+)\s+\S+\s+(.+?)\s{2,}\S+$",
@@ -219,12 +224,12 @@ def test_generations_list_add_drop(cli_cluster: CliCluster) -> None:
     closed = int(rows[-2][0])
     assert f"{before + 1} generations in 4 shards" in cli_cluster.run("generations", "list").out
 
-    dropped = cli_cluster.run("generations", "drop", "2", str(closed))
+    dropped = cli_cluster.run("generations", "drop", "2", str(closed), *proof)
     assert dropped.code == 0 and f"dropped shard 2 generation {closed}" in dropped.out
     current = rows[-1][0]
-    refused = cli_cluster.run("generations", "drop", "2", current)
+    refused = cli_cluster.run("generations", "drop", "2", current, *proof)
     assert refused.code == 1 and "CURRENT_GENERATION" in refused.err
-    unknown = cli_cluster.run("generations", "drop", "99", "1")
+    unknown = cli_cluster.run("generations", "drop", "99", "1", *proof)
     assert unknown.code == 1 and "UNKNOWN_SHARD" in unknown.err
     assert f"{before} generations in 4 shards" in cli_cluster.run("generations", "list").out
 
@@ -325,6 +330,41 @@ def test_cluster_kill_and_start(cli_cluster: CliCluster) -> None:
     assert cli_cluster.harness().nodes["n2"].running
     wait_until("a healthy status", lambda: cli_cluster.run("status").code == 0, timeout_s=60, interval_s=0.5)
     assert "while n2 is down" in cli_cluster.run("replay", "cli/kill/#").out
+
+
+def _server_pids(data_dir: Path) -> list[int]:
+    """The mqds-server processes whose command line names ``data_dir``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(data_dir).encode() in argv and any(a.endswith(b"mqds-server") for a in argv):
+            found.append(int(entry.name))
+    return found
+
+
+def test_cluster_start_killed_while_it_waits_leaves_no_node_it_does_not_know(cli_cluster: CliCluster) -> None:
+    """The node a killed 'mqds cluster start' had started ran on, unknown to 'mqds cluster down'."""
+    data_dir = cli_cluster.data_dir
+    node_dir = cli_cluster.harness().nodes["n3"].data_dir
+    assert mqds("cluster", "kill", "n3", "--data-dir", str(data_dir)).code == 0
+    waiting = subprocess.Popen([MQDS, "cluster", "start", "n3", "--data-dir", str(data_dir)])
+    try:
+        pid = wait_until("n3 launched", lambda: (_server_pids(node_dir) or [None])[0], timeout_s=30, interval_s=0.02)
+        # Killed while the node starts up (it takes seconds to be ready),
+        # after the command had time to record it.
+        time.sleep(0.2)
+    finally:
+        waiting.kill()
+        waiting.wait(10)
+    again = mqds("cluster", "start", "n3", "--data-dir", str(data_dir))
+    assert again.code == 0 and f"n3 is already running (pid {pid})" in again.out, again.out + again.err
+    assert cli_cluster.harness().nodes["n3"].running
+    wait_until("a healthy status", lambda: cli_cluster.run("status").code == 0, timeout_s=60, interval_s=0.5)
 
 
 def test_cluster_down_then_up_restarts_the_same_cluster(cli_cluster: CliCluster) -> None:

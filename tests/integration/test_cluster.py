@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -13,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mqds.client import Client, Message
+from mqds.client import Client, ConnectionSettings, Message
 from mqds.client import errors as E
 from mqds.protocol.errors import from_rpc_error
 from mqds.protocol.sharding import shard_of
@@ -217,7 +218,7 @@ def test_a_node_restarted_at_a_new_address_rejoins(cluster: LocalCluster) -> Non
 
 
 def test_a_replica_down_during_rotation_and_retention_converges(cluster: LocalCluster) -> None:
-    client = cluster.client()
+    client = cluster.client(settings=ConnectionSettings(cluster_secret=cluster.secret))  # generations: admin calls
     client.store_batch([m for name in ("a", "b", "c", "d") for m in messages(name, 0, 20)])
     cluster.kill("n2")
     client.add_generation()
@@ -267,7 +268,10 @@ def test_a_minority_accepts_no_writes_and_serves_no_stale_reads(cluster: LocalCl
 def mqds_cli(cluster: LocalCluster, *args: str) -> str:
     """Run the `mqds` command against the cluster (any live node as endpoint); its output."""
     endpoints = ",".join(cluster.nodes[n].address for n in cluster.live())
-    result = subprocess.run([MQDS, "--endpoints", endpoints, *args], capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "MQDS_CLUSTER_SECRET": cluster.secret}  # admin commands present it
+    result = subprocess.run(
+        [MQDS, "--endpoints", endpoints, *args], capture_output=True, text=True, timeout=600, env=env
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 

@@ -38,6 +38,7 @@ from deploy_support import (
     compose_environment,
     container_env,
     copy_context,
+    dev_overlay,
     dockerfile,
     expand_k8s,
     find,
@@ -387,7 +388,7 @@ class Pods:
 
 @pytest.fixture(scope="module")
 def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pods]:
-    pods = Pods(tmp_path_factory.mktemp("k8s"), kustomize(K8S / "overlays" / "dev"))
+    pods = Pods(tmp_path_factory.mktemp("k8s"), kustomize(dev_overlay()))
     try:
         for ordinal in range(pods.replicas):
             pods.start(ordinal)
@@ -423,12 +424,18 @@ def test_statefulset_pods_form_a_cluster_and_pass_their_probes(pods: Pods) -> No
         scrape(pods.address(pods.pod(ordinal), port))
 
 
-def run_script(name: str, *args: str, mqds_endpoints: list[str]) -> subprocess.CompletedProcess[str]:
-    """k8s/NAME with kubectl replaced by echo (the test checks what it would run) and mqds by the local CLI."""
+def run_script(
+    name: str, *args: str, mqds_endpoints: list[str], cluster_secret: str
+) -> subprocess.CompletedProcess[str]:
+    """k8s/NAME with kubectl replaced by echo (the test checks what it would run) and mqds by the local CLI.
+
+    The local CLI presents the cluster secret, as ``mqds`` run inside a pod does (its environment has it).
+    """
     env = {
         **os.environ,
         "KUBECTL": "echo",
         "MQDS": f"{MQDS} --endpoints {','.join(mqds_endpoints)}",
+        "MQDS_CLUSTER_SECRET": cluster_secret,
     }
     return subprocess.run(
         ["bash", str(K8S / name), *args], env=env, capture_output=True, text=True, timeout=300, check=False
@@ -438,6 +445,7 @@ def run_script(name: str, *args: str, mqds_endpoints: list[str]) -> subprocess.C
 def test_scale_up_then_scale_down_scripts(pods: Pods) -> None:
     founders = pods.endpoints()
     new = pods.pod(3)
+    secret = pods.unmapped_env[pods.pod(0)]["MQDS_CLUSTER_SECRET"]
     pods.start(3)
     # Not a founder: it runs (startup and liveness probes pass), and is not ready before it joins.
     wait_until(f"{new} serving liveness", lambda: pods.probe(new, "livenessProbe") == "SERVING", 60)
@@ -445,14 +453,31 @@ def test_scale_up_then_scale_down_scripts(pods: Pods) -> None:
     assert pods.probe(new, "readinessProbe") != "SERVING"
 
     # The script derives the address the pod advertises.
-    dry = run_script("scale-up.sh", "-n", pods.namespace, "--replicas", "3", "--dry-run", mqds_endpoints=founders)
+    dry = run_script(
+        "scale-up.sh",
+        "-n",
+        pods.namespace,
+        "--replicas",
+        "3",
+        "--dry-run",
+        mqds_endpoints=founders,
+        cluster_secret=secret,
+    )
     assert dry.returncode == 0, dry.stderr
     assert f"admin join {new} --address {pods.unmapped_env[new]['MQDS_ADVERTISE']}" in dry.stdout
     assert "dry run: nothing was changed" in dry.stdout
     assert new not in [n.id for n in cluster_map(founders[0]).nodes]
 
     up = run_script(
-        "scale-up.sh", "-n", pods.namespace, "--replicas", "3", "--address", pods.address(new), mqds_endpoints=founders
+        "scale-up.sh",
+        "-n",
+        pods.namespace,
+        "--replicas",
+        "3",
+        "--address",
+        pods.address(new),
+        mqds_endpoints=founders,
+        cluster_secret=secret,
     )
     assert up.returncode == 0, up.stdout + up.stderr
     assert f"scale statefulset {pods.name} -n {pods.namespace} --replicas=4" in up.stdout
@@ -463,15 +488,28 @@ def test_scale_up_then_scale_down_scripts(pods: Pods) -> None:
     wait_status_ok(pods.endpoints(4))
 
     # A failed leave (no such node) scales nothing.
-    bad = run_script("scale-down.sh", "-n", pods.namespace, "--replicas", "9", mqds_endpoints=founders)
+    bad = run_script(
+        "scale-down.sh", "-n", pods.namespace, "--replicas", "9", mqds_endpoints=founders, cluster_secret=secret
+    )
     assert bad.returncode == 1 and "nothing was scaled" in bad.stderr
     assert "scale statefulset" not in bad.stdout
 
-    dry = run_script("scale-down.sh", "-n", pods.namespace, "--replicas", "4", "--dry-run", mqds_endpoints=founders)
+    dry = run_script(
+        "scale-down.sh",
+        "-n",
+        pods.namespace,
+        "--replicas",
+        "4",
+        "--dry-run",
+        mqds_endpoints=founders,
+        cluster_secret=secret,
+    )
     assert dry.returncode == 0 and f"admin leave {new}" in dry.stdout, dry.stdout + dry.stderr
     assert new in [n.id for n in cluster_map(founders[0]).nodes], "a dry run changes nothing"
 
-    down = run_script("scale-down.sh", "-n", pods.namespace, "--replicas", "4", mqds_endpoints=founders)
+    down = run_script(
+        "scale-down.sh", "-n", pods.namespace, "--replicas", "4", mqds_endpoints=founders, cluster_secret=secret
+    )
     assert down.returncode == 0, down.stdout + down.stderr
     assert f"node {new} left the cluster" in down.stdout
     lines = down.stdout.splitlines()
@@ -489,7 +527,7 @@ def test_scale_up_then_scale_down_scripts(pods: Pods) -> None:
 
 
 def test_tls_component_pod_serves_tls_and_its_exec_probes_pass(tmp_path: Path) -> None:
-    objects = kustomize_with_components(tmp_path / "overlay", [K8S / "overlays" / "dev"], [K8S / "components" / "tls"])
+    objects = kustomize_with_components(tmp_path / "overlay", [dev_overlay()], [K8S / "components" / "tls"])
     pods = Pods(tmp_path / "pods", objects)
     pod = pods.pod(0)
     # The Secret mqds-tls, mounted: a certificate for the pod's DNS name, and 127.0.0.1, which the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -79,7 +80,10 @@ def test_a_fence_ahead_of_a_replica_is_refused_as_retriable(cluster: LocalCluste
         _, stream = client.get_streams("ahead/#")[0]
         iterator = client.make_iterator(stream, "ahead/#")
     stub = pb_grpc.StorageStub(grpc.insecure_channel(cluster.addresses[0]))
-    request = pb.NextRequest(iterator=iterator.to_pb(), batch_size=10, stale_ok=True, fence_us=2**62)
+    # A fence a minute ahead: no write has reached it yet (a fence more than a day ahead of the
+    # node's clock is not one GetFences could have given, and is refused as invalid).
+    ahead = int(time.time() * 1_000_000) + 60_000_000
+    request = pb.NextRequest(iterator=iterator.to_pb(), batch_size=10, stale_ok=True, fence_us=ahead)
     with pytest.raises(grpc.RpcError) as behind:
         stub.Next(request, timeout=10)
     assert behind.value.code() == grpc.StatusCode.UNAVAILABLE

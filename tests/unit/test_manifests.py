@@ -24,6 +24,7 @@ from deploy_support import (
     PROMETHEUS_FILE,
     compose_environment,
     compose_interpolate,
+    dev_overlay,
     dockerfile,
     dockerignore_filter,
     expand_k8s,
@@ -47,7 +48,7 @@ READY = "mqds.v1.Storage"
 
 def render_with_tls(tmp_path: Path) -> list[dict[str, Any]]:
     """The dev overlay with the TLS component, as an overlay of one's own would use it."""
-    return kustomize_with_components(tmp_path / "tls-overlay", [K8S / "overlays" / "dev"], [K8S / "components" / "tls"])
+    return kustomize_with_components(tmp_path / "tls-overlay", [dev_overlay()], [K8S / "components" / "tls"])
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def base() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def dev() -> list[dict[str, Any]]:
-    return kustomize(K8S / "overlays" / "dev")
+    return kustomize(dev_overlay())
 
 
 def statefulset_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
@@ -341,6 +342,9 @@ def test_compose_file_describes_three_nodes_and_prometheus() -> None:
     data_dir = image.env()["MQDS_DATA_DIR"]
     volumes = set(compose["volumes"])
     advertised = {}
+    # Secure by default: nothing is published beyond the host's loopback.
+    for service in services.values():
+        assert all(published.startswith("127.0.0.1:") for published in service.get("ports", [])), service
     for name, svc in nodes.items():
         assert (DEPLOY / svc["build"]["context"] / svc["build"]["dockerfile"]).resolve() == DEPLOY / "Dockerfile"
         command = svc["command"]
@@ -348,7 +352,9 @@ def test_compose_file_describes_three_nodes_and_prometheus() -> None:
         advertised[name] = command[command.index("--advertise") + 1]
         listen_port = command[command.index("--listen") + 1].rpartition(":")[2]
         assert advertised[name] == f"{svc['hostname']}:{listen_port}"
-        assert f"{listen_port}:{listen_port}" in svc["ports"], "published on the host under the advertised port"
+        assert f"127.0.0.1:{listen_port}:{listen_port}" in svc["ports"], (
+            "published on the host under the advertised port"
+        )
         (volume,) = svc["volumes"]
         source, target = volume.split(":")
         assert target == data_dir and source in volumes

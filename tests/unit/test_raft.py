@@ -524,11 +524,16 @@ class _Machine:
 
     def __init__(self) -> None:
         self.applied: list[tuple[int, bytes]] = []
+        self.skipped: list[int] = []
 
     def apply(self, command: bytes, index: int) -> Any:
         self.applied.append((index, command))
         self.applied_index = index
         return index
+
+    def skip(self, index: int) -> None:
+        self.skipped.append(index)
+        self.applied_index = index
 
     def snapshot(self) -> bytes:
         return b""
@@ -860,4 +865,158 @@ def test_a_leader_hands_over_to_followers_that_do_not_decline(tmp_path: Path) ->
     group._cycle()
     assert results[-1] == FAIL_REASON.SUCCESS
     assert [node for _, node, m in outbox.sent if m["type"] == "timeout_now"] == ["n1"]
+    group.stop()
+
+
+# -- apply is total, and every entry's index reaches the machine ---------------------------------
+
+
+def _append(group: RaftGroup, commit: int, prev: int, entries: list[tuple[bytes, int, int]]) -> None:
+    """n1, leader in term 1, appends ``entries`` after index ``prev`` and says ``commit`` is committed."""
+    message = {"type": "append_entries", "term": 1, "commit_index": commit, "prevLogIdx": prev, "entries": entries}
+    group.deliver("n1", {**message, "prevLogTerm": 0 if prev == 1 else 1}, 0)
+    group._cycle()
+
+
+def test_entries_that_change_nothing_still_move_the_machines_applied_index(tmp_path: Path) -> None:
+    """An election's no-op never reached storage: after an idle spell a restart compared storage's index
+    with a manifest taken at the no-op, fetched a snapshot no replica could serve, and never got ready."""
+    group, machine, _ = _group(tmp_path, ["n1", "n2", "n3"])
+    no_op = bytes([codec.COMMAND_NO_OP])
+    add = bytes([codec.COMMAND_MEMBERSHIP]) + codec.encode_membership(1, "n4")
+    _append(group, 1, 1, [(b"\x00a", 2, 1), (no_op, 3, 1), (add, 4, 1), (no_op, 5, 1)])
+    _append(group, 5, 5, [])
+    assert machine.applied == [(2, b"a")]
+    assert machine.skipped == [3, 4, 5]
+    assert machine.applied_index == group.raftLastApplied == 5
+    group.stop()
+
+
+def test_a_manifest_written_here_needs_no_snapshot_when_only_entries_without_effect_are_missing(
+    tmp_path: Path,
+) -> None:
+    """Data written before no-ops were recorded: the replica's own manifest is ahead of its storage by
+    no-ops only, and it must open without asking for a snapshot (which every replica would refuse)."""
+    group, machine, _ = _group(tmp_path, ["n1", "n2", "n3"])
+    machine.applied_index = 9
+    manifest = tmp_path / "own"
+    no_op = bytes([codec.COMMAND_NO_OP])
+    manifest.write_bytes(encode_manifest(0, "n3", (no_op, 12, 3), (no_op, 11, 2), ["n1", "n2", "n3"], b""))
+    last, _, _ = group._read_manifest(str(manifest))
+    assert last[1] == 12 and machine.applied_index == 12 and machine.skipped == [12]
+    # One another replica sent, or a storage that holds nothing: the state must come from a snapshot.
+    for source, applied in (("n1", 9), ("n3", 0)):
+        machine.applied_index = applied
+        manifest.write_bytes(encode_manifest(0, source, (no_op, 12, 3), (no_op, 11, 2), ["n1", "n2", "n3"], b""))
+        with pytest.raises(AssertionError, match="not used"):
+            group._read_manifest(str(manifest))
+    group.stop()
+
+
+def test_an_entry_the_machine_cannot_apply_is_recorded_as_failed_and_the_log_goes_on(tmp_path: Path) -> None:
+    """A queue acknowledgement whose filter made the trie match recurse 1,500 deep raised on every replica,
+    and the group retried that committed entry forever: the shard was dead for good."""
+    group, machine, _ = _group(tmp_path, ["n1", "n2", "n3"])
+    apply = machine.apply
+
+    def apply_or_fail(command: bytes, index: int) -> Any:
+        if command == b"poison":
+            raise RecursionError("maximum recursion depth exceeded")
+        return apply(command, index)
+
+    machine.apply = apply_or_fail  # type: ignore[method-assign]
+    _append(group, 1, 1, [(b"\x00a", 2, 1), (b"\x00poison", 3, 1), (b"\x00b", 4, 1)])
+    _append(group, 4, 4, [])
+    assert machine.applied == [(2, b"a"), (4, b"b")]
+    assert machine.skipped == [3] and group.raftLastApplied == 4
+    assert group.apply_failures == 1 and group.apply_stalled_s() == 0
+    group.stop()
+
+
+def test_a_proposer_gets_the_failure_of_an_entry_as_an_error(tmp_path: Path) -> None:
+    group, machine, _ = _group(tmp_path, ["n3"])
+    group._cycle()
+    assert group.is_leader
+
+    def refuse(command: bytes, index: int) -> Any:
+        raise ValueError("no such thing")
+
+    machine.apply = refuse  # type: ignore[method-assign]
+    proposal = group.propose(b"anything")
+    for _ in range(5):
+        group._cycle()
+    with pytest.raises(MqdsError, match="could not be applied") as raised:
+        proposal.wait(1)
+    assert raised.value.reason == Reason.INTERNAL
+    group.stop()
+
+
+def test_a_failing_disk_is_retried_not_skipped_and_the_group_reports_it_stalled(tmp_path: Path) -> None:
+    group, machine, _ = _group(tmp_path, ["n1", "n2", "n3"])
+    failing = True
+
+    def apply_unless_disk_fails(command: bytes, index: int) -> Any:
+        if failing:
+            raise MqdsError(Reason.STORAGE_ERROR, "write failed: IO error")
+        machine.applied.append((index, command))
+        machine.applied_index = index
+
+    machine.apply = apply_unless_disk_fails  # type: ignore[method-assign]
+    group.deliver(
+        "n1",
+        {
+            "type": "append_entries",
+            "term": 1,
+            "commit_index": 2,
+            "prevLogIdx": 1,
+            "prevLogTerm": 0,
+            "entries": [(b"\x00a", 2, 1)],
+        },
+        0,
+    )
+    with pytest.raises(MqdsError, match="IO error"):
+        group._cycle()
+    group._note_apply_progress()
+    assert group.raftLastApplied == 1 and machine.skipped == []
+    group._applied_moved_at -= 30  # thirty seconds later, still failing
+    group._note_apply_progress()
+    assert group.apply_stalled_s() >= 30
+    failing = False
+    group._cycle()
+    group._note_apply_progress()
+    assert machine.applied == [(2, b"a")] and group.apply_stalled_s() == 0
+    group.stop()
+
+
+def test_a_replica_that_is_not_ready_declines_leadership_but_still_campaigns(tmp_path: Path) -> None:
+    """A leader balancer handed vnodes to a node that was still fetching snapshots."""
+    group, outbox = _follower(tmp_path)
+    group.not_ready = True
+    group.deliver("n1", _HEARTBEAT, 0)
+    group._cycle()
+    assert [m for _, _, m in outbox.sent if m["type"] == "next_node_idx"][-1].get("declines_leadership")
+    group.deliver("n1", {"type": "timeout_now", "term": 1}, 0)
+    group._cycle()
+    assert group.raftCurrentTerm == 1
+    # When its leader is gone, it stands in the election like any replica.
+    group._SyncObj__raftElectionDeadline = 0
+    group._cycle()
+    assert group.raftCurrentTerm == 2 and [m for _, _, m in outbox.sent if m["type"] == "request_vote"]
+    group.stop()
+
+
+def test_a_replica_cut_off_from_every_peer_sleeps_instead_of_spinning(tmp_path: Path) -> None:
+    """A node alone with its peers down used about half a core: every group woke every millisecond,
+    past its election deadline but unable to campaign (pysyncobj needs a connected peer)."""
+    group, _, _ = _group(tmp_path, ["n1", "n2", "n3"])
+    group._quiet_until = 0.0
+    group._SyncObj__raftElectionDeadline = 0
+    assert group._sleep_s() == 1.0
+    group._cycle()
+    assert group.raftCurrentTerm == 0  # nobody to ask for a vote
+    # A link coming up wakes the group, and it campaigns at once.
+    group.peer_connected("n1", True)
+    assert group._wake.is_set()
+    group._cycle()
+    assert group.raftCurrentTerm == 1 and group.role == raft_group.ROLE_CANDIDATE
     group.stop()

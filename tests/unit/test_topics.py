@@ -337,3 +337,17 @@ def test_is_wildcard_filter() -> None:
     assert is_wildcard_filter("a/#")
     assert not is_wildcard_filter("a/b")
     assert not is_wildcard_filter("/")
+
+
+def test_the_deepest_topics_and_filters_validate_and_match_without_recursion() -> None:
+    # No cap on levels beyond the size: 65,535 bytes of '/' are 65,536 empty levels.
+    deepest = "/" * MAX_TOPIC_BYTES
+    plus = "/".join(["+"] * (MAX_TOPIC_BYTES // 2 + 1))
+    validate_topic(deepest)
+    assert len(validate_filter(deepest)) == MAX_TOPIC_BYTES + 1
+    assert len(validate_filter(plus)) == MAX_TOPIC_BYTES // 2 + 1
+    topic = "/".join(["a"] * (MAX_TOPIC_BYTES // 2 + 1))
+    assert matches(deepest, deepest) and matches("#", deepest) and matches("/#", deepest)
+    assert matches(plus, topic) and not matches(plus, topic + "/a") and not matches(plus, deepest)
+    with pytest.raises(TopicError, match="over the MQTT limit"):
+        validate_topic(deepest + "/")

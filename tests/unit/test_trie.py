@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mqds.protocol.topics import matches, validate_filter, validate_topic
-from mqds.server.storage.trie import END, WILDCARD, Learned, TopicTrie, filter_constraints
+from mqds.server.storage.trie import DOLLAR_WILDCARD, END, WILDCARD, Learned, TopicTrie, filter_constraints
 
 
 def learn(trie: TopicTrie, topic: str) -> Learned:
@@ -19,7 +19,7 @@ def learn(trie: TopicTrie, topic: str) -> Learned:
 def fill(pattern: str, varying: tuple[str, ...]) -> str:
     """The topic a stream's pattern stands for, given the topic's varying values."""
     values = iter(varying)
-    topic = "/".join(next(values) if token == WILDCARD else token for token in pattern.split("/"))
+    topic = "/".join(next(values) if token in (WILDCARD, DOLLAR_WILDCARD) else token for token in pattern.split("/"))
     assert next(values, None) is None, "more varying values than '+' levels"
     return topic
 
@@ -153,17 +153,18 @@ def test_empty_levels_are_values_like_any_other() -> None:
 # -- '$' first levels ----------------------------------------------------------
 
 
-def test_dollar_first_levels_stay_literal_and_are_not_matched_by_leading_wildcards() -> None:
+def test_dollar_first_levels_never_take_the_wildcard_and_are_not_matched_by_leading_wildcards() -> None:
     trie = TopicTrie(threshold_top=1, threshold=1)
     a = learn(trie, "a/x")
     b = learn(trie, "b/x")
     assert a.varying == () and b.varying == ("b",)
     dollar_topics = ("$SYS/x", "$SYS/y", "$foo/x", "$/x")
     dollar = {t: learn(trie, t) for t in dollar_topics}
-    for topic, item in dollar.items():
-        first = topic.split("/")[0]
-        assert item.varying[:1] != (first,), topic
-        assert trie.pattern(item.stream).split("/")[0] == first
+    # '$' first levels have a threshold of their own (threshold_top), then their own wildcard '$+'.
+    assert dollar["$SYS/x"].varying == () and trie.pattern(dollar["$SYS/x"].stream) == "$SYS/x"
+    for topic in ("$foo/x", "$/x"):
+        assert dollar[topic].varying == (topic.split("/")[0],), topic
+        assert trie.pattern(dollar[topic].stream) == "$+/x"
     # Below a '$' level the usual threshold applies.
     assert dollar["$SYS/y"].varying == ("y",)
     dollar_streams = {item.stream for item in dollar.values()}
@@ -349,7 +350,9 @@ def test_match_never_misses_and_constraints_fit(
         # The pattern with the varying values filled in is the topic itself.
         assert fill(trie.pattern(item.stream), item.varying) == topic
         if topic.startswith("$"):
-            assert trie.pattern(item.stream).split("/")[0] == topic.split("/")[0]
+            assert trie.pattern(item.stream).split("/")[0] in (topic.split("/")[0], DOLLAR_WILDCARD)
+        else:
+            assert trie.pattern(item.stream).split("/")[0] != DOLLAR_WILDCARD
     # Learning everything again changes nothing: topics keep their streams.
     edges: list[tuple[int, str, int]] = []
     for topic, item in learned.items():

@@ -1,15 +1,22 @@
-"""``mqds admin join|leave|forget|rebalance``: change membership online, on the metadata leader."""
+"""``mqds admin join|leave|forget|rebalance``: change membership online, on the metadata leader.
+
+Admin calls need proof: an admin token (``--token``) on nodes with a tokens
+file, else the cluster secret, read from ``--cluster-secret-file`` or
+``$MQDS_CLUSTER_SECRET`` (never printed; ``mqds generations add|drop`` takes
+it the same way).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 
-from mqds.cli.console import EXIT_OK, connection
+from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, connection
 from mqds.client.client import parse_endpoints
 from mqds.client.connection import ConnectionSettings
 from mqds.protocol import errors
@@ -56,6 +63,42 @@ def _meta_call(
     raise last or errors.error(Reason.DEADLINE_EXCEEDED, "no metadata leader answered in time")
 
 
+CLUSTER_SECRET_ENV = "MQDS_CLUSTER_SECRET"
+
+
+def cluster_secret_options() -> argparse.ArgumentParser:
+    """A parent parser with ``--cluster-secret-file``, for the commands that make admin calls."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--cluster-secret-file",
+        metavar="FILE",
+        help=f"file holding the nodes' cluster secret, presented as the proof admin calls need on nodes "
+        f"without client tokens (default: ${CLUSTER_SECRET_ENV}; with tokens, --token of an admin works too)",
+    )
+    return parent
+
+
+def with_cluster_secret(settings: ConnectionSettings, opts: argparse.Namespace) -> ConnectionSettings:
+    """``settings`` presenting the cluster secret of --cluster-secret-file or $MQDS_CLUSTER_SECRET, if any."""
+    path = getattr(opts, "cluster_secret_file", None)
+    if path:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                secret = fh.read().strip()
+        except OSError as err:
+            raise CommandError(f"--cluster-secret-file {path}: cannot read it: {err.strerror}", EXIT_USAGE) from None
+        if not secret:
+            raise CommandError(f"--cluster-secret-file {path} is empty", EXIT_USAGE)
+    else:
+        secret = os.environ.get(CLUSTER_SECRET_ENV, "").strip()
+    if not secret:
+        return settings
+    try:
+        return settings.replace(cluster_secret=secret)
+    except ValueError as err:
+        raise CommandError(f"the cluster secret cannot be sent: {err}", EXIT_USAGE) from None
+
+
 def _print_membership(response: clpb.MembershipResponse, what: str) -> None:
     print(what)
     for move in response.moves:
@@ -72,7 +115,7 @@ def _print_membership(response: clpb.MembershipResponse, what: str) -> None:
 def run(opts: argparse.Namespace) -> int:
     endpoints = parse_endpoints(opts.endpoints)
     timeout_s = opts.timeout or DEFAULT_TIMEOUT_S
-    settings = connection(opts, timeout_s)
+    settings = with_cluster_secret(connection(opts, timeout_s), opts)
     action = opts.action
     if action == "join":
         response = _meta_call(
@@ -112,9 +155,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         ),
     )
     actions = admin.add_subparsers(dest="action", required=True, metavar="{join,leave,forget,rebalance}")
+    secret = cluster_secret_options()
     join = actions.add_parser(
         "join",
-        parents=[connection],
+        parents=[connection, secret],
         help="add a running node (started with --peers of current members)",
         description="Add a running node to the cluster; it takes no replicas until 'mqds admin rebalance'.",
     )
@@ -124,21 +168,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
     )
     leave = actions.add_parser(
         "leave",
-        parents=[connection],
+        parents=[connection, secret],
         help="move a node's replicas away, then remove it",
         description="Move every replica off a node (never fewer than the replication factor), then remove it.",
     )
     leave.add_argument("node", metavar="NODE_ID", help="the node's id")
     forget = actions.add_parser(
         "forget",
-        parents=[connection],
+        parents=[connection, secret],
         help="remove a node that is gone for good, replacing its replicas",
         description="Remove a node that is gone for good, re-creating each of its replicas on another node.",
     )
     forget.add_argument("node", metavar="NODE_ID", help="the node's id")
     actions.add_parser(
         "rebalance",
-        parents=[connection],
+        parents=[connection, secret],
         help="even out replicas and leaders across the nodes",
         description="Move replicas and preferred leaders until every node holds about the same number.",
     )

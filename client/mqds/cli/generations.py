@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from mqds.cli.admin import cluster_secret_options, with_cluster_secret
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, connection, format_time_us, table
 from mqds.client import Client, Generation
 
@@ -28,7 +29,8 @@ def _check_shard(shard: int | None) -> None:
 
 
 def run(opts: argparse.Namespace) -> int:
-    with Client(opts.endpoints, settings=connection(opts, 30.0)) as client:
+    # add and drop are admin calls: they present the cluster secret when one is given.
+    with Client(opts.endpoints, settings=with_cluster_secret(connection(opts, 30.0), opts)) as client:
         if opts.action == "list":
             _check_shard(opts.shard)
             gens = client.list_generations(opts.shard, stale_ok=opts.stale_ok)
@@ -76,14 +78,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
     )
     add = actions.add_parser(
         "add",
-        parents=[connection],
+        parents=[connection, cluster_secret_options()],
         help="close the current generation and start a new one",
         description="Close the current generation of every shard (or of one) and start a new one.",
     )
     add.add_argument("--shard", type=int, metavar="N", help="only this shard (default: every shard)")
     drop = actions.add_parser(
         "drop",
-        parents=[connection],
+        parents=[connection, cluster_secret_options()],
         help="drop a closed generation and free its disk",
         description="Drop a closed generation of a shard: its messages are deleted and its disk freed. "
         "The current generation cannot be dropped (add a new one first).",

@@ -141,8 +141,12 @@ def run_start(opts: argparse.Namespace) -> int:
     if harness.port_in_use(proc.port):
         raise CommandError(f"port {proc.port} of {opts.node} is in use by another program")
     started = time.monotonic()
+    # Recorded before waiting: if this command is killed while it waits, the
+    # node it started still runs, and 'mqds cluster down' must know its pid.
+    proc.launch()
+    cluster.save()
     try:
-        cluster.start_node(opts.node, timeout_s=opts.wait)
+        proc.wait(opts.wait)
     except (RuntimeError, TimeoutError) as err:
         cluster.save()
         raise CommandError(f"{opts.node} did not become ready: {err}") from None

@@ -27,6 +27,9 @@ from mqds.protocol.errors import MqdsError, Reason
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
+# The metadata key the nodes present the cluster secret under (the server's raft.transport.SECRET_HEADER).
+CLUSTER_SECRET_HEADER = "x-mqds-cluster-secret"
+
 # A PEM value: the PEM bytes themselves, or a file to read them from (a path,
 # or a str that is itself PEM text).
 Pem = Union[bytes, str, "os.PathLike[str]"]
@@ -74,6 +77,9 @@ class ConnectionSettings:
     """Check the nodes' certificates against this name instead of the host dialled (e.g. when dialling by IP)."""
     auth_token: str | None = field(default=None, repr=False)
     """Sent as ``authorization: Bearer <token>`` metadata on every call. Use TLS: without it the token is readable."""
+    cluster_secret: str | None = field(default=None, repr=False)
+    """The nodes' cluster secret, sent on every call (``x-mqds-cluster-secret``): the proof admin calls
+    (membership, generations) need on nodes without client tokens. Only for operators' tools; use TLS."""
     keepalive_time_s: float | None = 30.0
     """Ping a connection after this many seconds without traffic; ``None`` = no keepalive pings."""
     keepalive_timeout_s: float = 10.0
@@ -105,6 +111,10 @@ class ConnectionSettings:
                 "auth_token must be non-empty printable ASCII without spaces "
                 "(give the token alone, not 'Bearer <token>')"
             )
+        if self.cluster_secret is not None and (
+            not self.cluster_secret or not all(0x20 <= ord(c) <= 0x7E for c in self.cluster_secret)
+        ):
+            raise ValueError("cluster_secret must be non-empty printable ASCII")
 
     def replace(self, **changes: Any) -> ConnectionSettings:
         """A copy with some fields changed (validated like the original)."""
@@ -155,9 +165,12 @@ class ConnectionSettings:
 
     def call_metadata(self) -> tuple[tuple[str, str], ...]:
         """Metadata sent with every call."""
-        if self.auth_token is None:
-            return ()
-        return (("authorization", f"Bearer {self.auth_token}"),)
+        metadata: tuple[tuple[str, str], ...] = ()
+        if self.auth_token is not None:
+            metadata += (("authorization", f"Bearer {self.auth_token}"),)
+        if self.cluster_secret is not None:
+            metadata += ((CLUSTER_SECRET_HEADER, self.cluster_secret),)
+        return metadata
 
     def open_channel(
         self,
@@ -235,6 +248,12 @@ class ConnectionSettings:
             text = (
                 f"the response is {size:,} bytes, more than max_receive_message_bytes ({limit:,}); "
                 "ask for fewer messages (batch_size) or raise the setting"
+            )
+        elif side == "SERVER" and direction == "Sent":
+            text = (
+                f"the node's answer is {size:,} bytes, more than it may send ({limit:,}); "
+                "ask for less at a time (batch_size, max_count, fewer shards), or upgrade the node: "
+                "it bounds its answers by max_answer_bytes"
             )
         else:
             text = (

@@ -12,6 +12,10 @@ node and the storage layer:
 - topic names and filters are non-empty UTF-8 without NUL, at most 65,535
   bytes once encoded; a topic name (what is published) has no wildcards.
 
+There is no limit on the number of levels beyond the size (65,535 bytes of
+``/`` is a valid topic of 65,536 empty levels), so nothing that walks levels,
+here or in the storage layer, may recurse on them: it loops.
+
 >>> matches("sensor/+/temp", "sensor/42/temp")
 True
 >>> matches("a/#", "a")

@@ -78,7 +78,15 @@ class NodeConfig:
         "authentication (every caller may do everything)",
     )
     max_calls_per_client: int = _opt(
-        64, "calls one client connection may have in flight on this node; more get OVERLOADED; 0 = no limit"
+        16,
+        "calls and streams one client connection may have in flight on this node; more get OVERLOADED at once; "
+        "at most max_public_calls; 0 = only max_public_calls applies",
+    )
+    max_public_calls: int = _opt(
+        24,
+        "public calls and streams (API, server reflection, health Watch) in flight on this node from all clients; "
+        "more get OVERLOADED at once. Below grpc_workers, so workers stay free for the peers' Raft streams, "
+        "internal calls and refusals; health checks have threads of their own",
     )
     max_concurrent_rpcs: int = _opt(
         1024,
@@ -103,6 +111,11 @@ class NodeConfig:
         "start a new segment of the node's Raft log past this many bytes; older segments are deleted once "
         "every entry in them is compacted",
     )
+    raft_compaction_interval_s: float = _opt(
+        600.0,
+        "compact each Raft group's log (a snapshot manifest, the entries before it dropped) at least this often, "
+        "in seconds, when anything was applied since the last time",
+    )
     write_timeout_s: float = _opt(10.0, "how long a write waits to be committed before DEADLINE_EXCEEDED, seconds")
     read_timeout_s: float = _opt(5.0, "how long a read waits to confirm leadership, seconds")
     leader_balance_interval_s: float = _opt(
@@ -119,6 +132,11 @@ class NodeConfig:
         100,
         "readiness: a hosted replica counts as caught up while it has applied all but at most this many of the "
         "entries its leader committed (an entry is one logged batch); 0 = must have applied everything",
+    )
+    ready_max_apply_stall_s: float = _opt(
+        10.0,
+        "readiness: a hosted replica with committed entries it has not applied is not ready once none of them "
+        "was applied for this many seconds (its apply keeps failing, or its Raft thread is stuck)",
     )
     fault_injection: bool = _opt(False, "accept InjectFault calls that drop Raft traffic (tests and chaos runs only)")
     fault_clock_offset_s: float = _opt(
@@ -140,8 +158,22 @@ class NodeConfig:
     max_payload_bytes: int = _opt(1024 * 1024, "largest payload accepted, in bytes")
     max_batch_messages: int = _opt(10_000, "most messages accepted in one StoreBatch call")
     max_next_batch: int = _opt(10_000, "most messages one Next call returns; larger batch_size values are capped")
-    max_request_bytes: int = _opt(64 * 1024 * 1024, "largest gRPC message received or sent, in bytes")
-    grpc_workers: int = _opt(32, "threads serving gRPC calls (each peer's Raft stream holds one)")
+    max_request_bytes: int = _opt(
+        64 * 1024 * 1024,
+        "largest request a client may send, in bytes; a larger one is refused with INVALID_ARGUMENT before it is "
+        "parsed (Raft traffic between nodes may be larger: the port itself accepts twice this plus 4 MiB)",
+    )
+    max_answer_bytes: int = _opt(
+        16 * 1024 * 1024,
+        "largest answer the public API builds, in bytes: Next and FetchMessages stop at it (always returning at "
+        "least one message, so a reader continues), other calls whose answer would be larger are refused with "
+        "INVALID_ARGUMENT; at most max_request_bytes",
+    )
+    grpc_workers: int = _opt(
+        32,
+        "threads serving gRPC calls: public calls (max_public_calls), each peer's incoming Raft stream, "
+        "internal calls and refusals",
+    )
     block_cache_bytes: int = _opt(64 * 1024 * 1024, "RocksDB block cache shared by all shards, in bytes")
     write_buffer_bytes: int = _opt(128 * 1024 * 1024, "RocksDB memtable memory for all shards together, in bytes")
     compaction_low_priority: bool = _opt(
@@ -186,6 +218,7 @@ class NodeConfig:
             "max_batch_messages",
             "max_next_batch",
             "max_request_bytes",
+            "max_answer_bytes",
             "grpc_workers",
             "block_cache_bytes",
             "write_buffer_bytes",
@@ -194,9 +227,12 @@ class NodeConfig:
             "raft_heartbeat_s",
             "raft_log_max_bytes",
             "raft_segment_bytes",
+            "raft_compaction_interval_s",
+            "ready_max_apply_stall_s",
             "write_timeout_s",
             "read_timeout_s",
             "max_concurrent_rpcs",
+            "max_public_calls",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -217,6 +253,7 @@ class NodeConfig:
             raise ConfigError(
                 f"max_concurrent_rpcs ({self.max_concurrent_rpcs}) must be at least grpc_workers ({self.grpc_workers})"
             )
+        self._check_worker_caps()
         if self.auth_tokens_file:
             from mqds.server.auth import TokenFileError, load_tokens
 
@@ -243,9 +280,30 @@ class NodeConfig:
                 f"max_request_bytes ({self.max_request_bytes}) must exceed max_payload_bytes "
                 f"({self.max_payload_bytes}) by at least 65536"
             )
+        if self.max_answer_bytes > self.max_request_bytes:
+            raise ConfigError(
+                f"max_answer_bytes ({self.max_answer_bytes}) must be at most max_request_bytes "
+                f"({self.max_request_bytes}): an answer carries one message over it at most, and must still fit "
+                "the node's send limit"
+            )
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level {self.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
         return self
+
+    def _check_worker_caps(self) -> None:
+        """Public calls may never hold every worker: the rest serve the peers' Raft streams and refusals."""
+        spare = max(_SPARE_WORKERS, len(set(self.peer_map()) - {self.node_id}) + _SPARE_WORKERS // 2)
+        if self.grpc_workers - self.max_public_calls < spare:
+            raise ConfigError(
+                f"grpc_workers ({self.grpc_workers}) must exceed max_public_calls ({self.max_public_calls}) by at "
+                f"least {spare}: those workers serve each peer's Raft stream, internal calls and refusals while "
+                f"clients keep max_public_calls busy; raise grpc_workers or lower max_public_calls"
+            )
+        if self.max_calls_per_client > self.max_public_calls:
+            raise ConfigError(
+                f"max_calls_per_client ({self.max_calls_per_client}) must not exceed max_public_calls "
+                f"({self.max_public_calls}): one client could otherwise take every public slot"
+            )
 
     @property
     def tls(self) -> bool:
@@ -309,6 +367,8 @@ class NodeConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
+# Workers kept from public calls, at least (more with many peers: one Raft stream each, plus half this).
+_SPARE_WORKERS = 8
 
 
 def _is_address(value: str) -> bool:

@@ -35,15 +35,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.api.handlers import service_handler, unary_handlers
 from mqds.server.api.session_service import SessionService
 from mqds.server.api.storage_service import StorageService, now_us
-from mqds.server.auth import ApiGuard, load_tokens
+from mqds.server.auth import ApiGuard, load_tokens, time_left
 from mqds.server.cluster import meta as meta_mod
 from mqds.server.cluster.membership import Membership
 from mqds.server.cluster.v1 import commands_pb2 as cpb
@@ -73,6 +74,8 @@ _CHUNK = 1024 * 1024
 _ROLES = {0: clpb.RAFT_ROLE_FOLLOWER, 1: clpb.RAFT_ROLE_CANDIDATE, 2: clpb.RAFT_ROLE_LEADER}
 # How often readiness is computed again: a probe sees a change within this.
 _HEALTH_INTERVAL_S = 0.25
+# Threads of the control pool: health checks and refusals, never behind the calls (see DESIGN.md).
+_CONTROL_WORKERS = 4
 
 
 class StartupError(RuntimeError):
@@ -171,6 +174,7 @@ class Node:
             election_timeout_min_s=t,
             election_timeout_max_s=2 * t,
             log_max_bytes=config.raft_log_max_bytes,
+            compaction_interval_s=config.raft_compaction_interval_s,
             max_entry_bytes=config.max_request_bytes + 1024 * 1024,
         )
         # A group past a quarter of its compaction threshold is busy and soon
@@ -223,18 +227,31 @@ class Node:
             max_payload_bytes=config.max_payload_bytes,
             max_batch_messages=config.max_batch_messages,
             max_next_batch=config.max_next_batch,
+            max_answer_bytes=config.max_answer_bytes,
+            max_entry_bytes=self.timing.max_entry_bytes,
             clock=self.clock,
         )
         self.health = health.HealthServicer()
         tokens = load_tokens(config.auth_tokens_file) if config.auth_tokens_file else {}
-        self.guard = ApiGuard(tokens, self.auth.is_node, config.max_calls_per_client)
-        """Client authentication, roles and per-client call limits (see mqds.server.auth)."""
+        self._control_pool = futures.ThreadPoolExecutor(max_workers=_CONTROL_WORKERS, thread_name_prefix="grpc-control")
+        self.guard = ApiGuard(
+            tokens,
+            self.auth.is_node,
+            config.max_calls_per_client,
+            max_public_calls=config.max_public_calls,
+            dev_mode=config.dev_mode,
+            control_pool=self._control_pool,
+        )
+        """Client authentication, roles, and the limits on public calls in flight (see mqds.server.auth)."""
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="grpc"),
             interceptors=(self.guard,),
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             options=[
                 ("grpc.so_reuseport", 0),
+                # Raft frames share the port: one append-entries may carry
+                # entries up to twice the entry limit. The public services
+                # refuse requests over max_request_bytes themselves (handlers).
                 ("grpc.max_receive_message_length", 2 * config.max_request_bytes + 4 * _CHUNK),
                 ("grpc.max_send_message_length", 2 * config.max_request_bytes + 4 * _CHUNK),
                 ("grpc.keepalive_permit_without_calls", 1),
@@ -245,10 +262,18 @@ class Node:
         self.server.add_generic_rpc_handlers(
             (
                 service_handler(
-                    pb.DESCRIPTOR.services_by_name["Storage"], self.storage_service, pb, self.metrics.requests
+                    pb.DESCRIPTOR.services_by_name["Storage"],
+                    self.storage_service,
+                    pb,
+                    self.metrics.requests,
+                    config.max_request_bytes,
                 ),
                 service_handler(
-                    clpb.DESCRIPTOR.services_by_name["Cluster"], ClusterAPI(self), clpb, self.metrics.requests
+                    clpb.DESCRIPTOR.services_by_name["Cluster"],
+                    ClusterAPI(self),
+                    clpb,
+                    self.metrics.requests,
+                    config.max_request_bytes,
                 ),
                 service_handler(
                     spb.DESCRIPTOR.services_by_name["Sessions"],
@@ -256,18 +281,24 @@ class Node:
                         self,
                         max_payload_bytes=config.max_payload_bytes,
                         max_fetch=config.max_next_batch,
+                        max_answer_bytes=config.max_answer_bytes,
+                        max_entry_bytes=self.timing.max_entry_bytes,
                         clock=self.clock,
                     ),
                     spb,
                     self.metrics.requests,
+                    config.max_request_bytes,
                 ),
                 self._raft_handler(),
             )
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # Reflection describes the public services only: its own pool holds
+        # their files (the default pool would describe the internal protos too).
         reflection.enable_server_reflection(
             (STORAGE_SERVICE, CLUSTER_SERVICE, SESSIONS_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
             self.server,
+            pool=_public_descriptor_pool(),
         )
         try:
             if self.tls is not None:
@@ -343,6 +374,7 @@ class Node:
             group.retire()
         self._hand_off_leadership(min(3.0, self.config.shutdown_grace_s))
         stopped.wait()
+        self._control_pool.shutdown(wait=False)
         for thread in self._threads:
             thread.join(timeout=10)
         self._close_all()
@@ -399,11 +431,14 @@ class Node:
     def ready(self) -> bool:
         """Joined, and every replica the metadata places here is open, has a leader and is caught up.
 
-        Caught up: not installing a snapshot, and applied all but at most
+        Caught up: not installing a snapshot, applied all but at most
         ``ready_max_lag_entries`` of the entries its leader committed, as far
-        as this replica heard (the metadata replica too). So a node replaying
-        its journal after a restart, or fetching snapshots after its disk was
-        wiped, is not ready; it is alive all along (liveness stays SERVING).
+        as this replica heard (the metadata replica too), and not stalled: an
+        applied index that stopped behind the commit index for
+        ``ready_max_apply_stall_s`` is not ready, however small the lag. So a
+        node replaying its journal after a restart, fetching snapshots after
+        its disk was wiped, or unable to apply, is not ready; it is alive all
+        along (liveness stays SERVING).
         """
         meta, meta_group = self.meta, self.meta_group
         if meta is None or meta_group is None or not self._caught_up(meta_group):
@@ -421,6 +456,7 @@ class Node:
             group.leader_id is not None
             and not group.installing_snapshot
             and group.catch_up_lag() <= self.config.ready_max_lag_entries
+            and group.apply_stalled_s() < self.config.ready_max_apply_stall_s
         )
 
     def _set_health(self) -> None:
@@ -431,7 +467,13 @@ class Node:
         """
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         with self._health_lock:
-            status = serving if self.ready() else not_serving
+            ready = self.ready()
+            # A node that is not ready declines leadership handed to it: a
+            # leader's balancer moved vnodes onto a node still fetching
+            # snapshots, and they had no leader once that node was stopped.
+            for group in list(self._groups.values()):
+                group.not_ready = not ready
+            status = serving if ready else not_serving
             if self._readiness is None:
                 self.health.set("", serving)
             if status == self._readiness:
@@ -574,7 +616,10 @@ class Node:
             return
         state = self.meta.state
         cmap = state.map
-        fresh = state.applied_index == 0
+        # No metadata command applied yet (its map version is the index of
+        # the last one): a brand-new cluster, whose replicas may campaign.
+        # Not the applied index, which an election's no-op already moves.
+        fresh = state.map.version == 0
         with self._lock:
             wanted = {v.shard: list(v.replicas) for v in cmap.vnodes if self.node_id in v.replicas}
             for shard, replicas in sorted(wanted.items()):
@@ -783,18 +828,20 @@ class Node:
 
     @property
     def read_timeout_s(self) -> float:
-        return self.config.read_timeout_s
+        """How long a read waits: read_timeout_s, or what is left of the calling client's deadline."""
+        return time_left(self.config.read_timeout_s)
 
     @property
     def write_timeout_s(self) -> float:
-        return self.config.write_timeout_s
+        """How long a write waits: write_timeout_s, or what is left of the calling client's deadline."""
+        return time_left(self.config.write_timeout_s)
 
     def propose(self, shard: int, body: bytes) -> Any:
-        return self.leader_vnode(shard).group.propose(body).wait(self.config.write_timeout_s)
+        return self.leader_vnode(shard).group.propose(body).wait(self.write_timeout_s)
 
     def propose_meta(self, command: cpb.MetaCommand, timeout_s: float | None = None) -> Any:
         """Log a metadata change on the metadata leader, wherever it is; the result of applying it."""
-        timeout = timeout_s or self.config.write_timeout_s
+        timeout = timeout_s or self.write_timeout_s
         group = self.meta_group
         if group is None:
             raise errors.error(Reason.NO_LEADER, f"node {self.node_id} has not joined a cluster yet")
@@ -978,6 +1025,26 @@ class Node:
             response_serializer=rpb.SnapshotChunk.SerializeToString,
         )
         return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
+
+
+def _public_descriptor_pool() -> descriptor_pool.DescriptorPool:
+    """A descriptor pool of the public API's proto files (and what they import), for server reflection."""
+    pool = descriptor_pool.DescriptorPool()
+    added: set[str] = set()
+
+    def add(file: Any) -> None:
+        if file.name in added:
+            return
+        for dependency in file.dependencies:
+            add(dependency)
+        proto = descriptor_pb2.FileDescriptorProto()
+        file.CopyToProto(proto)
+        pool.Add(proto)
+        added.add(file.name)
+
+    for module in (pb, clpb, spb, health_pb2, reflection_pb2):
+        add(module.DESCRIPTOR)
+    return pool
 
 
 def _add_generation(now: int, if_current: int) -> bytes:

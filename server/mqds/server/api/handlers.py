@@ -38,6 +38,15 @@ class _Malformed:
         self.err = err
 
 
+class _TooLarge:
+    """A request over the public size limit; refused without parsing it."""
+
+    def __init__(self, type_name: str, size: int, limit: int) -> None:
+        self.type_name = type_name
+        self.size = size
+        self.limit = limit
+
+
 class _WithRaw:
     """A parsed request and the bytes it was parsed from."""
 
@@ -57,8 +66,13 @@ def takes_raw_request(method: T) -> T:
     return method
 
 
-def _parser(cls: type[protobuf_message.Message], keep_raw: bool) -> Callable[[bytes], Any]:
+def _parser(
+    cls: type[protobuf_message.Message], keep_raw: bool, max_request_bytes: int | None = None
+) -> Callable[[bytes], Any]:
     def parse(raw: bytes) -> Any:
+        # gRPC's own receive limit is higher (Raft frames share the port).
+        if max_request_bytes is not None and len(raw) > max_request_bytes:
+            return _TooLarge(cls.DESCRIPTOR.full_name, len(raw), max_request_bytes)
         try:
             parsed = cls.FromString(raw)
         except Exception as err:  # DecodeError, or a RuntimeError from upb
@@ -73,7 +87,10 @@ def _serialize(response: Any) -> bytes:
 
 
 def _unary(
-    method: Callable[..., Any], request_cls: type[protobuf_message.Message], metrics: MethodMetrics | None = None
+    method: Callable[..., Any],
+    request_cls: type[protobuf_message.Message],
+    metrics: MethodMetrics | None = None,
+    max_request_bytes: int | None = None,
 ) -> grpc.RpcMethodHandler:
     name = method.__name__
     keep_raw = getattr(method, "takes_raw_request", False)
@@ -87,6 +104,12 @@ def _unary(
                     Reason.MALFORMED_REQUEST,
                     f"request is not a valid {request.type_name} ({request.err}); "
                     "string fields such as topics must be valid UTF-8",
+                )
+            if isinstance(request, _TooLarge):
+                raise errors.error(
+                    Reason.INVALID_REQUEST,
+                    f"request {request.type_name} is {request.size:,} bytes, over the node's limit of "
+                    f"{request.limit:,} (max_request_bytes); split it into smaller calls",
                 )
             if keep_raw:
                 return method(request.parsed, request.raw)
@@ -105,7 +128,9 @@ def _unary(
                 metrics.finished(started)
 
     return grpc.unary_unary_rpc_method_handler(
-        handle, request_deserializer=_parser(request_cls, keep_raw), response_serializer=_serialize
+        handle,
+        request_deserializer=_parser(request_cls, keep_raw, max_request_bytes),
+        response_serializer=_serialize,
     )
 
 
@@ -114,12 +139,15 @@ def unary_handlers(
     impl: Any,
     module: ModuleType,
     metrics: RequestMetrics | None = None,
+    max_request_bytes: int | None = None,
 ) -> dict[str, grpc.RpcMethodHandler]:
     """Handlers for the unary methods of a service, calling ``impl``'s methods of the same names.
 
     A method of ``impl`` takes the parsed request, and the call context if it
     has a second parameter. With ``metrics``, each call is timed and a refused
     one counted, under the service's short name (``Storage``) and the method's.
+    With ``max_request_bytes``, a larger request is refused (INVALID_REQUEST)
+    before it is parsed.
     """
     methods = {}
     for method in descriptor.methods:
@@ -127,7 +155,7 @@ def unary_handlers(
             continue
         request_cls = getattr(module, method.input_type.name)
         counted = metrics.method(descriptor.name, method.name) if metrics is not None else None
-        methods[method.name] = _unary(getattr(impl, method.name), request_cls, counted)
+        methods[method.name] = _unary(getattr(impl, method.name), request_cls, counted, max_request_bytes)
     return methods
 
 
@@ -136,6 +164,9 @@ def service_handler(
     impl: Any,
     module: ModuleType,
     metrics: RequestMetrics | None = None,
+    max_request_bytes: int | None = None,
 ) -> grpc.GenericRpcHandler:
     """The generic handler serving every (unary) method of a service with ``impl``."""
-    return grpc.method_handlers_generic_handler(descriptor.full_name, unary_handlers(descriptor, impl, module, metrics))
+    return grpc.method_handlers_generic_handler(
+        descriptor.full_name, unary_handlers(descriptor, impl, module, metrics, max_request_bytes)
+    )

@@ -17,13 +17,14 @@ from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_topic
-from mqds.server.api.storage_service import Shards, ShardsAPI, now_us
+from mqds.server.api.storage_service import Shards, ShardsAPI, check_properties, now_us
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.storage.sessions import FetchFilter
 from mqds.server.storage.shard import encode_messages, repeated_field
 from mqds.v1 import sessions_pb2 as spb
 
 _MESSAGES_TAG = b"\x0a"  # FetchMessagesResponse.messages, field 1, length-delimited
+_U64_MAX = (1 << 64) - 1
 
 
 def check_clientid(clientid: str) -> str:
@@ -52,8 +53,17 @@ def _check_qos(qos: int, what: str) -> None:
 class SessionService(ShardsAPI):
     """Implements mqds.v1.Sessions over the vnodes of one node."""
 
-    def __init__(self, shards: Shards, *, max_payload_bytes: int, max_fetch: int, clock: Any = now_us) -> None:
-        super().__init__(shards)
+    def __init__(
+        self,
+        shards: Shards,
+        *,
+        max_payload_bytes: int,
+        max_fetch: int,
+        max_answer_bytes: int | None = None,
+        max_entry_bytes: int | None = None,
+        clock: Any = now_us,
+    ) -> None:
+        super().__init__(shards, max_answer_bytes=max_answer_bytes, max_entry_bytes=max_entry_bytes)
         self.max_payload_bytes = max_payload_bytes
         self.max_fetch = max_fetch
         self.clock = clock
@@ -95,9 +105,13 @@ class SessionService(ShardsAPI):
     def ClientsOnNode(self, request: spb.ClientsOnNodeRequest) -> spb.ClientsOnNodeResponse:
         _check_node(request.node, required=True)
         response = spb.ClientsOnNodeResponse()
+        size = 0
         for vnode in self._read(self._shard_numbers(0, True, request.shards), request.stale_ok):
             with vnode.replica.reading() as storage:
-                response.clientids.extend(storage.sessions.clients_on_node(request.node))
+                found = storage.sessions.clients_on_node(request.node)
+            size += sum(len(clientid.encode("utf-8")) + 4 for clientid in found)
+            self._check_answer(size, f"the clients on node {request.node!r}", "ask for fewer shards at a time (shards)")
+            response.clientids.extend(found)
         return response
 
     # -- subscriptions --------------------------------------------------------
@@ -118,6 +132,11 @@ class SessionService(ShardsAPI):
         vnode = self._one(self._client_shard(request.clientid), request.stale_ok)
         with vnode.replica.reading() as storage:
             found = storage.sessions.subscriptions(request.clientid)
+        self._check_answer(
+            sum(len(topic_filter.encode("utf-8")) + 10 for topic_filter, _ in found),
+            f"the subscriptions of {request.clientid!r}",
+            "unsubscribe the client from filters it no longer needs",
+        )
         response = spb.GetSubscriptionsResponse()
         for topic_filter, qos in found:
             response.subscriptions.add(topic_filter=topic_filter, qos=qos)
@@ -140,6 +159,7 @@ class SessionService(ShardsAPI):
         _check_qos(message.qos, "retained message")
         if len(message.sender.encode("utf-8")) > MAX_TOPIC_BYTES:
             raise errors.error(Reason.INVALID_MESSAGE, "retained message: sender clientid is over 65,535 bytes")
+        check_properties("retained message", message)
         message.ClearField("timestamp_us")
         message.ClearField("shard")
         stored = self._log(shard_of(message.topic, self.shards.n_shards), retain=message)
@@ -148,9 +168,17 @@ class SessionService(ShardsAPI):
     def GetRetained(self, request: spb.GetRetainedRequest) -> bytes:
         levels = self._filter(request.topic_filter)
         found: list[bytes] = []
+        size = 0
         for vnode in self._read(self._shard_numbers(0, True, request.shards), request.stale_ok):
             with vnode.replica.reading() as storage:
-                found.extend(storage.sessions.retained(levels))
+                retained = storage.sessions.retained(levels)
+            size += sum(len(message) + 6 for message in retained)
+            self._check_answer(
+                size,
+                f"the retained messages matching {request.topic_filter!r}",
+                "ask for fewer shards at a time (shards) or a narrower topic filter",
+            )
+            found.extend(retained)
         return repeated_field(_MESSAGES_TAG, found)
 
     # -- offline delivery -----------------------------------------------------
@@ -171,11 +199,16 @@ class SessionService(ShardsAPI):
             raise errors.error(Reason.INVALID_REQUEST, f"max_count must be at least 1, got {request.max_count}")
         max_count = min(request.max_count, self.max_fetch)
         since = max(0, self.clock() - request.time_range_us) if request.time_range_us else 0
+        numbers = self._shard_numbers(0, True, request.shards)
+        self._shard_numbers(0, False, list(request.after_us), field="after_us")
         found: list[tuple[int, int, bytes]] = []
-        for vnode in self._read(self._shard_numbers(0, True, request.shards), request.stale_ok):
+        for vnode in self._read(numbers, request.stale_ok):
+            after = request.after_us.get(vnode.shard, 0)
+            if after >= _U64_MAX:
+                continue  # no timestamp comes after it
             wanted = FetchFilter(
                 topic_filter=request.topic_filter,
-                after_us=request.after_us.get(vnode.shard, 0),
+                after_us=after,
                 since_us=since,
                 max_count=max_count,
                 include_qos0=request.include_qos0,
@@ -184,9 +217,18 @@ class SessionService(ShardsAPI):
             with vnode.replica.reading() as storage:
                 found.extend((ts, vnode.shard, stored) for ts, stored in storage.sessions.fetch(wanted))
         found.sort(key=lambda entry: (entry[0], entry[1]))
-        return b"".join(
-            encode_messages(_MESSAGES_TAG, [(ts, stored)], shard) for ts, shard, stored in found[:max_count]
-        )
+        # Oldest first, up to max_answer_bytes (one message at least): the
+        # reader continues after the last one (after_us), as after max_count.
+        budget = self.max_answer_bytes
+        parts: list[bytes] = []
+        for ts, shard, stored in found[:max_count]:
+            part = encode_messages(_MESSAGES_TAG, [(ts, stored)], shard)
+            if budget is not None:
+                if parts and len(part) > budget:
+                    break
+                budget -= len(part)
+            parts.append(part)
+        return b"".join(parts)
 
     def Ack(self, request: spb.AckRequest) -> spb.AckResponse:
         self._filter(request.topic_filter)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from mqds.protocol import errors
@@ -38,6 +38,19 @@ _END_OF_STREAM = b"\x18\x01"  # NextResponse.end_of_stream = true
 
 
 MAX_PRODUCER_ID_BYTES = 128
+# MQTT 5 user properties of one message: how many, and their keys and values
+# together in UTF-8 bytes.
+MAX_USER_PROPERTIES = 1024
+MAX_USER_PROPERTY_BYTES = 65_536
+# What pysyncobj adds to a command in its log entry (the command type byte),
+# with room to spare: a command this much under the entry limit is sent whole.
+_ENTRY_OVERHEAD = 64
+# A fence can be this far (microseconds) after the node's clock: the shards'
+# clocks differ, but not by a day.
+_FENCE_AHEAD_US = 86_400 * 1_000_000
+# Bytes a Next or FetchMessages answer adds to each stored message (field
+# tags, lengths, timestamp and shard), so the budget covers them too.
+_PER_MESSAGE_BYTES = 24
 
 _STORE_TAG = b"\x0a"  # VnodeCommand.store, field 1, length-delimited
 _NOW_US_TAG = b"\x28"  # StoreMessages.now_us, field 5, varint
@@ -71,6 +84,23 @@ _LOW7 = [bytes((0x80 | low,)) for low in range(128)]
 
 def now_us() -> int:
     return time.time_ns() // 1000
+
+
+def check_properties(where: str, message: pb.Message) -> None:
+    """Refuse user properties over MAX_USER_PROPERTIES or MAX_USER_PROPERTY_BYTES (INVALID_MESSAGE)."""
+    properties = message.properties
+    if len(properties) > MAX_USER_PROPERTIES:
+        raise errors.error(
+            Reason.INVALID_MESSAGE,
+            f"{where}: {len(properties):,} user properties, over the limit of {MAX_USER_PROPERTIES:,}",
+        )
+    size = sum(len(p.key.encode("utf-8")) + len(p.value.encode("utf-8")) for p in properties)
+    if size > MAX_USER_PROPERTY_BYTES:
+        raise errors.error(
+            Reason.INVALID_MESSAGE,
+            f"{where}: user properties take {size:,} bytes (keys and values), over the limit of "
+            f"{MAX_USER_PROPERTY_BYTES:,}",
+        )
 
 
 class Replica(Protocol):
@@ -114,16 +144,52 @@ class Shards(Protocol):
 class ShardsAPI:
     """What the public services share: shard numbers checked, reads on leaders, proposals to them."""
 
-    def __init__(self, shards: Shards) -> None:
+    def __init__(
+        self, shards: Shards, *, max_answer_bytes: int | None = None, max_entry_bytes: int | None = None
+    ) -> None:
         self.shards = shards
+        self.max_answer_bytes = max_answer_bytes
+        """Largest answer built (max_answer_bytes); None = no limit."""
+        self.max_entry_bytes = max_entry_bytes
+        """The Raft entry limit: a larger command could not reach the followers; None = no check."""
 
-    def _shard_numbers(self, shard: int, all_shards: bool, shards: Iterable[int] = ()) -> list[int]:
+    def _shard_numbers(
+        self, shard: int, all_shards: bool, shards: Sequence[int] = (), field: str = "shards"
+    ) -> list[int]:
+        """The shards a request names, each once, in order; a list longer than ``n_shards`` is refused."""
         n = self.shards.n_shards
-        chosen = list(shards) or (list(range(n)) if all_shards else [shard])
+        if len(shards) > n:
+            raise errors.error(
+                Reason.INVALID_REQUEST,
+                f"{field} lists {len(shards):,} shard ids; at most {n} (the number of shards) are allowed, each once",
+            )
+        chosen = sorted(set(shards)) if shards else (list(range(n)) if all_shards else [shard])
         for number in chosen:
             if not 0 <= number < n:
                 raise errors.error(Reason.UNKNOWN_SHARD, f"shard {number} does not exist; shards are 0 to {n - 1}")
         return chosen
+
+    def _check_answer(self, size: int, what: str, advice: str) -> None:
+        """Refuse an answer of ``size`` bytes over max_answer_bytes (INVALID_REQUEST), saying what to ask instead."""
+        if self.max_answer_bytes is not None and size > self.max_answer_bytes:
+            raise errors.error(
+                Reason.INVALID_REQUEST,
+                f"{what} would take more than {self.max_answer_bytes:,} bytes to answer (the node's "
+                f"max_answer_bytes); {advice}",
+            )
+
+    def _check_commands(self, commands: list[tuple[int, bytes]]) -> None:
+        """Refuse, before anything is proposed, a command the Raft log could not send to the followers."""
+        if self.max_entry_bytes is None:
+            return
+        limit = self.max_entry_bytes - _ENTRY_OVERHEAD
+        for shard, body in commands:
+            if len(body) > limit:
+                raise errors.error(
+                    Reason.INVALID_REQUEST,
+                    f"shard {shard}'s part of the request is {len(body):,} bytes as a Raft command, over the "
+                    f"limit of {limit:,} (max_request_bytes + 1 MiB, less overhead); split it into smaller calls",
+                )
 
     def _read(self, shard_numbers: list[int], stale_ok: bool) -> list[VnodeView]:
         """The vnodes to read, once each may be read (read index confirmed on all of them together)."""
@@ -135,6 +201,7 @@ class ShardsAPI:
 
     def _propose_all(self, commands: list[tuple[int, bytes]]) -> list[Any]:
         """Propose one command per shard (leaders checked first); the results, in order."""
+        self._check_commands(commands)
         vnodes = [self.shards.leader_vnode(shard) for shard, _ in commands]
         proposals = [vnode.group.propose(body) for vnode, (_, body) in zip(vnodes, commands, strict=True)]
         return [p.wait(self.shards.write_timeout_s) for p in proposals]
@@ -157,9 +224,11 @@ class StorageService(ShardsAPI):
         max_payload_bytes: int,
         max_batch_messages: int,
         max_next_batch: int,
+        max_answer_bytes: int | None = None,
+        max_entry_bytes: int | None = None,
         clock: Callable[[], int] = now_us,
     ) -> None:
-        super().__init__(shards)
+        super().__init__(shards, max_answer_bytes=max_answer_bytes, max_entry_bytes=max_entry_bytes)
         self.max_payload_bytes = max_payload_bytes
         self.max_batch_messages = max_batch_messages
         self.max_next_batch = max_next_batch
@@ -213,6 +282,7 @@ class StorageService(ShardsAPI):
             raise errors.error(Reason.INVALID_MESSAGE, f"message {index}: qos must be 0, 1 or 2, got {message.qos}")
         if len(message.sender.encode("utf-8")) > MAX_TOPIC_BYTES:
             raise errors.error(Reason.INVALID_MESSAGE, f"message {index}: sender clientid is over 65,535 bytes")
+        check_properties(f"message {index}", message)
 
     # -- RPCs ----------------------------------------------------------------
 
@@ -234,6 +304,8 @@ class StorageService(ShardsAPI):
                 )
             if request.sequence == 0:
                 raise errors.error(Reason.INVALID_REQUEST, "sequence must be 1 or more when producer_id is set")
+        if not messages:
+            return pb.StoreBatchResponse()  # nothing to store: nothing proposed
         n_shards = self.shards.n_shards
         max_payload = self.max_payload_bytes
         # No payload can be over the limit when the whole request is not.
@@ -256,6 +328,7 @@ class StorageService(ShardsAPI):
                 or "\x00" in topic
                 or message.qos > 2
                 or (check_payload and len(message.payload) > max_payload)
+                or len(message.properties)
             ):
                 self._check_message(index, message)
             if shard is None:
@@ -287,6 +360,7 @@ class StorageService(ShardsAPI):
                 else:
                     store.messages.extend([messages[i] for i in indexes])
                 commands.append((shard, cmd.SerializeToString()))
+        self._check_commands(commands)
         results = self._propose_each(commands)
         failed = [(shard, r) for shard, r in zip(order, results, strict=True) if isinstance(r, MqdsError)]
         if len(failed) == len(order):
@@ -312,9 +386,17 @@ class StorageService(ShardsAPI):
         levels = self._filter(request.topic_filter)
         response = pb.GetStreamsResponse()
         numbers = self._shard_numbers(0, True, request.shards)
-        for vnode in self._read(sorted(numbers), request.stale_ok):
+        size = 0
+        for vnode in self._read(numbers, request.stale_ok):
             with vnode.replica.reading() as storage:
                 refs = storage.get_streams(levels, request.start_time_us)
+            # A ranked stream takes its pattern and at most 40 bytes more.
+            size += sum(len(ref.pattern) + 40 for ref in refs)
+            self._check_answer(
+                size,
+                f"the streams matching {request.topic_filter!r}",
+                "ask for fewer shards at a time (shards), a narrower topic filter or a later start_time_us",
+            )
             for ref in refs:
                 response.streams.add(
                     rank=pb.Rank(shard=vnode.shard, generation=ref.generation),
@@ -341,6 +423,17 @@ class StorageService(ShardsAPI):
             state = IteratorState.decode(token.state)
         except IteratorDecodeError as err:
             raise errors.error(Reason.INVALID_ITERATOR, str(err)) from None
+        try:
+            # The checksum catches damage, not forgery: the filter is checked too.
+            validate_filter(state.topic_filter)
+        except TopicError as err:
+            raise errors.error(Reason.INVALID_ITERATOR, f"iterator holds a bad topic filter: {err}") from None
+        fence = request.fence_us or None
+        if fence is not None and fence > self.clock() + _FENCE_AHEAD_US:
+            raise errors.error(
+                Reason.INVALID_REQUEST,
+                f"fence_us {fence} is more than a day after this node's clock: pass a fence that GetFences returned",
+            )
         if (state.shard, state.generation) != (token.shard, token.generation):
             raise errors.error(
                 Reason.INVALID_ITERATOR,
@@ -348,8 +441,14 @@ class StorageService(ShardsAPI):
                 f"shard {state.shard} generation {state.generation}",
             )
         (vnode,) = self._read(self._shard_numbers(state.shard, False), request.stale_ok)
+        batch = min(request.batch_size, self.max_next_batch)
+        # Past the budget the read stops (after one message at least) and the
+        # iterator it returns continues from there.
+        budget = None
+        if self.max_answer_bytes is not None:
+            budget = max(0, self.max_answer_bytes - 256 - len(token.state) - _PER_MESSAGE_BYTES * batch)
         with vnode.replica.reading() as storage:
-            result = storage.next(state, min(request.batch_size, self.max_next_batch), request.fence_us or None)
+            result = storage.next(state, batch, fence, budget)
             shard = storage.shard
             body = encode_messages(_MESSAGES_TAG, result.entries, shard)
         token_bytes = pb.IteratorToken(
@@ -378,14 +477,19 @@ class StorageService(ShardsAPI):
     def ListGenerations(self, request: pb.ListGenerationsRequest) -> pb.ListGenerationsResponse:
         response = pb.ListGenerationsResponse()
         numbers = self._shard_numbers(request.shard, request.all_shards, request.shards)
+        size = 0
         for vnode in self._read(numbers, request.stale_ok):
             with vnode.replica.reading() as storage:
-                response.generations.extend(self._generation(info) for info in storage.generations())
+                generations = [self._generation(info) for info in storage.generations()]
+            size += sum(g.ByteSize() + 3 for g in generations)
+            self._check_answer(size, "the generations asked for", "ask for fewer shards at a time (shards)")
+            response.generations.extend(generations)
         return response
 
     def GetFences(self, request: pb.GetFencesRequest) -> pb.GetFencesResponse:
         response = pb.GetFencesResponse()
-        for vnode in self._read(sorted(self._shard_numbers(0, True, request.shards)), request.stale_ok):
+        size = 0
+        for vnode in self._read(self._shard_numbers(0, True, request.shards), request.stale_ok):
             with vnode.replica.reading() as storage:
                 fence = response.fences.add(
                     shard=vnode.shard, timestamp_us=storage.last_ts, applied_index=storage.applied_index
@@ -393,6 +497,8 @@ class StorageService(ShardsAPI):
                 infos = storage.generations()
                 fence.generations.extend(self._generation(info) for info in infos)
                 fence.estimated_keys.extend(storage.estimated_keys(info.generation) for info in infos)
+            size += fence.ByteSize() + 5
+            self._check_answer(size, "the fences asked for", "ask for fewer shards at a time (shards)")
         return response
 
     def DropGeneration(self, request: pb.DropGenerationRequest) -> pb.DropGenerationResponse:

@@ -76,6 +76,20 @@ class Membership:
         if not sep or not host or not port.isdigit():
             raise errors.error(Reason.INVALID_REQUEST, f"address {address!r} is not host:port")
         with self._leading():
+            for member in self._map().nodes:
+                # A join never moves a member: that would hand its Raft and
+                # client traffic to whoever listens at the new address. A node
+                # that really moved reports its new address itself (with the
+                # cluster secret); otherwise it leaves (or is forgotten) first.
+                if member.id == node_id and member.address != address:
+                    raise errors.error(
+                        Reason.MEMBERSHIP_REFUSED,
+                        f"node {node_id} is already a member at {member.address}; a join cannot move it to "
+                        f"{address}: restart it with --advertise {address} (it reports its new address), or "
+                        f"'mqds admin leave {node_id}' (or forget) first",
+                    )
+                if member.id != node_id and member.address == address:
+                    raise errors.error(Reason.MEMBERSHIP_REFUSED, f"address {address} is already node {member.id}'s")
             self._propose(cpb.MetaCommand(add_node=cpb.AddNode(node_id=node_id, address=address)))
             self.node.router.set_address(node_id, address)
             self._meta_member(node_id, add=True)

@@ -114,6 +114,14 @@ class MetaMachine:
         self._changed()
         return result
 
+    def skip(self, index: int) -> None:
+        """An entry that changed nothing in the map (a no-op, a membership change): its index is recorded."""
+        state = self.state
+        state.applied_index = index
+        self._persist(state)
+        with self._lock:
+            self._state = state
+
     def snapshot(self) -> bytes:
         return self.state.SerializeToString()
 

@@ -155,6 +155,10 @@ class VnodeReplica:
             return self._apply_session(cmd.session, index)
         raise errors.error(Reason.INTERNAL, f"shard {self.shard}: log entry {index} holds an unknown command")
 
+    def skip(self, index: int) -> None:
+        """An entry that changed nothing in this shard: its index is recorded all the same."""
+        self.storage.record_applied(index)
+
     def _apply_session(self, cmd: cpb.SessionCommand, index: int) -> Any:
         """A broker-state change (the leader checked its fields); its result goes to the proposer."""
         sessions = self.storage.sessions

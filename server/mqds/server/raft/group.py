@@ -90,7 +90,24 @@ class StateMachine(Protocol):
         """The last log index whose effect is in the machine's storage (0 if none)."""
 
     def apply(self, command: bytes, index: int) -> Any:
-        """Apply one regular entry; skip it if ``index <= applied_index``. The result goes to the proposer."""
+        """Apply one regular entry; skip it if ``index <= applied_index``. The result goes to the proposer.
+
+        Must be total: a command that cannot be applied is answered with an
+        ``MqdsError`` as its result, the same on every replica. Only a failure
+        of this replica's environment (``STORAGE_ERROR``, ``OSError``,
+        ``MemoryError``) may be raised: the group then retries the entry,
+        and readiness reports the stall. Anything else raised is taken as the
+        entry's deterministic failure (see ``RaftGroup._apply_regular``).
+        """
+
+    def skip(self, index: int) -> None:
+        """Record entry ``index`` as applied though it changed nothing here.
+
+        An election's no-op, a membership change, or a command whose apply
+        failed: the machine's applied index must still reach it, or a restart
+        compares a lower applied index with a snapshot manifest taken at the
+        entry and asks for a snapshot that no replica can serve.
+        """
 
     def snapshot(self) -> bytes:
         """Make everything applied durable and return the manifest payload describing it."""
@@ -321,7 +338,7 @@ class GroupTransport(Transport):
             self._last_beat[node.id] = beat
         elif kind == "next_node_idx":
             echo = group.last_echo_from.get(node.id, 0)
-            if group.retiring:
+            if group.declines_leadership:
                 message = {**message, "declines_leadership": True}
             answer = (message["next_node_idx"], echo, bool(message.get("declines_leadership")))
             lazy = (
@@ -386,6 +403,8 @@ class RaftGroup(SyncObj):
         self._wake = threading.Event()
         self._stopping = False
         self._retiring = False
+        self.not_ready = False
+        """Set by the node while it is not ready: the replica declines leadership transfers."""
         # A leadership transfer in progress (the group's thread only): the
         # target ("" = the most caught-up follower), the caller's callback,
         # and when to give up. New proposals are refused until
@@ -401,12 +420,16 @@ class RaftGroup(SyncObj):
         self.installing_snapshot = False
         """True while a snapshot is being fetched and installed: the replica cannot serve (readiness)."""
         self.dropped_messages = 0
+        self.apply_failures = 0
+        """Committed entries whose command could not be applied (recorded as failed on every replica)."""
         self.elections = 0
         """Elections this replica started (it became a candidate)."""
         self.leader_changes = 0
         """New (term, leader) pairs this replica learned of, the first one after it started not counted."""
         self._seen_leader: str | None = None
         self._seen_term = -1
+        self._applied_seen = 0
+        self._applied_moved_at = raft_clock()
         self._role = ROLE_FOLLOWER
         os.makedirs(directory, exist_ok=True)
         self.journal = journal
@@ -478,6 +501,18 @@ class RaftGroup(SyncObj):
     @property
     def retiring(self) -> bool:
         return self._retiring
+
+    @property
+    def declines_leadership(self) -> bool:
+        """Whether this replica refuses leadership handed to it (TimeoutNow), and tells its leader so.
+
+        A stopping node (``retire``), or one that is not ready: a leader
+        balancer must never move leadership to a replica that cannot serve
+        (a node replaying, fetching a snapshot, or stuck), or stop it taking
+        over. Only retiring stops campaigning: a not-ready replica still
+        stands in an election, since every replica may be not ready at once.
+        """
+        return self._retiring or self.not_ready
 
     def retire(self) -> None:
         """This node is about to stop: from now on it refuses to take leadership.
@@ -636,6 +671,24 @@ class RaftGroup(SyncObj):
         known = max(self._SyncObj__leaderCommitIndex or 0, self.raftCommitIndex)
         return max(0, int(known) - int(self.raftLastApplied))
 
+    def _note_apply_progress(self) -> None:
+        """After each cycle: remember when the applied index last moved, or had nothing to catch up."""
+        applied = int(self.raftLastApplied)
+        if applied != self._applied_seen or self.catch_up_lag() == 0:
+            self._applied_seen = applied
+            self._applied_moved_at = raft_clock()
+
+    def apply_stalled_s(self) -> float:
+        """How long committed entries have waited here while none was applied (0 when none waits).
+
+        A group whose apply keeps failing (its disk), or whose thread is stuck,
+        reports a growing figure, so readiness can tell it from a replica that
+        is merely busy catching up. Accurate to a cycle (at most a second idle).
+        """
+        if self.catch_up_lag() == 0:
+            return 0.0
+        return max(0.0, raft_clock() - self._applied_moved_at)
+
     def match_index(self, node_id: str) -> int:
         return int(self._SyncObj__raftMatchIndex.get(PeerNode(node_id), 0))
 
@@ -648,7 +701,16 @@ class RaftGroup(SyncObj):
     def _sleep_s(self) -> float:
         """How long nothing needs doing unless woken: until the next heartbeat or election deadline."""
         now = raft_clock()
-        due = self._SyncObj__newAppendEntriesTime if self._isLeader() else self._SyncObj__raftElectionDeadline
+        if self._isLeader():
+            due = self._SyncObj__newAppendEntriesTime
+        else:
+            due = self._SyncObj__raftElectionDeadline
+            if due <= now and self.otherNodes and not self._SyncObj__connectedNodes:
+                # Past the deadline, but pysyncobj campaigns only when some
+                # peer is connected, and a link coming up wakes the group. A
+                # node alone with its peers down used to wake every group
+                # every millisecond here (about half a core).
+                return 1.0
         return max(min(due - now, 1.0), 0.001)
 
     def _run(self) -> None:
@@ -662,6 +724,7 @@ class RaftGroup(SyncObj):
             except Exception:
                 log.exception("%s: Raft cycle failed; retrying", self.name)
                 time.sleep(0.5)
+            self._note_apply_progress()
         try:
             self.journal.sync()
         except OSError:
@@ -779,7 +842,7 @@ class RaftGroup(SyncObj):
         kind = message["type"]
         if kind == "request_vote" and not self._heard_leader and raft_clock() < self._quiet_until:
             return
-        if kind == "timeout_now" and self._retiring:
+        if kind == "timeout_now" and self.declines_leadership:
             self.dropped_messages += 1
             return
         if kind == "append_entries":
@@ -889,14 +952,52 @@ class RaftGroup(SyncObj):
         return codec.decode_membership(command[1:])
 
     def _SyncObj__doApplyCommand(self, command: bytes) -> Any:
+        index = self.raftLastApplied + 1
         kind = command[0]
         if kind == codec.COMMAND_REGULAR:
-            return self.machine.apply(command[1:], self.raftLastApplied + 1)
+            return self._apply_regular(command[1:], index)
         if kind == codec.COMMAND_MEMBERSHIP:
             # After a restart the journal is replayed: apply the change again
             # (a no-op when already in effect).
             self._SyncObj__doChangeCluster(codec.decode_membership(command[1:]))
+        if index > self.machine.applied_index:
+            self.machine.skip(index)
         return None
+
+    def _apply_regular(self, body: bytes, index: int) -> Any:
+        """``machine.apply``, made total: a deterministic failure becomes the entry's result.
+
+        Whatever a committed entry holds, every replica must get past it the
+        same way. An exception from the command itself (a bug, or input the
+        leader's checks let through) would otherwise fail the cycle, and the
+        group would retry the same entry forever, on every replica and after
+        every restart: the shard dead for good. So it is logged, the entry is
+        recorded as applied, and the proposer gets an error. A failure of
+        this replica's environment (its disk, its memory) is not the entry's
+        fault and is raised: the cycle retries it, and readiness reports a
+        group whose applied index stopped behind its commit index.
+        """
+        try:
+            return self.machine.apply(body, index)
+        except errors.MqdsError as err:
+            if err.reason is Reason.STORAGE_ERROR:
+                raise
+            failure: BaseException = err
+        except (OSError, MemoryError):
+            raise
+        except Exception as err:  # any other failure is the entry's own
+            failure = err
+        log.error("%s: log entry %d could not be applied; recorded as failed", self.name, index, exc_info=failure)
+        self.apply_failures += 1
+        if index > self.machine.applied_index:
+            self.machine.skip(index)
+        if isinstance(failure, errors.MqdsError):
+            return failure
+        return errors.error(
+            Reason.INTERNAL,
+            f"{self.name}: log entry {index} could not be applied ({type(failure).__name__}); "
+            "every replica recorded it as failed and went on",
+        )
 
     # -- snapshots ---------------------------------------------------------------
 
@@ -915,7 +1016,18 @@ class RaftGroup(SyncObj):
         with open(file_name, "rb") as fh:
             manifest = decode_manifest(fh.read())
         index = manifest.last[1]
-        if self.machine.applied_index < index:
+        applied = self.machine.applied_index
+        if 0 < applied < index and manifest.source == self.node_id:
+            # This replica wrote the manifest itself, by compacting entries it
+            # had applied, after syncing the machine's storage: the storage
+            # holds every effect up to ``index``. What lies between is entries
+            # that changed nothing (election no-ops, membership changes), which
+            # versions before ``skip`` did not record. Asking for a snapshot
+            # here wedged idle shards on restart: every replica had the same
+            # gap, so none could serve one.
+            log.info("%s: applied %d, manifest at %d written here: nothing to install", self.name, applied, index)
+            self.machine.skip(index)
+        elif applied < index:
             log.info(
                 "%s: installing snapshot at index %d from %s (applied here: %d)",
                 self.name,

@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 # "No fence": above every timestamp.
 _NO_FENCE = 1 << 64
+# Values an indexed read fetches at once when its answer has a byte budget.
+_BUDGET_CHUNK = 32
 
 # How many topic -> key-prefix routes a shard caches before starting over.
 _ROUTE_CACHE_LIMIT = 100_000
@@ -562,7 +564,29 @@ class ShardStorage:
             # Queue acknowledgements of the generation's messages go with them.
             until = gen.record.until_us or 0
             batch.delete_range(keys.queue_ack_key(gen.record.since_us), keys.queue_ack_key(until), self._meta_handle)
-            self._write(batch, True, applied_index)
+            # The trie is the shard's, shared by its generations: the streams
+            # that hold data in no generation left go, with the edges that
+            # lead only to them (also those left by drops before this was
+            # done). Every replica prunes the same trie at the same log index.
+            live: set[int] = set()
+            for other in self._gens.values():
+                if other.number != number:
+                    live.update(other.present)
+            pruned = self.trie.prune(live)
+            for parent, token, _ in pruned:
+                batch.delete(keys.trie_edge_key(parent, token), self._meta_handle)
+            if pruned:
+                # Opening derives next_node from the edges when the key is
+                # missing: keep it, so removed ids are never handed out again.
+                batch.put(keys.META_NEXT_NODE, keys.u32(self.trie.next_node), self._meta_handle)
+            try:
+                self._write(batch, True, applied_index)
+            except BaseException:
+                for parent, token, child in pruned:
+                    self.trie.restore_edge(parent, token, child)
+                raise
+            if pruned:
+                self._routes.clear()
             del self._gens[number]
             # Readers holding the column family keep reading it until they
             # let go; RocksDB deletes the files after that.
@@ -644,15 +668,16 @@ class ShardStorage:
     def get_streams(self, filter_levels: list[str], start_time_us: int) -> list[StreamRef]:
         """Streams with data that may match the filter, by generation then stream id."""
         with self._lock:
+            # Patterns under the lock too: a drop may remove streams from the trie.
             candidates = self.trie.match(filter_levels)
-            gens = [self._gens[n] for n in sorted(self._gens)]
-        found = []
-        for gen in gens:
-            until = gen.record.until_us
-            if until is not None and until <= start_time_us:
-                continue
-            for stream in sorted(stream for stream, _ in candidates if stream in gen.present):
-                found.append(StreamRef(gen.number, stream, self.trie.pattern(stream)))
+            found = []
+            for number in sorted(self._gens):
+                gen = self._gens[number]
+                until = gen.record.until_us
+                if until is not None and until <= start_time_us:
+                    continue
+                for stream in sorted(stream for stream, _ in candidates if stream in gen.present):
+                    found.append(StreamRef(gen.number, stream, self.trie.pattern(stream)))
         return found
 
     def make_iterator(self, generation: int, stream: int, topic_filter: str, start_time_us: int) -> IteratorState:
@@ -669,8 +694,14 @@ class ShardStorage:
             )
         return IteratorState(self.shard, generation, stream, topic_filter, start_time_us)
 
-    def next(self, state: IteratorState, batch_size: int, fence_us: int | None = None) -> ReadResult:
+    def next(
+        self, state: IteratorState, batch_size: int, fence_us: int | None = None, max_bytes: int | None = None
+    ) -> ReadResult:
         """Read up to ``batch_size`` messages after the iterator's position.
+
+        With ``max_bytes``, the read also stops before the message that would
+        take the stored bytes returned past it (the first message always
+        comes), and the state is positioned right after the last one returned.
 
         With ``fence_us``, only messages stored at or before it, and the stream
         ends once they are all read: nothing at or before the fence can come
@@ -701,22 +732,31 @@ class ShardStorage:
             return ReadResult([], state, closed or fenced)
         indexed = {level: value for level, value in constraints.items() if level < keys.MAX_INDEXED_LEVELS}
         if indexed:
-            entries, next_ts, exhausted = self._scan_index(gen, state, indexed, filter_levels, batch_size, limit)
+            entries, next_ts, exhausted = self._scan_index(
+                gen, state, indexed, filter_levels, batch_size, limit, max_bytes
+            )
         else:
             # Constraints only on levels too deep to be indexed: scan the
             # stream and check each topic.
             check = filter_levels if constraints else None
-            entries, next_ts, exhausted = self._scan_stream(gen, state, batch_size, check, limit)
+            entries, next_ts, exhausted = self._scan_stream(gen, state, batch_size, check, limit, max_bytes)
         return ReadResult(entries, state.advanced(next_ts), (closed or fenced) and exhausted)
 
     def _scan_stream(
-        self, gen: _Generation, state: IteratorState, batch_size: int, check: list[str] | None, limit: int
+        self,
+        gen: _Generation,
+        state: IteratorState,
+        batch_size: int,
+        check: list[str] | None,
+        limit: int,
+        max_bytes: int | None = None,
     ) -> tuple[list[tuple[int, bytes]], int, bool]:
         prefix = keys.data_prefix(state.stream)
         entries: list[tuple[int, bytes]] = []
         exhausted = True
         next_ts = state.next_ts
         scanned = 0
+        budget = _NO_FENCE if max_bytes is None else max_bytes
         parse = pb.Message.FromString
         for key, value in gen.cf.items(from_key=prefix + keys.u64(state.next_ts)):
             if not key.startswith(prefix):
@@ -724,13 +764,14 @@ class ShardStorage:
             ts = int.from_bytes(key[5:13], "big")
             if ts > limit:
                 break
-            if len(entries) == batch_size:
+            if len(entries) == batch_size or (entries and len(value) > budget):
                 exhausted = False
                 break
             scanned += 1
             next_ts = ts + 1
             if check is None or matches_levels(check, parse(value).topic.split("/")):
                 entries.append((ts, value))
+                budget -= len(value)
         self.keys_read += scanned + (0 if exhausted else 1)
         return entries, next_ts, exhausted
 
@@ -742,6 +783,7 @@ class ShardStorage:
         filter_levels: list[str],
         batch_size: int,
         limit: int,
+        max_bytes: int | None = None,
     ) -> tuple[list[tuple[int, bytes]], int, bool]:
         level = min(constraints)
         prefix = keys.index_prefix(state.stream, level, constraints[level])
@@ -750,19 +792,30 @@ class ShardStorage:
         next_ts = state.next_ts
         exhausted = False
         parse = pb.Message.FromString
-        while len(entries) < batch_size:
-            stamps = list(itertools.islice(candidates, batch_size - len(entries)))
+        # With a byte budget, values are fetched a few at a time, so what is
+        # held beyond the budget stays small.
+        chunk = batch_size if max_bytes is None else _BUDGET_CHUNK
+        budget = _NO_FENCE if max_bytes is None else max_bytes
+        full = False
+        while len(entries) < batch_size and not full:
+            stamps = list(itertools.islice(candidates, min(chunk, batch_size - len(entries))))
             if not stamps:
                 exhausted = True
                 break
             values = gen.cf.get([keys.data_key(state.stream, ts) for ts in stamps])
             self.keys_read += len(stamps)
             for ts, value in zip(stamps, values, strict=True):
+                if entries and value is not None and len(value) > budget:
+                    full = True
+                    break
                 next_ts = ts + 1
                 # The hash may collide and other constrained levels are not
                 # indexed: check the topic itself.
                 if value is not None and matches_levels(filter_levels, parse(value).topic.split("/")):
                     entries.append((ts, value))
+                    budget -= len(value)
+        if full:
+            return entries, next_ts, False
         if not exhausted:
             exhausted = next(candidates, None) is None
         return entries, next_ts, exhausted

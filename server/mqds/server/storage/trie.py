@@ -10,13 +10,22 @@ the node it leads to is the topic's **stream**.
 So ``sensor/1/temp`` .. ``sensor/10/temp`` get streams of their own, and with a
 threshold of 10 every later ``sensor/<id>/temp`` shares the stream
 ``sensor/+/temp`` with the id as its varying value, which the index keys make
-searchable. A topic's path never changes once learned (edges are never removed
-and a literal edge is preferred to the wildcard), so a topic always maps to the
-same stream and varying values.
+searchable. A topic's path never changes while its stream exists (a literal
+edge is preferred to the wildcard, and edges are only removed with the streams
+under them, by ``prune``), so a topic maps to the same stream and varying values.
 
-At the first level, values starting with ``$`` (``$SYS``) always get literal
-edges, so a filter starting with a wildcard, which must not match them, can
-skip them by looking at edges alone.
+At the first level, values starting with ``$`` (``$SYS``) never follow the
+``+`` edge: they have a threshold of their own (``threshold_top`` literal ``$``
+edges) and then a wildcard edge of their own, ``$+``, which only ``$`` values
+follow. So a filter starting with a wildcard, which must not match them, can
+skip them by looking at edges alone, and the number of first-level edges is
+bounded however the topics are chosen. ``$+`` cannot be a literal level (topic
+names have no ``+``).
+
+Nothing here recurses on the depth of a topic or filter (MQTT allows 65,535
+bytes, so 65,536 levels): walks over levels and nodes use explicit stacks.
+Edges can be removed again (``prune``) when the streams under them hold no data
+in any generation left; node ids are never handed out twice.
 
 The trie is deterministic: given the same topics in the same order it creates
 the same node ids, because ids are handed out in creation order. It is shared
@@ -35,11 +44,14 @@ by all generations of a shard and stored in the shard's metadata.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 WILDCARD = "+"
+DOLLAR_WILDCARD = "$+"
+"""The wildcard edge of ``$``-prefixed first levels (``+`` never takes them)."""
 END = "#"
+_NOT_LITERAL = (WILDCARD, DOLLAR_WILDCARD, END)
 
 
 @dataclass(frozen=True)
@@ -68,6 +80,8 @@ class TopicTrie:
         self._literal_count: dict[int, int] = {self.ROOT: 0}
         self._patterns: dict[int, str] = {}
         self._parent: dict[int, tuple[int, str]] = {}
+        self._dollar_count = 0
+        """Literal ``$`` edges of the root: a threshold of their own, not in the root's ``_literal_count``."""
         self.next_node = 1
 
     # -- building ------------------------------------------------------------
@@ -78,9 +92,24 @@ class TopicTrie:
         self._children.setdefault(child, {})
         self._literal_count.setdefault(child, 0)
         self._parent[child] = (parent, token)
-        if token not in (WILDCARD, END):
-            self._literal_count[parent] = self._literal_count.get(parent, 0) + 1
+        if token not in _NOT_LITERAL:
+            if parent == self.ROOT and token.startswith("$"):
+                self._dollar_count += 1
+            else:
+                self._literal_count[parent] = self._literal_count.get(parent, 0) + 1
         self.next_node = max(self.next_node, child + 1)
+
+    def _remove_edge(self, parent: int, token: str, child: int) -> None:
+        del self._children[parent][token]
+        del self._children[child]
+        del self._literal_count[child]
+        del self._parent[child]
+        self._patterns.pop(child, None)
+        if token not in _NOT_LITERAL:
+            if parent == self.ROOT and token.startswith("$"):
+                self._dollar_count -= 1
+            else:
+                self._literal_count[parent] -= 1
 
     def forget(self, new_edges: list[tuple[int, str, int]]) -> None:
         """Undo edges ``learn`` reported, newest first, when they could not be persisted.
@@ -89,14 +118,28 @@ class TopicTrie:
         never been learned, so the in-memory trie matches what is on disk.
         """
         for parent, token, child in reversed(new_edges):
-            del self._children[parent][token]
-            del self._children[child]
-            del self._literal_count[child]
-            del self._parent[child]
-            self._patterns.pop(child, None)
-            if token not in (WILDCARD, END):
-                self._literal_count[parent] -= 1
+            self._remove_edge(parent, token, child)
             self.next_node = min(self.next_node, child)
+
+    def prune(self, keep: set[int]) -> list[tuple[int, str, int]]:
+        """Remove every stream not in ``keep``, and the nodes that then lead to no stream.
+
+        Returns the removed edges as ``(parent, token, child)``, in a
+        deterministic order, for the caller to delete from disk (``restore_edge``
+        puts them back). ``next_node`` does not move: removed ids are never
+        handed out again, so an old stream id never names a new stream.
+        """
+        removed: list[tuple[int, str, int]] = []
+        for stream in self.streams():
+            if stream in keep:
+                continue
+            node = stream
+            while node != self.ROOT and not self._children[node]:
+                parent, token = self._parent[node]
+                self._remove_edge(parent, token, node)
+                removed.append((parent, token, node))
+                node = parent
+        return removed
 
     def _add_edge(self, parent: int, token: str, on_new_edge: list[tuple[int, str, int]]) -> int:
         child = self.next_node
@@ -117,7 +160,15 @@ class TopicTrie:
             nxt = children.get(level)
             if nxt is None:
                 if depth == 0 and level.startswith("$"):
-                    nxt = self._add_edge(node, level, new_edges)
+                    # Never the '+' edge: a filter starting with a wildcard must not match it.
+                    if DOLLAR_WILDCARD in children:
+                        nxt = children[DOLLAR_WILDCARD]
+                        varying.append(level)
+                    elif self._dollar_count < self.threshold_top:
+                        nxt = self._add_edge(node, level, new_edges)
+                    else:
+                        nxt = self._add_edge(node, DOLLAR_WILDCARD, new_edges)
+                        varying.append(level)
                 elif WILDCARD in children:
                     nxt = children[WILDCARD]
                     varying.append(level)
@@ -168,38 +219,41 @@ class TopicTrie:
         value the filter requires there (what the index can look up).
         """
         found: list[tuple[int, dict[int, str]]] = []
-        self._match(self.ROOT, filter_levels, 0, {}, 0, found.append)
-        return found
-
-    def _match(
-        self,
-        node: int,
-        levels: list[str],
-        depth: int,
-        constraints: dict[int, str],
-        n_varying: int,
-        emit: Callable[[tuple[int, dict[int, str]]], None],
-    ) -> None:
-        children = self._children[node]
-        if depth == len(levels):
-            end = children.get(END)
-            if end is not None:
-                emit((end, constraints))
-            return
-        level = levels[depth]
-        skip_dollar = depth == 0 and levels[0] in ("+", "#")
-        if level == "#":
-            for stream in self._subtree_streams(node, skip_dollar):
-                emit((stream, constraints))
-            return
-        for token, child in children.items():
-            if token == END:
+        n_levels = len(filter_levels)
+        skip_dollar = filter_levels[0] in ("+", "#")
+        # Depth first with an explicit stack (a filter may have 65,536
+        # levels), children pushed in reverse so streams come out in the order
+        # a recursive walk over the children in insertion order gives.
+        stack: list[tuple[int, int, dict[int, str], int]] = [(self.ROOT, 0, {}, 0)]
+        while stack:
+            node, depth, constraints, n_varying = stack.pop()
+            children = self._children[node]
+            if depth == n_levels:
+                end = children.get(END)
+                if end is not None:
+                    found.append((end, constraints))
                 continue
-            if token == WILDCARD:
-                sub = constraints if level == "+" else {**constraints, n_varying: level}
-                self._match(child, levels, depth + 1, sub, n_varying + 1, emit)
-            elif (level == "+" and not (skip_dollar and token.startswith("$"))) or token == level:
-                self._match(child, levels, depth + 1, constraints, n_varying, emit)
+            level = filter_levels[depth]
+            if level == "#":
+                found.extend(
+                    (stream, constraints) for stream in self._subtree_streams(node, skip_dollar and depth == 0)
+                )
+                continue
+            nexts: list[tuple[int, int, dict[int, str], int]] = []
+            for token, child in children.items():
+                if token == END:
+                    continue
+                if token in (WILDCARD, DOLLAR_WILDCARD):
+                    if level == "+":
+                        # A leading '+' does not match '$' levels: skip '$+'.
+                        if token == WILDCARD or not skip_dollar:
+                            nexts.append((child, depth + 1, constraints, n_varying + 1))
+                    elif token == WILDCARD or level.startswith("$"):
+                        nexts.append((child, depth + 1, {**constraints, n_varying: level}, n_varying + 1))
+                elif (level == "+" and not (skip_dollar and depth == 0 and token.startswith("$"))) or token == level:
+                    nexts.append((child, depth + 1, constraints, n_varying))
+            stack.extend(reversed(nexts))
+        return found
 
     def _subtree_streams(self, node: int, skip_dollar: bool) -> Iterator[int]:
         stack = [node]
@@ -228,6 +282,8 @@ def filter_constraints(pattern: str, filter_levels: list[str]) -> dict[int, str]
     {}
     >>> filter_constraints("$SYS/x", "#".split("/")) is None
     True
+    >>> filter_constraints("$+/x", "$SYS/x".split("/"))
+    {0: '$SYS'}
     """
     tokens = pattern.split("/")
     if filter_levels[0] in ("+", "#") and tokens[0].startswith("$"):
@@ -240,8 +296,10 @@ def filter_constraints(pattern: str, filter_levels: list[str]) -> dict[int, str]
         if depth >= len(tokens):
             return None
         token = tokens[depth]
-        if token == WILDCARD:
+        if token in (WILDCARD, DOLLAR_WILDCARD):
             if level != "+":
+                if token == DOLLAR_WILDCARD and not level.startswith("$"):
+                    return None
                 constraints[n_varying] = level
             n_varying += 1
         elif level != "+" and level != token:
