@@ -1,7 +1,9 @@
 """The chaos runner against a real cluster, and the server behaviour the chaos runs found or need.
 
 ``test_a_short_mixed_chaos_run_passes`` is the CI run of ``python -m mqds.chaos``:
-3 nodes, every nemesis at least once, about two minutes. The long run
+3 nodes, every nemesis at least once (the idle-restart ones with a 2 s Raft
+compaction interval, so their idle spells last 6 s), hostile clients beside
+the workload, about two and a half minutes. The long run
 (``make chaos``: 30 minutes, 5 nodes) is documented in the README.
 """
 
@@ -35,6 +37,7 @@ def test_a_short_mixed_chaos_run_passes(tmp_path: Path) -> None:
         seed=20260101,
         hold_s=(2.0, 4.0),
         quiet_s=(1.0, 2.5),
+        raft_compaction_interval_s=2.0,
         work_dir=tmp_path / "work",
         report_json=report_path,
     )
@@ -57,11 +60,22 @@ def test_a_short_mixed_chaos_run_passes(tmp_path: Path) -> None:
     # The wiped node came back by snapshot: its journal had been compacted away.
     wipe = next(f for f in report.faults if f.nemesis == "wipe-node")
     assert any("installed" in note and "installed 0 " not in note for note in wipe.notes), wipe.notes
+    # After an idle spell past the compaction interval, the restarted nodes were ready, and the workload resumed.
+    for name in ("idle-restart", "idle-restart-all"):
+        idle = next(f for f in report.faults if f.nemesis == name)
+        assert idle.resumed_at is not None and idle.paused_at is not None, idle
+        assert idle.affected_shards == list(range(opts.shards)), idle
+        assert any(" ready " in note for note in idle.notes), idle.notes
+    # The hostile clients ran the whole time; no request got INTERNAL or UNKNOWN (else the run failed above).
+    hostile = report.result.hostile
+    assert hostile is not None and hostile["sent"] > 50, hostile
+    assert counts["hostile_internal"] == 0 and "hostile clients" in report.text
     # The JSON report has the same verdict and the timeline.
     report_path.write_text(json.dumps(report.json))
     data = json.loads(report_path.read_text())
     assert data["passed"] is True and len(data["faults"]) == len(report.faults)
     assert set(data["availability"]) == set(nemesis.NEMESES)
+    assert data["hostile"]["sent"] == hostile["sent"] and "INTERNAL" not in data["hostile"]["by_status"]
 
 
 def test_the_runner_exits_nonzero_on_bad_options() -> None:

@@ -459,3 +459,187 @@ def test_the_clock_offset_is_for_fault_injection_only() -> None:
     with pytest.raises(ConfigError, match="fault_injection"):
         NodeConfig(fault_clock_offset_s=30.0).validate()
     assert NodeConfig(fault_clock_offset_s=-30.0, fault_injection=True).validate().fault_clock_offset_s == -30.0
+
+
+# -- hostile clients ------------------------------------------------------------------------
+
+
+def hostile_history(answers: Sequence[tuple[str, str]], must_refuse: Sequence[str] = ()) -> History:
+    history = history_with(acks("a", [0, 1]))
+    history.add_hostile(set(must_refuse))
+    for kind, code in answers:
+        history.record_hostile(kind, "n1", code, f"{code.lower()} answer")
+    return history
+
+
+def test_hostile_answers_that_refuse_clearly_pass_and_are_counted_per_kind_and_status() -> None:
+    history = hostile_history(
+        [
+            ("get-fences-200k-shards", "INVALID_ARGUMENT"),
+            ("get-fences-200k-shards", "INVALID_ARGUMENT"),
+            ("join-node-no-credentials", "UNAUTHENTICATED"),
+            ("burst", "OK"),
+            ("burst", "RESOURCE_EXHAUSTED"),
+            ("deep-topic-store", "UNAVAILABLE"),
+        ],
+        must_refuse=["join-node-no-credentials"],
+    )
+    result = check(history, stored("a", [0, 1]), [], n_shards=2)
+    assert result.passed, result.findings
+    assert result.hostile is not None and result.hostile["sent"] == 6
+    assert result.hostile["by_kind"]["get-fences-200k-shards"] == {"INVALID_ARGUMENT": 2}
+    assert result.hostile["by_kind"]["burst"] == {"OK": 1, "RESOURCE_EXHAUSTED": 1}
+    assert result.hostile["by_status"]["INVALID_ARGUMENT"] == 2
+    assert result.counts["hostile_sent"] == 6 and result.counts["hostile_internal"] == 0
+    run = {"seed": 1, "nodes": 3, "shards": 2, "nemeses": ["kill-leader"], "elapsed_s": 1.0, "duration_s": 1.0}
+    text = text_report({**run, "network": "hook", "readers": 0}, result, [])
+    assert "hostile clients" in text and "requests sent 6" in text
+    assert "join-node-no-credentials" in text and "(must be refused)" in text
+    data = json_report(run, result, [])
+    assert data["hostile"]["by_status"]["UNAUTHENTICATED"] == 1 and data["passed"] is True
+
+
+@pytest.mark.parametrize("code", ["INTERNAL", "UNKNOWN"])
+def test_an_internal_answer_to_a_hostile_request_fails_the_run(code: str) -> None:
+    history = hostile_history([("get-streams-2000-shards", "INVALID_ARGUMENT"), ("deep-topic-queue-ack", code)])
+    result = check(history, stored("a", [0, 1]), [], n_shards=2)
+    assert not result.passed
+    (finding,) = result.of_kind("hostile-internal")
+    assert "deep-topic-queue-ack to n1" in finding.detail and code in finding.detail
+    assert result.violation_counts() == {"hostile-internal": 1}
+    assert result.counts["hostile_internal"] == 1
+    run = {"seed": 1, "nodes": 3, "shards": 2, "nemeses": [], "elapsed_s": 1.0, "duration_s": 1.0}
+    text = text_report({**run, "network": "hook", "readers": 0}, result, [])
+    assert "RESULT: FAIL (hostile-internal 1)" in text and "deep-topic-queue-ack" in text
+
+
+def test_a_request_that_must_be_refused_and_succeeds_fails_the_run() -> None:
+    history = hostile_history(
+        [("join-node-no-credentials", "OK"), ("join-node-no-credentials", "UNAUTHENTICATED"), ("burst", "OK")],
+        must_refuse=["join-node-no-credentials"],
+    )
+    result = check(history, stored("a", [0, 1]), [], n_shards=2)
+    assert result.violation_counts() == {"hostile-accepted": 1}
+    assert result.counts["hostile_accepted"] == 1
+
+
+def test_the_hostile_log_keeps_a_bounded_number_of_answers_to_judge() -> None:
+    history = hostile_history([("x", "INTERNAL")] * 1005)
+    assert history.hostile is not None
+    assert len(history.hostile.answers) == 1000 and history.hostile.dropped == 5
+    result = check(history, stored("a", [0, 1]), [], n_shards=2)
+    assert len(result.of_kind("hostile-internal")) == 1001
+    assert result.counts["hostile_internal"] == 1005
+
+
+def test_the_hostile_requests_are_what_they_claim() -> None:
+    from google.protobuf.message import DecodeError
+
+    from mqds.chaos import hostile
+    from mqds.v1 import cluster_pb2 as clpb
+    from mqds.v1 import sessions_pb2 as spb
+    from mqds.v1 import storage_pb2 as pb
+
+    fake = cast(hostile.HostileClients, type("H", (), {"n_shards": 4, "deep_position": None})())
+    kinds = [r.kind for r in hostile.REQUESTS]
+    assert len(kinds) == len(set(kinds))
+    by_kind = {r.kind: r for r in hostile.REQUESTS}
+    deep = pb.StoreBatchRequest.FromString(by_kind["deep-topic-store"].build(fake)).messages[0].topic
+    assert deep.count("/") + 1 == 1500 and not matches(TOPIC_FILTER_OF_RUN, deep)
+    ack = spb.AckRequest.FromString(by_kind["deep-topic-queue-ack"].build(fake))
+    assert ack.topic_filter == deep and ack.mode == spb.QUEUE
+    assert len(pb.GetFencesRequest.FromString(by_kind["get-fences-200k-shards"].build(fake)).shards) == 200_000
+    for r in hostile.REQUESTS:
+        raw = r.build(fake)
+        if "garbage" in r.kind:
+            with pytest.raises(DecodeError):
+                pb.StoreBatchRequest.FromString(raw)
+    # Admin calls without credentials must be refused; those with the secret name nothing that exists, so
+    # none of them can destroy data (and an OK answer to any of them fails the run too).
+    assert by_kind["join-node-no-credentials"].must_refuse and not by_kind["join-node-no-credentials"].secret
+    for r in hostile.REQUESTS:
+        if r.secret and "garbage" not in r.kind:
+            assert r.must_refuse, r.kind
+        if r.method in ("LeaveNode", "ForgetNode") and "garbage" not in r.kind:
+            assert clpb.LeaveNodeRequest.FromString(r.build(fake)).node_id == "ghost"
+        if r.method == "DropGeneration" and "garbage" not in r.kind:
+            assert pb.DropGenerationRequest.FromString(r.build(fake)).shard >= 4
+    assert any(r.burst > 16 for r in hostile.REQUESTS)
+
+
+TOPIC_FILTER_OF_RUN = "chaos/#"
+
+
+# -- idle spells: pausing the workload, and the outage of a fault that paused it ---------------
+
+
+def test_a_fault_that_paused_the_workload_is_measured_from_the_resumption() -> None:
+    history = History()
+    history.acked.update({("a", i): Ack(0, i, 0.1 * i) for i in range(30)})  # until 2.9 ...
+    history.acked.update({("a", i): Ack(0, i, 0.1 * i + 10.0) for i in range(30, 60)})  # ... again from 13.0
+    fault = FaultRecord(1, "idle-restart", ["n2"], "", started=3.0, healed=11.0, recovered=12.0)
+    fault.affected_shards = [0]
+    history.faults.append(fault)
+    history.workload_ended = 20.0
+    (outage,) = write_outages(history, n_shards=1, settle_s=1.0)
+    assert outage.affected[0] == pytest.approx(10.0)  # the idle spell, had it not paused the workload
+    fault.paused_at, fault.resumed_at = 3.0, 12.5
+    (outage,) = write_outages(history, n_shards=1, settle_s=1.0)
+    assert outage.affected[0] == pytest.approx(0.5)  # from the resumption to the first acknowledgement
+    assert fault.end == 12.5
+    run = {"seed": 1, "nodes": 3, "shards": 1, "nemeses": ["idle-restart"], "elapsed_s": 1.0, "duration_s": 1.0}
+    text = text_report({**run, "network": "hook", "readers": 0}, check(history, None, [], 1), [fault])
+    assert "workload paused 9.5s" in text
+
+
+def test_the_workload_pause_waits_for_the_unit_in_flight_and_holds_the_next() -> None:
+    from mqds.chaos.workload import PauseGate, WorkloadPause
+
+    gate = PauseGate()
+    stop = threading.Event()
+    in_unit = threading.Event()
+    release = threading.Event()
+    units: list[float] = []
+
+    def worker() -> None:
+        while gate.enter(stop):
+            try:
+                in_unit.set()
+                release.wait(5)
+                units.append(time.monotonic())
+            finally:
+                gate.leave()
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    assert in_unit.wait(5)
+    pause = WorkloadPause(History())
+    pause.add("w", gate)
+    # The unit in flight does not finish within the bound: the pause says so.
+    assert pause.pause(0.2) == ["w"] and pause.paused
+    release.set()
+    assert gate.wait_quiet(5)
+    held = len(units)
+    time.sleep(0.3)
+    assert len(units) == held, "a unit began while paused"
+    assert pause.resume() is not None and not pause.paused
+    deadline = time.monotonic() + 5
+    while len(units) == held and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(units) > held
+    # Stopping while paused ends the worker.
+    pause.pause(5)
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_the_idle_and_hostile_options() -> None:
+    opts, _ = runner.parse_options(["--raft-compaction-interval-s", "2", "--no-hostile", "--seed", "1"])
+    assert opts.raft_compaction_interval_s == 2.0 and opts.idle_s == 6.0 and opts.hostile is False
+    opts, _ = runner.parse_options(["--seed", "1", "--nemesis", "idle-restart,idle-restart-all"])
+    assert opts.hostile is True and opts.raft_compaction_interval_s == 3.0
+    assert opts.nemeses == ["idle-restart", "idle-restart-all"]
+    assert runner.main(["--raft-compaction-interval-s", "0"]) == runner.EXIT_USAGE
+    assert NEMESES["idle-restart"]().max_hold_s() <= 2.0

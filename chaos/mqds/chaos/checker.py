@@ -27,13 +27,22 @@ digests after healing, :func:`check` reports:
   (``consumer-vanished``). Redeliveries (a message delivered again to the
   same consumer, or to both queue consumers) are allowed by at-least-once
   delivery: they are counted per consumer, not violations;
+- **hostile clients** (:func:`check_hostile`): no hostile request may get
+  INTERNAL or UNKNOWN from any node (``hostile-internal``: a handler failed
+  instead of refusing the request clearly), and no request that must be
+  refused (an admin call without credentials, one with the secret whose
+  arguments name nothing) may succeed (``hostile-accepted``); every answer is counted per
+  request kind and per status code;
 - **convergence**: every replica of every vnode at the same applied index with
   the same digest;
 - **availability**: per fault, the longest time writes to its affected vnodes
-  got no acknowledgement, and the same for the other vnodes.
+  got no acknowledgement, and the same for the other vnodes. A fault that
+  paused the workload (the idle-restart nemeses) is measured from when the
+  workload resumed: the idle spell is the fault's, not an outage.
 
-Only the first six kinds, anomalies, the consumer checks and convergence are
-violations; availability and redeliveries are measurements.
+Only the first six kinds, anomalies, the consumer checks, the hostile clients'
+checks and convergence are violations; availability and redeliveries are
+measurements.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from mqds.chaos.history import (
     ConsumerLog,
     FaultRecord,
     History,
+    HostileLog,
     MessageKey,
     ReadMessage,
     topic_of,
@@ -145,6 +155,8 @@ class CheckResult:
     loss_classes: dict[str, int] = field(default_factory=dict)
     consumers: list[ConsumerStats] = field(default_factory=list)
     consumer_loss_classes: dict[str, int] = field(default_factory=dict)
+    hostile: dict[str, Any] | None = None
+    """The hostile clients' answers (see :func:`check_hostile`); None when the run had none."""
 
     def of_kind(self, kind: str) -> list[Finding]:
         return [f for f in self.findings if f.kind == kind]
@@ -187,6 +199,7 @@ class CheckResult:
             "loss_classes": self.loss_classes,
             "consumers": [c.to_json() for c in self.consumers],
             "consumer_loss_classes": self.consumer_loss_classes,
+            "hostile": self.hostile,
             "findings": [vars(f) for f in self.findings[: EXAMPLES * 20]],
             "convergence": [
                 {
@@ -502,14 +515,61 @@ def write_outages(
         cut_at = faults[i + 1].started if i + 1 < len(faults) else None
         until = fault.end + settle_s if cut_at is None else min(fault.end + settle_s, cut_at)
 
-        def gap(shard: int, f: FaultRecord = fault, u: float = until, c: float | None = cut_at) -> float:
-            return longest_gap(times.get(shard, []), f.started, u, end, c)
+        # A fault that paused the workload: nothing was written until it resumed, by design.
+        begin = fault.resumed_at if fault.resumed_at is not None else fault.started
+
+        def gap(shard: int, b: float = begin, u: float = until, c: float | None = cut_at) -> float:
+            return longest_gap(times.get(shard, []), b, u, end, c)
 
         affected = {s: gap(s) for s in fault.affected_shards}
         others = {s: gap(s) for s in all_shards if s not in fault.affected_shards}
         worst = max(others.items(), key=lambda item: item[1], default=(-1, 0.0))
         outages.append(Outage(fault.index, fault.nemesis, affected, worst[1], worst[0]))
     return outages
+
+
+INTERNAL_CODES = ("INTERNAL", "UNKNOWN")
+"""Status codes no hostile request may get: a handler that failed instead of refusing the request clearly."""
+
+
+def check_hostile(log: HostileLog, result: CheckResult) -> None:
+    """The hostile clients' verdict, added to ``result``: findings, and the counts per kind and per status."""
+    for answer in log.answers:
+        if answer.code in INTERNAL_CODES:
+            result.findings.append(
+                Finding(
+                    "hostile-internal",
+                    f"{answer.kind} to {answer.node} at {answer.at:.2f}s: {answer.code}: {answer.detail}",
+                )
+            )
+        elif answer.code == "OK" and answer.kind in log.must_refuse:
+            result.findings.append(
+                Finding(
+                    "hostile-accepted",
+                    f"{answer.kind} to {answer.node} at {answer.at:.2f}s: succeeded: it must be refused",
+                )
+            )
+    if log.dropped:
+        result.findings.append(Finding("hostile-internal", f"{log.dropped} more such answers (not kept)"))
+    by_status = log.by_status()
+    result.hostile = {
+        "sent": log.sent,
+        "by_status": by_status,
+        "by_kind": {kind: dict(sorted(codes.items())) for kind, codes in sorted(log.counts.items())},
+        "must_refuse": sorted(log.must_refuse),
+        "examples": [
+            {"kind": a.kind, "node": a.node, "code": a.code, "detail": a.detail, "at_s": round(a.at, 3)}
+            for (_, _), a in sorted(log.examples.items())
+            if a.code != "OK"
+        ],
+    }
+    result.counts.update(
+        {
+            "hostile_sent": log.sent,
+            "hostile_internal": sum(by_status.get(code, 0) for code in INTERNAL_CODES),
+            "hostile_accepted": len(result.of_kind("hostile-accepted")),
+        }
+    )
 
 
 def check(
@@ -523,6 +583,8 @@ def check(
     # Nothing could be read back: only the counts (the runner records why).
     result = CheckResult(counts=history.counts()) if final is None else check_reads(history, final, unparsable)
     check_consumers(history, result, None if final is None else {m.key for m in final})
+    if history.hostile is not None:
+        check_hostile(history.hostile, result)
     result.convergence = list(convergence)
     result.outages = write_outages(history, n_shards)
     return result

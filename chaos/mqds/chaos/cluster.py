@@ -107,6 +107,19 @@ class ChaosCluster(LocalCluster):
             metadata=[(SECRET_HEADER, self.secret), (NODE_HEADER, "chaos")],
         )
 
+    def hand_over_leadership(self, shard: int, leader: str) -> bool:
+        """Ask ``leader`` to hand the leadership of ``shard`` to a caught-up follower; whether it did."""
+        stub = rpb_grpc.RaftStub(self._channel(leader))
+        try:
+            stub.TransferLeadership(
+                rpb.TransferLeadershipRequest(group=shard, node_id=""),
+                timeout=10,
+                metadata=[(SECRET_HEADER, self.secret), (NODE_HEADER, "chaos")],
+            )
+        except grpc.RpcError:
+            return False
+        return True
+
     def members(self) -> list[str]:
         """The node ids in the cluster map (as a live node answers)."""
         return [n.id for n in self.cluster_map().nodes]

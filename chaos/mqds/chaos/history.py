@@ -115,11 +115,15 @@ class FaultRecord:
     affected_shards: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     error: str = ""
+    paused_at: float | None = None
+    """When the fault paused the workload's writers (the idle-restart nemeses), if it did."""
+    resumed_at: float | None = None
+    """When they were let go again (after the cluster was whole again)."""
 
     @property
     def end(self) -> float:
-        """When the cluster was whole again (or healed, or began, whichever is known last)."""
-        return self.recovered or self.healed or self.started
+        """When the cluster was whole again and the workload resumed (or healed, or began: the last known)."""
+        return self.resumed_at or self.recovered or self.healed or self.started
 
 
 PUBSUB = "pubsub"  # every subscriber has its own read position and gets every message
@@ -146,6 +150,52 @@ class ConsumerLog:
     """A fetch begun after the workload ended came back empty: the consumer had everything."""
 
 
+@dataclass(frozen=True)
+class HostileAnswer:
+    """One answer a hostile request got that the checker must look at (see :class:`HostileLog`)."""
+
+    kind: str
+    node: str
+    code: str
+    detail: str
+    at: float
+
+
+@dataclass
+class HostileLog:
+    """What the hostile clients sent and what each request kind got back, by gRPC status code name.
+
+    ``counts[kind][code]`` counts every answer; ``answers`` keeps the answers
+    the checker judges (INTERNAL and UNKNOWN, and OK to a kind in
+    ``must_refuse``: an admin call without credentials), at most
+    :attr:`KEEP` of them; ``examples`` keeps the first answer of each kind and
+    code, for the report.
+    """
+
+    KEEP = 1000
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    must_refuse: set[str] = field(default_factory=set)
+    answers: list[HostileAnswer] = field(default_factory=list)
+    examples: dict[tuple[str, str], HostileAnswer] = field(default_factory=dict)
+    dropped: int = 0
+    """Answers to judge beyond KEEP (counted, not kept)."""
+
+    def judged(self, kind: str, code: str) -> bool:
+        """Whether an answer is one the checker must see (kept in ``answers``)."""
+        return code in ("INTERNAL", "UNKNOWN") or (code == "OK" and kind in self.must_refuse)
+
+    @property
+    def sent(self) -> int:
+        return sum(sum(list(codes.values())) for codes in list(self.counts.values()))
+
+    def by_status(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for codes in self.counts.values():
+            for code, n in codes.items():
+                out[code] = out.get(code, 0) + n
+        return dict(sorted(out.items()))
+
+
 class History:
     """Everything the workload recorded. Keys are recorded as attempted before they are sent."""
 
@@ -162,6 +212,8 @@ class History:
         self.faults: list[FaultRecord] = []
         self.consumers: dict[str, ConsumerLog] = {}
         self.workload_ended: float | None = None
+        # The hostile clients' answers (None when the run had none).
+        self.hostile: HostileLog | None = None
 
     def clock(self) -> float:
         """Seconds since the run began."""
@@ -225,6 +277,28 @@ class History:
         """A copy of what consumer ``name`` was delivered so far."""
         with self._lock:
             return list(self.consumers[name].deliveries)
+
+    def add_hostile(self, must_refuse: set[str]) -> HostileLog:
+        """Register the hostile clients; ``must_refuse``: request kinds an OK answer to is a violation."""
+        with self._lock:
+            self.hostile = HostileLog(must_refuse=set(must_refuse))
+            return self.hostile
+
+    def record_hostile(self, kind: str, node: str, code: str, detail: str = "") -> None:
+        """One answer to a hostile request of ``kind`` sent to ``node`` (``code``: a grpc.StatusCode name)."""
+        with self._lock:
+            if self.hostile is None:
+                self.hostile = HostileLog()
+            log = self.hostile
+            codes = log.counts.setdefault(kind, {})
+            codes[code] = codes.get(code, 0) + 1
+            answer = HostileAnswer(kind, node, code, detail[:300], self.clock())
+            log.examples.setdefault((kind, code), answer)
+            if log.judged(kind, code):
+                if len(log.answers) < log.KEEP:
+                    log.answers.append(answer)
+                else:
+                    log.dropped += 1
 
     def is_attempted(self, key: MessageKey) -> bool:
         return key in self.attempted

@@ -22,6 +22,13 @@ DESCRIPTIONS = {
     "consumer-vanished": "delivered to a consumer during the run, gone at the end",
     "consumer-error": "a consumer's fetch or ack failed with a non-retriable error",
     "consumer-crashed": "a consumer thread died",
+    "hostile-internal": "a hostile request got INTERNAL or UNKNOWN: the node failed instead of refusing it clearly",
+    "hostile-accepted": (
+        "a request that must be refused succeeded (an admin call without credentials, or naming nothing)"
+    ),
+    "hostile-crashed": "the hostile clients' thread died",
+    "node-crashed": "a node process exited by itself",
+    "not-recovered": "the cluster, or a restarted node, was not ready within the bound",
 }
 
 
@@ -63,10 +70,11 @@ def text_report(run: dict[str, Any], result: CheckResult, faults: list[FaultReco
         f"  replicas              {converged:>10} of {len(result.convergence)} vnodes converged "
         "(same applied index and digest)",
         *_consumer_table(result),
+        *_hostile_table(result),
         "",
         "fault timeline (outage = longest time a vnode got no acknowledged write, from the fault until 10 s "
         "after recovery)",
-        f"  {'#':>3} {'start':>7} {'nemesis':<14} {'targets':<12} {'healed':>7} {'ready':>7} "
+        f"  {'#':>3} {'start':>7} {'nemesis':<16} {'targets':<12} {'healed':>7} {'ready':>7} "
         f"{'hit vnodes':<14} {'outage hit':>10} {'others':>8}  detail",
     ]
     outages = {o.fault: o for o in result.outages}
@@ -75,21 +83,31 @@ def text_report(run: dict[str, Any], result: CheckResult, faults: list[FaultReco
         hit = ",".join(map(str, f.affected_shards)) or "-"
         held = None if f.healed is None else f.healed - f.started
         ready = None if f.recovered is None or f.healed is None else f.recovered - f.healed
-        detail = f.detail + (f" [{'; '.join(f.notes)}]" if f.notes else "") + (f" ERROR: {f.error}" if f.error else "")
+        paused = (
+            f" (workload paused {f.resumed_at - f.paused_at:.1f}s; outage counted from its resumption)"
+            if f.paused_at is not None and f.resumed_at is not None
+            else ""
+        )
+        detail = (
+            f.detail
+            + paused
+            + (f" [{'; '.join(f.notes)}]" if f.notes else "")
+            + (f" ERROR: {f.error}" if f.error else "")
+        )
         lines.append(
-            f"  {f.index:>3} {f.started:>6.1f}s {f.nemesis:<14} {','.join(f.targets):<12} {_s(held):>7} "
+            f"  {f.index:>3} {f.started:>6.1f}s {f.nemesis:<16} {','.join(f.targets):<12} {_s(held):>7} "
             f"{_s(ready):>7} {hit[:14]:<14} {_s(o.affected_max_s if o and o.affected else None):>10} "
             f"{_s(o.others_max_s if o else None):>8}  {detail}"
         )
     lines += [
         "",
         "availability per nemesis (outage of the vnodes each fault hit; 'others' = worst vnode not hit)",
-        f"  {'nemesis':<14} {'faults':>6} {'vnodes hit':>10} {'max':>7} {'median':>7} {'others max':>10} "
+        f"  {'nemesis':<16} {'faults':>6} {'vnodes hit':>10} {'max':>7} {'median':>7} {'others max':>10} "
         f"{'others median':>13}",
     ]
     for kind, row in result.availability_summary().items():
         lines.append(
-            f"  {kind:<14} {row['faults']:>6.0f} {row['affected_vnodes']:>10.0f} {_s(row['affected_max_s']):>7} "
+            f"  {kind:<16} {row['faults']:>6.0f} {row['affected_vnodes']:>10.0f} {_s(row['affected_max_s']):>7} "
             f"{_s(row['affected_median_s']):>7} {_s(row['others_max_s']):>10} {_s(row['others_median_s']):>13}"
         )
     if result.loss_classes:
@@ -137,6 +155,26 @@ def _consumer_table(result: CheckResult) -> list[str]:
     return lines
 
 
+def _hostile_table(result: CheckResult) -> list[str]:
+    """The hostile clients' answers per request kind and status (no lines when the run had none)."""
+    hostile = result.hostile
+    if not hostile:
+        return []
+    statuses = ", ".join(f"{code} {n:,}" for code, n in hostile["by_status"].items()) or "none"
+    lines = [
+        "",
+        "hostile clients (raw gRPC beside the workload: none may get INTERNAL or UNKNOWN; those marked must be",
+        "refused: admin calls without credentials, and with the secret but naming nothing)",
+        f"  requests sent {hostile['sent']:,}: {statuses}",
+        f"  {'request':<38} {'sent':>6}  answers",
+    ]
+    for kind, codes in hostile["by_kind"].items():
+        answers = ", ".join(f"{code} {n:,}" for code, n in codes.items())
+        refuse = " (must be refused)" if kind in hostile["must_refuse"] else ""
+        lines.append(f"  {kind:<38} {sum(codes.values()):>6,}  {answers}{refuse}")
+    return lines
+
+
 def json_report(run: dict[str, Any], result: CheckResult, faults: list[FaultRecord]) -> dict[str, Any]:
     return {
         "run": run,
@@ -153,6 +191,8 @@ def json_report(run: dict[str, Any], result: CheckResult, faults: list[FaultReco
                 "affected_shards": f.affected_shards,
                 "notes": f.notes,
                 "error": f.error,
+                "paused_s": None if f.paused_at is None else round(f.paused_at, 3),
+                "resumed_s": None if f.resumed_at is None else round(f.resumed_at, 3),
             }
             for f in faults
         ],

@@ -1,5 +1,16 @@
 """``python -m mqds.chaos``: start a cluster, run the workload under faults, heal, drain, check, report.
 
+The nodes run with small Raft logs and segments and a short Raft compaction
+interval (``--raft-compaction-interval-s``, 3 s), so logs compact all the
+time and an idle spell of a few seconds is enough for the ``idle-restart``
+nemeses: they pause the workload's writers (:class:`WorkloadPause`) for
+twice the interval plus 2 s, restart one node or all of them, and the runner
+resumes the workload once the cluster is ready again. Hostile clients
+(``--hostile``, on by default; :mod:`mqds.chaos.hostile`) send odd and
+malicious requests over raw gRPC beside the workload for the whole run; the
+checker fails the run on an INTERNAL or UNKNOWN answer to any of them, and
+the report counts their answers per request kind and status.
+
 :func:`main` is the entry point (``main(argv) -> exit code``): 0 when the
 checker found nothing wrong, 1 on any violation, 2 for bad options, 3 when the
 run itself could not be carried out (the cluster did not start, the network
@@ -31,6 +42,7 @@ from mqds.chaos import nemesis as nem
 from mqds.chaos.checker import CheckResult, Convergence, Finding, ReplicaState, check
 from mqds.chaos.cluster import ChaosCluster
 from mqds.chaos.history import TOPIC_FILTER, TOPIC_ROOT, FaultRecord, History, ReadMessage, parse_message
+from mqds.chaos.hostile import HostileClients
 from mqds.chaos.network import NetworkError, make_network
 from mqds.chaos.report import json_report, text_report
 from mqds.chaos.workload import (
@@ -42,6 +54,7 @@ from mqds.chaos.workload import (
     QueueConsumer,
     Reader,
     SessionConsumer,
+    WorkloadPause,
     senders_for_shards,
 )
 from mqds.client import Client
@@ -86,10 +99,18 @@ class Options:
     generation_interval_s: float = 20.0
     raft_log_max_bytes: int = 64 * 1024
     raft_segment_bytes: int = 1024 * 1024
+    raft_compaction_interval_s: float = 3.0
+    hostile: bool = True
+    hostile_interval_s: float = 0.5
     work_dir: Path | None = None
     keep: bool = False
     report_json: Path | None = None
     progress_s: float = 5.0
+
+    @property
+    def idle_s(self) -> float:
+        """The idle-restart nemeses' idle spell: two compaction intervals and 2 s."""
+        return 2 * self.raft_compaction_interval_s + 2.0
 
 
 def _range(text: str) -> tuple[float, float]:
@@ -128,7 +149,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
             "persistent-session consumers (redeliveries counted); report how long writes stopped per fault. Exit code "
             "0 = passed, 1 = a violation, 2 = bad options, 3 = the run could not be carried out."
         ),
-        epilog="nemeses:\n  " + "\n  ".join(f"{n:<14} {cls.description}" for n, cls in nem.NEMESES.items()),
+        epilog="nemeses:\n  " + "\n  ".join(f"{n:<16} {cls.description}" for n, cls in nem.NEMESES.items()),
     )
     parser.add_argument(
         "--duration",
@@ -242,6 +263,30 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "while nodes are killed (1048576)",
     )
     parser.add_argument(
+        "--raft-compaction-interval-s",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="the nodes' raft_compaction_interval_s: short, so the idle-restart nemeses' idle spell (twice this "
+        "plus 2 s, with no writes) outlasts it and every group compacts while idle (3)",
+    )
+    parser.add_argument(
+        "--hostile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="hostile clients beside the workload for the whole run: deep topics, thousands of repeated shards, "
+        "empty batches, garbage bytes, admin calls without credentials (and some with the secret, invalid), "
+        "bursts of slow calls on one connection, over raw gRPC; any INTERNAL or UNKNOWN answer fails the run "
+        "(default on)",
+    )
+    parser.add_argument(
+        "--hostile-interval",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="seconds between two hostile requests (0.5)",
+    )
+    parser.add_argument(
         "--work-dir", type=Path, metavar="DIR", help="where the nodes' data and logs go (default: a new temp dir)"
     )
     parser.add_argument("--keep", action="store_true", help="keep the work dir (it is always kept when the run fails)")
@@ -267,6 +312,8 @@ def parse_options(argv: Sequence[str] | None, prog: str = PROG) -> tuple[Options
         parser.error("--consumer-poll must be greater than 0")
     if ns.duration <= 0 or ns.call_timeout <= 0 or ns.drain_timeout <= 0:
         parser.error("--duration, --call-timeout and --drain-timeout must be greater than 0")
+    if ns.raft_compaction_interval_s <= 0 or ns.hostile_interval <= 0:
+        parser.error("--raft-compaction-interval-s and --hostile-interval must be greater than 0")
     opts = Options(
         duration_s=ns.duration,
         nemeses=ns.nemesis if isinstance(ns.nemesis, list) else _nemeses(ns.nemesis),
@@ -288,6 +335,9 @@ def parse_options(argv: Sequence[str] | None, prog: str = PROG) -> tuple[Options
         generation_interval_s=ns.generation_interval,
         raft_log_max_bytes=ns.raft_log_max_bytes,
         raft_segment_bytes=ns.raft_segment_bytes,
+        raft_compaction_interval_s=ns.raft_compaction_interval_s,
+        hostile=ns.hostile,
+        hostile_interval_s=ns.hostile_interval,
         work_dir=ns.work_dir,
         keep=ns.keep,
         report_json=ns.report_json,
@@ -324,6 +374,8 @@ class ChaosRun:
         self.publishers: list[Publisher] = []
         self.readers: list[Reader] = []
         self.consumers: list[SessionConsumer] = []
+        self.hostile: HostileClients | None = None
+        self.pause = WorkloadPause(self.history)
         self._progress_stop = threading.Event()
         self.cluster: ChaosCluster | None = None
 
@@ -336,10 +388,14 @@ class ChaosRun:
         while not self._progress_stop.wait(self.opts.progress_s):
             c = self.history.counts()
             reads = sum(r.read for r in self.readers)
+            hostile = self.history.hostile
+            bad = f" ({len(hostile.answers)} bad)" if hostile and hostile.answers else ""
             self.say(
                 f"acked {c['acked']:,}/{c['attempted']:,} msgs, calls unknown {c['calls_unknown']:,} "
                 f"partial {c['calls_partial']:,} failed {c['calls_failed']:,} | read {reads:,} | "
-                f"delivered {c['consumer_deliveries']:,} | faults {len(self.history.faults)} | {self.current}"
+                f"delivered {c['consumer_deliveries']:,} | "
+                + (f"hostile {hostile.sent:,}{bad} | " if hostile else "")
+                + f"faults {len(self.history.faults)} | {self.current}"
             )
 
     # -- the phases -------------------------------------------------------------------
@@ -365,12 +421,22 @@ class ChaosRun:
         for i in range(opts.readers):
             self.readers.append(Reader(f"reader{i}", self._client, self.history, stale_ok=i % 2 == 1))
         self._make_consumers()
+        if opts.hostile:
+            assert self.cluster is not None
+            self.hostile = HostileClients(
+                self.cluster, self.history, opts.shards, seed=opts.seed, interval_s=opts.hostile_interval_s
+            )
+            self.pause.add("hostile", self.hostile.gate)
         for publisher in self.publishers:
+            self.pause.add(publisher.name, publisher.gate)
             publisher.start()
         for reader in self.readers:
             reader.start()
         for consumer in self.consumers:
+            self.pause.add(consumer.name, consumer.gate)
             consumer.start()
+        if self.hostile is not None:
+            self.hostile.start()
 
     def _make_consumers(self) -> None:
         """The pubsub consumers on ``chaos/#``; the queue consumers on the queue sender's topics (see QueueConsumer)."""
@@ -492,7 +558,7 @@ class ChaosRun:
 
     def _one_fault(self, env: nem.Env, planned: nem.Planned) -> None:
         nemesis = nem.NEMESES[planned.nemesis]()
-        hold = max(planned.hold_s, nemesis.min_hold_s())
+        hold = min(max(planned.hold_s, nemesis.min_hold_s()), nemesis.max_hold_s())
         fault = FaultRecord(planned.index, planned.nemesis, [], "", started=self.history.clock())
         self.current = f"fault #{planned.index} {planned.nemesis} (injecting)"
         try:
@@ -517,6 +583,10 @@ class ChaosRun:
         time.sleep(hold)
         try:
             fault.notes += nemesis.heal(env)
+        except nem.NotRecovered as err:
+            fault.error = (fault.error + "; " if fault.error else "") + f"not recovered: {str(err)[:300]}"
+            self.say(f"#{fault.index} {fault.nemesis}: {err}")
+            self.harness_findings.append(Finding("not-recovered", f"#{fault.index} {fault.nemesis}: {err}"))
         except Exception as err:
             fault.error = (fault.error + "; " if fault.error else "") + f"heal failed: {err}"
             self.say(f"#{fault.index} heal failed: {err}")
@@ -532,6 +602,12 @@ class ChaosRun:
             f"#{fault.index} healed after {fault.healed - fault.started:.1f}s, "
             f"ready {(fault.recovered or fault.healed) - fault.healed:.1f}s later"
         )
+        if self.pause.paused:
+            fault.paused_at = self.pause.resume()
+            fault.resumed_at = self.history.clock()
+            self.say(
+                f"#{fault.index} workload resumed, {fault.resumed_at - (fault.paused_at or 0):.1f}s after its pause"
+            )
 
     def _snapshots_note(self, node_id: str) -> str:
         assert self.cluster is not None
@@ -545,6 +621,7 @@ class ChaosRun:
     def _heal_everything(self, env: nem.Env) -> None:
         """After the last fault: every node running, resumed and connected."""
         assert self.cluster is not None
+        self.pause.resume()
         for node_id in list(self.cluster.paused):
             self.cluster.resume(node_id)
         self._check_nodes(env)
@@ -556,6 +633,8 @@ class ChaosRun:
 
     def _drain(self) -> None:
         self.current = "draining"
+        if self.hostile is not None:
+            self.hostile.stop()
         for p in self.publishers:
             p.stop.set()
         deadline = time.monotonic() + self.opts.drain_timeout_s
@@ -568,6 +647,10 @@ class ChaosRun:
             if p.thread.is_alive():
                 self.harness_findings.append(Finding("fault-error", f"publisher {p.name} did not stop"))
         self.history.workload_ended = self.history.clock()
+        if self.hostile is not None:
+            self.hostile.thread.join(30)
+            if self.hostile.thread.is_alive():
+                self.harness_findings.append(Finding("fault-error", "the hostile clients did not stop"))
         # Consumers go on until a fetch begun from now on comes back empty: they got everything.
         for consumer in self.consumers:
             consumer.finish()
@@ -681,6 +764,7 @@ class ChaosRun:
                 f"--raft-log-max-bytes={opts.raft_log_max_bytes}",
                 f"--raft-segment-bytes={opts.raft_segment_bytes}",
                 f"--generation-interval-s={opts.generation_interval_s}",
+                f"--raft-compaction-interval-s={opts.raft_compaction_interval_s}",
             ]
             try:
                 self.cluster = ChaosCluster(
@@ -689,7 +773,16 @@ class ChaosRun:
                 self.cluster.start(READY_TIMEOUT_S)
             except (RuntimeError, TimeoutError, OSError, NetworkError) as err:
                 raise HarnessError(f"the cluster did not start: {err}") from None
-            env = nem.Env(self.cluster, self.history, self.say, opts.generation_interval_s)
+            env = nem.Env(
+                self.cluster,
+                self.history,
+                self.say,
+                opts.generation_interval_s,
+                workload=self.pause,
+                compaction_interval_s=opts.raft_compaction_interval_s,
+                idle_s=opts.idle_s,
+                pause_timeout_s=2 * opts.call_timeout_s + 10,
+            )
             self._start_workload()
             if opts.progress_s > 0:
                 progress.start()
@@ -719,6 +812,9 @@ class ChaosRun:
                 "batch": opts.batch,
                 "call_timeout_s": opts.call_timeout_s,
                 "generation_interval_s": opts.generation_interval_s,
+                "raft_compaction_interval_s": opts.raft_compaction_interval_s,
+                "idle_s": opts.idle_s,
+                "hostile": opts.hostile,
                 "work_dir": str(work),
             }
             faults = list(self.history.faults)
@@ -734,6 +830,9 @@ class ChaosRun:
             return report
         finally:
             self._progress_stop.set()
+            self.pause.resume()
+            if self.hostile is not None:
+                self.hostile.stop()
             for p in self.publishers:
                 p.stop.set()
                 p.abandon.set()

@@ -36,6 +36,14 @@ queue mode on the topics of a slow publisher of their own (sender
 ``queue``; see the class for why not all of ``chaos/#``), and between them
 must get every message of it.
 :class:`SessionConsumer` is what the runner needs of a consumer.
+
+**Pausing.** Publishers and consumers pass a :class:`PauseGate` before each
+unit of work (a batch with its retries; a fetch with its acknowledgements).
+:class:`WorkloadPause` closes the gates of all of them and waits (bounded)
+until the units in flight are done, so the cluster gets no writes at all for
+an idle spell (the ``idle-restart`` nemeses); a call still in flight when the
+bound runs out goes on as any call does (a kill makes its outcome unknown, and
+it is retried). Readers are not paused: reads write nothing.
 """
 
 from __future__ import annotations
@@ -88,6 +96,84 @@ def senders_for_shards(prefix: str, n_shards: int, shards: list[int]) -> list[st
     return [found[s] for s in shards]
 
 
+class PauseGate:
+    """Where a worker thread may be held between two units of work.
+
+    The worker calls :meth:`enter` before a unit (it blocks while the gate is
+    closed, and returns False once ``stop`` is set) and :meth:`leave` after it.
+    :meth:`close` makes the next ``enter`` block; :meth:`wait_quiet` waits
+    until no unit is in flight; :meth:`open` lets the worker go on.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._closed = False
+        self._busy = False
+
+    def enter(self, stop: threading.Event) -> bool:
+        with self._cond:
+            while self._closed and not stop.is_set():
+                self._cond.wait(0.2)
+            if stop.is_set():
+                return False
+            self._busy = True
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+
+    def open(self) -> None:
+        with self._cond:
+            self._closed = False
+            self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def wait_quiet(self, timeout_s: float) -> bool:
+        """Until no unit of work is in flight (True), or ``timeout_s`` passed (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._busy, timeout_s)
+
+
+class WorkloadPause:
+    """Pause and resume the writers of a run (publishers, consumers, hostile clients): each has a PauseGate."""
+
+    def __init__(self, history: History) -> None:
+        self.history = history
+        self.gates: dict[str, PauseGate] = {}
+        self.paused_at: float | None = None
+
+    def add(self, name: str, gate: PauseGate) -> None:
+        self.gates[name] = gate
+
+    @property
+    def paused(self) -> bool:
+        return self.paused_at is not None
+
+    def pause(self, timeout_s: float) -> list[str]:
+        """Close every gate, then wait until the units in flight are done; the names of those still busy."""
+        self.paused_at = self.history.clock()
+        for gate in self.gates.values():
+            gate.close()
+        deadline = time.monotonic() + timeout_s
+        return [name for name, gate in self.gates.items() if not gate.wait_quiet(max(0.0, deadline - time.monotonic()))]
+
+    def resume(self) -> float | None:
+        """Open every gate; when the pause began (None if it was not paused)."""
+        began, self.paused_at = self.paused_at, None
+        for gate in self.gates.values():
+            gate.open()
+        return began
+
+
 class Publisher:
     """One thread writing batches of its senders' messages, exactly once, until told to stop."""
 
@@ -116,6 +202,7 @@ class Publisher:
         # stop: begin no new batch; abandon: stop retrying too (the drain is over).
         self.stop = threading.Event()
         self.abandon = threading.Event()
+        self.gate = PauseGate()
         self.thread = threading.Thread(target=self._run, name=f"chaos-{name}", daemon=True)
 
     def start(self) -> None:
@@ -137,8 +224,11 @@ class Publisher:
 
     def _run(self) -> None:
         try:
-            while not self.stop.is_set():
-                self._write_one_batch()
+            while self.gate.enter(self.stop):
+                try:
+                    self._write_one_batch()
+                finally:
+                    self.gate.leave()
                 self.stop.wait(self.interval_s)
         except Exception as err:  # a bug in the client or here: record it, it fails the run
             log.exception("publisher %s died", self.name)
@@ -338,6 +428,7 @@ class SessionConsumer(Protocol):
     name: str
     log: ConsumerLog
     thread: threading.Thread
+    gate: PauseGate
 
     def start(self) -> None: ...
 
@@ -394,6 +485,7 @@ class _FetchAckConsumer(ABC):
         self._finish = threading.Event()
         # Ends the wait for the next turn: once draining, nothing new comes, so there is no point waiting.
         self._wake = threading.Event()
+        self.gate = PauseGate()
         self.thread = threading.Thread(target=self._run, name=f"chaos-{name}", daemon=True)
 
     def start(self) -> None:
@@ -411,15 +503,24 @@ class _FetchAckConsumer(ABC):
         backoff = 0.1
         try:
             self._idle()
-            while not self._stop.is_set():
+            while self.gate.enter(self._stop):
                 # Only a fetch that began after the workload ended can prove the consumer has everything.
                 finishing = self._finish.is_set()
+                error: E.MqdsError | None = None
+                messages: list[Message] = []
                 try:
                     messages = self.client.fetch_offline(
                         self.name, self.topic_filter, self.mode, self.max_count, timeout_s=self.call_timeout_s
                     )
+                    if messages:
+                        self._deliver(messages)
+                        self._ack(messages)
                 except E.MqdsError as err:
-                    self._error(err)
+                    error = err
+                finally:
+                    self.gate.leave()
+                if error is not None:
+                    self._error(error)
                     self._stop.wait(backoff)
                     backoff = min(backoff * 2, 1.0)
                     continue
@@ -427,9 +528,6 @@ class _FetchAckConsumer(ABC):
                 if not messages and finishing:
                     self.log.drained = True
                     return
-                if messages:
-                    self._deliver(messages)
-                    self._ack(messages)
                 if len(messages) < self.max_count:
                     self._idle()
         except Exception as err:  # a bug in the client or here: record it, it fails the run
