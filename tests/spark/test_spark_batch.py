@@ -210,7 +210,7 @@ def test_a_dropped_generation_fails_the_read_or_is_skipped(
     stored = publish(cluster, readings(prefix, 120, senders=8))
     token = pin_snapshot(endpoints)
     victim_shard = stored[0].shard or 0
-    with Client(cluster.addresses, timeout_s=30) as client:
+    with cluster.admin_client() as client:  # generations are admin calls
         old = {g.shard: g.generation for g in client.list_generations() if g.current}
         client.add_generation()
         # Planned before the drop, read after it: the executor meets GENERATION_DROPPED.

@@ -134,7 +134,7 @@ def test_a_stream_behind_a_dropped_generation_fails_or_skips(
     shard = stored[0].shard or 0
     source = reader(endpoints, prefix, startingOffsets="earliest")
     start = source.initialOffset()
-    with Client(cluster.addresses, timeout_s=30) as client:
+    with cluster.admin_client() as client:  # generations are admin calls
         current = next(g.generation for g in client.list_generations(shard) if g.current)
         client.add_generation(shard)
         client.drop_generation(shard, current)

@@ -65,6 +65,16 @@ def test_fetch_merges_streams_by_time_across_generations_and_honours_the_count(s
     assert fetched(shard, wanted("#", since_us=400)) == ["6", "7"]
 
 
+def test_a_fetch_holds_at_most_its_byte_budget_and_one_message_at_least(shard: ShardStorage) -> None:
+    """The node built a whole FetchMessages answer (up to max_count messages of each shard, 1 MiB each)
+    before cutting it to max_answer_bytes."""
+    shard.store([msg("big/a", str(i) * 1000) for i in range(10)], 100)
+    size = len(shard.sessions.fetch(wanted("big/#", max_count=1))[0][1])
+    assert fetched(shard, wanted("big/#", max_bytes=3 * size)) == [str(i) * 1000 for i in range(3)]
+    assert fetched(shard, wanted("big/#", max_bytes=1)) == ["0" * 1000]
+    assert len(fetched(shard, wanted("big/#", max_bytes=None))) == 10
+
+
 def test_queue_marks_skip_messages_and_go_with_their_generation(shard: ShardStorage) -> None:
     first = shard.store([msg("q/a", "1"), msg("q/a", "2")], 100)
     shard.sessions.ack_queue(first, "q/#")

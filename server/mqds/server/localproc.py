@@ -629,6 +629,13 @@ class LocalCluster:
         kwargs.setdefault("settings", self.connection)
         return Client(self.addresses, **kwargs)
 
+    def admin_client(self, timeout_s: float = 30) -> Client:
+        """A client presenting the cluster secret, as an operator's tools do: it may make admin calls."""
+        base = self.connection or ConnectionSettings()
+        return Client(
+            self.addresses, settings=dataclasses.replace(base, timeout_s=timeout_s, cluster_secret=self.secret)
+        )
+
     def kill(self, node_id: str) -> None:
         """kill -9 a node."""
         self.nodes[node_id].kill()

@@ -213,6 +213,10 @@ class SessionService(ShardsAPI):
                 max_count=max_count,
                 include_qos0=request.include_qos0,
                 skip_acked=request.skip_acked,
+                # Each shard's oldest messages up to the answer's budget: the
+                # answer below (the oldest of all, within the same budget) is
+                # always among them, and the node never holds much more.
+                max_bytes=self.max_answer_bytes,
             )
             with vnode.replica.reading() as storage:
                 found.extend((ts, vnode.shard, stored) for ts, stored in storage.sessions.fetch(wanted))

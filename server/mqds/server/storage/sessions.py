@@ -50,6 +50,8 @@ class FetchFilter:
     include_qos0: bool
     skip_acked: bool
     """Skip messages a queue reader acknowledged."""
+    max_bytes: int | None = None
+    """Stop before the message that would take the stored bytes found past this (one message at least)."""
 
 
 class SessionState:
@@ -218,20 +220,24 @@ class SessionState:
         return 0 if raw is None else keys.read_u64(raw)
 
     def fetch(self, wanted: FetchFilter) -> list[tuple[int, bytes]]:
-        """Up to ``max_count`` stored messages that pass ``wanted``, oldest first: (timestamp, stored bytes).
+        """Up to ``max_count`` stored messages (and ``max_bytes``) that pass ``wanted``, oldest first.
 
-        A queue fetch starts after the filter's queue floor, so acknowledged
+        Each is (timestamp, stored bytes). A queue fetch starts after the filter's queue floor, so acknowledged
         messages at the head of a queue are not scanned again and again.
         """
         after = wanted.after_us
         if wanted.skip_acked:
             after = max(after, self.queue_floor(wanted.topic_filter))
         found: list[tuple[int, bytes]] = []
+        size = 0
         for ts, stored in self._ordered(wanted.topic_filter, max(after + 1, wanted.since_us)):
             if not wanted.include_qos0 and _qos(stored) == 0:
                 continue
             if wanted.skip_acked and self._get(keys.queue_ack_key(ts)) is not None:
                 continue
+            size += len(stored)
+            if wanted.max_bytes is not None and found and size > wanted.max_bytes:
+                break
             found.append((ts, stored))
             if len(found) == wanted.max_count:
                 break
