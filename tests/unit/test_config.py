@@ -17,6 +17,16 @@ def test_defaults_are_valid() -> None:
     assert config.n_shards == 16
 
 
+def test_defaults_are_valid_however_large_the_cluster() -> None:
+    """A sixth node joining a cluster started with defaults refused to start: the check counted one
+    worker per peer's Raft stream (which now run on threads of their own)."""
+    peers = ",".join(f"n{i}=10.0.0.{i}:7101" for i in range(1, 41))
+    config, _ = load_config(["--node-id", "n6", "--peers", peers], environ={"MQDS_CLUSTER_SECRET": "s" * 16})
+    assert len(config.peer_map()) == 40
+    with pytest.raises(ConfigError, match="must exceed max_public_calls"):
+        load_config(["--grpc-workers", "30", "--max-public-calls", "24"], environ={})
+
+
 def test_precedence_file_env_flags(tmp_path: Path) -> None:
     path = tmp_path / "node.toml"
     path.write_text('node_id = "from-file"\nn_shards = 4\nlisten = "127.0.0.1:9000"\nretention_period_s = 60\n')

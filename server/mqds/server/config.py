@@ -85,8 +85,8 @@ class NodeConfig:
     max_public_calls: int = _opt(
         24,
         "public calls and streams (API, server reflection, health Watch) in flight on this node from all clients; "
-        "more get OVERLOADED at once. Below grpc_workers, so workers stay free for the peers' Raft streams, "
-        "internal calls and refusals; health checks have threads of their own",
+        "more get OVERLOADED at once. At least 8 below grpc_workers, so workers stay free for internal calls "
+        "and refusals; health checks and the peers' Raft streams have threads of their own",
     )
     max_concurrent_rpcs: int = _opt(
         1024,
@@ -171,8 +171,8 @@ class NodeConfig:
     )
     grpc_workers: int = _opt(
         32,
-        "threads serving gRPC calls: public calls (max_public_calls), each peer's incoming Raft stream, "
-        "internal calls and refusals",
+        "threads serving gRPC calls: public calls (max_public_calls), internal calls and refusals (the peers' "
+        "Raft streams have threads of their own)",
     )
     block_cache_bytes: int = _opt(64 * 1024 * 1024, "RocksDB block cache shared by all shards, in bytes")
     write_buffer_bytes: int = _opt(128 * 1024 * 1024, "RocksDB memtable memory for all shards together, in bytes")
@@ -291,13 +291,18 @@ class NodeConfig:
         return self
 
     def _check_worker_caps(self) -> None:
-        """Public calls may never hold every worker: the rest serve the peers' Raft streams and refusals."""
-        spare = max(_SPARE_WORKERS, len(set(self.peer_map()) - {self.node_id}) + _SPARE_WORKERS // 2)
-        if self.grpc_workers - self.max_public_calls < spare:
+        """Public calls may never hold every worker: the rest serve internal calls and refusals.
+
+        The peers' Raft streams do not count: they run on threads of their own
+        (``Node``), so the check holds however many nodes the cluster grows to
+        (it once counted the founders' streams, and a sixth node joining a
+        cluster of defaults refused to start).
+        """
+        if self.grpc_workers - self.max_public_calls < _SPARE_WORKERS:
             raise ConfigError(
                 f"grpc_workers ({self.grpc_workers}) must exceed max_public_calls ({self.max_public_calls}) by at "
-                f"least {spare}: those workers serve each peer's Raft stream, internal calls and refusals while "
-                f"clients keep max_public_calls busy; raise grpc_workers or lower max_public_calls"
+                f"least {_SPARE_WORKERS}: those workers serve internal calls and refusals while clients keep "
+                f"max_public_calls busy; raise grpc_workers or lower max_public_calls"
             )
         if self.max_calls_per_client > self.max_public_calls:
             raise ConfigError(
@@ -367,7 +372,7 @@ class NodeConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
-# Workers kept from public calls, at least (more with many peers: one Raft stream each, plus half this).
+# Workers kept from public calls, at least: internal calls and refusals.
 _SPARE_WORKERS = 8
 
 

@@ -76,6 +76,8 @@ _ROLES = {0: clpb.RAFT_ROLE_FOLLOWER, 1: clpb.RAFT_ROLE_CANDIDATE, 2: clpb.RAFT_
 _HEALTH_INTERVAL_S = 0.25
 # Threads of the control pool: health checks and refusals, never behind the calls (see DESIGN.md).
 _CONTROL_WORKERS = 4
+# Most peers whose Raft streams this node serves at once (threads are started as streams come).
+_PEER_STREAM_WORKERS = 256
 
 
 class StartupError(RuntimeError):
@@ -234,6 +236,7 @@ class Node:
         self.health = health.HealthServicer()
         tokens = load_tokens(config.auth_tokens_file) if config.auth_tokens_file else {}
         self._control_pool = futures.ThreadPoolExecutor(max_workers=_CONTROL_WORKERS, thread_name_prefix="grpc-control")
+        self._peer_pool = futures.ThreadPoolExecutor(max_workers=_PEER_STREAM_WORKERS, thread_name_prefix="raft-in")
         self.guard = ApiGuard(
             tokens,
             self.auth.is_node,
@@ -375,6 +378,7 @@ class Node:
         self._hand_off_leadership(min(3.0, self.config.shutdown_grace_s))
         stopped.wait()
         self._control_pool.shutdown(wait=False)
+        self._peer_pool.shutdown(wait=False)
         for thread in self._threads:
             thread.join(timeout=10)
         self._close_all()
@@ -1018,7 +1022,7 @@ class Node:
         api = RaftAPI(self)
         descriptor = rpb.DESCRIPTOR.services_by_name["Raft"]
         handlers = unary_handlers(descriptor, api, rpb, self.metrics.requests)
-        handlers["Stream"] = raft_stream_handler(self.router)
+        handlers["Stream"] = raft_stream_handler(self.router, self._peer_pool)
         handlers["FetchSnapshot"] = grpc.unary_stream_rpc_method_handler(
             api.FetchSnapshot,
             request_deserializer=rpb.FetchSnapshotRequest.FromString,

@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent import futures
 from typing import Any
 
 import grpc
@@ -429,8 +430,14 @@ class PeerRouter:
             group.deliver(sender, message, env.message.echo)
 
 
-def raft_stream_handler(router: PeerRouter) -> Any:
-    """The gRPC method handler of Raft.Stream: frames arrive as bytes, parsed by the router."""
+def raft_stream_handler(router: PeerRouter, pool: futures.ThreadPoolExecutor | None = None) -> Any:
+    """The gRPC method handler of Raft.Stream: frames arrive as bytes, parsed by the router.
+
+    Each peer's stream holds a thread for as long as its link is up: with
+    ``pool`` the streams run there (grpc's ``experimental_thread_pool``), not
+    on the workers that serve calls, whose count must not depend on the size
+    of the cluster. A caller without the cluster secret is refused at once.
+    """
 
     def handle(frames: Iterator[bytes], context: grpc.ServicerContext) -> rpb.StreamClosed:
         try:
@@ -438,6 +445,9 @@ def raft_stream_handler(router: PeerRouter) -> Any:
         except errors.MqdsError as err:
             context.abort_with_status(errors.to_status(err))
             raise  # not reached: abort raises
+
+    if pool is not None:
+        handle.experimental_thread_pool = pool  # type: ignore[attr-defined]
 
     return grpc.stream_unary_rpc_method_handler(
         handle, request_deserializer=lambda b: b, response_serializer=rpb.StreamClosed.SerializeToString
