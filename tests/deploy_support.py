@@ -16,8 +16,10 @@ three documented substitutions and nothing else:
 
 from __future__ import annotations
 
+import argparse
 import base64
 import contextlib
+import importlib.metadata
 import json
 import os
 import re
@@ -27,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,12 +37,16 @@ from typing import Any
 
 import pytest
 import yaml
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from mqds.server.localproc import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S = ROOT / "k8s"
+COMPONENTS = K8S / "components"
 DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 PROMETHEUS_FILE = DEPLOY / "prometheus.yml"
@@ -217,6 +224,105 @@ def copy_context(destination: Path) -> Path:
     return destination
 
 
+def pip_installs(stage: Stage) -> list[tuple[Path, frozenset[str]]]:
+    """The local projects the stage's ``pip ... install`` commands install, with the extras they ask for."""
+    installs: list[tuple[Path, frozenset[str]]] = []
+    for inst in stage.all("RUN"):
+        words = shlex.split(inst.args)
+        if "pip" not in words or "install" not in words:
+            continue
+        for word in words[words.index("install") + 1 :]:
+            if word.startswith("-"):
+                continue
+            match = re.fullmatch(r"(?P<path>[^\[]+)(?:\[(?P<extras>[^\]]*)\])?", word)
+            assert match and match.group("path").startswith("."), f"not a local project: {word}"
+            extras = frozenset(e.strip() for e in (match.group("extras") or "").split(",") if e.strip())
+            installs.append(((ROOT / match.group("path")).resolve(), extras))
+    return installs
+
+
+def image_distributions() -> set[str]:
+    """Every distribution (canonical name) the image's build stage installs: the local projects its pip
+    command names, their dependencies and those of the extras it asks for (from their pyproject.toml),
+    and transitively what those require (their metadata in the test virtualenv: the same versions)."""
+    local: dict[str, tuple[dict[str, Any], frozenset[str]]] = {}
+    for path, extras in pip_installs(dockerfile()[0]):
+        project = tomllib.loads((path / "pyproject.toml").read_text())["project"]
+        local[canonicalize_name(project["name"])] = (project, extras)
+    found: set[str] = set(local)
+    pending: list[tuple[str, list[str], frozenset[str]]] = []
+    for name, (project, extras) in local.items():
+        optional = project.get("optional-dependencies", {})
+        assert extras <= set(optional), f"{name} has no extra {sorted(extras - set(optional))}"
+        pending.append((name, [*project.get("dependencies", []), *(r for e in extras for r in optional[e])], extras))
+    seen: set[tuple[str, frozenset[str]]] = set()
+    while pending:
+        _, requirements, extras = pending.pop()
+        for text in requirements:
+            req = Requirement(text)
+            env = default_environment()
+            if req.marker is not None and not any(
+                req.marker.evaluate({**env, "extra": e})
+                for e in {"", *extras}  # type: ignore[dict-item]
+            ):
+                continue
+            name = canonicalize_name(req.name)
+            found.add(name)
+            key = (name, frozenset(req.extras))
+            if name in local or key in seen:
+                continue
+            seen.add(key)
+            try:
+                pending.append((name, importlib.metadata.requires(name) or [], frozenset(req.extras)))
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    return found
+
+
+def distributions_of_imports(modules: Iterable[str]) -> dict[str, set[str]]:
+    """Importing ``modules`` in a fresh interpreter of the test virtualenv: every third-party or mqds
+    top-level module that ends up loaded, with the distributions (canonical names) that provide it."""
+    code = (
+        "import importlib, json, sys\n"
+        f"for name in {list(modules)!r}: importlib.import_module(name)\n"
+        "print(json.dumps(sorted({m.partition('.')[0] for m in sys.modules})))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    providers = importlib.metadata.packages_distributions()
+    loaded = {m for m in json.loads(result.stdout) if m not in sys.stdlib_module_names and not m.startswith("_")}
+    return {m: {canonicalize_name(d) for d in providers.get(m, [])} for m in loaded if m in providers}
+
+
+# -- the mqds command line ----------------------------------------------------------------------
+
+
+def mqds_cli(argv: list[str], environ: Mapping[str, str]) -> argparse.Namespace:
+    """``mqds ARGS...`` as the real command line parses it in a process whose environment is ``environ``
+    (the parser takes $MQDS_ENDPOINTS and $MQDS_TOKEN for its defaults). A wrong command line fails."""
+    from mqds.cli import build_parser
+
+    assert Path(argv[0]).name == "mqds", argv
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        parser = build_parser()
+        try:
+            return parser.parse_args(argv[1:])
+        except SystemExit as exit_:
+            raise AssertionError(f"mqds rejects {argv[1:]} (exit {exit_.code})") from None
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def unused_settings(argv: list[str], environ: Mapping[str, str]) -> list[str]:
+    """The names in ``environ`` that do not change what ``mqds ARGS...`` parses to: no setting of it."""
+    without = vars(mqds_cli(argv, {}))
+    return [name for name in environ if vars(mqds_cli(argv, {name: environ[name]})) == without]
+
+
 # -- compose ------------------------------------------------------------------------------------
 
 _INTERPOLATION = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<braced>[^}]*)\}|(?P<named>[A-Za-z_][A-Za-z0-9_]*))")
@@ -311,22 +417,28 @@ def kustomize(directory: Path) -> list[dict[str, Any]]:
 
 
 def kustomize_with_components(
-    directory: Path, resources: Iterable[Path], components: Iterable[Path]
+    directory: Path, resources: Iterable[Path], components: Iterable[Path], namespace: str | None = None
 ) -> list[dict[str, Any]]:
-    """Render a kustomization of one's own in ``directory``: ``resources`` (overlays) plus ``components``."""
+    """Render a kustomization of one's own in ``directory``: ``resources`` (overlays) plus ``components``,
+    in ``namespace`` if given (as an overlay that adds the components sets its namespace)."""
     directory.mkdir(parents=True, exist_ok=True)
     relative = [os.path.relpath(path, directory) for path in resources]
-    (directory / "kustomization.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "kustomize.config.k8s.io/v1beta1",
-                "kind": "Kustomization",
-                "resources": relative,
-                "components": [os.path.relpath(path, directory) for path in components],
-            }
-        )
-    )
+    kustomization: dict[str, Any] = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": relative,
+        "components": [os.path.relpath(path, directory) for path in components],
+    }
+    if namespace is not None:
+        kustomization["namespace"] = namespace
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
     return kustomize(directory)
+
+
+def dev_with_components(directory: Path, *names: str) -> list[dict[str, Any]]:
+    """The dev overlay plus k8s/components/NAME for each name, in the overlay's namespace."""
+    namespace = find(kustomize(dev_overlay()), "Namespace")["metadata"]["name"]
+    return kustomize_with_components(directory, [dev_overlay()], [COMPONENTS / n for n in names], namespace)
 
 
 def find(objects: Iterable[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
@@ -372,8 +484,8 @@ def container_env(
     image_env: Mapping[str, str],
 ) -> dict[str, str]:
     """The environment Kubernetes gives ``container`` of a pod: the image's ENV, then envFrom, then env in
-    order, each env value expanded with the variables before it. ``pod`` holds the downward-API fields
-    (``metadata.name``, ``metadata.namespace``, ...)."""
+    order, each env value expanded with the variables before it (an ``optional`` secretKeyRef to a Secret or
+    key that is not there sets nothing). ``pod`` holds the downward-API fields (``metadata.name``, ...)."""
 
     def config_map(name: str) -> dict[str, str]:
         return dict(find(objects, "ConfigMap", name).get("data") or {})
@@ -398,7 +510,11 @@ def container_env(
         if "fieldRef" in ref:
             resolved[name] = pod[ref["fieldRef"]["fieldPath"]]
         elif "secretKeyRef" in ref:
-            resolved[name] = secret(ref["secretKeyRef"]["name"])[ref["secretKeyRef"]["key"]]
+            key_ref = ref["secretKeyRef"]
+            present = [o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == key_ref["name"]]
+            if key_ref.get("optional") and (not present or key_ref["key"] not in secret_data(present[0])):
+                continue  # an optional Secret (or key) that does not exist: the variable is not set
+            resolved[name] = secret(key_ref["name"])[key_ref["key"]]
         elif "configMapKeyRef" in ref:
             resolved[name] = config_map(ref["configMapKeyRef"]["name"])[ref["configMapKeyRef"]["key"]]
         else:

@@ -285,7 +285,8 @@ def test_bench_kills_a_leader_and_reports_the_failover(cli_cluster: CliCluster) 
 def test_unreachable_endpoint_is_a_clear_error() -> None:
     nobody = f"127.0.0.1:{free_port()}"
     for args in (["status"], ["pub", "a/b", "-m", "x"], ["replay", "#"], ["generations", "list"], ["bench"]):
-        run = mqds("--endpoints", nobody, *args, timeout_s=60)
+        # A client retries an unreachable cluster until its timeout (a broker may start first).
+        run = mqds("--endpoints", nobody, "--timeout", "2", *args, timeout_s=60)
         assert run.code == 1, (args, run.out, run.err)
         assert f"no mqds node answered at {nobody}" in run.err, run.err
     admin = mqds("--endpoints", nobody, "--timeout", "2", "admin", "rebalance", timeout_s=60)

@@ -7,16 +7,21 @@
 * The dev overlay's StatefulSet gives three pods' commands and environments (downward API,
   ConfigMap, Secret, ``$(VAR)`` expansion as the kubelet does it); they form a cluster and pass
   the StatefulSet's own probes; k8s/scale-up.sh and k8s/scale-down.sh add and remove a fourth pod.
+* The broker and exhook containers (compose's broker profile, k8s/components/broker and exhook) run
+  next to those clusters: an MQTT client gets its CONNACK and its message is stored in the cluster,
+  and the ExHook gRPC port answers EMQX's calls and records a client in the cluster.
 
 The substitutions that put containers on loopback are documented in tests/deploy_support.py.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -26,9 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import paho.mqtt.client as mqtt
 import pytest
 import yaml
 from deploy_support import (
+    DEPLOY,
     K8S,
     PROMETHEUS_FILE,
     VENV_BIN,
@@ -39,10 +46,12 @@ from deploy_support import (
     container_env,
     copy_context,
     dev_overlay,
+    dev_with_components,
     dockerfile,
     expand_k8s,
     find,
     healthcheck_command,
+    image_distributions,
     image_file,
     image_stage,
     kustomize,
@@ -54,6 +63,8 @@ from deploy_support import (
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tls_certs import TestCA
 
+from mqds.broker.exhook.v3 import exhook_pb2 as expb
+from mqds.broker.exhook.v3 import exhook_pb2_grpc as expb_grpc
 from mqds.client import Client, Message
 from mqds.server.localproc import wait_serving, wait_until
 from mqds.v1 import cluster_pb2 as clpb
@@ -135,6 +146,54 @@ def container_port(address: str) -> int:
     return int(address.rpartition(":")[2])
 
 
+def accepts(address: str) -> bool:
+    """A tcpSocket probe: the port accepts a connection."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except OSError:
+        return False
+    return True
+
+
+def check_broker_serves(address: str, endpoints: list[str], topic: str) -> None:
+    """An MQTT client connects (CONNACK: accepted) and publishes at QoS 1; the message lands in the cluster."""
+    host, _, port = address.rpartition(":")
+    connected: list[object] = []
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"deploy-{topic}")
+    client.on_connect = lambda _c, _u, _f, reason, _p: connected.append(reason)
+    client.connect(host, int(port), keepalive=30)
+    client.loop_start()
+    try:
+        wait_until("CONNACK", lambda: connected or None, 15)
+        assert not connected[0].is_failure, f"CONNACK {connected[0]}"
+        sent = client.publish(f"{topic}/a", b"via the broker", qos=1)
+        sent.wait_for_publish(15)
+        assert sent.is_published()
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    with Client(endpoints, timeout_s=30) as mqds:
+        stored = wait_until(f"{topic}/a stored", lambda: list(mqds.replay(f"{topic}/#")) or None, 30)
+    assert [(m.topic, m.payload) for m in stored] == [(f"{topic}/a", b"via the broker")]
+
+
+def check_exhook_serves(address: str, endpoints: list[str], clientid: str) -> None:
+    """EMQX's first call answers with the hooks the rules need; a client.connected is recorded in mqds."""
+    with grpc.insecure_channel(address) as channel:
+        stub = expb_grpc.HookProviderStub(channel)
+        loaded = stub.OnProviderLoaded(
+            expb.ProviderLoadedRequest(broker=expb.BrokerInfo(version="5.9.0"), meta=expb.RequestMeta(node="emqx@e1")),
+            timeout=15,
+        )
+        assert {"client.connected", "message.publish"} <= {h.name for h in loaded.hooks}
+        info = expb.ClientInfo(node="emqx@e1", clientid=clientid, username="u", peerhost="127.0.0.1", protocol="mqtt")
+        stub.OnClientConnected(expb.ClientConnectedRequest(clientinfo=info), timeout=15)
+    with Client(endpoints, timeout_s=30) as mqds:
+        state = mqds.client_state(clientid)
+    assert state is not None and state.online and state.node == "emqx@e1"
+
+
 # -- the Dockerfile -----------------------------------------------------------------------------
 
 
@@ -161,13 +220,22 @@ def copy_instruction(args: str, context: Path, workdir: Path, root: Path) -> Non
 
 
 def dependency_farm(directory: Path) -> Path:
-    """A directory of links to the test virtualenv's third-party packages (not mqds, not pip)."""
+    """A directory of links to the test virtualenv's copies of the third-party distributions the image's
+    pip command installs (image_distributions: its projects, the extras it names, their requirements),
+    and nothing else: what the image lacks, the test's image lacks too."""
     site = Path(sysconfig.get_paths()["purelib"])
     directory.mkdir(parents=True)
-    skip = re.compile(r"^(mqds|__editable__|pip$|pip-|_distutils_hack|distutils-precedence|setuptools|_virtualenv)")
-    for entry in site.iterdir():
-        if not skip.match(entry.name):
-            (directory / entry.name).symlink_to(entry)
+    for name in sorted(image_distributions()):
+        if name.startswith("mqds-"):
+            continue  # built from the sources by the Dockerfile's pip command
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        tops = {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
+        for top in tops:
+            if (site / top).exists() and not (directory / top).exists():
+                (directory / top).symlink_to(site / top)
     return directory
 
 
@@ -278,6 +346,27 @@ def test_dockerfile_builds_here_and_its_entrypoint_serves(tmp_path: Path) -> Non
         )
         assert cli.returncode == 0 and "OK:" in cli.stdout, cli.stdout + cli.stderr
         scrape(loop.address("node", container_port(image.env()["MQDS_METRICS_LISTEN"])))
+        # The image's `mqds broker` (amqtt, the broker extra) stores in that node; it reads YAML rules.
+        broker_port = loop.address("broker", 1883)
+        processes.start(
+            "broker",
+            [
+                rooted("/opt/mqds/bin/mqds", root),
+                "broker",
+                "--listen",
+                broker_port,
+                "--endpoints",
+                address,
+                "--hooks",
+                str(DEPLOY / "hooks" / "cassandra-style.yaml"),
+            ],
+            env,
+            workdir,
+        )
+        wait_until("the image's mqds broker accepting", lambda: processes.assert_running() or accepts(broker_port), 60)
+        processes.assert_running()
+        check_broker_serves(broker_port, [address], "image-broker")
+        assert processes.terminate("broker") == 0, processes.output("broker")
         assert processes.terminate("image") == 0, processes.output("image")
         down = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=30)
         assert down.returncode == 1 and "healthcheck:" in down.stderr
@@ -291,7 +380,7 @@ def test_dockerfile_builds_here_and_its_entrypoint_serves(tmp_path: Path) -> Non
 def test_compose_node_services_form_a_cluster_prometheus_scrapes(tmp_path: Path) -> None:
     compose = load_compose({"MQDS_CLUSTER_SECRET": secrets.token_hex(16)})
     services: dict[str, Any] = compose["services"]
-    nodes = [name for name, svc in services.items() if svc.get("build", {}).get("dockerfile") == "deploy/Dockerfile"]
+    nodes = [name for name, svc in services.items() if "--node-id" in svc.get("command", [])]
     assert len(nodes) == 3
     image = image_stage()
     loop = Loopback(lambda host: host if host in services else None)
@@ -325,6 +414,25 @@ def test_compose_node_services_form_a_cluster_prometheus_scrapes(tmp_path: Path)
         assert sorted(loop.rewrite(t, "prometheus") for t in targets) == sorted(metrics_address.values())
         for address in metrics_address.values():
             scrape(address)
+
+        # The broker profile: mqds broker and mqds exhook next to the nodes, with their rules file mounted.
+        served: dict[str, str] = {}
+        for name in ("broker", "exhook"):
+            svc = services[name]
+            mounts = {v.split(":")[1]: (DEPLOY / v.split(":")[0]).resolve() for v in svc["volumes"]}
+            mounts.update({path: tmp_path / name / path.strip("/") for path in svc.get("tmpfs", [])})
+            env = {**image.env(), **compose_environment(svc)}
+            listen = next(w for w in svc["command"] if w.startswith("0.0.0.0:"))
+            env = {k: map_path(loop.rewrite(v, name), mounts) for k, v in env.items()}
+            env.update(PATH=local_path_env(), HOSTNAME=name, HOME=str(tmp_path / name))
+            argv = [map_path(loop.rewrite(w, name), mounts) for w in [*svc["entrypoint"], *svc["command"]]]
+            processes.start(name, argv, env, tmp_path / name)
+            served[name] = loop.address(name, container_port(listen))
+        for name, address in served.items():
+            wait_until(f"{name} accepting on {address}", lambda a=address: processes.assert_running() or accepts(a), 60)
+            processes.assert_running()
+        check_broker_serves(served["broker"], list(grpc_address.values()), "compose-broker")
+        check_exhook_serves(served["exhook"], list(grpc_address.values()), "compose-emqx-client")
         assert set(processes.terminate_all().values()) == {0}, processes.outputs()
     finally:
         processes.kill_all()
@@ -422,6 +530,64 @@ def test_statefulset_pods_form_a_cluster_and_pass_their_probes(pods: Pods) -> No
     port = next(p["containerPort"] for p in pods.container["ports"] if p["name"] == "metrics")
     for ordinal in range(3):
         scrape(pods.address(pods.pod(ordinal), port))
+
+
+def start_deployment(pods: Pods, objects: list[dict[str, Any]], name: str, base: Path) -> dict[str, Any]:
+    """The Deployment's one pod as a local process next to the StatefulSet's pods: its command, args and env;
+    its ConfigMap volumes as directories of their files; the client Service ``mqds`` (any ready node) mapped
+    to the first pod's address. Returns the container."""
+    deployment = find(objects, "Deployment", name)
+    pod_spec = deployment["spec"]["template"]["spec"]
+    (container,) = pod_spec["containers"]
+    pod = f"{name}-0"
+    mounts: dict[str, Path] = {}
+    for mount in container["volumeMounts"]:
+        volume = next(v for v in pod_spec["volumes"] if v["name"] == mount["name"])
+        local = base / pod / mount["name"]
+        local.mkdir(parents=True)
+        if "configMap" in volume:
+            for key, text in find(objects, "ConfigMap", volume["configMap"]["name"])["data"].items():
+                (local / key).write_text(text)
+        mounts[mount["mountPath"]] = local
+    client_service = find(objects, "Service", "mqds")
+    (port,) = client_service["spec"]["ports"]
+    assert port["port"] == next(p for p in pods.container["ports"] if p["name"] == port["targetPort"])["containerPort"]
+    names = {"mqds", f"mqds.{pods.namespace}", f"mqds.{pods.namespace}.svc", f"mqds.{pods.namespace}.svc.cluster.local"}
+    loop = Loopback(lambda host: pods.pod(0) if host in names else pods.loop.node_of_host(host))
+    loop.ports = pods.loop.ports  # the same addresses for the same pods
+    fields = {"metadata.name": pod, "metadata.namespace": pods.namespace}
+    env = container_env(container, objects, fields, pods.image.env())
+    argv = [expand_k8s(word, env) for word in [*container["command"], *container.get("args", [])]]
+    env = {k: map_path(loop.rewrite(v, pod), mounts) for k, v in env.items()}
+    env.update(PATH=local_path_env(), HOSTNAME=pod, HOME=str(base / pod))
+    argv = [map_path(loop.rewrite(word, pod), mounts) for word in argv]
+    pods.processes.start(pod, argv, env, base / pod)
+    container["address"] = loop.address(pod, int(container["ports"][0]["containerPort"]))
+    return dict(container)
+
+
+def test_broker_and_exhook_components_serve_next_to_the_pods(pods: Pods, tmp_path: Path) -> None:
+    objects = dev_with_components(tmp_path / "overlay", "broker", "exhook")
+    assert find(objects, "StatefulSet") == pods.sts, "the same pods, with the components added"
+    started = {
+        name: start_deployment(pods, objects, name, tmp_path / "pods") for name in ("mqds-broker", "mqds-exhook")
+    }
+    try:
+        for name, container in started.items():
+            # The Deployment's startup probe (tcpSocket on its port), as the kubelet runs it.
+            assert container["startupProbe"]["tcpSocket"]["port"] == container["ports"][0]["name"]
+            wait_until(
+                f"{name} accepting", lambda c=container: pods.processes.assert_running() or accepts(c["address"]), 60
+            )
+            pods.processes.assert_running()
+        check_broker_serves(started["mqds-broker"]["address"], pods.endpoints(), "k8s-broker")
+        check_exhook_serves(started["mqds-exhook"]["address"], pods.endpoints(), "k8s-emqx-client")
+        for name in started:
+            assert pods.processes.terminate(f"{name}-0") == 0, pods.processes.output(f"{name}-0")
+        assert "stopped" in pods.processes.output("mqds-broker-0")
+    finally:
+        for name in started:
+            pods.processes.terminate(f"{name}-0", 5)
 
 
 def run_script(

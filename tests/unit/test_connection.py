@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -13,7 +16,10 @@ import pytest
 from tls_certs import TestCA
 
 from mqds.client import Client, ConnectionSettings, Message, aio
+from mqds.client import errors as E
 from mqds.client.connection import resolve_settings
+from mqds.client.routing import Backoff, Fanout, MapRefresh, MapWait, RoutingTable, ShardRetry
+from mqds.protocol import errors as perrors
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 from mqds.v1 import storage_pb2 as pb
@@ -87,12 +93,18 @@ class _Recorder(clpb_grpc.ClusterServicer, pb_grpc.StorageServicer):
     def __init__(self) -> None:
         self.address = ""
         self.calls: list[tuple[str, dict[str, str]]] = []
+        # GetClusterMap fails with these first (a node not in a cluster yet), then answers after this pause.
+        self.map_errors: list[perrors.MqdsError] = []
+        self.map_delay_s = 0.0
 
     def _record(self, method: str, context: grpc.ServicerContext) -> None:
         self.calls.append((method, dict(context.invocation_metadata())))
 
     def GetClusterMap(self, request: Any, context: grpc.ServicerContext) -> clpb.ClusterMap:
         self._record("GetClusterMap", context)
+        if self.map_errors:
+            context.abort_with_status(perrors.to_status(self.map_errors.pop(0)))
+        time.sleep(self.map_delay_s)
         cmap = clpb.ClusterMap(cluster_id="fake", n_shards=1, version=1, meta_leader="f1")
         cmap.nodes.add(id="f1", address=self.address)
         cmap.vnodes.add(shard=0, replicas=["f1"], leader="f1", term=1)
@@ -109,17 +121,29 @@ class _Recorder(clpb_grpc.ClusterServicer, pb_grpc.StorageServicer):
         )
 
 
+def _serve(servicer: _Recorder, port: int = 0) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    clpb_grpc.add_ClusterServicer_to_server(servicer, server)
+    pb_grpc.add_StorageServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    servicer.address = f"127.0.0.1:{port}"
+    server.start()
+    return server
+
+
 @pytest.fixture
 def recorder() -> Iterator[_Recorder]:
     servicer = _Recorder()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    clpb_grpc.add_ClusterServicer_to_server(servicer, server)
-    pb_grpc.add_StorageServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    servicer.address = f"127.0.0.1:{port}"
-    server.start()
+    server = _serve(servicer)
     yield servicer
     server.stop(0)
+
+
+def _unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def test_the_auth_token_travels_with_every_call(recorder: _Recorder) -> None:
@@ -144,3 +168,176 @@ def test_the_auth_token_travels_with_every_call(recorder: _Recorder) -> None:
     with Client(recorder.address, timeout_s=10) as client:
         client.list_generations()
     assert recorder.calls and all("authorization" not in md for _, md in recorder.calls)
+
+
+# -- a client started before its cluster ------------------------------------------
+
+
+def _refused(address: str = "a:1") -> perrors.MqdsError:
+    return perrors.error(E.Reason.UNAVAILABLE, f"no mqds node answered at {address} ({address}: connection refused)")
+
+
+def test_waiting_for_a_map_backs_off_until_the_deadline_then_names_the_last_cause() -> None:
+    wait = MapWait(time.monotonic() + 0.5, Backoff(initial_s=0.02, max_s=0.05))
+    assert wait.timeout_s() > 0.4
+    pauses = []
+    with pytest.raises(E.UnavailableError) as exc:
+        while True:
+            pauses.append(wait.failed(_refused()))
+            time.sleep(pauses[-1])
+            wait.timeout_s()
+    # Retried with the backoff's pauses for about the whole deadline, not once.
+    assert len(pauses) >= 5 and all(0 <= p <= 0.05 for p in pauses), pauses
+    assert time.monotonic() - wait.started >= 0.35
+    message = exc.value.message
+    assert message.startswith("no mqds node answered at a:1 (a:1: connection refused); still none after ")
+    assert f"{wait.attempts} attempts" in message and exc.value.retriable
+
+
+def test_waiting_for_a_map_tries_once_however_short_the_deadline_and_stops_on_a_refused_credential() -> None:
+    wait = MapWait(time.monotonic() - 1, Backoff())
+    assert wait.timeout_s() == pytest.approx(0.1)  # the first refresh is always tried
+    with pytest.raises(E.UnavailableError, match="a:1: connection refused"):
+        wait.failed(_refused())
+    patient = MapWait(time.monotonic() + 60, Backoff())
+    denied = perrors.error(E.Reason.UNAUTHENTICATED, "bad token")
+    with pytest.raises(E.AuthenticationError) as exc:
+        patient.failed(denied)
+    assert exc.value is denied
+
+
+def test_callers_waiting_behind_a_failed_refresh_share_its_failure() -> None:
+    table = RoutingTable(["a:1", "b:2"])
+    asked_at = time.monotonic()
+    refresh = MapRefresh(table)
+    for address in refresh.next_addresses():
+        refresh.answer(address, None, "connection refused")
+    with pytest.raises(E.UnavailableError) as exc:
+        refresh.finish()
+    assert "a:1, b:2" in exc.value.message
+    assert table.shared_failure(asked_at) is exc.value  # asked while it ran: gets its answer
+    assert table.shared_failure(time.monotonic() + 1) is None  # asked after: refreshes again
+    assert "a:1: connection refused" in table.refresh_busy().message
+
+
+def test_a_node_without_a_map_yet_counts_as_no_answer() -> None:
+    table = RoutingTable(["a:1"])
+    refresh = MapRefresh(table)
+    refresh.next_addresses()
+    refresh.answer("a:1", clpb.ClusterMap(version=0, n_shards=0))
+    with pytest.raises(E.UnavailableError, match="a:1: it has no cluster map yet"):
+        refresh.finish()
+    assert table.view.version < 0
+
+
+def _start_later(servicer: _Recorder, port: int, after_s: float) -> tuple[threading.Timer, list[grpc.Server]]:
+    servers: list[grpc.Server] = []
+    timer = threading.Timer(after_s, lambda: servers.append(_serve(servicer, port)))
+    timer.start()
+    return timer, servers
+
+
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+def test_a_client_started_before_its_node_waits_for_it(kind: str) -> None:
+    port = _unused_port()
+    servicer = _Recorder()
+    # The node is up two seconds after the client's first call, and answers
+    # "not in a cluster yet" twice before it has a map.
+    servicer.map_errors = [perrors.error(E.Reason.NO_LEADER, "node f1 has not joined a cluster yet")] * 2
+    timer, servers = _start_later(servicer, port, 2.0)
+    address = f"127.0.0.1:{port}"
+    try:
+        started = time.monotonic()
+        if kind == "sync":
+            with Client(address, timeout_s=20) as client:
+                generations = client.list_generations()
+        else:
+
+            async def first_call() -> Any:
+                async with aio.Client(address, timeout_s=20) as client:
+                    return await client.list_generations()
+
+            generations = asyncio.run(asyncio.wait_for(first_call(), 30))
+        elapsed = time.monotonic() - started
+    finally:
+        timer.cancel()
+        timer.join()
+        for server in servers:
+            server.stop(0)
+    assert [g.generation for g in generations] == [1]
+    assert 1.9 < elapsed < 10, elapsed
+    assert [m for m, _ in servicer.calls].count("GetClusterMap") >= 3
+
+
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+def test_concurrent_first_calls_share_each_map_refresh(kind: str) -> None:
+    port = _unused_port()
+    servicer = _Recorder()
+    servicer.map_delay_s = 0.3  # callers queue behind the refresh that reaches the node
+    timer, servers = _start_later(servicer, port, 1.0)
+    address = f"127.0.0.1:{port}"
+    try:
+        if kind == "sync":
+            with Client(address, timeout_s=20) as client, futures.ThreadPoolExecutor(8) as pool:
+                results = list(pool.map(lambda _: client.list_generations(), range(8)))
+        else:
+
+            async def first_calls() -> list[Any]:
+                async with aio.Client(address, timeout_s=20) as client:
+                    return list(await asyncio.gather(*(client.list_generations() for _ in range(8))))
+
+            results = asyncio.run(asyncio.wait_for(first_calls(), 30))
+    finally:
+        timer.cancel()
+        timer.join()
+        for server in servers:
+            server.stop(0)
+    assert len(results) == 8
+    # The node answered the map once; the other callers shared that refresh.
+    assert [m for m, _ in servicer.calls].count("GetClusterMap") == 1, servicer.calls
+
+
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+def test_a_refused_credential_is_not_waited_out(kind: str) -> None:
+    servicer = _Recorder()
+    servicer.map_errors = [perrors.error(E.Reason.UNAUTHENTICATED, "unknown token")] * 10
+    server = _serve(servicer)
+    try:
+        started = time.monotonic()
+        with pytest.raises(E.AuthenticationError):
+            if kind == "sync":
+                with Client(servicer.address, timeout_s=20) as client:
+                    client.list_generations()
+            else:
+
+                async def call() -> None:
+                    async with aio.Client(servicer.address, timeout_s=20) as client:
+                        await client.list_generations()
+
+                asyncio.run(asyncio.wait_for(call(), 30))
+        assert time.monotonic() - started < 5
+    finally:
+        server.stop(0)
+
+
+def test_an_overloaded_node_keeps_its_leaderships_and_the_map_is_not_refreshed() -> None:
+    """OVERLOADED forgot the shard's leader and refreshed the map: a busy node (over its per-client or
+    public call limit) made every caller that backed off refresh the cluster map too."""
+    table = RoutingTable(["a:1"])
+    table.view.addresses.update({"n1": "a:1", "n2": "b:2"})
+    table.view.leaders.update({0: (1, "n1"), 1: (1, "n2")})
+    busy = perrors.error(perrors.Reason.OVERLOADED, "this client already has 48 calls in flight here")
+    deadline = time.monotonic() + 10
+    retry = ShardRetry(table, 0, deadline, Backoff())
+    assert retry.failed(busy) is True  # back off...
+    assert retry.refresh_map is False and table.leader_of(0) == "a:1"  # ...same leader, no refresh
+    gone = perrors.error(perrors.Reason.NO_LEADER, "no leader now")
+    assert retry.failed(gone) and retry.refresh_map and table.leader_of(0) is None
+    table.view.leaders[0] = (1, "n1")
+
+    fan = Fanout(table, [0, 1], deadline, Backoff())
+    groups, _ = fan.next_round() or ({}, 0.0)
+    for group in groups.values():
+        fan.failed(group, busy)
+    assert fan.end_round() is True and fan.refresh_map is False
+    assert fan.pending == [0, 1] and table.leader_of(0) == "a:1" and table.leader_of(1) == "b:2"

@@ -1,6 +1,7 @@
 """The deployment files, checked offline: Kubernetes manifests against the Kubernetes schemas
-(kubernetes-validate), the kustomize build of the base, the dev overlay and the TLS component, the
-contract between the StatefulSet, its Services and the image, the compose file and the scripts.
+(kubernetes-validate), the kustomize build of the base, the dev overlay and the components (TLS,
+monitoring, broker, exhook), the contract between the StatefulSet, its Services and the image, the
+broker and exhook containers against the real command line, the compose file and the scripts.
 What they do when run is in tests/integration/test_deploy.py."""
 
 from __future__ import annotations
@@ -18,26 +19,35 @@ import kubernetes_validate
 import pytest
 import yaml
 from deploy_support import (
+    COMPONENTS,
     COMPOSE_FILE,
     DEPLOY,
     K8S,
     PROMETHEUS_FILE,
     compose_environment,
     compose_interpolate,
+    container_env,
     dev_overlay,
+    dev_with_components,
+    distributions_of_imports,
     dockerfile,
     dockerignore_filter,
     expand_k8s,
     find,
     healthcheck_command,
+    image_distributions,
     image_stage,
     kustomize,
     kustomize_with_components,
     load_compose,
+    mqds_cli,
     parse_dockerfile,
     secret_data,
+    unused_settings,
 )
 
+from mqds.broker.amqtt_plugin import DEFAULT_RULES
+from mqds.broker.hooks import load_config
 from mqds.server.config import NodeConfig
 
 # The oldest Kubernetes the manifests are meant for (native gRPC probes are GA from 1.27) and the newest
@@ -59,6 +69,20 @@ def base() -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def dev() -> list[dict[str, Any]]:
     return kustomize(dev_overlay())
+
+
+@pytest.fixture(scope="module")
+def with_components(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The dev overlay with the optional components: monitoring, broker and exhook."""
+    return dev_with_components(tmp_path_factory.mktemp("components"), "monitoring", "broker", "exhook")
+
+
+# The modules each command imports when it runs (mqds.cli.broker imports amqtt only then), and YAML
+# for hook rules and --amqtt-config files.
+COMMAND_IMPORTS = {
+    "broker": ["mqds.cli", "amqtt.broker", "amqtt.errors", "mqds.broker.amqtt_plugin", "mqds.broker.hooks", "yaml"],
+    "exhook": ["mqds.cli", "mqds.cli.exhook", "mqds.broker.exhook.provider", "mqds.broker.hooks", "yaml"],
+}
 
 
 def statefulset_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
@@ -84,10 +108,12 @@ def test_kustomize_renders_base_dev_overlay_and_tls_component(
         "Secret",
         "Service",
         "Service",
-        "ServiceMonitor",
         "StatefulSet",
     ]
     assert sorted(o["kind"] for o in dev) == sorted([*kinds, "Namespace"])
+    # Only built-in kinds: `kubectl apply -k k8s/overlays/dev` works on a cluster without the Prometheus
+    # Operator (a ServiceMonitor needs its CRD; it is the monitoring component).
+    assert {o["apiVersion"].partition("/")[0] for o in dev} <= {"v1", "apps", "policy"}
     assert {o["metadata"].get("namespace") for o in dev if o["kind"] != "Namespace"} == {"mqds-dev"}
     assert find(dev, "Namespace")["metadata"]["name"] == "mqds-dev"
     # The overlay's generators replace and merge the base's objects, keeping their names.
@@ -99,26 +125,29 @@ def test_kustomize_renders_base_dev_overlay_and_tls_component(
 
 
 def test_every_manifest_validates_against_the_kubernetes_schemas(
-    base: list[dict[str, Any]], dev: list[dict[str, Any]], tmp_path: Path
+    base: list[dict[str, Any]], dev: list[dict[str, Any]], with_components: list[dict[str, Any]], tmp_path: Path
 ) -> None:
     # The dev overlay against the oldest and newest schemas; the base and the TLS variant against the newest.
     rendered = {
         "base": (base, KUBERNETES_VERSIONS[-1:]),
         "dev": (dev, KUBERNETES_VERSIONS),
         "dev+tls": (render_with_tls(tmp_path), KUBERNETES_VERSIONS[-1:]),
+        "dev+monitoring+broker+exhook": (with_components, KUBERNETES_VERSIONS),
     }
     checked = 0
     for name, (objects, versions) in rendered.items():
         for obj in objects:
             if obj["apiVersion"].startswith("monitoring.coreos.com/"):
-                continue  # a CRD: test_servicemonitor_selects_the_metrics_port
+                assert name == "dev+monitoring+broker+exhook", f"{name} needs the Prometheus Operator"
+                continue  # a CRD: test_monitoring_component_selects_the_metrics_port
             for version in versions:
                 try:
                     kubernetes_validate.validate(obj, version, strict=True)
                 except kubernetes_validate.ValidationError as err:
                     pytest.fail(f"{name}: {obj['kind']} {obj['metadata']['name']} (Kubernetes {version}): {err}")
                 checked += 1
-    assert checked == 7 + 2 * 8 + 8
+    # base 7, dev 8 (twice), dev+tls 8, dev with the components 8 + 2 x (Deployment, Service, ConfigMap) (twice).
+    assert checked == 7 + 2 * 8 + 8 + 2 * 14
 
 
 def test_the_schema_check_catches_mistakes(dev: list[dict[str, Any]]) -> None:
@@ -254,8 +283,10 @@ def test_tls_component_serves_tls_and_probes_with_the_image_healthcheck(tmp_path
         assert probe["exec"]["command"] == [*probe_script, "--service", service]
 
 
-def test_servicemonitor_selects_the_metrics_port(base: list[dict[str, Any]]) -> None:
+def test_monitoring_component_selects_the_metrics_port(with_components: list[dict[str, Any]]) -> None:
+    base = with_components
     monitor = find(base, "ServiceMonitor")
+    assert monitor["metadata"]["namespace"] == find(base, "StatefulSet")["metadata"]["namespace"]
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["name"]
     spec = monitor["spec"]
@@ -272,6 +303,119 @@ def test_servicemonitor_selects_the_metrics_port(base: list[dict[str, Any]]) -> 
     container_port = next(p["containerPort"] for p in container["ports"] if p["name"] == port["targetPort"])
     metrics_listen = find(base, "ConfigMap", "mqds-config")["data"]["MQDS_METRICS_LISTEN"]
     assert metrics_listen == f"0.0.0.0:{container_port}"
+
+
+# -- the broker and the ExHook provider ----------------------------------------------------------
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+@pytest.mark.parametrize(("command", "port_name"), [("broker", "mqtt"), ("exhook", "exhook")])
+def test_broker_and_exhook_components(with_components: list[dict[str, Any]], command: str, port_name: str) -> None:
+    objects = with_components
+    name = f"mqds-{command}"
+    deployment = find(objects, "Deployment", name)
+    sts = find(objects, "StatefulSet")
+    assert deployment["metadata"]["namespace"] == sts["metadata"]["namespace"]
+    pod = deployment["spec"]["template"]["spec"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert selects(deployment["spec"]["selector"]["matchLabels"], labels)
+    # One instance (amqtt brokers do not share sessions; ExHook acks need the provider that stored the
+    # message), never two at once.
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    # Its own Service selects it and nothing else; the nodes' Services, PDB and anti-affinity never select it.
+    service = find(objects, "Service", name)
+    sts_labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert selects(service["spec"]["selector"], labels) and not selects(service["spec"]["selector"], sts_labels)
+    for other in (o for o in objects if o["kind"] == "Service" and o is not service):
+        assert not selects(other["spec"]["selector"], labels), other["metadata"]["name"]
+    assert not selects(find(objects, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"], labels)
+    assert not selects(sts["spec"]["selector"]["matchLabels"], labels)
+
+    (container,) = pod["containers"]
+    (sts_container,) = sts["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == sts_container["image"], "the same image (and the overlay's images: apply)"
+    # Its command, as the real `mqds` parses it in the container's environment (a token from the Secret).
+    fields = {"metadata.name": f"{name}-0", "metadata.namespace": deployment["metadata"]["namespace"]}
+    token_objects = [*objects, {"kind": "Secret", "metadata": {"name": "mqds-broker-token"}, "stringData": {}}]
+    token_ref = next(e for e in container["env"] if e["name"] == "MQDS_TOKEN")["valueFrom"]["secretKeyRef"]
+    token_objects[-1]["stringData"] = {token_ref["key"]: "broker-token-0123456789"}
+    env = container_env(container, token_objects, fields, {})
+    argv = [*container["command"], *container["args"]]
+    opts = mqds_cli(argv, env)
+    assert opts.command == command
+    # Every variable it is given is a setting of that command (MQDS_ENDPOINTS, MQDS_TOKEN).
+    assert not unused_settings(argv, env), unused_settings(argv, env)
+    # The cluster endpoint is the client Service (ready nodes), on its port.
+    client_service = find(objects, "Service", "mqds")
+    client_port = client_service["spec"]["ports"][0]["port"]
+    assert opts.endpoints.split(",") == [f"mqds:{client_port}"]
+    assert selects(client_service["spec"]["selector"], sts_labels)
+    # It listens on every interface on the container's port, which the Service targets and the probes check.
+    (port,) = container["ports"]
+    assert port["name"] == port_name and opts.listen == f"0.0.0.0:{port['containerPort']}"
+    (service_port,) = service["spec"]["ports"]
+    assert service_port["targetPort"] == port_name
+    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[kind]["tcpSocket"]["port"] == port_name, kind
+    # The rules file is the component's ConfigMap (its generated name), mounted read-only, and loads.
+    rules_path = Path(opts.hooks if command == "broker" else opts.config)
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    mount = mounts[str(rules_path.parent)]
+    assert mount["readOnly"] is True
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    config_map = find(objects, "ConfigMap", volume["configMap"]["name"])
+    assert config_map["metadata"]["name"].startswith(f"{name}-hooks-"), "generated: a change rolls the pod"
+    rules_file = COMPONENTS / command / rules_path.name
+    assert config_map["data"][rules_path.name] == rules_file.read_text()
+    rules = load_config(rules_file)
+    if command == "broker":
+        assert rules.rules == DEFAULT_RULES.rules, "the broker's documented default"
+    assert {r.hook for r in rules.rules} >= {"client.connected", "message.publish", "message.acked"}
+
+    # Secure by default: no admin credential (no cluster secret, no admin token), the token optional.
+    assert "mqds-cluster-secret" not in yaml.safe_dump(deployment)
+    assert "MQDS_CLUSTER_SECRET" not in env
+    secret_refs = [e["valueFrom"]["secretKeyRef"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})]
+    assert secret_refs == [{"name": "mqds-broker-token", "key": "token", "optional": True}]
+    assert not container.get("envFrom")
+    assert pod["enableServiceLinks"] is False and pod["automountServiceAccountToken"] is False
+    # Non-root (the image's user), read-only root filesystem, no privileges; /tmp writable.
+    uid, _, gid = image_stage().required("USER").args.partition(":")
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert (str(pod["securityContext"]["runAsUser"]), str(pod["securityContext"]["runAsGroup"])) == (uid, gid)
+    assert container["securityContext"] == sts_container["securityContext"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == mounts["/tmp"]["name"])
+    assert {"cpu", "memory"} <= set(container["resources"]["requests"])
+
+
+def test_components_are_optional_and_documented(base: list[dict[str, Any]], dev: list[dict[str, Any]]) -> None:
+    for objects in (base, dev):
+        assert not [o for o in objects if o["kind"] in ("Deployment", "ServiceMonitor")]
+    documented = (K8S / "README.md").read_text()
+    for component in ("tls", "monitoring", "broker", "exhook"):
+        kustomization = yaml.safe_load((COMPONENTS / component / "kustomization.yaml").read_text())
+        assert kustomization["kind"] == "Component"
+        assert (
+            f"components: [../../components/{component}]" in (COMPONENTS / component / "kustomization.yaml").read_text()
+        )
+        assert f"components/{component}" in documented
+
+
+@pytest.mark.parametrize("command", sorted(COMMAND_IMPORTS))
+def test_the_image_holds_what_broker_and_exhook_import(command: str) -> None:
+    installed = image_distributions()
+    # grpc imports grpc_tools when it is there (try/except ImportError); the image does without it.
+    optional = {"grpcio-tools"}
+    missing = {
+        module: providers
+        for module, providers in distributions_of_imports(COMMAND_IMPORTS[command]).items()
+        if not providers & installed and not providers <= optional
+    }
+    assert not missing, f"mqds {command} imports modules the image does not install: {missing}"
 
 
 # -- the image ------------------------------------------------------------------------------------
@@ -336,7 +480,7 @@ def test_compose_file_describes_three_nodes_and_prometheus() -> None:
         load_compose({})  # no secret, no cluster
     compose = load_compose({"MQDS_CLUSTER_SECRET": "s"})
     services = compose["services"]
-    nodes = {name: svc for name, svc in services.items() if "build" in svc}
+    nodes = {name: svc for name, svc in services.items() if "build" in svc and "entrypoint" not in svc}
     assert sorted(nodes) == ["n1", "n2", "n3"] and "prometheus" in services
     image = image_stage()
     data_dir = image.env()["MQDS_DATA_DIR"]
@@ -368,6 +512,38 @@ def test_compose_file_describes_three_nodes_and_prometheus() -> None:
     targets = [t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
     assert sorted(targets) == [f"{name}:{metrics_port}" for name in sorted(nodes)]
     assert COMPOSE_FILE.parent == DEPLOY
+
+
+@pytest.mark.parametrize("command", ["broker", "exhook"])
+def test_compose_broker_profile_runs_broker_and_exhook(command: str) -> None:
+    compose = load_compose({"MQDS_CLUSTER_SECRET": "s"})
+    services = compose["services"]
+    svc = services[command]
+    nodes = {name: s for name, s in services.items() if "--node-id" in s.get("command", [])}
+    # Optional: only with --profile broker; the same image as the nodes (built with them).
+    assert svc["profiles"] == ["broker"] and all("profiles" not in s for s in nodes.values())
+    assert (svc["image"], svc["build"]) == (nodes["n1"]["image"], nodes["n1"]["build"])
+    argv = [*svc["entrypoint"], *svc["command"]]
+    env = compose_environment(svc)
+    opts = mqds_cli(argv, env)
+    assert opts.command == command and not unused_settings(argv, env)
+    # Every node, at the address it advertises; no cluster secret or token (no admin rights).
+    advertised = {s["command"][s["command"].index("--advertise") + 1] for s in nodes.values()}
+    assert set(opts.endpoints.split(",")) == advertised
+    assert not {"MQDS_CLUSTER_SECRET", "MQDS_TOKEN"} & set(env)
+    assert set(svc["depends_on"]) == set(nodes)
+    # Its port published on the host's loopback only; the rules file mounted read-only, and it loads.
+    port = opts.listen.rpartition(":")[2]
+    assert svc["ports"] == [f"127.0.0.1:{port}:{port}"]
+    rules = opts.hooks if command == "broker" else opts.config
+    (volume,) = svc["volumes"]
+    source, target, mode = volume.split(":")
+    assert target == rules and mode == "ro"
+    assert load_config(DEPLOY / source).rules
+    assert svc["read_only"] is True and svc["tmpfs"] == ["/tmp"]
+    # Not the image's node health check: one of its own port.
+    assert healthcheck_command(image_stage()) != svc["healthcheck"]["test"][1:]
+    assert f"('127.0.0.1', {port})" in svc["healthcheck"]["test"][-1]
 
 
 # -- scripts -----------------------------------------------------------------------------------

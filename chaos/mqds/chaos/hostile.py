@@ -150,7 +150,11 @@ REQUESTS: tuple[Request, ...] = (
         f"burst:{BURST}-slow-fetches-1-connection",
         "Sessions",
         "FetchMessages",
-        lambda h: spb.FetchMessagesRequest(topic_filter="#", max_count=1000, stale_ok=True).SerializeToString(),
+        # Shard 0, sent to a node holding a replica of it (see _send): served there, slowly, not
+        # turned away at once as NOT_HOSTED.
+        lambda h: spb.FetchMessagesRequest(
+            topic_filter="#", max_count=1000, stale_ok=True, shards=[0]
+        ).SerializeToString(),
         burst=BURST,
     ),
     # -- with the cluster secret: past authentication, never destructive ----------------------
@@ -276,6 +280,11 @@ class HostileClients:
 
     def _send(self, request: Request) -> None:
         live = self.cluster.live()
+        if request.burst:
+            try:
+                live = [n for n in live if n in self.cluster.replicas(0)]
+            except RuntimeError:  # no node answered for the map
+                return
         if not live:
             return
         node = self.rng.choice(sorted(live))

@@ -32,7 +32,16 @@ from mqds.client import operations as ops
 from mqds.client.connection import ConnectionSettings, parse_endpoints, resolve_settings
 from mqds.client.model import ClientState, Fence, Generation, Iterator, Message, NextResult, Rank, Stream
 from mqds.client.operations import FanoutCall, ShardCall
-from mqds.client.routing import CREDENTIAL_CODES, Backoff, ClusterView, Fanout, MapRefresh, RoutingTable, ShardRetry
+from mqds.client.routing import (
+    CREDENTIAL_CODES,
+    Backoff,
+    ClusterView,
+    Fanout,
+    MapRefresh,
+    MapWait,
+    RoutingTable,
+    ShardRetry,
+)
 from mqds.protocol.errors import MqdsError
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
@@ -91,11 +100,22 @@ class AsyncRouter:
     # -- the map ---------------------------------------------------------------
 
     async def refresh(self, timeout_s: float = 5.0, force: bool = False) -> ClusterView:
-        """Ask every known node for its map and merge them; one refresh shared by concurrent callers."""
+        """Ask every known node for its map and merge them, once; one refresh shared by concurrent callers.
+
+        Raises UNAVAILABLE when no node answered (see :meth:`wait_for_map`
+        for asking until a deadline).
+        """
         started = time.monotonic()
-        async with self._refresh_lock:
+        try:
+            async with asyncio.timeout(timeout_s + 1):
+                await self._refresh_lock.acquire()
+        except TimeoutError:
+            raise self.table.refresh_busy() from None
+        try:
             if self.table.can_share_refresh(started, force):
                 return self.table.view
+            if (failure := self.table.shared_failure(started)) is not None:
+                raise failure
             refresh = MapRefresh(self.table)
             while addresses := refresh.next_addresses():
                 tasks = {asyncio.ensure_future(self._fetch_map(a, timeout_s)): a for a in addresses}
@@ -113,6 +133,24 @@ class AsyncRouter:
                     else:
                         refresh.answer(address, None, "no answer in time")
             return refresh.finish()
+        finally:
+            self._refresh_lock.release()
+
+    async def wait_for_map(self, deadline: float, *, force: bool = False) -> ClusterView:
+        """Refresh the map, again and again with backoff while no node answers, until ``deadline``.
+
+        The first call of a client started before its cluster waits here;
+        each refresh is shared with concurrent callers (see
+        :class:`~mqds.client.routing.MapWait`).
+        """
+        wait = MapWait(deadline, self.backoff)
+        while True:
+            try:
+                return await self.refresh(wait.timeout_s(), force=force)
+            except MqdsError as err:
+                await asyncio.sleep(wait.failed(err))
+            if self.table.can_share_refresh(wait.started, force):
+                return self.table.view  # another caller's refresh got it while this one paused
 
     async def _fetch_map(self, address: str, timeout_s: float) -> tuple[clpb.ClusterMap | None, str]:
         try:
@@ -128,8 +166,9 @@ class AsyncRouter:
             return None, self.settings.describe_failure(err)
 
     async def ensure_map(self, timeout_s: float) -> ClusterView:
+        """The map, waiting up to ``timeout_s`` for a first one (:meth:`wait_for_map`)."""
         if self.table.view.version < 0:
-            await self.refresh(timeout_s)
+            await self.wait_for_map(time.monotonic() + timeout_s)
         return self.table.view
 
     async def refresh_quietly(self, remaining: float) -> None:
@@ -160,7 +199,8 @@ class AsyncRouter:
             except MqdsError as err:
                 if not retry.failed(err):
                     continue
-                await self.refresh_quietly(remaining)
+                if retry.refresh_map:
+                    await self.refresh_quietly(remaining)
                 await asyncio.sleep(retry.backoff_s(err))
 
     async def fanout(
@@ -190,7 +230,8 @@ class AsyncRouter:
                 else:
                     results.append(answer)
             if fan.end_round():
-                await self.refresh_quietly(remaining)
+                if fan.refresh_map:
+                    await self.refresh_quietly(remaining)
                 delay = fan.backoff_s()
                 if delay is not None:
                     await asyncio.sleep(delay)
@@ -205,7 +246,8 @@ class Client:
     iterator. Writes go to their shards' leaders concurrently, leader hints
     are followed, and retriable failures retried with the same backoff until
     the call's deadline; concurrent calls that need a fresh cluster map share
-    one refresh. Close it (``await client.close()``) or use ``async with``.
+    one refresh. A client may start before its cluster: while no node answers
+    yet, a call keeps asking for the map until its deadline. Close it (``await client.close()``) or use ``async with``.
     """
 
     def __init__(
@@ -278,8 +320,12 @@ class Client:
     # -- the cluster ------------------------------------------------------------
 
     async def cluster_map(self, timeout_s: float | None = None) -> clpb.ClusterMap:
-        """The cluster map as the nodes see it now (nodes, placement, leaders)."""
-        await self._router.refresh(timeout_s or self.timeout_s, force=True)
+        """The cluster map as the nodes see it now (nodes, placement, leaders).
+
+        While no node answers (the cluster is still starting), asks again
+        with backoff until ``timeout_s`` (else the settings') runs out.
+        """
+        await self._router.wait_for_map(time.monotonic() + (timeout_s or self.timeout_s), force=True)
         return self._router.table.cluster_map()
 
     # -- writes --------------------------------------------------------------

@@ -36,7 +36,11 @@ class Client:
     cluster's nodes) or one comma-separated string. The client learns the
     cluster map from them, sends each write to its shard's leader, follows
     leader changes and retries what is safe to retry within the call's
-    deadline (``timeout_s`` of the call, else of the settings). Reads go to
+    deadline (``timeout_s`` of the call, else of the settings). The client
+    may be created before its cluster is up: until some endpoint answers
+    with the cluster map, a call keeps asking with backoff until its
+    deadline, then raises :class:`~mqds.client.errors.UnavailableError`
+    naming the endpoints and the last cause. Reads go to
     the shard's leader (linearizable); pass ``stale_ok=True`` to let any
     replica answer. Failures raise :class:`mqds.client.errors.MqdsError`
     subclasses. The client is thread-safe; close it, or use it as a context
@@ -156,7 +160,8 @@ class Client:
                 except MqdsError as err:
                     fan.failed(jobs[job], err)
             if fan.end_round():
-                self._router.refresh_quietly(remaining)
+                if fan.refresh_map:
+                    self._router.refresh_quietly(remaining)
                 delay = fan.backoff_s()
                 if delay is not None:
                     time.sleep(delay)
@@ -174,8 +179,12 @@ class Client:
     # -- the cluster ------------------------------------------------------------
 
     def cluster_map(self, timeout_s: float | None = None) -> clpb.ClusterMap:
-        """The cluster map as the nodes see it now (nodes, placement, leaders)."""
-        self._router.refresh(timeout_s or self.timeout_s, force=True)
+        """The cluster map as the nodes see it now (nodes, placement, leaders).
+
+        While no node answers (the cluster is still starting), asks again
+        with backoff until ``timeout_s`` (else the settings') runs out.
+        """
+        self._router.wait_for_map(time.monotonic() + (timeout_s or self.timeout_s), force=True)
         return self._router.table.cluster_map()
 
     # -- writes --------------------------------------------------------------

@@ -4,13 +4,21 @@ The map is learned from any node (``Cluster.GetClusterMap``) and kept fresh
 three ways: a NOT_LEADER error names the leader, which patches the map at
 once; a node that cannot be reached, or a shard without a leader, triggers a
 refresh from every known node; and concurrent callers that need a refresh
-share one (the first does it, the others wait for its result).
+share one (the first does it, the others wait for its result, success or
+failure).
+
+A client may start before the cluster does (a broker started with its
+nodes), or lose every node at once: while no node answers (connection
+refused, unreachable, not part of a cluster yet) the map is asked for again
+with the same backoff until the call's deadline (:class:`MapWait`); only then
+does the call fail, with UNAVAILABLE naming the endpoints tried and the last
+cause.
 
 Everything here except :class:`Router` does no I/O, and is shared by the
 synchronous client and the asyncio one (:mod:`mqds.client.aio`): the map and
 how it is patched (:class:`RoutingTable`), one refresh of it
-(:class:`MapRefresh`), and the retry rules of a call to one shard
-(:class:`ShardRetry`) or to several at once (:class:`Fanout`): what to retry
+(:class:`MapRefresh`), waiting for a first map (:class:`MapWait`), and the
+retry rules of a call to one shard (:class:`ShardRetry`) or to several at once (:class:`Fanout`): what to retry
 (NOT_LEADER, NO_LEADER, an unreachable node), when to refresh the map, and
 the exponential backoff with jitter until the caller's deadline. Each client
 only runs the requests and waits: :class:`Router` with threads, the asyncio
@@ -45,6 +53,9 @@ T = TypeVar("T")
 # Refresh at most this often when nothing is wrong (a NOT_LEADER hint or a
 # failure always allows one).
 _MIN_REFRESH_INTERVAL_S = 0.1
+
+# While waiting for a first map, a refresh is not started with less time than this.
+_MIN_MAP_WAIT_TRY_S = 0.1
 
 # Errors after which the node asked may be down: try another replica, refresh.
 CREDENTIAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
@@ -112,6 +123,9 @@ class RoutingTable:
         self.seeds = list(seeds)
         self.view = ClusterView()
         self.refreshed_at = 0.0
+        # The last refresh that no node answered, and when it ended.
+        self.last_failure: MqdsError | None = None
+        self.failed_at = 0.0
         self._lock = threading.Lock()
 
     def known_addresses(self) -> list[str]:
@@ -178,6 +192,25 @@ class RoutingTable:
             return True
         return not force and self.refreshed_at >= started - _MIN_REFRESH_INTERVAL_S
 
+    def shared_failure(self, started: float) -> MqdsError | None:
+        """The failure of a refresh that ended after ``started`` (while this caller waited its turn), if any.
+
+        A caller queued behind a refresh that no node answered gets that
+        answer instead of asking the same nodes again at once.
+        """
+        if self.last_failure is not None and self.failed_at >= started and self.failed_at > self.refreshed_at:
+            return self.last_failure
+        return None
+
+    def refresh_busy(self) -> MqdsError:
+        """The error of a caller that could not start a refresh in time: another one held it that long."""
+        last = f" (last: {self.last_failure.message})" if self.last_failure is not None else ""
+        return errors.error(
+            Reason.UNAVAILABLE,
+            f"no mqds node answered at {', '.join(self.known_addresses())} in time: "
+            f"another call's refresh of the cluster map was still waiting for them{last}",
+        )
+
 
 class MapRefresh:
     """One refresh: ask every known node for its map, then the nodes those maps name, and merge the answers.
@@ -207,7 +240,9 @@ class MapRefresh:
         return addresses
 
     def answer(self, address: str, cmap: clpb.ClusterMap | None, failure: str = "") -> None:
-        """What ``address`` answered: its map, or None and why not."""
+        """What ``address`` answered: its map, or None and why not (a map without shards counts as none)."""
+        if cmap is not None and cmap.n_shards <= 0:
+            cmap, failure = None, "it has no cluster map yet"
         if cmap is None:
             self._failures[address] = failure
             return
@@ -218,12 +253,73 @@ class MapRefresh:
         """The refreshed view; UNAVAILABLE, with each node's failure, when no node answered."""
         if not self._answered:
             why = "; ".join(f"{a}: {f}" for a, f in sorted(self._failures.items()) if f)
-            raise errors.error(
+            failure = errors.error(
                 Reason.UNAVAILABLE,
                 f"no mqds node answered at {', '.join(sorted(self._asked))}" + (f" ({why})" if why else ""),
             )
+            self.table.last_failure, self.table.failed_at = failure, time.monotonic()
+            raise failure
         self.table.refreshed_at = time.monotonic()
         return self.table.view
+
+
+class MapWait:
+    """The retry rules of getting the cluster map while no node answers; the caller does the I/O.
+
+    A refresh that no node answered (every one refused the connection, was
+    unreachable, or is not part of a cluster yet) is tried again after the
+    backoff, until ``deadline``: a client started before its cluster waits
+    for it. ``timeout_s`` gives the next refresh's time (or raises the final
+    error once the deadline has passed); after a failed refresh, ``failed``
+    gives the pause, or raises: at once for an error retrying cannot help
+    (a refused credential), else the final error when the deadline would
+    pass first. The final error is UNAVAILABLE, naming the endpoints tried
+    and the last cause, and how long it waited.
+
+    >>> wait = MapWait(time.monotonic() + 60, Backoff(initial_s=0.01))
+    >>> refused = errors.error(Reason.UNAVAILABLE, "no mqds node answered at a:1 (a:1: connection refused)")
+    >>> 0 <= wait.failed(refused) <= 0.01
+    True
+    >>> MapWait(time.monotonic(), Backoff()).failed(refused)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    mqds.protocol.errors.UnavailableError: UNAVAILABLE: no mqds node ... refused); still none after 1 attempt in 0.0 s
+    """
+
+    def __init__(self, deadline: float, backoff: Backoff) -> None:
+        self.deadline = deadline
+        self.started = time.monotonic()
+        self.attempts = 0
+        self.last: MqdsError | None = None
+        self._delays = backoff.delays()
+
+    def timeout_s(self) -> float:
+        """The time the next refresh may take; raises the final error when the deadline has passed."""
+        remaining = self.deadline - time.monotonic()
+        if self.attempts == 0:
+            return max(remaining, _MIN_MAP_WAIT_TRY_S)  # one try, however short the deadline
+        if remaining <= 0:
+            raise self.final()
+        return remaining
+
+    def failed(self, err: MqdsError) -> float:
+        """A refresh failed with ``err``: the pause before the next one, or raises."""
+        self.attempts += 1
+        if not err.retriable:
+            raise err
+        self.last = err
+        delay = next(self._delays)
+        remaining = self.deadline - time.monotonic()
+        if remaining < _MIN_MAP_WAIT_TRY_S:
+            raise self.final()
+        # Leave the last refresh time enough to tell why it failed.
+        return min(delay, remaining - _MIN_MAP_WAIT_TRY_S)
+
+    def final(self) -> MqdsError:
+        """The error that ends the wait: the last refresh's, with how long it waited."""
+        elapsed = time.monotonic() - self.started
+        tries = f"{self.attempts} attempt" + ("s" if self.attempts != 1 else "")
+        last = self.last or errors.error(Reason.UNAVAILABLE, "no mqds node answered")
+        return errors.error(last.reason, f"{last.message}; still none after {tries} in {elapsed:.1f} s")
 
 
 class ShardRetry:
@@ -231,9 +327,11 @@ class ShardRetry:
 
     ``next_attempt`` says where to send and how long is left; after a
     failure, ``failed`` raises the error when retrying cannot help and
-    otherwise says whether to refresh the map before the next attempt (False
-    when a NOT_LEADER hint already named the leader); then ``backoff_s``
-    gives the pause, or raises the error when the deadline would pass first.
+    otherwise says whether to back off before the next attempt (False when a
+    NOT_LEADER hint already named the leader), and ``refresh_map`` whether
+    the map must be refreshed first (not for OVERLOADED: the node is busy,
+    not gone, and stays the leader); then ``backoff_s`` gives the pause, or
+    raises the error when the deadline would pass first.
     ``retry_unavailable=False`` gives up on an unreachable node (for writes
     whose first attempt may have been applied).
     """
@@ -255,6 +353,8 @@ class ShardRetry:
         self.retry_unavailable = retry_unavailable
         self._delays = backoff.delays()
         self._tried_replicas = 0
+        self.refresh_map = True
+        """After a failure that backs off: whether to refresh the cluster map first."""
 
     def next_attempt(self) -> tuple[str, float]:
         remaining = self.deadline - time.monotonic()
@@ -266,7 +366,10 @@ class ShardRetry:
     def failed(self, err: MqdsError) -> bool:
         if not err.retriable:
             raise err
-        if err.reason in _UNREACHABLE:
+        self.refresh_map = err.reason is not Reason.OVERLOADED
+        if err.reason is Reason.OVERLOADED:
+            pass  # the same node, after a pause: forgetting it made a busy cluster refresh its map again and again
+        elif err.reason in _UNREACHABLE:
             if not self.retry_unavailable:
                 raise err
             self._tried_replicas += 1
@@ -321,6 +424,8 @@ class Fanout:
         self.failures: dict[int, MqdsError] = {}
         self._delays = backoff.delays()
         self._failed: dict[int, MqdsError] = {}
+        self.refresh_map = False
+        """After a round that backs off: whether to refresh the cluster map first (not when all were OVERLOADED)."""
 
     def next_round(self) -> tuple[dict[str, list[int]], float] | None:
         """The next round's requests (address -> shards) and the time left; None when nothing is left to try."""
@@ -350,14 +455,22 @@ class Fanout:
             self._failed.update((shard, err) for shard in group)
 
     def end_round(self) -> bool:
-        """Settle the round's failures; True when the caller must refresh the map and back off before the next."""
+        """Settle the round's failures; True when the caller must back off before the next.
+
+        ``refresh_map`` then says whether to refresh the map first: not when
+        the only trouble was OVERLOADED (busy nodes keep their leaderships).
+        """
         retry: list[int] = []
         hinted = True
+        busy = False
         for problem, shards in _by_error(self._failed).items():
             if not problem.retriable:
                 self.failures.update((shard, problem) for shard in shards)
                 continue
             retry.extend(shards)
+            if problem.reason is Reason.OVERLOADED:
+                busy = True
+                continue
             shard_hint = problem.metadata.get("shard")
             if shard_hint is not None and self.table.learn(problem, int(shard_hint)):
                 continue
@@ -366,7 +479,8 @@ class Fanout:
                 self.table.forget_leader(shard)
             hinted = False
         self.pending = sorted(retry)
-        return bool(self.pending) and not hinted
+        self.refresh_map = not hinted
+        return bool(self.pending) and (busy or not hinted)
 
     def backoff_s(self) -> float | None:
         """The pause before the next round; None (the pending shards failed) when the deadline would pass."""
@@ -469,11 +583,19 @@ class Router:
         self.table.forget_leader(shard)
 
     def refresh(self, timeout_s: float = 5.0, force: bool = False) -> ClusterView:
-        """Ask every known node for its map and merge them; one refresh shared by concurrent callers."""
+        """Ask every known node for its map and merge them, once; one refresh shared by concurrent callers.
+
+        Raises UNAVAILABLE when no node answered (see :meth:`wait_for_map`
+        for asking until a deadline).
+        """
         started = time.monotonic()
-        with self._refresh_lock:
+        if not self._refresh_lock.acquire(timeout=timeout_s + 1):
+            raise self.table.refresh_busy()
+        try:
             if self.table.can_share_refresh(started, force):
                 return self.table.view
+            if (failure := self.table.shared_failure(started)) is not None:
+                raise failure
             refresh = MapRefresh(self.table)
             # The answers may name nodes not known before (a seed list of
             # one node): ask those too.
@@ -487,6 +609,23 @@ class Router:
                     else:
                         refresh.answer(address, None, "no answer in time")
             return refresh.finish()
+        finally:
+            self._refresh_lock.release()
+
+    def wait_for_map(self, deadline: float, *, force: bool = False) -> ClusterView:
+        """Refresh the map, again and again with backoff while no node answers, until ``deadline``.
+
+        The first call of a client started before its cluster waits here;
+        each refresh is shared with concurrent callers (see :class:`MapWait`).
+        """
+        wait = MapWait(deadline, self.backoff)
+        while True:
+            try:
+                return self.refresh(wait.timeout_s(), force=force)
+            except MqdsError as err:
+                time.sleep(wait.failed(err))
+            if self.table.can_share_refresh(wait.started, force):
+                return self.table.view  # another caller's refresh got it while this one paused
 
     def _fetch_map(self, address: str, timeout_s: float) -> tuple[clpb.ClusterMap | None, str]:
         try:
@@ -501,8 +640,9 @@ class Router:
             return None, self.settings.describe_failure(err)
 
     def ensure_map(self, timeout_s: float) -> ClusterView:
+        """The map, waiting up to ``timeout_s`` for a first one (:meth:`wait_for_map`)."""
         if self.table.view.version < 0:
-            self.refresh(timeout_s)
+            self.wait_for_map(time.monotonic() + timeout_s)
         return self.table.view
 
     def refresh_quietly(self, remaining: float) -> None:
@@ -538,5 +678,6 @@ class Router:
             except MqdsError as err:
                 if not retry.failed(err):
                     continue
-                self.refresh_quietly(remaining)
+                if retry.refresh_map:
+                    self.refresh_quietly(remaining)
                 time.sleep(retry.backoff_s(err))

@@ -78,12 +78,12 @@ class NodeConfig:
         "authentication (every caller may do everything)",
     )
     max_calls_per_client: int = _opt(
-        16,
+        48,
         "calls and streams one client connection may have in flight on this node; more get OVERLOADED at once; "
         "at most max_public_calls; 0 = only max_public_calls applies",
     )
     max_public_calls: int = _opt(
-        24,
+        56,
         "public calls and streams (API, server reflection, health Watch) in flight on this node from all clients; "
         "more get OVERLOADED at once. At least 8 below grpc_workers, so workers stay free for internal calls "
         "and refusals; health checks and the peers' Raft streams have threads of their own",
@@ -170,7 +170,7 @@ class NodeConfig:
         "INVALID_ARGUMENT; at most max_request_bytes",
     )
     grpc_workers: int = _opt(
-        32,
+        64,
         "threads serving gRPC calls: public calls (max_public_calls), internal calls and refusals (the peers' "
         "Raft streams have threads of their own)",
     )
