@@ -319,7 +319,8 @@ def payloads(messages: list[Received]) -> list[str]:
 def test_broker_command_explains_itself_and_refuses_bad_input(tmp_path: Path) -> None:
     shown = subprocess.run([MQDS, "broker", "--help"], capture_output=True, text=True, timeout=30)
     assert shown.returncode == 0
-    for option in ("--listen", "--hooks", "--node", "--amqtt-config", "--max-inflight", "--endpoints", "--tls-ca"):
+    options = ("--listen", "--hooks", "--node", "--amqtt-config", "--max-inflight", "--early-puback", "--endpoints")
+    for option in (*options, "--tls-ca"):
         assert option in shown.stdout
     bad = tmp_path / "hooks.toml"
     bad.write_text('[[rule]]\nhook = "message.publish"\naction = "on_mesage_publish"\n')

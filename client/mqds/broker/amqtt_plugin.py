@@ -51,9 +51,18 @@ acknowledges those).
 topic; amqtt's in-memory copy is then dropped, so a subscriber gets the one
 copy from mqds (``on_retain_lookup``), also after a broker restart.
 
-**Nothing a publisher was acknowledged is dropped at its disconnect.** amqtt
-sends the PUBACK of a QoS 1 publish when it queues the message in the
-session, and one task per connection takes the queue's messages to routing.
+**A publisher's PUBACK/PUBREC comes once the message is stored**
+(``puback_after_store``, the default): see :mod:`mqds.broker.amqtt_puback`,
+which takes over each connection's incoming QoS 1/2 flows
+(``_handle_client_session`` is wrapped to install it); ``await_store`` gives
+it a future that ``message_broadcast`` sets once the message's wave was
+stored (``_handle_message_delivery`` is wrapped to release the messages amqtt
+did not broadcast). A failed store is not acknowledged; the connection closes.
+
+**Nothing a publisher sent is dropped at its disconnect.** amqtt's own flow
+(``puback_after_store`` off) sends the PUBACK of a QoS 1 publish when it
+queues the message in the session, and one task per connection takes the
+queue's messages to routing.
 When the connection ends (the client's DISCONNECT, a lost connection, the
 broker's shutdown), that task stops and amqtt drops what is still queued:
 with a publisher that sends a burst of 300 and disconnects once they are
@@ -69,7 +78,10 @@ amqtt's internals this relies on (0.12): ``BrokerContext._broker_instance``
 for the sessions' protocol handlers, ``BrokerProtocolHandler.mqtt_publish``,
 ``Broker.subscriptions``, ``Broker.retained_messages``, and
 ``Broker._client_message_loop``, ``_handle_message_delivery`` and
-``_stop_handler`` for the messages left at a disconnect.
+``_stop_handler`` for the messages left at a disconnect,
+``Broker._handle_client_session`` and the protocol handler's
+``_handle_qos1_message_flow``, ``_handle_qos2_message_flow``,
+``_send_packet`` and ``_pubrel_waiters`` for the publishers' acknowledgements.
 """
 
 from __future__ import annotations
@@ -89,7 +101,9 @@ from amqtt.contexts import Action, BaseContext
 from amqtt.mqtt.disconnect import DisconnectPacket
 from amqtt.plugins.base import BaseTopicPlugin
 
+from mqds.broker import amqtt_protocol
 from mqds.broker.actions import BrokerHooks
+from mqds.broker.amqtt_puback import PublishAcks
 from mqds.broker.hooks import load_config, parse_config
 from mqds.client import aio
 from mqds.client.connection import ConnectionSettings
@@ -106,6 +120,9 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_RULES", "MqdsPlugin", "settings_from"]
 
 log = logging.getLogger("mqds.broker.amqtt")
+
+# amqtt speaks MQTT 3.1.1 only: other protocol levels get CONNACK 0x01 instead of a hang.
+amqtt_protocol.install()
 
 DEFAULT_RULES = parse_config(
     {
@@ -211,29 +228,39 @@ class _ShardWriter:
 
     def __init__(self, plugin: MqdsPlugin) -> None:
         self.plugin = plugin
-        self.waiting: collections.deque[tuple[Message, asyncio.Future[None]]] = collections.deque()
+        self.waiting: collections.deque[tuple[Message, asyncio.Future[bool]]] = collections.deque()
         self.task: asyncio.Task[None] | None = None
 
     @property
     def busy(self) -> bool:
         return bool(self.waiting) or (self.task is not None and not self.task.done())
 
-    def add(self, message: Message) -> asyncio.Future[None]:
-        """Queue ``message``; the future is done once it was stored (or failed) and handed on."""
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    def add(self, message: Message) -> asyncio.Future[bool]:
+        """Queue ``message``; the future is done once it was stored (or failed) and handed on.
+
+        Its result: False when mqds should have stored or retained the message
+        and did not (the store failed), else True (stored, or nothing to store).
+        """
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self.waiting.append((message, done))
         if self.task is None or self.task.done():
             self.task = asyncio.create_task(self._run(), name="mqds-amqtt-store")
         return done
 
-    def _wave(self) -> list[tuple[Message, asyncio.Future[None]]]:
+    def _wave(self) -> list[tuple[Message, asyncio.Future[bool]]]:
         return [self.waiting.popleft() for _ in range(min(_WAVE_LIMIT, len(self.waiting)))]
 
     async def _run(self) -> None:
         while self.waiting:
             wave = self._wave()
+            oks = [False] * len(wave)
             try:
-                results = await self.plugin.store([message for message, _ in wave])
+                answer = await self.plugin.store([message for message, _ in wave])
+                results = answer if answer is not None else [None] * len(wave)
+                oks = [
+                    answer is not None and (result is not None or not self.plugin.stores(message))
+                    for (message, _), result in zip(wave, results, strict=True)
+                ]
                 stored = sorted((s for s in results if s is not None), key=lambda s: s.timestamp_us or 0)
                 for (message, _), result in zip(wave, results, strict=True):
                     if result is None:
@@ -241,9 +268,9 @@ class _ShardWriter:
                 for message in stored:
                     self.plugin.hand_on(message, stored=True)
             finally:
-                for _, done in wave:
+                for (_, done), ok in zip(wave, oks, strict=True):
                     if not done.done():
-                        done.set_result(None)
+                        done.set_result(ok)
 
 
 class _Connection:
@@ -563,6 +590,10 @@ class MqdsPlugin(BaseTopicPlugin):
         """Bearer token sent with every mqds call."""
         max_inflight: int = 32
         """Messages sent to one client by the plugin that may await their PUBACK at once."""
+        puback_after_store: bool = True
+        """Send a publisher's PUBACK (QoS 1) / PUBREC (QoS 2) for a message a rule stores only once mqds
+        stored it (see :mod:`mqds.broker.amqtt_puback`); False: amqtt's own, as soon as the message is
+        queued, before it is stored (a broker killed then loses what it acknowledged and had not stored)."""
 
     def __init__(self, context: BaseContext) -> None:
         super().__init__(context)
@@ -584,6 +615,8 @@ class MqdsPlugin(BaseTopicPlugin):
         # Per protocol handler: the task running its message loop, and a future set once the
         # messages amqtt left in its session's queue were handed on (see _keep_acknowledged).
         self._loops: dict[BrokerProtocolHandler, tuple[asyncio.Task[Any] | None, asyncio.Future[None]]] = {}
+        # Incoming publishes whose PUBACK/PUBREC waits for their store: id -> (the message, its outcome).
+        self._awaiting: dict[int, tuple[ApplicationMessage, asyncio.Future[bool]]] = {}
 
     # -- amqtt's internals, in one place ---------------------------------------------
 
@@ -602,19 +635,50 @@ class MqdsPlugin(BaseTopicPlugin):
         }
 
     def _keep_acknowledged(self) -> None:
-        """Make amqtt route the messages it acknowledged but left queued when a connection ended.
+        """Make amqtt acknowledge publishes once stored, and route what it left queued when a connection ended.
 
-        Wraps two methods of this broker instance (not the class): the
+        Wraps methods of this broker instance (not the class): the
         connection's message loop, which then hands on what is left in the
         session's queue through amqtt's own delivery step, and
         ``_stop_handler``, which then waits for that (so the shutdown clears
-        the queues only after).
+        the queues only after); with ``puback_after_store``, also
+        ``_handle_client_session``, which then gives each connection's
+        protocol handler a :class:`PublishAcks` before its reader starts, and
+        ``_handle_message_delivery``, which then releases the acknowledgement
+        of a message amqtt did not pass on to be stored (refused by a topic
+        filter, an invalid topic).
         """
         broker = self.broker
         if getattr(broker, "_mqds_keeps_acknowledged", False):
             return
         message_loop = broker._client_message_loop
         stop_handler = broker._stop_handler
+        session_handling = broker._handle_client_session
+        message_delivery = broker._handle_message_delivery
+
+        async def handle_client_session(
+            reader: Any,
+            writer: Any,
+            client_session: Session,
+            handler: BrokerProtocolHandler,
+            server: Any,
+            listener_name: str,
+        ) -> None:
+            PublishAcks(self, handler).install()
+            await session_handling(reader, writer, client_session, handler, server, listener_name)
+
+        async def handle_message_delivery(
+            client_session: Session, handler: BrokerProtocolHandler, wait_deliver: asyncio.Future[Any]
+        ) -> bool:
+            try:
+                return await message_delivery(client_session, handler, wait_deliver)
+            finally:
+                if self._awaiting and wait_deliver.done() and not wait_deliver.cancelled():
+                    message = wait_deliver.result() if wait_deliver.exception() is None else None
+                    if message is not None and id(message) in self._awaiting:
+                        # After the message_broadcast event's task (created before this returned) took it,
+                        # if amqtt fired that event: call_soon runs in order.
+                        asyncio.get_running_loop().call_soon(self._settle_store, message, True)
 
         async def client_message_loop(client_session: Session, handler: BrokerProtocolHandler) -> None:
             left: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -633,6 +697,9 @@ class MqdsPlugin(BaseTopicPlugin):
 
         broker._client_message_loop = client_message_loop  # type: ignore[method-assign]
         broker._stop_handler = stop_handler_then_wait  # type: ignore[method-assign]
+        if self.config.puback_after_store:
+            broker._handle_client_session = handle_client_session  # type: ignore[method-assign]
+            broker._handle_message_delivery = handle_message_delivery  # type: ignore[method-assign]
         broker._mqds_keeps_acknowledged = True  # type: ignore[attr-defined]
 
     async def _hand_on_left(self, session: Session, handler: BrokerProtocolHandler) -> None:
@@ -678,6 +745,39 @@ class MqdsPlugin(BaseTopicPlugin):
 
     def keeps_retained(self, topic: str) -> bool:
         return any(rule.kind == "retain" for rule in self.hooks.config.rules_for("message.publish", topic))
+
+    def stores(self, message: Message) -> bool:
+        """Whether ``message_publish`` stores ``message`` (a ``store`` rule for a QoS 1/2 message)."""
+        return message.qos > 0 and self.served_from_mqds(message.topic)
+
+    # -- publishers' acknowledgements (see mqds.broker.amqtt_puback) --------------------
+
+    def await_store(self, message: ApplicationMessage) -> asyncio.Future[bool] | None:
+        """For an incoming QoS 1/2 publish amqtt is about to queue: a future set once it was stored, None if
+        no rule stores or retains it in mqds. Its result: False if the store failed, else True."""
+        topic = message.topic
+        retain = bool(message.publish_packet is not None and message.publish_packet.retain_flag)
+        try:
+            needed = bool(topic) and (self.served_from_mqds(topic) or (retain and self.keeps_retained(topic)))
+        except Exception:  # an invalid topic: amqtt refuses it
+            needed = False
+        if not needed:
+            return None
+        outcome: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._awaiting[id(message)] = (message, outcome)
+        return outcome
+
+    def _take_awaiting(self, message: ApplicationMessage) -> asyncio.Future[bool] | None:
+        entry = self._awaiting.get(id(message))
+        if entry is None or entry[0] is not message:
+            return None
+        del self._awaiting[id(message)]
+        return entry[1]
+
+    def _settle_store(self, message: ApplicationMessage, ok: bool) -> None:
+        outcome = self._take_awaiting(message)
+        if outcome is not None and not outcome.done():
+            outcome.set_result(ok)
 
     def count(self, what: str, n: int = 1) -> None:
         self.stats[what] += n
@@ -799,29 +899,40 @@ class MqdsPlugin(BaseTopicPlugin):
                 del retained[topic]
 
     async def on_broker_message_broadcast(self, *, client_id: str | None, message: ApplicationMessage) -> None:
-        """A message amqtt routes: store it in its shard's order, then send it to persistent subscribers."""
-        topic = message.topic
-        if not topic or topic.startswith("$"):
-            return
-        packet = message.publish_packet
-        sender = client_id or ""
-        outgoing = Message(
-            topic,
-            bytes(message.data or b""),
-            sender=sender,
-            qos=int(message.qos or 0),
-            retain=bool(packet is not None and packet.retain_flag),
-        )
-        await self._route(outgoing)
+        """A message amqtt routes: store it in its shard's order, then send it to persistent subscribers.
 
-    async def _route(self, outgoing: Message) -> None:
+        Once stored, the publisher's PUBACK/PUBREC waiting for it (``await_store``) may go.
+        """
+        outcome = self._take_awaiting(message)  # before any await: see _keep_acknowledged
+        ok = True
+        try:
+            topic = message.topic
+            if not topic or topic.startswith("$"):
+                return
+            packet = message.publish_packet
+            sender = client_id or ""
+            outgoing = Message(
+                topic,
+                bytes(message.data or b""),
+                sender=sender,
+                qos=int(message.qos or 0),
+                retain=bool(packet is not None and packet.retain_flag),
+            )
+            ok = False
+            ok = await self._route(outgoing)
+        finally:
+            if outcome is not None and not outcome.done():
+                outcome.set_result(ok)
+
+    async def _route(self, outgoing: Message) -> bool:
+        """Store ``outgoing`` and hand it on; False if mqds should have kept it and did not (see _ShardWriter.add)."""
         # Queued before the first await, so in the order amqtt fired the events: its receive order.
         done = self._writer(outgoing.sender).add(outgoing)
         task = asyncio.current_task()
         if task is not None:
             self._publishing.add(task)
         try:
-            await done
+            return await done
         finally:
             if task is not None:
                 self._publishing.discard(task)
@@ -846,15 +957,17 @@ class MqdsPlugin(BaseTopicPlugin):
             except Exception:
                 await asyncio.sleep(1.0)
 
-    async def store(self, messages: list[Message]) -> list[Message | None]:
-        """``message_publish_batch``: each message as stored (with its position), or None (not stored, or failed)."""
+    async def store(self, messages: list[Message]) -> list[Message | None] | None:
+        """``message_publish_batch``: each message as stored (with its position), or None (not stored, or
+        failed); None for the whole list when the call failed."""
         try:
             stored = await self.hooks.message_publish_batch(messages)
         except Exception as err:
             self.count("store_failed", len(messages))
             log.warning("storing %d messages failed: %s", len(messages), err)
-            return [None] * len(messages)
+            return None
         self.count("stored", sum(1 for s in stored if s is not None))
+        self.count("store_calls")
         return stored
 
     def hand_on(self, message: Message, stored: bool) -> None:
@@ -875,7 +988,8 @@ class MqdsPlugin(BaseTopicPlugin):
         s = self.stats
         parts = [
             f"{s['connections']} connections",
-            f"{s['stored']} messages stored" + (f" ({s['store_failed']} failed)" if s["store_failed"] else ""),
+            f"{s['stored']} messages stored in {s['store_calls']} calls"
+            + (f" ({s['store_failed']} failed)" if s["store_failed"] else ""),
             f"delivered from mqds: {s['delivered_offline']} offline, {s['delivered_retained']} retained, "
             f"{s['delivered_live']} live to persistent sessions",
             f"{s['acked']} acknowledged" + (f" ({s['ack_failed']} failed)" if s["ack_failed"] else ""),
@@ -884,6 +998,8 @@ class MqdsPlugin(BaseTopicPlugin):
             parts.append(
                 f"{s['handed_on_after_disconnect']} acknowledged publishes routed after their connection ended"
             )
+        if s["puback_withheld"]:
+            parts.append(f"{s['puback_withheld']} publishes not acknowledged (not stored; connection closed)")
         if s["delivery_failed"]:
             parts.append(f"{s['delivery_failed']} deliveries unacknowledged by clients")
         if s["errors"]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mqds.bench import TOPIC_PREFIX, LeaderKill, RunResult, publisher_ids, run_load
-from mqds.cli import local_cluster
+from mqds.cli import bench_mqtt, local_cluster
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, ProgressLine, bar, connection
 from mqds.client import Client
 from mqds.client.client import parse_endpoints
@@ -28,6 +28,8 @@ def _replay(client: Client, since_us: int) -> tuple[int, float]:
 
 
 def run(opts: argparse.Namespace) -> int:
+    if opts.mqtt:
+        return bench_mqtt.run(opts)
     for name in ("publishers", "batch", "nodes", "shards", "replication_factor"):
         if getattr(opts, name) < 1:
             raise CommandError(f"--{name.replace('_', '-')} must be at least 1", EXIT_USAGE)
@@ -193,4 +195,5 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         "to that vnode failed (failover_s), then restart the node; needs --start-cluster or --data-dir",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object with the figures instead")
+    bench_mqtt.register_options(parser)
     parser.set_defaults(run=run)

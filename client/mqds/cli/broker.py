@@ -100,6 +100,7 @@ def broker_config(opts: argparse.Namespace) -> dict[str, Any]:
         "tls_server_name": opts.tls_server_name,
         "token": opts.token,
         "max_inflight": opts.max_inflight,
+        "puback_after_store": not opts.early_puback,
     }
     # The mqds plugin's own entry (if the file had one) is replaced by the command line's.
     config["plugins"] = {name: cfg for name, cfg in config["plugins"].items() if name != PLUGIN} | {PLUGIN: plugin}
@@ -189,7 +190,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
             "is stored in the cluster of --endpoints as the rules of --hooks say; clients get their stored\n"
             "(proxy) subscriptions and retained messages when they connect; a persistent session (clean\n"
             "session off) that was offline gets what it missed when it reconnects, also after this broker\n"
-            "restarted; subscribers' PUBACKs move their read positions. Ctrl-C or SIGTERM stops it cleanly\n"
+            "restarted; subscribers' PUBACKs move their read positions; a publisher gets its PUBACK once\n"
+            "mqds stored the message (--early-puback: amqtt's own). Ctrl-C or SIGTERM stops it cleanly\n"
             "and prints what it did. Needs amqtt: pip install 'mqds-client[broker]'."
         ),
         epilog=(
@@ -226,6 +228,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         default=32,
         metavar="N",
         help="messages the plugin sends one client that may await the client's PUBACK at once (default 32)",
+    )
+    broker.add_argument(
+        "--early-puback",
+        action="store_true",
+        help="acknowledge publishes as amqtt does, when queued, before mqds stored them: faster, but a broker "
+        "killed (kill -9, a crash) loses what it acknowledged and had not stored yet. Default: a QoS 1/2 "
+        "publish a rule stores gets its PUBACK/PUBREC once mqds stored it; a failed store closes the "
+        "publisher's connection unacknowledged (it resends when it reconnects)",
     )
     broker.add_argument("-v", "--verbose", action="store_true", help="log amqtt's and the plugin's activity (INFO)")
     broker.set_defaults(run=run_broker)
