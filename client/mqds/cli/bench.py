@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import tempfile
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mqds.bench import TOPIC_PREFIX, LeaderKill, RunResult, publisher_ids, run_load
@@ -44,19 +42,7 @@ def run(opts: argparse.Namespace) -> int:
             EXIT_USAGE,
         )
     with contextlib.ExitStack() as stack:
-        cluster: LocalCluster | None = None
-        if opts.start_cluster:
-            localproc = local_cluster.localproc()
-            base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mqds-bench-")))
-            cluster = localproc.LocalCluster(
-                base, opts.nodes, n_shards=opts.shards, replication_factor=min(opts.replication_factor, opts.nodes)
-            )
-            stack.callback(cluster.stop)
-            if not opts.json:
-                print(f"starting {opts.nodes} local nodes ({opts.shards} vnodes) ...", flush=True)
-            cluster.start()
-        elif opts.data_dir:
-            cluster = local_cluster.load(opts.data_dir)
+        cluster = local_cluster.for_benchmark(opts, stack, "mqds-bench-")
         endpoints = cluster.addresses if cluster is not None else parse_endpoints(opts.endpoints)
         client = stack.enter_context(Client(endpoints, settings=connection(opts, 30.0)))
         return _bench(opts, client, endpoints, cluster)

@@ -36,7 +36,7 @@ from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError
 from mqds.client.client import parse_endpoints
 
 if TYPE_CHECKING:
-    from mqds.server.localproc import LocalCluster
+    pass
 
 MODES = {"after_store": [], "early": ["--early-puback"]}
 LABELS = {"after_store": "PUBACK after store", "early": "early (amqtt's)"}
@@ -246,19 +246,7 @@ def _one_run(
 def _cluster(opts: argparse.Namespace) -> Iterator[tuple[list[str], list[int]]]:
     """The endpoints and the node pids (empty when unknown) of the cluster to run against."""
     with contextlib.ExitStack() as stack:
-        cluster: LocalCluster | None = None
-        if opts.start_cluster:
-            localproc = local_cluster.localproc()
-            base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mqds-bench-mqtt-")))
-            cluster = localproc.LocalCluster(
-                base, opts.nodes, n_shards=opts.shards, replication_factor=min(opts.replication_factor, opts.nodes)
-            )
-            stack.callback(cluster.stop)
-            if not opts.json:
-                print(f"starting {opts.nodes} local nodes ({opts.shards} vnodes) ...", flush=True)
-            cluster.start()
-        elif opts.data_dir:
-            cluster = local_cluster.load(opts.data_dir)
+        cluster = local_cluster.for_benchmark(opts, stack, "mqds-bench-mqtt-")
         if cluster is not None:
             pids = [p.pid for p in cluster.nodes.values() if p.pid is not None]
             yield cluster.addresses, pids

@@ -11,8 +11,11 @@ without it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import tempfile
 import time
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -34,6 +37,24 @@ def localproc() -> ModuleType:
             f"({err}); install it (pip install mqds-server, or 'make install' in a clone of mqds)"
         ) from None
     return localproc
+
+
+def for_benchmark(opts: argparse.Namespace, stack: contextlib.ExitStack, prefix: str) -> LocalCluster | None:
+    """The cluster a benchmark controls: a new one (``--start-cluster``, stopped when ``stack`` closes),
+    the one recorded in ``--data-dir``, or None (``--endpoints`` only)."""
+    if opts.start_cluster:
+        base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix)))
+        cluster: LocalCluster = localproc().LocalCluster(
+            base, opts.nodes, n_shards=opts.shards, replication_factor=min(opts.replication_factor, opts.nodes)
+        )
+        stack.callback(cluster.stop)
+        if not opts.json:
+            print(f"starting {opts.nodes} local nodes ({opts.shards} vnodes) ...", flush=True)
+        cluster.start()
+        return cluster
+    if opts.data_dir:
+        return load(opts.data_dir)
+    return None
 
 
 def load(data_dir: str) -> LocalCluster:
