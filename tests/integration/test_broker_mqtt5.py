@@ -33,12 +33,14 @@ def broker_port() -> Iterator[int]:
         "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
     }
     loop = asyncio.new_event_loop()
-    broker = Broker(config, loop=loop)
+    brokers: list[Broker] = []
     started = threading.Event()
 
     def run() -> None:
+        # amqtt's Broker wants the running thread's event loop when it is made: made here.
         asyncio.set_event_loop(loop)
-        loop.run_until_complete(broker.start())
+        brokers.append(Broker(config, loop=loop))
+        loop.run_until_complete(brokers[0].start())
         started.set()
         loop.run_forever()
 
@@ -46,7 +48,7 @@ def broker_port() -> Iterator[int]:
     thread.start()
     assert started.wait(10)
     yield port
-    asyncio.run_coroutine_threadsafe(broker.shutdown(), loop).result(10)
+    asyncio.run_coroutine_threadsafe(brokers[0].shutdown(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
 
