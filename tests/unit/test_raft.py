@@ -933,6 +933,21 @@ def test_an_entry_the_machine_cannot_apply_is_recorded_as_failed_and_the_log_goe
     group.stop()
 
 
+def test_an_entry_the_machine_refuses_without_writing_still_moves_its_applied_index(tmp_path: Path) -> None:
+    """A vnode answers some commands with a refusal and writes nothing (a reused producer sequence, a
+    generation already dropped): its applied index stayed behind those entries too."""
+    group, machine, _ = _group(tmp_path, ["n1", "n2", "n3"])
+
+    def refuse(command: bytes, index: int) -> Any:
+        return MqdsError(Reason.INVALID_REQUEST, "sequence 7 was used for other messages")
+
+    machine.apply = refuse  # type: ignore[method-assign]
+    _append(group, 1, 1, [(b"\x00again", 2, 1)])
+    _append(group, 2, 2, [])
+    assert machine.skipped == [2] and machine.applied_index == group.raftLastApplied == 2
+    group.stop()
+
+
 def test_a_proposer_gets_the_failure_of_an_entry_as_an_error(tmp_path: Path) -> None:
     group, machine, _ = _group(tmp_path, ["n3"])
     group._cycle()

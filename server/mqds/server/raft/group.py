@@ -978,7 +978,7 @@ class RaftGroup(SyncObj):
         group whose applied index stopped behind its commit index.
         """
         try:
-            return self.machine.apply(body, index)
+            result = self.machine.apply(body, index)
         except errors.MqdsError as err:
             if err.reason is Reason.STORAGE_ERROR:
                 raise
@@ -987,6 +987,12 @@ class RaftGroup(SyncObj):
             raise
         except Exception as err:  # any other failure is the entry's own
             failure = err
+        else:
+            if index > self.machine.applied_index:
+                # A refusal the machine answered without writing (a reused
+                # sequence number, a generation already dropped): applied all the same.
+                self.machine.skip(index)
+            return result
         log.error("%s: log entry %d could not be applied; recorded as failed", self.name, index, exc_info=failure)
         self.apply_failures += 1
         if index > self.machine.applied_index:
