@@ -3,7 +3,7 @@
 One cluster and one broker (restarted by the last test) serve the module; each
 test uses topics and clientids of its own. The hook rules are the EMQX-style
 file written below: everything stored, pubsub offline delivery on
-``e2e/pubsub/#`` and ``e2e/offline/#``, queue delivery on ``e2e/queue/#``, no
+``e2e/pubsub/#`` and ``e2e/offline/#`` and ``e2e/retfetch/#``, queue delivery on ``e2e/queue/#``, no
 offline fetch for ``e2e/retained/#`` and ``e2e/proxy/#`` (so what those
 tests receive is the retained lookup or amqtt's live routing alone).
 """
@@ -83,6 +83,11 @@ topic = "e2e/offline/#"
 action = "on_message_fetch_for_pubsub"
 # Smaller than the offline story's backlog: it must come page by page, none skipped.
 offline_opts = { max_returned_count = 25 }
+
+[[rule]]
+hook = "session.subscribed"
+topic = "e2e/retfetch/#"
+action = "on_message_fetch_for_pubsub"
 
 [[rule]]
 hook = "session.subscribed"
@@ -223,6 +228,7 @@ class Mqtt:
         max_inflight: int = 20,
     ) -> None:
         self.clientid = clientid
+        self.session_present: bool | None = None  # CONNACK's flag
         self.messages: queue.Queue[Received] = queue.Queue()
         self._connected = threading.Event()
         self._acked: set[int] = set()
@@ -240,7 +246,10 @@ class Mqtt:
             self.close()
             raise AssertionError(f"{clientid} did not connect within 10s")
 
-    def _on_connect(self, client: object, userdata: object, flags: object, reason: object, props: object) -> None:
+    def _on_connect(
+        self, client: object, userdata: object, flags: mqtt.ConnectFlags, reason: object, props: object
+    ) -> None:
+        self.session_present = bool(flags.session_present)
         self._connected.set()
 
     def _on_message(self, client: object, userdata: object, msg: mqtt.MQTTMessage) -> None:
@@ -453,6 +462,68 @@ def test_will_message_is_stored_and_reaches_persistent_subscribers(
         10,
     )
     assert connect("e2e-will-watch", clean_session=False).quiet(1.0) == []
+
+
+def test_retained_message_from_the_history_comes_once_with_its_flag(
+    cluster: Cluster, connect: Callable[..., Mqtt]
+) -> None:
+    # e2e/retfetch/# has an offline fetch: the stored copies of retained publishes are in the history too.
+    publisher = connect("e2e-retfetch-pub")
+    publisher.publish("e2e/retfetch/lamp", b"on", retain=True)
+    wait_until("the retained message in mqds", lambda: cluster.client.retained("e2e/retfetch/lamp"), 10)
+    for clientid, clean in (("e2e-retfetch-sub-1", True), ("e2e-retfetch-sub-2", False)):
+        subscriber = connect(clientid, clean_session=clean)
+        subscriber.subscribe("e2e/retfetch/#")
+        assert subscriber.take(1) == [("e2e/retfetch/lamp", b"on", 1, True)], clientid
+        assert subscriber.quiet(1.0) == [], clientid
+
+    publisher.publish("e2e/retfetch/lamp", b"", retain=True)  # deletes it
+    wait_until("the retained message deleted", lambda: cluster.client.retained("e2e/retfetch/lamp") == [], 10)
+    late = connect("e2e-retfetch-sub-3")
+    late.subscribe("e2e/retfetch/#")
+    assert late.quiet(1.5) == []  # neither the old value nor the empty delete marker
+
+
+def test_mqds_pub_retain_makes_the_retained_message(cluster: Cluster, connect: Callable[..., Mqtt]) -> None:
+    def pub(payload: str) -> str:
+        done = subprocess.run(
+            [MQDS, "pub", "e2e/retfetch/cli", "--retain", "-m", payload, "--endpoints", cluster.endpoints],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    assert "retained the last one on e2e/retfetch/cli" in pub("hello")
+    assert [m.payload for m in cluster.client.retained("e2e/retfetch/cli")] == [b"hello"]
+    first = connect("e2e-retcli-sub-1")
+    first.subscribe("e2e/retfetch/cli")
+    assert first.take(1) == [("e2e/retfetch/cli", b"hello", 1, True)]
+    assert first.quiet(1.0) == []
+
+    assert "deleted e2e/retfetch/cli's retained message" in pub("")
+    assert cluster.client.retained("e2e/retfetch/cli") == []
+    second = connect("e2e-retcli-sub-2")
+    second.subscribe("e2e/retfetch/cli")
+    assert second.quiet(1.5) == []
+
+
+def test_session_present_after_broker_restart(broker: BrokerProcess, connect: Callable[..., Mqtt]) -> None:
+    client = connect("e2e-resume", clean_session=False)
+    assert client.session_present is False  # new
+    client.subscribe("e2e/resume/#")
+    client.close()
+    broker.stop()
+    broker.start()  # amqtt has no session in memory now; mqds has the client's subscriptions
+    resumed = connect("e2e-resume", clean_session=False)
+    assert resumed.session_present is True
+    resumed.close()
+    clean = connect("e2e-resume", clean_session=True)
+    assert clean.session_present is False
+    clean.close()
+    fresh = connect("e2e-resume-never", clean_session=False)
+    assert fresh.session_present is False
 
 
 def burst(device: Mqtt, topic: str, n: int) -> list[bytes]:

@@ -64,14 +64,19 @@ class Delivery:
     ``retained`` are the retained messages matching the filter, by topic.
     ``modes`` maps the filter offline messages were fetched for to the mode
     used (``pubsub`` or ``queue``); empty when no fetch rule applied. A
-    retained message that was also stored offline comes in both lists, as a
-    broker delivers it on resubscribe and from the session queue alike.
+    retained message that was also stored offline comes in both lists (with
+    ``retain`` set in ``offline`` too): a broker that sends ``retained`` should
+    not send the stored copies of retained publishes (``looked_up`` says
+    whether retained messages were looked up), or a subscriber gets a retained
+    message twice, and a deleted one with its empty delete marker.
     """
 
     messages: list[Message] = field(default_factory=list)
     offline: list[Message] = field(default_factory=list)
     retained: list[Message] = field(default_factory=list)
     modes: dict[str, Mode] = field(default_factory=dict)
+    looked_up: bool = False
+    """The retained messages were looked up (``retained`` is what mqds retains for the filter)."""
     more: bool = False
     """``offline`` is a full page (``max_returned_count``): more may be stored. Once these are
     acknowledged, :meth:`BrokerHooks.next_offline_page` returns the next page."""
@@ -214,6 +219,25 @@ class BrokerHooks:
         self._remember(clientid, {real_filter(f): q for f, q in subscriptions.items()})
         return dict(subscriptions)
 
+    async def session_present(self, clientid: str) -> bool:
+        """Whether mqds holds session state that a connect of ``clientid`` resumes (MQTT's session present).
+
+        True when a ``client.connected`` or ``session.created`` rule looks up
+        the client's subscriptions and mqds has some stored: a persistent
+        session connecting again gets them back, so its session is present
+        even where the broker itself has nothing (it restarted). Asks nothing
+        without a lookup rule.
+        """
+        _clientid(clientid)
+        lookup = any(
+            rule.kind == "subscription_lookup"
+            for hook in ("client.connected", "session.created")
+            for rule in self.config.rules_for(hook)
+        )
+        if not lookup:
+            return False
+        return bool(await self.client.subscriptions(clientid))
+
     async def client_disconnected(self, clientid: str, *, node: str | None = None) -> None:
         """Run the ``client.disconnected`` rules and forget the client's subscriptions.
 
@@ -272,7 +296,14 @@ class BrokerHooks:
         self.stats["fetched_retained"] += len(retained)
         modes: dict[str, Mode] = {real: fetch.mode} if fetch is not None and fetch.mode else {}
         more = fetch is not None and _full_page(offline, fetch)
-        return Delivery(messages=[*offline, *retained], offline=offline, retained=retained, modes=modes, more=more)
+        return Delivery(
+            messages=[*offline, *retained],
+            offline=offline,
+            retained=retained,
+            modes=modes,
+            looked_up=lookup,
+            more=more,
+        )
 
     async def next_offline_page(self, clientid: str, topic_filter: str) -> tuple[list[Message], bool]:
         """The offline messages of a subscription after what was acknowledged: (page, more may follow).

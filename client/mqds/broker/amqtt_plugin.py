@@ -47,9 +47,19 @@ skipped message).
 the offline and retained messages of each new subscription (and
 acknowledges those).
 
+**Session present.** amqtt sets CONNACK's session present only for a session
+it holds in memory; before it sends CONNACK (``_handle_client_session`` is
+wrapped), a persistent session amqtt does not hold is asked of mqds
+(``BrokerHooks.session_present``: stored subscriptions a lookup rule
+restores), so a session resumed after a broker restart is present. Clean
+sessions keep 0.
+
 **Retained messages** are kept in mqds when a ``retain`` rule applies to the
 topic; amqtt's in-memory copy is then dropped, so a subscriber gets the one
-copy from mqds (``on_retain_lookup``), also after a broker restart.
+copy from mqds (``on_retain_lookup``), also after a broker restart. When the
+lookup ran, the stored copies of retained publishes that an offline fetch
+brings are acknowledged in order but not sent: each retained message comes
+once, flagged, and a deleted one (or its empty delete marker) not at all.
 
 **A publisher's PUBACK/PUBREC comes once the message is stored**
 (``puback_after_store``, the default): see :mod:`mqds.broker.amqtt_puback`,
@@ -81,7 +91,9 @@ for the sessions' protocol handlers, ``BrokerProtocolHandler.mqtt_publish``,
 ``_stop_handler`` for the messages left at a disconnect,
 ``Broker._handle_client_session`` and the protocol handler's
 ``_handle_qos1_message_flow``, ``_handle_qos2_message_flow``,
-``_send_packet`` and ``_pubrel_waiters`` for the publishers' acknowledgements.
+``_send_packet`` and ``_pubrel_waiters`` for the publishers' acknowledgements,
+``Broker._handle_client_session`` and ``Session.parent`` (CONNACK's session
+present) for resumed sessions.
 """
 
 from __future__ import annotations
@@ -147,6 +159,8 @@ deliver offline messages in pubsub mode (every subscriber its own read position)
 
 # Session attribute: the client sent DISCONNECT (so amqtt did not send its will).
 _SENT_DISCONNECT = "mqds.sent_disconnect"
+# Session attribute: amqtt had no session for the client (its CONNACK may still say session present).
+_NEW_IN_AMQTT = "mqds.new_in_amqtt"
 # At most this many concurrent stores of one shard (see _ShardWriter).
 _WAVE_LIMIT = 64
 # The writer used while the cluster's shard count is unknown.
@@ -175,8 +189,11 @@ class _Out:
 
     message: Message
     qos: int
-    kind: str  # "offline", "retained" or "live": what the stats count it as
+    kind: str  # "offline", "retained", "live" or "retained_copy": what the stats count it as
     retain: bool = False
+    # Sent to the client; False for a stored copy of a retained publish that the retained lookup
+    # covers: not sent, only acknowledged in its place in the order.
+    send: bool = True
     # It has a stored position: pass it to message_acked once the client acknowledged it (PUBACK,
     # PUBCOMP), or once it was sent at QoS 0 (at most once: not again at the next connect).
     ack: bool = False
@@ -294,7 +311,8 @@ class _Connection:
         self.session = session
         self.handler = handler
         self.persistent = session.clean_session is False
-        self.new_session = session.parent == 0
+        # New to amqtt (the session.created rules run), even when mqds resumed it (_resume_session).
+        self.new_session = session.parent == 0 or bool(session.attributes.pop(_NEW_IN_AMQTT, False))
         self.open = True
         # Filters whose offline fetch has started: live messages matching them are sent by the plugin.
         self.active: dict[str, int] = {}
@@ -405,7 +423,9 @@ class _Connection:
         self.active[topic_filter] = qos
         hooks = self.plugin.hooks
         delivery = await hooks.session_subscribed(self.clientid, topic_filter, qos, send_retained=send_retained)
-        outs = self._offline_outs(delivery.offline, qos)
+        # When the retained lookup ran, it alone sends retained messages: flagged, once, never a deleted one.
+        covered = delivery.looked_up
+        outs = self._offline_outs(delivery.offline, qos, covered)
         for m in delivery.retained:
             key = ("retained", m.topic, m.timestamp_us)
             if key in self._seen:
@@ -421,13 +441,21 @@ class _Connection:
         while more and self.open:
             await self._acknowledged()
             page, more = await hooks.next_offline_page(self.clientid, topic_filter)
-            outs = self._offline_outs(page, qos)
+            outs = self._offline_outs(page, qos, covered)
             if not outs:
                 break  # nothing new (a delivery or an acknowledgement failed): the rest comes at the next connect
             await self._deliver(outs)
 
-    def _offline_outs(self, messages: list[Message], qos: int) -> list[_Out]:
-        return [_Out(m, min(m.qos, qos), "offline", ack=True) for m in messages if self._key(m) not in self._seen]
+    def _offline_outs(self, messages: list[Message], qos: int, covered: bool) -> list[_Out]:
+        """The stored messages to send; with ``covered``, stored copies of retained publishes are only
+        acknowledged (the retained lookup sends the topic's retained message, if it still has one)."""
+        return [
+            _Out(m, min(m.qos, qos), "retained_copy", ack=True, send=False)
+            if covered and m.retain and self.plugin.keeps_retained(m.topic)
+            else _Out(m, min(m.qos, qos), "offline", ack=True)
+            for m in messages
+            if self._key(m) not in self._seen
+        ]
 
     async def _acknowledged(self) -> None:
         """Wait until every message confirmed so far was acknowledged in mqds (or failed to be)."""
@@ -464,6 +492,9 @@ class _Connection:
                 continue
             if out.ack:
                 self._remember(self._key(out.message))
+            if not out.send:
+                window.append((out, asyncio.ensure_future(asyncio.sleep(0))))
+                continue
             send = handler.mqtt_publish(out.message.topic, out.message.payload, out.qos, out.retain)
             window.append((out, asyncio.ensure_future(send)))
             if len(window) >= limit:
@@ -641,9 +672,11 @@ class MqdsPlugin(BaseTopicPlugin):
         connection's message loop, which then hands on what is left in the
         session's queue through amqtt's own delivery step, and
         ``_stop_handler``, which then waits for that (so the shutdown clears
-        the queues only after); with ``puback_after_store``, also
-        ``_handle_client_session``, which then gives each connection's
-        protocol handler a :class:`PublishAcks` before its reader starts, and
+        the queues only after); ``_handle_client_session``, which then sets
+        session present for a session mqds holds (``_resume_session``) before
+        CONNACK and, with ``puback_after_store``, gives each connection's
+        protocol handler a :class:`PublishAcks` before its reader starts; with
+        ``puback_after_store`` also
         ``_handle_message_delivery``, which then releases the acknowledgement
         of a message amqtt did not pass on to be stored (refused by a topic
         filter, an invalid topic).
@@ -664,7 +697,9 @@ class MqdsPlugin(BaseTopicPlugin):
             server: Any,
             listener_name: str,
         ) -> None:
-            PublishAcks(self, handler).install()
+            if self.config.puback_after_store:
+                PublishAcks(self, handler).install()
+            await self._resume_session(client_session)
             await session_handling(reader, writer, client_session, handler, server, listener_name)
 
         async def handle_message_delivery(
@@ -697,10 +732,32 @@ class MqdsPlugin(BaseTopicPlugin):
 
         broker._client_message_loop = client_message_loop  # type: ignore[method-assign]
         broker._stop_handler = stop_handler_then_wait  # type: ignore[method-assign]
+        broker._handle_client_session = handle_client_session  # type: ignore[method-assign]
         if self.config.puback_after_store:
-            broker._handle_client_session = handle_client_session  # type: ignore[method-assign]
             broker._handle_message_delivery = handle_message_delivery  # type: ignore[method-assign]
         broker._mqds_keeps_acknowledged = True  # type: ignore[attr-defined]
+
+    async def _resume_session(self, session: Session) -> None:
+        """Before amqtt sends CONNACK: session present when mqds holds the state of a persistent session.
+
+        amqtt sets ``session.parent`` (CONNACK's session present) only for a
+        session it has in memory; after a broker restart, or on another broker
+        node, mqds still has the client's subscriptions, which the plugin
+        restores at connect. Clean sessions keep 0. If mqds does not answer,
+        amqtt's answer stands.
+        """
+        if session.clean_session is not False or session.parent != 0 or not session.client_id:
+            return
+        session.attributes[_NEW_IN_AMQTT] = True
+        try:
+            present = await self.hooks.session_present(session.client_id)
+        except Exception as err:
+            self.count("errors")
+            log.warning("client %s: could not ask mqds for its session: %s", session.client_id, err)
+            return
+        if present:
+            session.parent = 1
+            self.count("sessions_resumed_from_mqds")
 
     async def _hand_on_left(self, session: Session, handler: BrokerProtocolHandler) -> None:
         """Route the messages left in ``session``'s queue after its message loop ended, oldest first."""

@@ -56,6 +56,7 @@ def run_pub(opts: argparse.Namespace) -> int:
     with Client(opts.endpoints, settings=connection(opts, 30.0)) as client:
         leaders = {v.shard: v.leader for v in client.cluster_map().vnodes}
         batch: list[Message] = []
+        last: Message | None = None
 
         def flush() -> None:
             nonlocal published
@@ -79,14 +80,23 @@ def run_pub(opts: argparse.Namespace) -> int:
                     properties=opts.property,
                 )
             )
+            last = batch[-1]
             if len(batch) >= opts.batch:
                 flush()
         if batch:
             flush()
+        # --retain: the last message becomes the topic's retained message (an empty one deletes it),
+        # as a broker does with an MQTT publish that has the retain flag.
+        kept = client.retain(last) if opts.retain and last is not None else None
     if not published:
         raise CommandError("nothing to publish: give -m MESSAGE or pipe lines into stdin", EXIT_USAGE)
     where = f"vnode {next(iter(shards))}" if len(shards) == 1 else f"{len(shards)} vnodes"
     print(f"published {published:,} message{'s' if published != 1 else ''} as {opts.sender!r} to {where}")
+    if opts.retain and last is not None:
+        done = (
+            f"retained the last one on {opts.topic}" if kept is not None else f"deleted {opts.topic}'s retained message"
+        )
+        print(done)
     return EXIT_OK
 
 
@@ -265,7 +275,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         help=f"the publisher's MQTT clientid; it decides the shard (default {DEFAULT_SENDER})",
     )
     pub.add_argument("--qos", type=int, choices=(0, 1, 2), default=1, help="MQTT QoS recorded with it (default 1)")
-    pub.add_argument("--retain", action="store_true", help="set the MQTT retain flag")
+    pub.add_argument(
+        "--retain",
+        action="store_true",
+        help="set the MQTT retain flag and make the last message the topic's retained message (-m '' deletes it)",
+    )
     pub.add_argument(
         "--property",
         type=_property,
