@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
-from mqds.server.localproc import SERVER, NodeProcess, free_port, wait_serving
+from mqds.server.localproc import SERVER, LocalCluster, NodeProcess, free_port, free_port_block, wait_serving
 
 ServerProcess = NodeProcess
 
-__all__ = ["SERVER", "ServerProcess", "free_port", "run_server", "wait_serving"]
+__all__ = ["MQDS", "SERVER", "ServerProcess", "cluster_up", "free_port", "run_server", "wait_serving"]
+
+
+MQDS = str(Path(sys.executable).with_name("mqds"))
+
+
+@contextlib.contextmanager
+def cluster_up(data_dir: Path, n_shards: int) -> Iterator[str]:
+    """A local 3-node cluster started with ``mqds cluster up`` in ``data_dir``: its endpoints; down afterwards."""
+    base = free_port_block(3)
+    try:
+        up = subprocess.run(
+            [MQDS, "cluster", "up", "--data-dir", str(data_dir), "--base-port", str(base), "--shards", str(n_shards)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield ",".join(f"127.0.0.1:{base + i}" for i in range(3))
+    finally:
+        if LocalCluster.recorded(data_dir):
+            subprocess.run([MQDS, "cluster", "down", "--data-dir", str(data_dir)], capture_output=True, timeout=120)
+            LocalCluster.load(data_dir).kill_all()
 
 
 def run_server(args: Sequence[str], timeout_s: float = 30) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,6 @@ import queue
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,14 +23,14 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
+from harness import MQDS, cluster_up
 
 from mqds.client import Client, ClientState
 from mqds.protocol.sharding import shard_of
-from mqds.server.localproc import LocalCluster, free_port, free_port_block, wait_until
+from mqds.server.localproc import LocalCluster, free_port, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-MQDS = str(Path(sys.executable).with_name("mqds"))
 N_SHARDS = 4
 NODE = "broker-e2e"
 HOOKS = """
@@ -181,22 +180,8 @@ class BrokerProcess:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     data_dir = tmp_path_factory.mktemp("broker-e2e") / "cluster"
-    base = free_port_block(3)
-    try:
-        up = subprocess.run(
-            [MQDS, "cluster", "up", "--data-dir", str(data_dir), "--base-port", str(base), "--shards", str(N_SHARDS)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert up.returncode == 0, up.stdout + up.stderr
-        endpoints = ",".join(f"127.0.0.1:{base + i}" for i in range(3))
-        with Client(endpoints, timeout_s=30) as client:
-            yield Cluster(data_dir, endpoints, client)
-    finally:
-        if LocalCluster.recorded(data_dir):
-            subprocess.run([MQDS, "cluster", "down", "--data-dir", str(data_dir)], capture_output=True, timeout=120)
-            LocalCluster.load(data_dir).kill_all()
+    with cluster_up(data_dir, N_SHARDS) as endpoints, Client(endpoints, timeout_s=30) as client:
+        yield Cluster(data_dir, endpoints, client)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,13 +18,13 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
+from harness import MQDS, cluster_up
 
 from mqds.client import Client
-from mqds.server.localproc import LocalCluster, free_port, free_port_block, wait_until
+from mqds.server.localproc import free_port, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-MQDS = str(Path(sys.executable).with_name("mqds"))
 N = 1000
 # Only stored/# is stored: free/# is a topic no rule stores.
 PARTIAL_HOOKS = """
@@ -70,22 +69,8 @@ class Broker:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Client]]:
     data_dir = tmp_path_factory.mktemp("broker-puback") / "cluster"
-    base = free_port_block(3)
-    try:
-        up = subprocess.run(
-            [MQDS, "cluster", "up", "--data-dir", str(data_dir), "--base-port", str(base), "--shards", "4"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert up.returncode == 0, up.stdout + up.stderr
-        endpoints = ",".join(f"127.0.0.1:{base + i}" for i in range(3))
-        with Client(endpoints, timeout_s=30) as client:
-            yield endpoints, client
-    finally:
-        if LocalCluster.recorded(data_dir):
-            subprocess.run([MQDS, "cluster", "down", "--data-dir", str(data_dir)], capture_output=True, timeout=120)
-            LocalCluster.load(data_dir).kill_all()
+    with cluster_up(data_dir, 4) as endpoints, Client(endpoints, timeout_s=30) as client:
+        yield endpoints, client
 
 
 @pytest.fixture
