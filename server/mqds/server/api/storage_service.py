@@ -238,6 +238,7 @@ class StorageService(ShardsAPI):
 
     def _propose_each(self, commands: list[tuple[int, bytes]]) -> list[Any]:
         """Propose one command per shard; each result, or the ``MqdsError`` that shard's part failed with."""
+        self._check_commands(commands)
         started: list[Any] = []
         for shard, body in commands:
             try:
@@ -360,7 +361,6 @@ class StorageService(ShardsAPI):
                 else:
                     store.messages.extend([messages[i] for i in indexes])
                 commands.append((shard, cmd.SerializeToString()))
-        self._check_commands(commands)
         results = self._propose_each(commands)
         failed = [(shard, r) for shard, r in zip(order, results, strict=True) if isinstance(r, MqdsError)]
         if len(failed) == len(order):
