@@ -11,23 +11,19 @@ tests receive is the retained lookup or amqtt's live routing alone).
 from __future__ import annotations
 
 import contextlib
-import queue
-import signal
 import socket
 import subprocess
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import paho.mqtt.client as mqtt
 import pytest
 from harness import MQDS, cluster_up
+from mqtt_support import BrokerProcess, Mqtt, payloads
 
 from mqds.client import Client, ClientState
 from mqds.protocol.sharding import shard_of
-from mqds.server.localproc import LocalCluster, free_port, wait_until
+from mqds.server.localproc import LocalCluster, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -115,68 +111,6 @@ class Cluster:
         return LocalCluster.load(self.data_dir)
 
 
-class BrokerProcess:
-    """`mqds broker` on a fixed port; restartable, so clients reconnect to the same address."""
-
-    def __init__(self, workdir: Path, endpoints: str, hooks: Path) -> None:
-        self.port = free_port()
-        self.workdir = workdir
-        self.args = [
-            MQDS,
-            "broker",
-            "--endpoints",
-            endpoints,
-            "--listen",
-            f"127.0.0.1:{self.port}",
-            "--hooks",
-            str(hooks),
-            "--node",
-            NODE,
-            "--timeout",
-            "20",
-        ]
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.runs = 0
-
-    @property
-    def out_path(self) -> Path:
-        return self.workdir / f"broker-{self.runs}.out"
-
-    def output(self) -> str:
-        return self.out_path.read_text(errors="replace") if self.out_path.exists() else ""
-
-    def start(self, timeout_s: float = 30) -> None:
-        self.runs += 1
-        with open(self.out_path, "wb") as out:
-            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        proc = self.proc
-
-        def ready() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(f"mqds broker exited with {proc.returncode}:\n{self.output()}")
-            return "mqds broker: ready" in self.output()
-
-        wait_until("mqds broker ready", ready, timeout_s)
-
-    def stop(self, timeout_s: float = 30) -> str:
-        """SIGTERM and wait: the clean stop; returns what it printed."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(f"mqds broker did not stop within {timeout_s}s:\n{self.output()}") from None
-        out = self.output()
-        assert code == 0, out
-        return out
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     data_dir = tmp_path_factory.mktemp("broker-e2e") / "cluster"
@@ -189,104 +123,12 @@ def broker(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     workdir = tmp_path_factory.mktemp("broker")
     hooks = workdir / "hooks.toml"
     hooks.write_text(HOOKS)
-    process = BrokerProcess(workdir, cluster.endpoints, hooks)
+    process = BrokerProcess(workdir, cluster.endpoints, hooks, NODE)
     try:
         process.start()
         yield process
     finally:
         process.kill()
-
-
-Received = tuple[str, bytes, int, bool]  # topic, payload, qos, retain
-
-
-class Mqtt:
-    """A paho-mqtt 2 client in its own network thread; every wait is bounded."""
-
-    def __init__(
-        self,
-        port: int,
-        clientid: str,
-        *,
-        clean_session: bool,
-        will: tuple[str, bytes] | None = None,
-        max_inflight: int = 20,
-    ) -> None:
-        self.clientid = clientid
-        self.session_present: bool | None = None  # CONNACK's flag
-        self.messages: queue.Queue[Received] = queue.Queue()
-        self._connected = threading.Event()
-        self._acked: set[int] = set()
-        self._suback = threading.Condition()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=clientid, clean_session=clean_session)
-        self.client.on_connect = self._on_connect
-        self.client.on_message = self._on_message
-        self.client.on_subscribe = self._on_subscribe
-        if will is not None:
-            self.client.will_set(will[0], will[1], qos=1)
-        self.client.max_inflight_messages_set(max_inflight)  # publishes awaiting their PUBACK at once
-        self.client.connect("127.0.0.1", port, keepalive=30)
-        self.client.loop_start()
-        if not self._connected.wait(10):
-            self.close()
-            raise AssertionError(f"{clientid} did not connect within 10s")
-
-    def _on_connect(
-        self, client: object, userdata: object, flags: mqtt.ConnectFlags, reason: object, props: object
-    ) -> None:
-        self.session_present = bool(flags.session_present)
-        self._connected.set()
-
-    def _on_message(self, client: object, userdata: object, msg: mqtt.MQTTMessage) -> None:
-        self.messages.put((msg.topic, bytes(msg.payload), msg.qos, bool(msg.retain)))
-
-    def _on_subscribe(self, client: object, userdata: object, mid: int, codes: object, props: object) -> None:
-        with self._suback:
-            self._acked.add(mid)
-            self._suback.notify_all()
-
-    def subscribe(self, topic_filter: str, qos: int = 1) -> None:
-        result, mid = self.client.subscribe(topic_filter, qos=qos)
-        assert result == mqtt.MQTT_ERR_SUCCESS
-        with self._suback:
-            assert self._suback.wait_for(lambda: mid in self._acked, 10), f"no SUBACK for {topic_filter}"
-
-    def publish(self, topic: str, payload: bytes | str, *, qos: int = 1, retain: bool = False) -> None:
-        info = self.client.publish(topic, payload, qos=qos, retain=retain)
-        info.wait_for_publish(10)
-        assert info.is_published(), f"{self.clientid}: {topic} not acknowledged by the broker"
-
-    def take(self, count: int, timeout_s: float = 20) -> list[Received]:
-        """Exactly the next ``count`` messages, or fail naming what did arrive."""
-        got: list[Received] = []
-        deadline = time.monotonic() + timeout_s
-        while len(got) < count:
-            try:
-                got.append(self.messages.get(timeout=max(0.01, deadline - time.monotonic())))
-            except queue.Empty:
-                raise AssertionError(
-                    f"{self.clientid}: {len(got)} of {count} messages in {timeout_s}s: {got}"
-                ) from None
-        return got
-
-    def quiet(self, seconds: float = 1.5) -> list[Received]:
-        """What arrives within ``seconds`` (tests expect nothing)."""
-        time.sleep(seconds)
-        got = []
-        while not self.messages.empty():
-            got.append(self.messages.get_nowait())
-        return got
-
-    def drop(self) -> None:
-        """Lose the connection without DISCONNECT (the broker then sends the will)."""
-        self.client.loop_stop()
-        sock = self.client.socket()
-        if sock is not None:
-            sock.close()
-
-    def close(self) -> None:
-        self.client.disconnect()
-        self.client.loop_stop()
 
 
 @pytest.fixture
@@ -304,10 +146,6 @@ def connect(broker: BrokerProcess) -> Iterator[Callable[..., Mqtt]]:
     yield make
     for client in made:
         client.close()
-
-
-def payloads(messages: list[Received]) -> list[str]:
-    return [payload.decode() for _, payload, _, _ in messages]
 
 
 def test_broker_command_explains_itself_and_refuses_bad_input(tmp_path: Path) -> None:
@@ -355,7 +193,7 @@ def test_client_state_follows_connect_and_disconnect(cluster: Cluster, connect: 
 
 def test_proxy_subscription_applies_on_connect(cluster: Cluster, connect: Callable[..., Mqtt]) -> None:
     cluster.client.subscribe("e2e-proxy", "e2e/proxy/#", qos=1)
-    listener = connect("e2e-proxy")  # subscribes to nothing itself
+    listener = connect("e2e-proxy", clean_session=False)  # a persistent session subscribing to nothing itself
     publisher = connect("e2e-proxy-pub")
 
     def probe() -> bool:
@@ -385,6 +223,90 @@ def test_retained_lookup_and_delete(cluster: Cluster, connect: Callable[..., Mqt
     second = connect("e2e-ret-sub-2")
     second.subscribe("e2e/retained/#")
     assert second.quiet(1.0) == []
+
+
+def stored_count(cluster: Cluster, topic_filter: str) -> int:
+    return len(list(cluster.client.replay(topic_filter)))
+
+
+def test_a_new_clean_subscriber_gets_only_what_is_published_after_its_subscribe(
+    cluster: Cluster, connect: Callable[..., Mqtt]
+) -> None:
+    publisher = connect("e2e-new-pub")
+    for i in range(5):
+        publisher.publish("e2e/pubsub/new/dev", f"history-{i}")
+    assert stored_count(cluster, "e2e/pubsub/new/#") == 5  # PUBACK came once stored
+    subscriber = connect("e2e-new-clean")
+    subscriber.subscribe("e2e/pubsub/new/#")
+    assert subscriber.quiet(1.0) == []  # MQTT: a new subscription gets what is published after it
+    for i in range(3):
+        publisher.publish("e2e/pubsub/new/dev", f"live-{i}")
+    assert payloads(subscriber.take(3)) == ["live-0", "live-1", "live-2"]
+    assert subscriber.quiet(1.0) == []
+    subscriber.close()
+    # A clean session keeps nothing in mqds: no subscription, no read position to come back to.
+    assert cluster.client.subscriptions("e2e-new-clean") == {}
+    assert not cluster.client.read_position("e2e-new-clean", "e2e/pubsub/new/#").found
+    again = connect("e2e-new-clean")
+    again.subscribe("e2e/pubsub/new/#")
+    assert again.quiet(1.0) == []
+    publisher.publish("e2e/pubsub/new/dev", "after-again")
+    assert payloads(again.take(1)) == ["after-again"]
+
+
+def test_a_persistent_session_gets_what_was_published_while_away_from_its_subscribe_on(
+    cluster: Cluster, connect: Callable[..., Mqtt]
+) -> None:
+    publisher = connect("e2e-away-pub")
+    for i in range(4):
+        publisher.publish("e2e/pubsub/away/dev", f"before-{i}")
+    assert stored_count(cluster, "e2e/pubsub/away/#") == 4
+    subscriber = connect("e2e-away-sub", clean_session=False)
+    subscriber.subscribe("e2e/pubsub/away/#")
+    assert subscriber.quiet(1.0) == []  # nothing from before its SUBSCRIBE
+    publisher.publish("e2e/pubsub/away/dev", "online-0")
+    publisher.publish("e2e/pubsub/away/dev", "online-1")
+    assert payloads(subscriber.take(2)) == ["online-0", "online-1"]
+    subscriber.close()
+    wait_until(
+        "e2e-away-sub's acknowledgements recorded",
+        lambda: cluster.client.fetch_offline("e2e-away-sub", "e2e/pubsub/away/#") == [],
+        10,
+    )
+    for i in range(5):
+        publisher.publish("e2e/pubsub/away/dev", f"away-{i}")
+    back = connect("e2e-away-sub", clean_session=False)  # subscribes to nothing: its session has the filter
+    assert back.session_present is True
+    assert payloads(back.take(5)) == [f"away-{i}" for i in range(5)]
+    assert back.quiet(1.0) == []
+    back.close()
+    # The same filter subscribed again (a re-subscribe) goes on where it was, not from the start again.
+    again = connect("e2e-away-sub", clean_session=False)
+    again.subscribe("e2e/pubsub/away/#")
+    assert again.quiet(1.0) == []
+
+
+def test_a_clean_connect_discards_the_persistent_session_mqds_kept(
+    cluster: Cluster, connect: Callable[..., Mqtt]
+) -> None:
+    first = connect("e2e-discard", clean_session=False)
+    first.subscribe("e2e/pubsub/discard/#")
+    first.close()
+    wait_until("the subscription stored", lambda: cluster.client.subscriptions("e2e-discard") != {}, 10)
+    publisher = connect("e2e-discard-pub")
+    for i in range(3):
+        publisher.publish("e2e/pubsub/discard/dev", f"missed-{i}")
+    clean = connect("e2e-discard")
+    assert clean.session_present is False
+    assert clean.quiet(1.0) == []  # neither the stored subscription nor its offline messages
+    assert cluster.client.subscriptions("e2e-discard") == {}
+    assert not cluster.client.read_position("e2e-discard", "e2e/pubsub/discard/#").found
+    publisher.publish("e2e/pubsub/discard/dev", "not-subscribed")
+    assert clean.quiet(1.0) == []
+    clean.close()
+    persistent = connect("e2e-discard", clean_session=False)
+    assert persistent.session_present is False
+    assert persistent.quiet(1.0) == []
 
 
 def test_queue_acknowledged_message_is_gone_for_everyone(cluster: Cluster, connect: Callable[..., Mqtt]) -> None:

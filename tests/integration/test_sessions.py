@@ -152,6 +152,40 @@ def test_pubsub_offline_messages_follow_each_subscribers_read_position(client: C
     assert len(client.fetch_offline("ps-a", "ps/7/#")) == 30
 
 
+def test_a_subscription_started_now_reads_only_what_is_stored_after_it(client: Client) -> None:
+    publish(client, "new/1/cmd", [f"before-{i}" for i in range(10)])
+    # "now": the pair has no position, so it gets one started now, in every shard.
+    assert client.fetch_offline("ns-a", "new/+/cmd", start="now") == []
+    position = client.read_position("ns-a", "new/+/cmd")
+    assert position.found and position.start_us > 0 and position.acked_us == {}
+    after = publish(client, "new/1/cmd", [f"after-{i}" for i in range(10)])
+    fetched = client.fetch_offline("ns-a", "new/+/cmd", start="now")
+    assert sorted(payloads(fetched)) == sorted(f"after-{i}" for i in range(10))
+    # Acknowledging moves on from there (shard by shard); the start still holds in the other shards.
+    first = min(after, key=lambda m: (m.timestamp_us, m.shard))
+    client.ack("ns-a", "new/+/cmd", first)
+    assert len(client.fetch_offline("ns-a", "new/+/cmd")) == 9
+    # Starting again keeps the position (a re-subscribe does not interrupt the flow).
+    assert client.start_read_position("ns-a", "new/+/cmd").start_us == position.start_us
+    # The default reads the whole history of a pair without a position, and gives it none.
+    assert len(client.fetch_offline("ns-b", "new/+/cmd")) == 20
+    assert not client.read_position("ns-b", "new/+/cmd").found
+
+
+def test_forgetting_a_session_deletes_its_subscriptions_and_read_positions(client: Client) -> None:
+    client.client_connected("fs-1", "broker-1")
+    client.subscribe("fs-1", "fs/a/#", qos=1)
+    client.subscribe("fs-1", "fs/b", qos=2)
+    client.start_read_position("fs-1", "fs/a/#")
+    client.subscribe("fs-2", "fs/a/#", qos=1)
+    assert client.forget_session("fs-1") == (2, 1)
+    assert client.subscriptions("fs-1") == {} and not client.read_position("fs-1", "fs/a/#").found
+    assert client.subscriptions("fs-2") == {"fs/a/#": 1}
+    state = client.client_state("fs-1")
+    assert state is not None and state.online
+    assert client.forget_session("fs-1") == (0, 0)
+
+
 def test_time_range_limits_offline_messages(client: Client) -> None:
     publish(client, "tr/x", ["old-1", "old-2"])
     time.sleep(3.0)

@@ -132,6 +132,38 @@ def test_broker_state_survives_a_restart(tmp_path: Path, engine: Engine) -> None
         storage.close()
 
 
+def test_a_started_read_position_keeps_its_start_and_acknowledgements(shard: ShardStorage) -> None:
+    sessions = shard.sessions
+    started, position = sessions.start_position("c1", "t/#", 500)
+    assert started and position.start_us == 500 and dict(position.acked_us) == {}
+    sessions.ack_pubsub("c1", "t/#", 3, 700)
+    # A second start (a re-subscribe) leaves the position as it is: its flow goes on.
+    started, position = sessions.start_position("c1", "t/#", 900)
+    assert not started and position.start_us == 500 and dict(position.acked_us) == {3: 700}
+    # An acknowledgement's position (no start) is not started over either.
+    sessions.ack_pubsub("c1", "u/#", 3, 10)
+    started, position = sessions.start_position("c1", "u/#", 900)
+    assert not started and position.start_us == 0 and dict(position.acked_us) == {3: 10}
+
+
+def test_forgetting_a_session_deletes_its_subscriptions_and_positions_only(shard: ShardStorage) -> None:
+    sessions = shard.sessions
+    for clientid in ("c1", "c10"):  # c10's keys start with c1's bytes but not its sized prefix
+        sessions.client_connected(clientid, "b1", 10)
+        sessions.subscribe(clientid, "t/#", 1)
+        sessions.subscribe(clientid, "u/+", 2)
+        sessions.start_position(clientid, "t/#", 20)
+    sessions.ack_pubsub("c1", "v", 3, 30)
+    assert sessions.forget_session("c1") == (2, 2)
+    assert sessions.subscriptions("c1") == [] and sessions.read_position("c1", "t/#") is None
+    assert sessions.read_position("c1", "v") is None
+    state = sessions.client_state("c1")
+    assert state is not None and state.online  # the client state stays
+    assert sessions.subscriptions("c10") == [("t/#", 1), ("u/+", 2)]
+    assert sessions.read_position("c10", "t/#") is not None
+    assert sessions.forget_session("c1") == (0, 0)
+
+
 TOPIC_LEVEL = st.sampled_from(["a", "b", "ab", "$SYS", "x y", "é"])
 TOPICS = st.lists(TOPIC_LEVEL, min_size=1, max_size=4).map("/".join)
 FILTER_LEVEL = st.sampled_from(["a", "b", "ab", "$SYS", "+", "é"])

@@ -28,6 +28,16 @@ its own read position) or ``queue`` (a message acknowledged by one reader is
 gone for all). Acknowledgements use the same mode, so fetch and ack agree; a
 filter no fetch rule applies to is acknowledged in the mode of the ack rule.
 
+**Where offline delivery starts.** MQTT gives a new subscription what is
+published after it (and the retained messages), and a clean session no
+state from before. So a pubsub fetch starts the (client, filter) read
+position when the pair has none, at its first SUBSCRIBE: a persistent
+session then gets, at each reconnect, exactly what was stored while it was
+away, from that SUBSCRIBE on. A clean session (``clean_start``) discards
+what mqds kept of the client's previous session when it connects and keeps
+nothing of its own: no stored subscriptions, no read positions, no offline
+messages. Queue mode is a work queue: a new reader gets the backlog.
+
 **Shared subscriptions.** ``$share/<group>/<filter>`` and ``$queue/<filter>``
 subscriptions are matched, fetched and acknowledged by their real filter
 (read positions are per client either way); they get no retained messages,
@@ -187,31 +197,57 @@ class BrokerHooks:
 
     # -- connections ---------------------------------------------------------------
 
-    async def client_connected(self, clientid: str, *, node: str | None = None) -> dict[str, int]:
+    async def client_connected(
+        self, clientid: str, *, node: str | None = None, clean_start: bool = False
+    ) -> dict[str, int]:
         """Run the ``client.connected`` rules; return the proxy subscriptions to apply ({} without a lookup rule).
 
         ``node``: the broker node the client connected to, when the broker
         says (used when neither the constructor nor the configuration names one).
+
+        ``clean_start``: the client asked for a clean session (MQTT 3.1.1's
+        CleanSession, MQTT 5's Clean Start): what mqds keeps of its previous
+        session, stored subscriptions and read positions, is deleted (when the
+        rules keep any), whatever the rules of the hook, and no proxy
+        subscriptions are returned, as a clean session starts with none.
         """
-        return await self._connected("client.connected", clientid, node)
+        return await self._connected("client.connected", clientid, node, clean_start, discard=clean_start)
 
-    async def session_created(self, clientid: str, *, node: str | None = None) -> dict[str, int]:
-        """Run the ``session.created`` rules; return the proxy subscriptions to apply, as ``client_connected``."""
-        return await self._connected("session.created", clientid, node)
+    async def session_created(
+        self, clientid: str, *, node: str | None = None, clean_start: bool = False
+    ) -> dict[str, int]:
+        """Run the ``session.created`` rules; return the proxy subscriptions to apply, as ``client_connected``.
 
-    async def _connected(self, hook: str, clientid: str, node: str | None) -> dict[str, int]:
+        With ``clean_start`` it returns none; the previous session is discarded by ``client_connected``.
+        """
+        return await self._connected("session.created", clientid, node, clean_start, discard=False)
+
+    @property
+    def keeps_sessions(self) -> bool:
+        """Whether the rules keep session state in mqds: stored subscriptions or read positions."""
+        return any(rule.kind in ("subscribe", "fetch", "ack") for rule in self.config.rules)
+
+    async def _connected(
+        self, hook: str, clientid: str, node: str | None, clean_start: bool, *, discard: bool
+    ) -> dict[str, int]:
         _clientid(clientid)
         rules = self.config.rules_for(hook)
         jobs: list[Awaitable[Any]] = []
-        lookup = any(rule.kind == "subscription_lookup" for rule in rules)
+        lookup = not clean_start and any(rule.kind == "subscription_lookup" for rule in rules)
         record = any(rule.kind == "client_connected" for rule in rules)
+        discard = discard and self.keeps_sessions
         if record:
             jobs.append(self.client.client_connected(clientid, self._node(node)))
+        if discard:
+            self._filters.pop(clientid, None)
+            jobs.append(self.client.forget_session(clientid))
         if lookup:
             jobs.append(self.client.subscriptions(clientid))
         results = await asyncio.gather(*jobs)
         if record:
             self.stats["clients_connected"] += 1
+        if discard:
+            self.stats["sessions_discarded"] += 1
         if not lookup:
             return {}
         subscriptions: dict[str, int] = results[-1]
@@ -261,7 +297,7 @@ class BrokerHooks:
     # -- subscriptions -------------------------------------------------------------
 
     async def session_subscribed(
-        self, clientid: str, topic_filter: str, qos: int, *, send_retained: bool = True
+        self, clientid: str, topic_filter: str, qos: int, *, send_retained: bool = True, clean_start: bool = False
     ) -> Delivery:
         """Run the ``session.subscribed`` rules for a new subscription; return what it should receive.
 
@@ -269,6 +305,16 @@ class BrokerHooks:
         messages in the mode of the first fetch rule that applies, and looks up
         retained messages (``on_retain_lookup``; not for shared subscriptions,
         nor with ``send_retained=False``, MQTT 5's Retain Handling 2).
+
+        Offline messages, as MQTT has it: in pubsub mode a subscription reads
+        what was stored from its first SUBSCRIBE on (the first fetch of a
+        (client, filter) pair starts its read position, see
+        ``Client.start_read_position``), and after that what it has not
+        acknowledged; in queue mode, every message no reader acknowledged
+        (a work queue's backlog). ``clean_start``: the subscription belongs
+        to a clean session, which ends with its connection: it is neither
+        stored nor given offline messages (the broker delivers it live), only
+        the retained ones.
         """
         _clientid(clientid)
         validate_filter(topic_filter)
@@ -283,10 +329,10 @@ class BrokerHooks:
         self._remember(clientid, {real: qos})
         rules = self.config.rules_for("session.subscribed", real)
         jobs: list[Awaitable[Any]] = []
-        store = any(rule.kind == "subscribe" for rule in rules)
+        store = not clean_start and any(rule.kind == "subscribe" for rule in rules)
         if store:
             jobs.append(self.client.subscribe(clientid, topic_filter, qos))
-        fetch = next((rule for rule in rules if rule.kind == "fetch"), None)
+        fetch = None if clean_start else next((rule for rule in rules if rule.kind == "fetch"), None)
         offline_job = self._fetch(clientid, real, fetch) if fetch is not None else _nothing()
         lookup = send_retained and not shared and any(rule.kind == "retain_lookup" for rule in rules)
         retained_job = self.client.retained(real) if lookup else _nothing()
@@ -304,6 +350,28 @@ class BrokerHooks:
             looked_up=lookup,
             more=more,
         )
+
+    async def begin_subscription(self, clientid: str, topic_filter: str) -> bool:
+        """Fix where a persistent session's new subscription starts, before the broker sends SUBACK.
+
+        When a pubsub fetch rule applies to the filter and the (client, filter)
+        pair has no read position, it is started now, so what is published
+        after SUBACK is the subscription's, to be fetched at a later reconnect
+        even if the client leaves at once. ``session_subscribed`` starts it
+        too (at its fetch), a little later: a broker that can act before
+        SUBACK calls this first. Whether a position was started.
+        """
+        _clientid(clientid)
+        validate_filter(topic_filter)
+        real = real_filter(topic_filter)
+        fetch = self.config.fetch_rule(real)
+        if fetch is None or fetch.mode != "pubsub":
+            return False
+        if (await self.client.read_position(clientid, real)).found:
+            return False
+        await self.client.start_read_position(clientid, real)
+        self.stats["read_positions_started"] += 1
+        return True
 
     async def next_offline_page(self, clientid: str, topic_filter: str) -> tuple[list[Message], bool]:
         """The offline messages of a subscription after what was acknowledged: (page, more may follow).
@@ -333,6 +401,7 @@ class BrokerHooks:
             max_count=opts.max_returned_count,
             time_range_s=opts.time_range_s,
             include_qos0=include_qos0,
+            start="now",
         )
 
     async def session_unsubscribed(self, clientid: str, topic_filter: str) -> None:

@@ -16,7 +16,7 @@ decides how amqtt's events reach them and how stored messages reach clients.
 
 **Publishes.** Every message amqtt accepts for routing goes to
 ``message_publish``. A shard's messages are stored in waves (see
-``_ShardWriter``): concurrent within a wave, at most one per publisher, each
+``_ShardWriter``): one ``store_batch`` call per wave, in arrival order, each
 wave after the previous one finished. So each publisher's messages are stored
 in the order it sent them, and the plugin learns a shard's positions in
 timestamp order. That order is what makes acknowledgements safe:
@@ -43,9 +43,16 @@ delivery, nothing later of that shard is acknowledged on that connection, so
 a reconnect gets it again (at least once: redelivery after a failure, never a
 skipped message).
 
-**Clean sessions** are delivered live by amqtt as usual; the plugin sends them
-the offline and retained messages of each new subscription (and
-acknowledges those).
+**Where a subscription starts** (MQTT's rules, see :mod:`mqds.broker.actions`):
+a persistent session's new subscription gets what is stored from its
+SUBSCRIBE on (its read position starts then; the plugin treats the filter
+as live from the SUBSCRIBE event, so nothing between the two is missed), and
+at each reconnect what was stored while it was away. **Clean sessions** are
+delivered live by amqtt as usual and start with nothing: at connect the
+plugin discards what mqds kept of the client's previous session (stored
+subscriptions, read positions; no proxy subscriptions are restored), stores
+none of theirs, fetches no offline messages for them, and sends each new
+subscription only its retained messages.
 
 **Session present.** amqtt sets CONNACK's session present only for a session
 it holds in memory; before it sends CONNACK (``_handle_client_session`` is
@@ -93,7 +100,9 @@ for the sessions' protocol handlers, ``BrokerProtocolHandler.mqtt_publish``,
 ``_handle_qos1_message_flow``, ``_handle_qos2_message_flow``,
 ``_send_packet`` and ``_pubrel_waiters`` for the publishers' acknowledgements,
 ``Broker._handle_client_session`` and ``Session.parent`` (CONNACK's session
-present) for resumed sessions.
+present) for resumed sessions, ``Broker._handle_subscription`` (to act
+before SUBACK), ``Broker._del_all_subscriptions`` for a clean session amqtt
+would resume.
 """
 
 from __future__ import annotations
@@ -399,11 +408,12 @@ class _Connection:
 
     async def _connected(self) -> None:
         hooks = self.plugin.hooks
+        clean = not self.persistent
         proxies: dict[str, int] = {}
-        if hooks.config.rules_for("client.connected"):
-            proxies.update(await hooks.client_connected(self.clientid))
+        if clean or hooks.config.rules_for("client.connected"):  # a clean session discards the previous one
+            proxies.update(await hooks.client_connected(self.clientid, clean_start=clean))
         if self.new_session and hooks.config.rules_for("session.created"):
-            proxies.update(await hooks.session_created(self.clientid))
+            proxies.update(await hooks.session_created(self.clientid, clean_start=clean))
         for topic_filter, qos in proxies.items():
             if topic_filter.startswith(("$share/", "$queue/")):
                 log.warning(
@@ -422,10 +432,12 @@ class _Connection:
         # one stored before is in the fetch (and its live copy skipped).
         self.active[topic_filter] = qos
         hooks = self.plugin.hooks
-        delivery = await hooks.session_subscribed(self.clientid, topic_filter, qos, send_retained=send_retained)
+        delivery = await hooks.session_subscribed(
+            self.clientid, topic_filter, qos, send_retained=send_retained, clean_start=not self.persistent
+        )
         # When the retained lookup ran, it alone sends retained messages: flagged, once, never a deleted one.
         covered = delivery.looked_up
-        outs = self._offline_outs(delivery.offline, qos, covered)
+        outs = self._with_older_live(self._offline_outs(delivery.offline, qos, covered))
         for m in delivery.retained:
             key = ("retained", m.topic, m.timestamp_us)
             if key in self._seen:
@@ -441,7 +453,7 @@ class _Connection:
         while more and self.open:
             await self._acknowledged()
             page, more = await hooks.next_offline_page(self.clientid, topic_filter)
-            outs = self._offline_outs(page, qos, covered)
+            outs = self._with_older_live(self._offline_outs(page, qos, covered))
             if not outs:
                 break  # nothing new (a delivery or an acknowledgement failed): the rest comes at the next connect
             await self._deliver(outs)
@@ -456,6 +468,38 @@ class _Connection:
             for m in messages
             if self._key(m) not in self._seen
         ]
+
+    def _with_older_live(self, outs: list[_Out]) -> list[_Out]:
+        """``outs`` (fetched, oldest first) with the queued live messages older than a fetched one of their shard.
+
+        The filter went live at the SUBSCRIBE event and its read position
+        started a little later, so a message stored in between is not in the
+        fetch but waits in the queue, behind the fetch's later messages of its
+        shard (another subscription of the client may match it too). Taken out
+        of the queue and merged in timestamp order, each shard's messages, so
+        each publisher's, arrive in order, and acknowledgements follow that
+        order. Queued copies of fetched messages are dropped.
+        """
+        newest: dict[int, int] = {}
+        for out in outs:
+            shard, ts = out.message.shard, out.message.timestamp_us
+            if shard is not None and ts is not None:
+                newest[shard] = max(newest.get(shard, 0), ts)
+        if not newest:
+            return outs
+        fetched = {self._key(out.message) for out in outs}
+        older: list[_Out] = []
+        keep: collections.deque[_Item] = collections.deque()
+        for item in self._items:
+            shard = item.message.shard if isinstance(item, _Live) and item.stored else None
+            if not isinstance(item, _Live) or shard is None or (item.message.timestamp_us or 0) >= newest.get(shard, 0):
+                keep.append(item)
+            elif self._key(item.message) not in fetched and self._key(item.message) not in self._seen:
+                older.append(_Out(item.message, item.qos, "live", ack=True))
+        if len(keep) == len(self._items):
+            return outs
+        self._items = keep
+        return sorted([*outs, *older], key=lambda out: (out.message.timestamp_us or 0, out.message.shard or 0))
 
     async def _acknowledged(self) -> None:
         """Wait until every message confirmed so far was acknowledged in mqds (or failed to be)."""
@@ -674,7 +718,10 @@ class MqdsPlugin(BaseTopicPlugin):
         ``_stop_handler``, which then waits for that (so the shutdown clears
         the queues only after); ``_handle_client_session``, which then sets
         session present for a session mqds holds (``_resume_session``) before
-        CONNACK and, with ``puback_after_store``, gives each connection's
+        CONNACK (and does not resume a clean session that ended);
+        ``_handle_subscription``, which then starts a persistent session's new
+        subscriptions in mqds before SUBACK (``_begin_subscriptions``); and,
+        with ``puback_after_store``, gives each connection's
         protocol handler a :class:`PublishAcks` before its reader starts; with
         ``puback_after_store`` also
         ``_handle_message_delivery``, which then releases the acknowledgement
@@ -688,6 +735,7 @@ class MqdsPlugin(BaseTopicPlugin):
         stop_handler = broker._stop_handler
         session_handling = broker._handle_client_session
         message_delivery = broker._handle_message_delivery
+        subscription_handling = broker._handle_subscription
 
         async def handle_client_session(
             reader: Any,
@@ -699,6 +747,7 @@ class MqdsPlugin(BaseTopicPlugin):
         ) -> None:
             if self.config.puback_after_store:
                 PublishAcks(self, handler).install()
+            await self._not_a_clean_session_that_ended(client_session)
             await self._resume_session(client_session)
             await session_handling(reader, writer, client_session, handler, server, listener_name)
 
@@ -714,6 +763,12 @@ class MqdsPlugin(BaseTopicPlugin):
                         # After the message_broadcast event's task (created before this returned) took it,
                         # if amqtt fired that event: call_soon runs in order.
                         asyncio.get_running_loop().call_soon(self._settle_store, message, True)
+
+        async def handle_subscription(
+            client_session: Session, handler: BrokerProtocolHandler, subscribe_waiter: asyncio.Future[Any]
+        ) -> None:
+            await self._begin_subscriptions(client_session, subscribe_waiter)
+            await subscription_handling(client_session, handler, subscribe_waiter)
 
         async def client_message_loop(client_session: Session, handler: BrokerProtocolHandler) -> None:
             left: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -733,9 +788,57 @@ class MqdsPlugin(BaseTopicPlugin):
         broker._client_message_loop = client_message_loop  # type: ignore[method-assign]
         broker._stop_handler = stop_handler_then_wait  # type: ignore[method-assign]
         broker._handle_client_session = handle_client_session  # type: ignore[method-assign]
+        broker._handle_subscription = handle_subscription  # type: ignore[method-assign]
         if self.config.puback_after_store:
             broker._handle_message_delivery = handle_message_delivery  # type: ignore[method-assign]
         broker._mqds_keeps_acknowledged = True  # type: ignore[attr-defined]
+
+    async def _begin_subscriptions(self, session: Session, subscribe_waiter: asyncio.Future[Any]) -> None:
+        """Before amqtt sends SUBACK to a persistent session: its new subscriptions start now, in mqds and live.
+
+        Each filter is live for the plugin from here (messages handed on now
+        are sent to the client), and the read position of each new pubsub
+        subscription is started (``BrokerHooks.begin_subscription``), so what
+        is published after SUBACK is delivered at a later reconnect if not
+        now. If mqds does not answer in time, SUBACK goes all the same; the
+        offline fetch then starts the position a little later.
+        """
+        clientid = session.client_id
+        if session.clean_session is not False or not clientid or subscribe_waiter.exception() is not None:
+            return
+        topics = [(f, q) for f, q in getattr(subscribe_waiter.result(), "topics", []) if isinstance(f, str) and f]
+        connection = self._connections.get(clientid)
+        if connection is not None and connection.open:
+            for topic_filter, qos in topics:
+                if isinstance(qos, int) and 0 <= qos <= 2:
+                    connection.active[topic_filter] = qos
+        results = await asyncio.gather(
+            *(self.hooks.begin_subscription(clientid, topic_filter) for topic_filter, _ in topics),
+            return_exceptions=True,
+        )
+        for (topic_filter, _), result in zip(topics, results, strict=True):
+            if isinstance(result, Exception) and not isinstance(result, ValueError):  # ValueError: amqtt refuses it
+                self.count("errors")
+                log.warning("client %s: starting subscription %r in mqds failed: %s", clientid, topic_filter, result)
+
+    async def _not_a_clean_session_that_ended(self, session: Session) -> None:
+        """A persistent connect must not resume a clean session that ended (MQTT: its state is never reused).
+
+        amqtt keeps a disconnected clean session until its session monitor
+        drops it (each second); a connect with clean session off in between
+        resumes it: session present, its subscriptions back, and the session
+        still marked clean (so the plugin would treat it as one). A clean
+        CONNECT never resumes anything, so a resumed session marked clean is
+        such a leftover: it starts empty, as a new persistent session.
+        """
+        if session.clean_session is True and session.parent == 1:
+            await self.broker._del_all_subscriptions(session)
+            session.clear_queues()
+            session.inflight_in.clear()
+            session.inflight_out.clear()
+            session.clean_session = False
+            session.parent = 0
+            self.count("ended_clean_sessions_not_resumed")
 
     async def _resume_session(self, session: Session) -> None:
         """Before amqtt sends CONNACK: session present when mqds holds the state of a persistent session.
@@ -937,6 +1040,9 @@ class MqdsPlugin(BaseTopicPlugin):
     async def on_broker_client_subscribed(self, *, client_id: str, topic: str, qos: int) -> None:
         connection = self._connections.get(client_id)
         if connection is not None and connection.open:
+            # Live from now: what is stored before the subscription's read position starts (when the
+            # _Subscribe item is handled) is sent live, and what is stored after comes in its fetch too.
+            connection.active[topic] = qos
             connection.put(_Subscribe(topic, qos))
 
     async def on_broker_client_unsubscribed(self, *, client_id: str, topic: str) -> None:

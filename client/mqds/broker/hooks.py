@@ -181,8 +181,8 @@ ACTIONS: dict[str, ActionSpec] = {
     "on_message_fetch": ActionSpec(
         frozenset({"session.subscribed"}),
         "fetch",
-        "reads the messages the subscription missed after its own read position (pubsub: every "
-        "subscriber reads every message)",
+        "reads the messages the subscription missed after its own read position, which starts at its "
+        "first SUBSCRIBE (pubsub: every subscriber reads every message)",
         mode="pubsub",
     ),
     "on_message_fetch_for_pubsub": ActionSpec(

@@ -10,7 +10,7 @@
 from mqds.client import aio, errors
 from mqds.client.client import Client
 from mqds.client.connection import ConnectionSettings
-from mqds.client.model import ClientState, Fence, Generation, Iterator, Message, NextResult, Rank, Stream
+from mqds.client.model import ClientState, Fence, Generation, Iterator, Message, NextResult, Rank, ReadPosition, Stream
 
 __all__ = [
     "Client",
@@ -22,6 +22,7 @@ __all__ = [
     "Message",
     "NextResult",
     "Rank",
+    "ReadPosition",
     "Stream",
     "aio",
     "errors",

@@ -16,7 +16,7 @@ import grpc
 
 from mqds.client import operations as ops
 from mqds.client.connection import DEFAULT_MAX_MESSAGE_BYTES, ConnectionSettings, parse_endpoints, resolve_settings
-from mqds.client.model import ClientState, Fence, Generation, Iterator, Message, NextResult, Rank, Stream
+from mqds.client.model import ClientState, Fence, Generation, Iterator, Message, NextResult, Rank, ReadPosition, Stream
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.routing import Backoff, Fanout, Router, ShardFailures
 from mqds.protocol.errors import MqdsError
@@ -372,6 +372,7 @@ class Client:
         time_range_s: float | None = None,
         *,
         include_qos0: bool = False,
+        start: str = "earliest",
         timeout_s: float | None = None,
     ) -> list[Message]:
         """Stored messages for a subscriber that was offline: oldest first, at most ``max_count``.
@@ -384,14 +385,36 @@ class Client:
         ``include_qos0``; with ``time_range_s``, only messages newer than that
         many seconds. Each message has ``shard`` and ``timestamp_us`` set: its
         position, which ``ack`` takes.
+
+        ``start`` says where a pubsub pair without a read position begins:
+        ``"earliest"``, the whole stored history (it gets no position until it
+        acknowledges); ``"now"``, what is stored from now on, as MQTT has it for
+        a new subscription (the pair's read position is started now, see
+        ``start_read_position``; a pair that has one reads on from it).
         """
-        fetch = ops.FetchOffline.check(clientid, topic_filter, mode, max_count, time_range_s, include_qos0)
+        fetch = ops.FetchOffline.check(clientid, topic_filter, mode, max_count, time_range_s, include_qos0, start)
         deadline = self._deadline(timeout_s)
-        after: dict[int, int] = {}
+        position: ReadPosition | None = None
         if fetch.pubsub:
-            after = self._keyed_call(lambda n: ops.read_position(clientid, topic_filter, n), timeout_s)
+            position = self.read_position(clientid, topic_filter, timeout_s=timeout_s)
+            if not position.found and fetch.start_now:
+                position = self.start_read_position(clientid, topic_filter, timeout_s=timeout_s)
         remaining = max(0.1, deadline - time.monotonic())
-        return fetch.cut(self._fanout_call(fetch.messages(after), remaining))
+        return fetch.cut(self._fanout_call(fetch.messages(position), remaining))
+
+    def read_position(self, clientid: str, topic_filter: str, *, timeout_s: float | None = None) -> ReadPosition:
+        """How far the (clientid, filter) pair has read in pubsub mode (``found`` False: it has no position)."""
+        return self._keyed_call(lambda n: ops.read_position(clientid, topic_filter, n), timeout_s)
+
+    def start_read_position(self, clientid: str, topic_filter: str, *, timeout_s: float | None = None) -> ReadPosition:
+        """Start the pair's read position now, unless it has one; the pair's position either way.
+
+        A started position reads only what is stored after it: a new MQTT
+        subscription's offline delivery begins at its SUBSCRIBE. Message
+        timestamps come from each shard leader's clock, so "after" holds to
+        within the nodes' clock skew (NTP keeps it to milliseconds).
+        """
+        return self._keyed_call(lambda n: ops.start_read_position(clientid, topic_filter, n), timeout_s)
 
     def ack(
         self, clientid: str, topic_filter: str, message: Message, mode: str = "pubsub", timeout_s: float | None = None
@@ -410,6 +433,11 @@ class Client:
     def forget_acks(self, clientid: str, topic_filter: str, timeout_s: float | None = None) -> bool:
         """Delete the (clientid, filter) read position (the seed backends' ``on_acked_delete``); whether it existed."""
         return self._keyed_call(lambda n: ops.forget_acks(clientid, topic_filter, n), timeout_s)
+
+    def forget_session(self, clientid: str, timeout_s: float | None = None) -> tuple[int, int]:
+        """Delete every proxy subscription and read position of ``clientid`` (an MQTT clean session discards
+        the previous session); (subscriptions, read positions) deleted. Its client state stays."""
+        return self._keyed_call(lambda n: ops.forget_session(clientid, n), timeout_s)
 
     # -- generations ---------------------------------------------------------
 

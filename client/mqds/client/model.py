@@ -195,3 +195,18 @@ class ClientState:
     @classmethod
     def from_pb(cls, s: spb.ClientState) -> ClientState:
         return cls(s.clientid, s.online, s.node, s.online_at_us, s.offline_at_us)
+
+
+@dataclass(frozen=True)
+class ReadPosition:
+    """How far a (clientid, topic filter) pair has read, for offline delivery in pubsub mode.
+
+    ``acked_us``: per shard, the timestamp of the last acknowledged message;
+    ``start_us``: only messages stored after it are the pair's to read, in
+    every shard (the subscription began then; 0: the whole stored history);
+    ``found``: mqds has a position for the pair (False: it reads from the first message).
+    """
+
+    acked_us: dict[int, int]
+    start_us: int = 0
+    found: bool = False

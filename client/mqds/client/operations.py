@@ -19,7 +19,17 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from mqds.client.model import ClientState, Fence, Generation, Iterator, Message, NextResult, Rank, Stream
+from mqds.client.model import (
+    ClientState,
+    Fence,
+    Generation,
+    Iterator,
+    Message,
+    NextResult,
+    Rank,
+    ReadPosition,
+    Stream,
+)
 from mqds.client.routing import ShardFailures
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, PartialBatchError
@@ -343,10 +353,30 @@ def retained(topic_filter: str, stale_ok: bool) -> FanoutCall[Message]:
     )
 
 
-def read_position(clientid: str, topic_filter: str, n_shards: int) -> ShardCall[dict[int, int]]:
-    """The (clientid, filter) read position: per shard, the last acknowledged timestamp."""
+def _position(found: bool, position: spb.ReadPosition) -> ReadPosition:
+    return ReadPosition(dict(position.acked_us), position.start_us, found)
+
+
+def read_position(clientid: str, topic_filter: str, n_shards: int) -> ShardCall[ReadPosition]:
+    """The (clientid, filter) read position."""
     request = spb.GetReadPositionRequest(clientid=clientid, topic_filter=topic_filter)
-    return _session_call("GetReadPosition", clientid, n_shards, request, lambda r: dict(r.position.acked_us))
+    return _session_call("GetReadPosition", clientid, n_shards, request, lambda r: _position(r.found, r.position))
+
+
+def start_read_position(clientid: str, topic_filter: str, n_shards: int) -> ShardCall[ReadPosition]:
+    """Start the (clientid, filter) read position at the leader's clock unless it has one; the pair's position."""
+    request = spb.StartReadPositionRequest(clientid=clientid, topic_filter=topic_filter)
+    return _session_call("StartReadPosition", clientid, n_shards, request, lambda r: _position(True, r.position))
+
+
+def forget_session(clientid: str, n_shards: int) -> ShardCall[tuple[int, int]]:
+    """Delete the client's subscriptions and read positions: how many of each there were."""
+    if not clientid:
+        raise ValueError("clientid is empty")
+    request = spb.ForgetSessionRequest(clientid=clientid)
+    return _session_call(
+        "ForgetSession", clientid, n_shards, request, lambda r: (int(r.subscriptions), int(r.read_positions))
+    )
 
 
 @dataclass(frozen=True)
@@ -359,11 +389,22 @@ class FetchOffline:
     max_count: int
     time_range_us: int
     include_qos0: bool
+    start_now: bool = False
+    """A pubsub pair without a read position gets one, started now (``start="now"``)."""
 
     @classmethod
     def check(
-        cls, clientid: str, topic_filter: str, mode: str, max_count: int, time_range_s: float | None, include_qos0: bool
+        cls,
+        clientid: str,
+        topic_filter: str,
+        mode: str,
+        max_count: int,
+        time_range_s: float | None,
+        include_qos0: bool,
+        start: str = "earliest",
     ) -> FetchOffline:
+        if start not in ("earliest", "now"):
+            raise ValueError(f"start must be 'earliest' or 'now', got {start!r}")
         if not isinstance(max_count, int) or max_count < 1:
             raise ValueError(f"max_count must be 1 or more, got {max_count!r}")
         if time_range_s is not None and not time_range_s > 0:
@@ -371,14 +412,15 @@ class FetchOffline:
         if not clientid:
             raise ValueError("clientid is empty")
         range_us = 0 if time_range_s is None else max(1, int(time_range_s * 1_000_000))
-        return cls(clientid, topic_filter, _mode(mode), max_count, range_us, include_qos0)
+        return cls(clientid, topic_filter, _mode(mode), max_count, range_us, include_qos0, start == "now")
 
     @property
     def pubsub(self) -> bool:
         return self.mode == spb.PUBSUB
 
-    def messages(self, after_us: dict[int, int]) -> FanoutCall[Message]:
-        """The call that reads matching messages after ``after_us`` (per shard) from every shard."""
+    def messages(self, position: ReadPosition | None = None) -> FanoutCall[Message]:
+        """The call that reads matching messages after ``position`` (None: from the first) from every shard."""
+        after_us = position.acked_us if position is not None else {}
         return FanoutCall(
             "FetchMessages",
             None,
@@ -386,6 +428,7 @@ class FetchOffline:
                 topic_filter=self.topic_filter,
                 shards=shards,
                 after_us={shard: after_us[shard] for shard in shards if shard in after_us},
+                after_all_us=position.start_us if position is not None else 0,
                 time_range_us=self.time_range_us,
                 max_count=self.max_count,
                 include_qos0=self.include_qos0,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mqds.v1 import storage_pb2 as mqds_dot_v1_dot_storage__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16mqds/v1/sessions.proto\x12\x07mqds.v1\x1a\x15mqds/v1/storage.proto\"j\n\x0b\x43lientState\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x0e\n\x06online\x18\x02 \x01(\x08\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x14\n\x0conline_at_us\x18\x04 \x01(\x04\x12\x15\n\roffline_at_us\x18\x05 \x01(\x04\"8\n\x16\x43lientConnectedRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\";\n\x19\x43lientDisconnectedRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\";\n\x15GetClientStateRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x10\n\x08stale_ok\x18\x02 \x01(\x08\"I\n\x13\x43lientStateResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12#\n\x05state\x18\x02 \x01(\x0b\x32\x14.mqds.v1.ClientState\"F\n\x14\x43lientsOnNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06shards\x18\x02 \x03(\r\x12\x10\n\x08stale_ok\x18\x03 \x01(\x08\"*\n\x15\x43lientsOnNodeResponse\x12\x11\n\tclientids\x18\x01 \x03(\t\"G\n\x10SubscribeRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x14\n\x0ctopic_filter\x18\x02 \x01(\t\x12\x0b\n\x03qos\x18\x03 \x01(\r\"\x13\n\x11SubscribeResponse\"<\n\x12UnsubscribeRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x14\n\x0ctopic_filter\x18\x02 \x01(\t\"&\n\x13UnsubscribeResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"=\n\x17GetSubscriptionsRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x10\n\x08stale_ok\x18\x02 \x01(\x08\"1\n\x0cSubscription\x12\x14\n\x0ctopic_filter\x18\x01 \x01(\t\x12\x0b\n\x03qos\x18\x02 \x01(\r\"H\n\x18GetSubscriptionsResponse\x12,\n\rsubscriptions\x18\x01 \x03(\x0b\x32\x15.mqds.v1.Subscription\"2\n\rRetainRequest\x12!\n\x07message\x18\x01 \x01(\x0b\x32\x10.mqds.v1.Message\"3\n\x0eRetainResponse\x12!\n\x07message\x18\x01 \x01(\x0b\x32\x10.mqds.v1.Message\"L\n\x12GetRetainedRequest\x12\x14\n\x0ctopic_filter\x18\x01 \x01(\t\x12\x0e\n\x06shards\x18\x02 \x03(\r\x12\x10\n\x08stale_ok\x18\x03 \x01(\x08\"9\n\x13GetRetainedResponse\x12\"\n\x08messages\x18\x01 \x03(\x0b\x32\x10.mqds.v1.Message\"t\n\x0cReadPosition\x12\x34\n\x08\x61\x63ked_us\x18\x01 \x03(\x0b\x32\".mqds.v1.ReadPosition.AckedUsEntry\x1a.\n\x0c\x41\x63kedUsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"R\n\x16GetReadPositionRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x14\n\x0ctopic_filter\x18\x02 \x01(\t\x12\x10\n\x08stale_ok\x18\x03 \x01(\x08\"Q\n\x17GetReadPositionResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\'\n\x08position\x18\x02 \x01(\x0b\x32\x15.mqds.v1.ReadPosition\"\x90\x02\n\x14\x46\x65tchMessagesRequest\x12\x14\n\x0ctopic_filter\x18\x01 \x01(\t\x12\x0e\n\x06shards\x18\x02 \x03(\r\x12<\n\x08\x61\x66ter_us\x18\x03 \x03(\x0b\x32*.mqds.v1.FetchMessagesRequest.AfterUsEntry\x12\x15\n\rtime_range_us\x18\x04 \x01(\x04\x12\x11\n\tmax_count\x18\x05 \x01(\r\x12\x14\n\x0cinclude_qos0\x18\x06 \x01(\x08\x12\x12\n\nskip_acked\x18\x07 \x01(\x08\x12\x10\n\x08stale_ok\x18\x08 \x01(\x08\x1a.\n\x0c\x41\x66terUsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\";\n\x15\x46\x65tchMessagesResponse\x12\"\n\x08messages\x18\x01 \x03(\x0b\x32\x10.mqds.v1.Message\"~\n\nAckRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x14\n\x0ctopic_filter\x18\x02 \x01(\t\x12#\n\x04mode\x18\x03 \x01(\x0e\x32\x15.mqds.v1.DeliveryMode\x12\r\n\x05shard\x18\x04 \x01(\r\x12\x14\n\x0ctimestamp_us\x18\x05 \x01(\x04\"\r\n\x0b\x41\x63kResponse\"C\n\x19\x46orgetReadPositionRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x14\n\x0ctopic_filter\x18\x02 \x01(\t\"-\n\x1a\x46orgetReadPositionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08*%\n\x0c\x44\x65liveryMode\x12\n\n\x06PUBSUB\x10\x00\x12\t\n\x05QUEUE\x10\x01\x32\xf7\x07\n\x08Sessions\x12P\n\x0f\x43lientConnected\x12\x1f.mqds.v1.ClientConnectedRequest\x1a\x1c.mqds.v1.ClientStateResponse\x12V\n\x12\x43lientDisconnected\x12\".mqds.v1.ClientDisconnectedRequest\x1a\x1c.mqds.v1.ClientStateResponse\x12N\n\x0eGetClientState\x12\x1e.mqds.v1.GetClientStateRequest\x1a\x1c.mqds.v1.ClientStateResponse\x12N\n\rClientsOnNode\x12\x1d.mqds.v1.ClientsOnNodeRequest\x1a\x1e.mqds.v1.ClientsOnNodeResponse\x12\x42\n\tSubscribe\x12\x19.mqds.v1.SubscribeRequest\x1a\x1a.mqds.v1.SubscribeResponse\x12H\n\x0bUnsubscribe\x12\x1b.mqds.v1.UnsubscribeRequest\x1a\x1c.mqds.v1.UnsubscribeResponse\x12W\n\x10GetSubscriptions\x12 .mqds.v1.GetSubscriptionsRequest\x1a!.mqds.v1.GetSubscriptionsResponse\x12\x39\n\x06Retain\x12\x16.mqds.v1.RetainRequest\x1a\x17.mqds.v1.RetainResponse\x12H\n\x0bGetRetained\x12\x1b.mqds.v1.GetRetainedRequest\x1a\x1c.mqds.v1.GetRetainedResponse\x12T\n\x0fGetReadPosition\x12\x1f.mqds.v1.GetReadPositionRequest\x1a .mqds.v1.GetReadPositionResponse\x12N\n\rFetchMessages\x12\x1d.mqds.v1.FetchMessagesRequest\x1a\x1e.mqds.v1.FetchMessagesResponse\x12\x30\n\x03\x41\x63k\x12\x13.mqds.v1.AckRequest\x1a\x14.mqds.v1.AckResponse\x12]\n\x12\x46orgetReadPosition\x12\".mqds.v1.ForgetReadPositionRequest\x1a#.mqds.v1.ForgetReadPositionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16mqds/v1/sessions.proto\x12\x07mqds.v1\x1a\x15mqds/v1/storage.proto\"j\n\x0b\x43lientState\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x0e\n\x06online\x18\x02 \x01(\x08\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x14\n\x0conline_at_us\x18\x04 \x01(\x04\x12\x15\n\roffline_at_us\x18\x05 \x01(\x04\"8\n\x16\x43lientConnectedRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\";\n\x19\x43lientDisconnectedRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\";\n\x15GetClientStateRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x10\n\x08stale_ok\x18\x02 \x01(\x08\"I\n\x13\x43lientStateResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12#\n\x05state\x18\x02 \x01(\x0b\x32\x14.mqds.v1.ClientState\"F\n\x14\x43lientsOnNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06shards\x18\x02 \x03(\r\x12\x10\n\x08stale_ok\x18\x03 \x01(\x08\"*\n\x15\x43lientsOnNodeResponse\x12\x11\n\tclientids\x18\x01 \x03(\t\"G\n\x10SubscribeRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x14\n\x0ctopic_filter\x18\x02 \x01(\t\x12\x0b\n\x03qos\x18\x03 \x01(\r\"\x13\n\x11SubscribeResponse\"<\n\x12UnsubscribeRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x14\n\x0ctopic_filter\x18\x02 \x01(\t\"&\n\x13UnsubscribeResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"=\n\x17GetSubscriptionsRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x10\n\x08stale_ok\x18\x02 \x01(\x08\"1\n\x0cSubscription\x12\x14\n\x0ctopic_filter\x18\x01 \x01(\t\x12\x0b\n\x03qos\x18\x02 \x01(\r\"H\n\x18GetSubscriptionsResponse\x12,\n\rsubscriptions\x18\x01 \x03(\x0b\x32\x15.mqds.v1.Subscription\"2\n\rRetainRequest\x12!\n\x07message\x18\x01 \x01(\x0b\x32\x10.mqds.v1.Message\"3\n\x0eRetainResponse\x12!\n\x07message\x18\x01 \x01(\x0b\x32\x10.mqds.v1.Message\"L\n\x12GetRetainedRequest\x12\x14\n\x0ctopic_filter\x18\x01 \x01(\t\x12\x0e\n\x06shards\x18\x02 \x03(\r\x12\x10\n\x08stale_ok\x18\x03 \x01(\x08\"9\n\x13GetRetainedResponse\x12\"\n\x08messages\x18\x01 \x03(\x0b\x32\x10.mqds.v1.Message\"\x86\x01\n\x0cReadPosition\x12\x34\n\x08\x61\x63ked_us\x18\x01 \x03(\x0b\x32\".mqds.v1.ReadPosition.AckedUsEntry\x12\x10\n\x08start_us\x18\x02 \x01(\x04\x1a.\n\x0c\x41\x63kedUsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"R\n\x16GetReadPositionRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x14\n\x0ctopic_filter\x18\x02 \x01(\t\x12\x10\n\x08stale_ok\x18\x03 \x01(\x08\"Q\n\x17GetReadPositionResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\'\n\x08position\x18\x02 \x01(\x0b\x32\x15.mqds.v1.ReadPosition\"\xa6\x02\n\x14\x46\x65tchMessagesRequest\x12\x14\n\x0ctopic_filter\x18\x01 \x01(\t\x12\x0e\n\x06shards\x18\x02 \x03(\r\x12<\n\x08\x61\x66ter_us\x18\x03 \x03(\x0b\x32*.mqds.v1.FetchMessagesRequest.AfterUsEntry\x12\x15\n\rtime_range_us\x18\x04 \x01(\x04\x12\x11\n\tmax_count\x18\x05 \x01(\r\x12\x14\n\x0cinclude_qos0\x18\x06 \x01(\x08\x12\x12\n\nskip_acked\x18\x07 \x01(\x08\x12\x10\n\x08stale_ok\x18\x08 \x01(\x08\x12\x14\n\x0c\x61\x66ter_all_us\x18\t \x01(\x04\x1a.\n\x0c\x41\x66terUsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\";\n\x15\x46\x65tchMessagesResponse\x12\"\n\x08messages\x18\x01 \x03(\x0b\x32\x10.mqds.v1.Message\"~\n\nAckRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x14\n\x0ctopic_filter\x18\x02 \x01(\t\x12#\n\x04mode\x18\x03 \x01(\x0e\x32\x15.mqds.v1.DeliveryMode\x12\r\n\x05shard\x18\x04 \x01(\r\x12\x14\n\x0ctimestamp_us\x18\x05 \x01(\x04\"\r\n\x0b\x41\x63kResponse\"C\n\x19\x46orgetReadPositionRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x14\n\x0ctopic_filter\x18\x02 \x01(\t\"-\n\x1a\x46orgetReadPositionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"B\n\x18StartReadPositionRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\x12\x14\n\x0ctopic_filter\x18\x02 \x01(\t\"U\n\x19StartReadPositionResponse\x12\x0f\n\x07started\x18\x01 \x01(\x08\x12\'\n\x08position\x18\x02 \x01(\x0b\x32\x15.mqds.v1.ReadPosition\"(\n\x14\x46orgetSessionRequest\x12\x10\n\x08\x63lientid\x18\x01 \x01(\t\"F\n\x15\x46orgetSessionResponse\x12\x15\n\rsubscriptions\x18\x01 \x01(\r\x12\x16\n\x0eread_positions\x18\x02 \x01(\r*%\n\x0c\x44\x65liveryMode\x12\n\n\x06PUBSUB\x10\x00\x12\t\n\x05QUEUE\x10\x01\x32\xa3\t\n\x08Sessions\x12P\n\x0f\x43lientConnected\x12\x1f.mqds.v1.ClientConnectedRequest\x1a\x1c.mqds.v1.ClientStateResponse\x12V\n\x12\x43lientDisconnected\x12\".mqds.v1.ClientDisconnectedRequest\x1a\x1c.mqds.v1.ClientStateResponse\x12N\n\x0eGetClientState\x12\x1e.mqds.v1.GetClientStateRequest\x1a\x1c.mqds.v1.ClientStateResponse\x12N\n\rClientsOnNode\x12\x1d.mqds.v1.ClientsOnNodeRequest\x1a\x1e.mqds.v1.ClientsOnNodeResponse\x12\x42\n\tSubscribe\x12\x19.mqds.v1.SubscribeRequest\x1a\x1a.mqds.v1.SubscribeResponse\x12H\n\x0bUnsubscribe\x12\x1b.mqds.v1.UnsubscribeRequest\x1a\x1c.mqds.v1.UnsubscribeResponse\x12W\n\x10GetSubscriptions\x12 .mqds.v1.GetSubscriptionsRequest\x1a!.mqds.v1.GetSubscriptionsResponse\x12\x39\n\x06Retain\x12\x16.mqds.v1.RetainRequest\x1a\x17.mqds.v1.RetainResponse\x12H\n\x0bGetRetained\x12\x1b.mqds.v1.GetRetainedRequest\x1a\x1c.mqds.v1.GetRetainedResponse\x12T\n\x0fGetReadPosition\x12\x1f.mqds.v1.GetReadPositionRequest\x1a .mqds.v1.GetReadPositionResponse\x12N\n\rFetchMessages\x12\x1d.mqds.v1.FetchMessagesRequest\x1a\x1e.mqds.v1.FetchMessagesResponse\x12\x30\n\x03\x41\x63k\x12\x13.mqds.v1.AckRequest\x1a\x14.mqds.v1.AckResponse\x12]\n\x12\x46orgetReadPosition\x12\".mqds.v1.ForgetReadPositionRequest\x1a#.mqds.v1.ForgetReadPositionResponse\x12Z\n\x11StartReadPosition\x12!.mqds.v1.StartReadPositionRequest\x1a\".mqds.v1.StartReadPositionResponse\x12N\n\rForgetSession\x12\x1d.mqds.v1.ForgetSessionRequest\x1a\x1e.mqds.v1.ForgetSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_READPOSITION_ACKEDUSENTRY']._serialized_options = b'8\001'
   _globals['_FETCHMESSAGESREQUEST_AFTERUSENTRY']._loaded_options = None
   _globals['_FETCHMESSAGESREQUEST_AFTERUSENTRY']._serialized_options = b'8\001'
-  _globals['_DELIVERYMODE']._serialized_start=2043
-  _globals['_DELIVERYMODE']._serialized_end=2080
+  _globals['_DELIVERYMODE']._serialized_start=2353
+  _globals['_DELIVERYMODE']._serialized_end=2390
   _globals['_CLIENTSTATE']._serialized_start=58
   _globals['_CLIENTSTATE']._serialized_end=164
   _globals['_CLIENTCONNECTEDREQUEST']._serialized_start=166
@@ -74,28 +74,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETRETAINEDREQUEST']._serialized_end=1102
   _globals['_GETRETAINEDRESPONSE']._serialized_start=1104
   _globals['_GETRETAINEDRESPONSE']._serialized_end=1161
-  _globals['_READPOSITION']._serialized_start=1163
-  _globals['_READPOSITION']._serialized_end=1279
-  _globals['_READPOSITION_ACKEDUSENTRY']._serialized_start=1233
-  _globals['_READPOSITION_ACKEDUSENTRY']._serialized_end=1279
-  _globals['_GETREADPOSITIONREQUEST']._serialized_start=1281
-  _globals['_GETREADPOSITIONREQUEST']._serialized_end=1363
-  _globals['_GETREADPOSITIONRESPONSE']._serialized_start=1365
-  _globals['_GETREADPOSITIONRESPONSE']._serialized_end=1446
-  _globals['_FETCHMESSAGESREQUEST']._serialized_start=1449
-  _globals['_FETCHMESSAGESREQUEST']._serialized_end=1721
-  _globals['_FETCHMESSAGESREQUEST_AFTERUSENTRY']._serialized_start=1675
-  _globals['_FETCHMESSAGESREQUEST_AFTERUSENTRY']._serialized_end=1721
-  _globals['_FETCHMESSAGESRESPONSE']._serialized_start=1723
-  _globals['_FETCHMESSAGESRESPONSE']._serialized_end=1782
-  _globals['_ACKREQUEST']._serialized_start=1784
-  _globals['_ACKREQUEST']._serialized_end=1910
-  _globals['_ACKRESPONSE']._serialized_start=1912
-  _globals['_ACKRESPONSE']._serialized_end=1925
-  _globals['_FORGETREADPOSITIONREQUEST']._serialized_start=1927
-  _globals['_FORGETREADPOSITIONREQUEST']._serialized_end=1994
-  _globals['_FORGETREADPOSITIONRESPONSE']._serialized_start=1996
-  _globals['_FORGETREADPOSITIONRESPONSE']._serialized_end=2041
-  _globals['_SESSIONS']._serialized_start=2083
-  _globals['_SESSIONS']._serialized_end=3098
+  _globals['_READPOSITION']._serialized_start=1164
+  _globals['_READPOSITION']._serialized_end=1298
+  _globals['_READPOSITION_ACKEDUSENTRY']._serialized_start=1252
+  _globals['_READPOSITION_ACKEDUSENTRY']._serialized_end=1298
+  _globals['_GETREADPOSITIONREQUEST']._serialized_start=1300
+  _globals['_GETREADPOSITIONREQUEST']._serialized_end=1382
+  _globals['_GETREADPOSITIONRESPONSE']._serialized_start=1384
+  _globals['_GETREADPOSITIONRESPONSE']._serialized_end=1465
+  _globals['_FETCHMESSAGESREQUEST']._serialized_start=1468
+  _globals['_FETCHMESSAGESREQUEST']._serialized_end=1762
+  _globals['_FETCHMESSAGESREQUEST_AFTERUSENTRY']._serialized_start=1716
+  _globals['_FETCHMESSAGESREQUEST_AFTERUSENTRY']._serialized_end=1762
+  _globals['_FETCHMESSAGESRESPONSE']._serialized_start=1764
+  _globals['_FETCHMESSAGESRESPONSE']._serialized_end=1823
+  _globals['_ACKREQUEST']._serialized_start=1825
+  _globals['_ACKREQUEST']._serialized_end=1951
+  _globals['_ACKRESPONSE']._serialized_start=1953
+  _globals['_ACKRESPONSE']._serialized_end=1966
+  _globals['_FORGETREADPOSITIONREQUEST']._serialized_start=1968
+  _globals['_FORGETREADPOSITIONREQUEST']._serialized_end=2035
+  _globals['_FORGETREADPOSITIONRESPONSE']._serialized_start=2037
+  _globals['_FORGETREADPOSITIONRESPONSE']._serialized_end=2082
+  _globals['_STARTREADPOSITIONREQUEST']._serialized_start=2084
+  _globals['_STARTREADPOSITIONREQUEST']._serialized_end=2150
+  _globals['_STARTREADPOSITIONRESPONSE']._serialized_start=2152
+  _globals['_STARTREADPOSITIONRESPONSE']._serialized_end=2237
+  _globals['_FORGETSESSIONREQUEST']._serialized_start=2239
+  _globals['_FORGETSESSIONREQUEST']._serialized_end=2279
+  _globals['_FORGETSESSIONRESPONSE']._serialized_start=2281
+  _globals['_FORGETSESSIONRESPONSE']._serialized_end=2351
+  _globals['_SESSIONS']._serialized_start=2393
+  _globals['_SESSIONS']._serialized_end=3580
 # @@protoc_insertion_point(module_scope)

@@ -156,7 +156,7 @@ class GetRetainedResponse(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[_storage_pb2.Message, _Mapping]]] = ...) -> None: ...
 
 class ReadPosition(_message.Message):
-    __slots__ = ("acked_us",)
+    __slots__ = ("acked_us", "start_us")
     class AckedUsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -165,8 +165,10 @@ class ReadPosition(_message.Message):
         value: int
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     ACKED_US_FIELD_NUMBER: _ClassVar[int]
+    START_US_FIELD_NUMBER: _ClassVar[int]
     acked_us: _containers.ScalarMap[int, int]
-    def __init__(self, acked_us: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    start_us: int
+    def __init__(self, acked_us: _Optional[_Mapping[int, int]] = ..., start_us: _Optional[int] = ...) -> None: ...
 
 class GetReadPositionRequest(_message.Message):
     __slots__ = ("clientid", "topic_filter", "stale_ok")
@@ -187,7 +189,7 @@ class GetReadPositionResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., position: _Optional[_Union[ReadPosition, _Mapping]] = ...) -> None: ...
 
 class FetchMessagesRequest(_message.Message):
-    __slots__ = ("topic_filter", "shards", "after_us", "time_range_us", "max_count", "include_qos0", "skip_acked", "stale_ok")
+    __slots__ = ("topic_filter", "shards", "after_us", "time_range_us", "max_count", "include_qos0", "skip_acked", "stale_ok", "after_all_us")
     class AfterUsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +205,7 @@ class FetchMessagesRequest(_message.Message):
     INCLUDE_QOS0_FIELD_NUMBER: _ClassVar[int]
     SKIP_ACKED_FIELD_NUMBER: _ClassVar[int]
     STALE_OK_FIELD_NUMBER: _ClassVar[int]
+    AFTER_ALL_US_FIELD_NUMBER: _ClassVar[int]
     topic_filter: str
     shards: _containers.RepeatedScalarFieldContainer[int]
     after_us: _containers.ScalarMap[int, int]
@@ -211,7 +214,8 @@ class FetchMessagesRequest(_message.Message):
     include_qos0: bool
     skip_acked: bool
     stale_ok: bool
-    def __init__(self, topic_filter: _Optional[str] = ..., shards: _Optional[_Iterable[int]] = ..., after_us: _Optional[_Mapping[int, int]] = ..., time_range_us: _Optional[int] = ..., max_count: _Optional[int] = ..., include_qos0: _Optional[bool] = ..., skip_acked: _Optional[bool] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
+    after_all_us: int
+    def __init__(self, topic_filter: _Optional[str] = ..., shards: _Optional[_Iterable[int]] = ..., after_us: _Optional[_Mapping[int, int]] = ..., time_range_us: _Optional[int] = ..., max_count: _Optional[int] = ..., include_qos0: _Optional[bool] = ..., skip_acked: _Optional[bool] = ..., stale_ok: _Optional[bool] = ..., after_all_us: _Optional[int] = ...) -> None: ...
 
 class FetchMessagesResponse(_message.Message):
     __slots__ = ("messages",)
@@ -250,3 +254,33 @@ class ForgetReadPositionResponse(_message.Message):
     EXISTED_FIELD_NUMBER: _ClassVar[int]
     existed: bool
     def __init__(self, existed: _Optional[bool] = ...) -> None: ...
+
+class StartReadPositionRequest(_message.Message):
+    __slots__ = ("clientid", "topic_filter")
+    CLIENTID_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    clientid: str
+    topic_filter: str
+    def __init__(self, clientid: _Optional[str] = ..., topic_filter: _Optional[str] = ...) -> None: ...
+
+class StartReadPositionResponse(_message.Message):
+    __slots__ = ("started", "position")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    started: bool
+    position: ReadPosition
+    def __init__(self, started: _Optional[bool] = ..., position: _Optional[_Union[ReadPosition, _Mapping]] = ...) -> None: ...
+
+class ForgetSessionRequest(_message.Message):
+    __slots__ = ("clientid",)
+    CLIENTID_FIELD_NUMBER: _ClassVar[int]
+    clientid: str
+    def __init__(self, clientid: _Optional[str] = ...) -> None: ...
+
+class ForgetSessionResponse(_message.Message):
+    __slots__ = ("subscriptions", "read_positions")
+    SUBSCRIPTIONS_FIELD_NUMBER: _ClassVar[int]
+    READ_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    subscriptions: int
+    read_positions: int
+    def __init__(self, subscriptions: _Optional[int] = ..., read_positions: _Optional[int] = ...) -> None: ...

@@ -99,6 +99,16 @@ class SessionsStub:
                 request_serializer=mqds_dot_v1_dot_sessions__pb2.ForgetReadPositionRequest.SerializeToString,
                 response_deserializer=mqds_dot_v1_dot_sessions__pb2.ForgetReadPositionResponse.FromString,
                 _registered_method=True)
+        self.StartReadPosition = channel.unary_unary(
+                '/mqds.v1.Sessions/StartReadPosition',
+                request_serializer=mqds_dot_v1_dot_sessions__pb2.StartReadPositionRequest.SerializeToString,
+                response_deserializer=mqds_dot_v1_dot_sessions__pb2.StartReadPositionResponse.FromString,
+                _registered_method=True)
+        self.ForgetSession = channel.unary_unary(
+                '/mqds.v1.Sessions/ForgetSession',
+                request_serializer=mqds_dot_v1_dot_sessions__pb2.ForgetSessionRequest.SerializeToString,
+                response_deserializer=mqds_dot_v1_dot_sessions__pb2.ForgetSessionResponse.FromString,
+                _registered_method=True)
 
 
 class SessionsServicer:
@@ -199,6 +209,26 @@ class SessionsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartReadPosition(self, request, context):
+        """Starts the read position of a (clientid, topic filter) pair at the
+        leader's clock, unless the pair has one: a new subscription's offline
+        delivery begins with what is stored after it, as MQTT has it, while a
+        subscription that has read before keeps its position (a re-subscribe
+        does not interrupt its flow). Returns the pair's position.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForgetSession(self, request, context):
+        """Discards what mqds keeps of a client's session: its proxy subscriptions
+        and its read positions (an MQTT clean session starts with none). Its
+        client state (online, node) stays.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -266,6 +296,16 @@ def add_SessionsServicer_to_server(servicer, server):
                     servicer.ForgetReadPosition,
                     request_deserializer=mqds_dot_v1_dot_sessions__pb2.ForgetReadPositionRequest.FromString,
                     response_serializer=mqds_dot_v1_dot_sessions__pb2.ForgetReadPositionResponse.SerializeToString,
+            ),
+            'StartReadPosition': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartReadPosition,
+                    request_deserializer=mqds_dot_v1_dot_sessions__pb2.StartReadPositionRequest.FromString,
+                    response_serializer=mqds_dot_v1_dot_sessions__pb2.StartReadPositionResponse.SerializeToString,
+            ),
+            'ForgetSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetSession,
+                    request_deserializer=mqds_dot_v1_dot_sessions__pb2.ForgetSessionRequest.FromString,
+                    response_serializer=mqds_dot_v1_dot_sessions__pb2.ForgetSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -619,6 +659,60 @@ class Sessions:
             '/mqds.v1.Sessions/ForgetReadPosition',
             mqds_dot_v1_dot_sessions__pb2.ForgetReadPositionRequest.SerializeToString,
             mqds_dot_v1_dot_sessions__pb2.ForgetReadPositionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartReadPosition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mqds.v1.Sessions/StartReadPosition',
+            mqds_dot_v1_dot_sessions__pb2.StartReadPositionRequest.SerializeToString,
+            mqds_dot_v1_dot_sessions__pb2.StartReadPositionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mqds.v1.Sessions/ForgetSession',
+            mqds_dot_v1_dot_sessions__pb2.ForgetSessionRequest.SerializeToString,
+            mqds_dot_v1_dot_sessions__pb2.ForgetSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

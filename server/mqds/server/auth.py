@@ -86,6 +86,8 @@ METHOD_ROLES: dict[str, str] = {
             "Retain",
             "Ack",
             "ForgetReadPosition",
+            "StartReadPosition",
+            "ForgetSession",
         )
     },
     **{f"/mqds.v1.Cluster/{m}": READ for m in ("GetClusterMap", "GetNodeStatus", "GetReplicaDigest")},

@@ -203,7 +203,7 @@ class SessionService(ShardsAPI):
         self._shard_numbers(0, False, list(request.after_us), field="after_us")
         found: list[tuple[int, int, bytes]] = []
         for vnode in self._read(numbers, request.stale_ok):
-            after = request.after_us.get(vnode.shard, 0)
+            after = max(request.after_us.get(vnode.shard, 0), request.after_all_us)
             if after >= _U64_MAX:
                 continue  # no timestamp comes after it
             wanted = FetchFilter(
@@ -254,3 +254,13 @@ class SessionService(ShardsAPI):
         shard = self._client_shard(request.clientid)
         self._filter(request.topic_filter)
         return spb.ForgetReadPositionResponse(existed=bool(self._log(shard, forget_position=request)))
+
+    def StartReadPosition(self, request: spb.StartReadPositionRequest) -> spb.StartReadPositionResponse:
+        shard = self._client_shard(request.clientid)
+        self._filter(request.topic_filter)
+        started, position = self._log(shard, start_position=request)
+        return spb.StartReadPositionResponse(started=started, position=position)
+
+    def ForgetSession(self, request: spb.ForgetSessionRequest) -> spb.ForgetSessionResponse:
+        subscriptions, positions = self._log(self._client_shard(request.clientid), forget_session=request)
+        return spb.ForgetSessionResponse(subscriptions=subscriptions, read_positions=positions)

@@ -184,6 +184,11 @@ class VnodeReplica:
         if kind == "forget_position":
             f = cmd.forget_position
             return sessions.forget_position(f.clientid, f.topic_filter, applied_index=index)
+        if kind == "start_position":
+            start = cmd.start_position
+            return sessions.start_position(start.clientid, start.topic_filter, now, applied_index=index)
+        if kind == "forget_session":
+            return sessions.forget_session(cmd.forget_session.clientid, applied_index=index)
         raise errors.error(Reason.INTERNAL, f"shard {self.shard}: log entry {index} holds an unknown session command")
 
     def snapshot(self) -> bytes:

@@ -274,8 +274,13 @@ def subscriptions_prefix(clientid: str) -> bytes:
     return SUBSCRIPTION_PREFIX + _sized(clientid)
 
 
+def positions_prefix(clientid: str) -> bytes:
+    """The prefix of a client's ``a:`` keys (read positions); the topic filter follows it."""
+    return POSITION_PREFIX + _sized(clientid)
+
+
 def position_key(clientid: str, topic_filter: str) -> bytes:
-    return POSITION_PREFIX + _sized(clientid) + topic_filter.encode("utf-8")
+    return positions_prefix(clientid) + topic_filter.encode("utf-8")
 
 
 def retained_key(topic: str) -> bytes:

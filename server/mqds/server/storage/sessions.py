@@ -175,6 +175,35 @@ class SessionState:
         self._commit(batch, applied_index)
         return existed
 
+    def start_position(
+        self, clientid: str, topic_filter: str, now_us: int, *, applied_index: int | None = None
+    ) -> tuple[bool, spb.ReadPosition]:
+        """Start the (clientid, filter) read position at ``now_us`` unless it has one: (started, the position)."""
+        batch = WriteBatch(raw_mode=True)
+        position = self.read_position(clientid, topic_filter)
+        started = position is None
+        if position is None:
+            position = spb.ReadPosition(start_us=now_us)
+            batch.put(
+                keys.position_key(clientid, topic_filter),
+                position.SerializeToString(deterministic=True),
+                self._storage.meta_handle,
+            )
+        self._commit(batch, applied_index)
+        return started, position
+
+    def forget_session(self, clientid: str, *, applied_index: int | None = None) -> tuple[int, int]:
+        """Delete a client's subscriptions and read positions: (subscriptions, read positions) deleted."""
+        batch = WriteBatch(raw_mode=True)
+        counts = []
+        for prefix in (keys.subscriptions_prefix(clientid), keys.positions_prefix(clientid)):
+            found = [key for key, _ in self._storage.meta_scan(prefix)]
+            for key in found:
+                batch.delete(key, self._storage.meta_handle)
+            counts.append(len(found))
+        self._commit(batch, applied_index)
+        return counts[0], counts[1]
+
     # -- reads ------------------------------------------------------------------
 
     def client_state(self, clientid: str) -> spb.ClientState | None:

@@ -60,7 +60,7 @@ class DropGeneration(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class SessionCommand(_message.Message):
-    __slots__ = ("now_us", "connected", "disconnected", "subscribe", "unsubscribe", "retain", "ack", "forget_position")
+    __slots__ = ("now_us", "connected", "disconnected", "subscribe", "unsubscribe", "retain", "ack", "forget_position", "start_position", "forget_session")
     NOW_US_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     DISCONNECTED_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,8 @@ class SessionCommand(_message.Message):
     RETAIN_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     FORGET_POSITION_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    FORGET_SESSION_FIELD_NUMBER: _ClassVar[int]
     now_us: int
     connected: _sessions_pb2.ClientConnectedRequest
     disconnected: _sessions_pb2.ClientDisconnectedRequest
@@ -77,7 +79,9 @@ class SessionCommand(_message.Message):
     retain: _storage_pb2.Message
     ack: _sessions_pb2.AckRequest
     forget_position: _sessions_pb2.ForgetReadPositionRequest
-    def __init__(self, now_us: _Optional[int] = ..., connected: _Optional[_Union[_sessions_pb2.ClientConnectedRequest, _Mapping]] = ..., disconnected: _Optional[_Union[_sessions_pb2.ClientDisconnectedRequest, _Mapping]] = ..., subscribe: _Optional[_Union[_sessions_pb2.SubscribeRequest, _Mapping]] = ..., unsubscribe: _Optional[_Union[_sessions_pb2.UnsubscribeRequest, _Mapping]] = ..., retain: _Optional[_Union[_storage_pb2.Message, _Mapping]] = ..., ack: _Optional[_Union[_sessions_pb2.AckRequest, _Mapping]] = ..., forget_position: _Optional[_Union[_sessions_pb2.ForgetReadPositionRequest, _Mapping]] = ...) -> None: ...
+    start_position: _sessions_pb2.StartReadPositionRequest
+    forget_session: _sessions_pb2.ForgetSessionRequest
+    def __init__(self, now_us: _Optional[int] = ..., connected: _Optional[_Union[_sessions_pb2.ClientConnectedRequest, _Mapping]] = ..., disconnected: _Optional[_Union[_sessions_pb2.ClientDisconnectedRequest, _Mapping]] = ..., subscribe: _Optional[_Union[_sessions_pb2.SubscribeRequest, _Mapping]] = ..., unsubscribe: _Optional[_Union[_sessions_pb2.UnsubscribeRequest, _Mapping]] = ..., retain: _Optional[_Union[_storage_pb2.Message, _Mapping]] = ..., ack: _Optional[_Union[_sessions_pb2.AckRequest, _Mapping]] = ..., forget_position: _Optional[_Union[_sessions_pb2.ForgetReadPositionRequest, _Mapping]] = ..., start_position: _Optional[_Union[_sessions_pb2.StartReadPositionRequest, _Mapping]] = ..., forget_session: _Optional[_Union[_sessions_pb2.ForgetSessionRequest, _Mapping]] = ...) -> None: ...
 
 class MetaCommand(_message.Message):
     __slots__ = ("set_address", "add_node", "set_state", "remove_node", "set_replicas")
