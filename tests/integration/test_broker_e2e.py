@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,6 +285,41 @@ def test_a_persistent_session_gets_what_was_published_while_away_from_its_subscr
     again = connect("e2e-away-sub", clean_session=False)
     again.subscribe("e2e/pubsub/away/#")
     assert again.quiet(1.0) == []
+
+
+def test_a_persistent_subscription_made_mid_stream_gets_the_stream_in_order_from_its_subscribe(
+    cluster: Cluster, connect: Callable[..., Mqtt]
+) -> None:
+    """The filter goes live at SUBSCRIBE, its read position starts a moment later: nothing in between is
+    lost or sent out of order (each publisher's messages keep their order)."""
+    publisher = connect("e2e-stream-pub")
+    acked = 0
+    stop = threading.Event()
+
+    def publish() -> None:
+        nonlocal acked
+        while not stop.is_set() and acked < 2000:
+            publisher.publish("e2e/pubsub/stream/dev", str(acked))
+            acked += 1
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    try:
+        wait_until("the stream flowing", lambda: acked >= 50, 20)
+        subscriber = connect("e2e-stream-sub", clean_session=False)
+        subscriber.subscribe("e2e/pubsub/stream/#")
+        at_suback = acked
+        wait_until("200 more published", lambda: acked >= at_suback + 200, 30)
+    finally:
+        stop.set()
+        thread.join(20)
+    total = acked
+    got = [int(p) for p in payloads(subscriber.take(total - at_suback, timeout_s=30))]
+    got += [int(p) for p in payloads(subscriber.quiet(1.0))]
+    first = got[0]
+    # Everything acknowledged after SUBACK, in order, once; at most what was in flight at SUBACK before it.
+    assert first <= at_suback + 1, (first, at_suback)
+    assert got == list(range(first, total)), got
 
 
 def test_a_clean_connect_discards_the_persistent_session_mqds_kept(
