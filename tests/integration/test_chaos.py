@@ -4,7 +4,7 @@
 3 nodes, every nemesis at least once (the idle-restart ones with a 2 s Raft
 compaction interval, so their idle spells last 6 s), hostile clients beside
 the workload, about two and a half minutes. The long run
-(``make chaos``: 30 minutes, 5 nodes) is documented in the README.
+(``make chaos``: 30 minutes, 5 nodes) is documented in docs/chaos.md.
 """
 
 from __future__ import annotations

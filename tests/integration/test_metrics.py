@@ -4,7 +4,7 @@ One cluster story (module fixture) and several checks of what the scrapes
 show: stored counts per vnode, one leader per vnode, leader changes and
 elections after a leader is killed, the leader's view of a dead follower,
 applied indexes converging after its restart, refused calls by reason,
-latency histograms; and that the Grafana dashboard and the README use and
+latency histograms; and that the Grafana dashboard and docs/operations.md use and
 document exactly what a node exports.
 """
 
@@ -286,13 +286,13 @@ def test_the_dashboard_uses_only_what_nodes_export(story: Story) -> None:
 
 
 def test_the_readme_documents_every_metric(story: Story) -> None:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "operations.md").read_text()
     section = readme.split("## Metrics and health", 1)[1].split("\n## ", 1)[0]
     families: set[str] = set()
     for s in scrape_all(story.cluster).values():
         families |= {name + ("_total" if kind == "counter" else "") for name, kind in s.types.items()}
     undocumented = sorted(name for name in families if f"`{name}`" not in section)
-    assert not undocumented, f"README 'Metrics and health' lacks {undocumented}"
+    assert not undocumented, f"docs/operations.md 'Metrics and health' lacks {undocumented}"
 
 
 def test_a_metrics_port_in_use_is_a_startup_error(tmp_path: Path) -> None:

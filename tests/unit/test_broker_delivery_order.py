@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 from types import SimpleNamespace
 
-from mqds.broker.amqtt_plugin import _Connection, _Live, _Out, _Subscribe
+from mqds.broker.amqtt.delivery import _Connection, _Live, _Out, _Subscribe
 from mqds.client.model import Message
 
 

@@ -1,31 +1,79 @@
-"""The README stays true: every error reason and every setting is documented."""
+"""The docs stay true: every error reason and every setting is documented, the README stays a
+short front door, and every relative link leads somewhere."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
+
+import pytest
 
 from mqds.protocol.errors import REASONS, Reason
 from mqds.server.config import NodeConfig
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+# The errors table lives with the client and the gRPC API; the settings table with running a node.
+ERRORS_PAGE = (ROOT / "docs" / "client.md").read_text()
+SETTINGS_PAGE = (ROOT / "docs" / "operations.md").read_text()
+LINKED_PAGES = [ROOT / "README.md", ROOT / "client" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+_FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+_INLINE_CODE = re.compile(r"`[^`\n]*`")
+_LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")
 
 
-def test_every_error_reason_is_in_the_readme_table() -> None:
+def test_every_error_reason_is_in_the_errors_table() -> None:
     for reason in Reason:
         info = REASONS[reason]
-        row = next((line for line in README.splitlines() if line.startswith(f"| {reason.value} |")), None)
-        assert row is not None, f"README lacks a row for {reason.value}"
+        row = next((line for line in ERRORS_PAGE.splitlines() if line.startswith(f"| {reason.value} |")), None)
+        assert row is not None, f"docs/client.md lacks a row for {reason.value}"
         assert info.code.name in row
         assert info.error_class.__name__ in row
         assert ("| yes |" in row) == info.retriable
 
 
-def test_every_setting_is_in_the_readme() -> None:
+def test_every_setting_is_in_the_settings_table() -> None:
     for f in dataclasses.fields(NodeConfig):
-        assert f"| `{f.name}` |" in README, f.name
+        assert f"| `{f.name}` |" in SETTINGS_PAGE, f.name
 
 
 def test_the_two_commands_come_first() -> None:
     first_block = README.split("```", 2)[1]
     assert "make demo" in first_block and "make test" in first_block
+
+
+def test_the_readme_is_a_front_door() -> None:
+    assert len(README.splitlines()) <= 400, "README.md grew past 400 lines: move the detail into a docs/ page"
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    text = _FENCE.sub("", page.read_text())
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *$", text, re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        anchors.add(slug)
+    return anchors
+
+
+def _relative_links(page: Path) -> list[str]:
+    text = _INLINE_CODE.sub("", _FENCE.sub("", page.read_text()))
+    return [t for t in _LINK.findall(text) if not re.match(r"^[a-z][a-z0-9+.-]*:", t)]
+
+
+@pytest.mark.parametrize("page", LINKED_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_lead_to_files_that_exist(page: Path) -> None:
+    broken = []
+    for link in _relative_links(page):
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        if not target.exists() or (anchor and target.suffix == ".md" and anchor not in _anchors(target)):
+            broken.append(link)
+    assert not broken, f"{page.relative_to(ROOT)} links to what does not exist: {broken}"
+
+
+def test_the_link_check_sees_links() -> None:
+    assert "docs/client.md" in _relative_links(ROOT / "README.md")
+    assert _anchors(ROOT / "docs" / "operations.md") >= {"metrics-and-health", "command-line"}

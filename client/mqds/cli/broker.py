@@ -129,7 +129,7 @@ def run_broker(opts: argparse.Namespace) -> int:
         raise CommandError(
             f"mqds broker runs amqtt, which is not installed ({err}); install it: pip install 'mqds-client[broker]'"
         ) from None
-    from mqds.broker.amqtt_plugin import DEFAULT_RULES, MqdsPlugin
+    from mqds.broker.amqtt.plugin import DEFAULT_RULES, MqdsPlugin
     from mqds.broker.hooks import HookConfigError, load_config
 
     try:

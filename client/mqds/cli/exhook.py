@@ -118,15 +118,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
             "online and offline, store published messages and retained messages, store subscriptions, record "
             "acknowledgements. Point EMQX at it with exhook.servers = [{name = mqds, url = "
             '"http://HOST:PORT"}]. ExHook cannot hand messages or subscriptions back to EMQX sessions: offline '
-            "and retained messages found on subscribe are counted, not delivered (see README, Broker "
-            "persistence). Runs until Ctrl-C or SIGTERM, then prints what it handled."
+            "and retained messages found on subscribe are counted, not delivered (see "
+            "docs/brokers.md). Runs until Ctrl-C or SIGTERM, then prints what it handled."
         ),
     )
     parser.add_argument(
         "--config",
         metavar="FILE",
         required=True,
-        help="the hook rules: a .toml or .yaml file (see README, Broker persistence; deploy/hooks/ has examples)",
+        help="the hook rules: a .toml or .yaml file (see docs/brokers.md; deploy/hooks/ has examples)",
     )
     parser.add_argument(
         "--listen",

@@ -9,7 +9,7 @@ It reads the stored messages the way Spark's Kafka source reads topics: a
 batch read pins a consistent snapshot (one read fence per vnode) and reads
 it in parallel, one partition per (vnode, generation) or smaller; a stream
 reads micro-batches between per-vnode positions kept in the query's
-checkpoint. See the README's "Spark connector" section for every option.
+checkpoint. docs/spark.md has every option.
 This package needs pyspark and pyarrow (``pip install 'mqds-client[spark]'``);
 the rest of the client does not.
 """
@@ -58,7 +58,7 @@ SCHEMA = StructType(
         StructField("generation", IntegerType(), False),
     ]
 )
-"""The rows of the source: one per stored message (see the README for each column)."""
+"""The rows of the source: one per stored message (docs/spark.md describes each column)."""
 
 
 def arrow_schema() -> pa.Schema:

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -42,7 +42,12 @@ from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.raft.group import META_GROUP, ROLE_NAMES
 
 if TYPE_CHECKING:
-    from mqds.server.node import Node
+    from mqds.server.auth import ApiGuard
+    from mqds.server.config import NodeConfig
+    from mqds.server.hosting import Vnode
+    from mqds.server.raft.group import RaftGroup
+    from mqds.server.raft.journal import NodeLog
+    from mqds.server.raft.transport import PeerRouter
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +62,37 @@ PUBLIC_SERVICES = frozenset({"Storage", "Sessions", "Cluster"})
 
 _MAX_TRACKED_PEERS = 10_000
 """Past this many remembered connections, the ones idle longer than the window are forgotten at once."""
+
+
+class ObservedNode(Protocol):
+    """What the scrape-time collector reads of the node (``mqds.server.node.Node``)."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def config(self) -> NodeConfig: ...
+
+    @property
+    def guard(self) -> ApiGuard: ...
+
+    @property
+    def router(self) -> PeerRouter: ...
+
+    @property
+    def raft_log(self) -> NodeLog: ...
+
+    @property
+    def dropped_by_closed_groups(self) -> int:
+        """Raft messages from non-members that groups since closed had dropped."""
+        ...
+
+    def ready(self) -> bool: ...
+
+    def groups(self) -> list[tuple[int, RaftGroup]]: ...
+
+    def hosted_vnodes(self) -> list[tuple[int, Vnode]]: ...
+
 
 DROP_REASONS = ("malformed_frame", "malformed_message", "unknown_group", "not_member", "queue_overflow")
 
@@ -154,7 +190,7 @@ class RequestMetrics:
 class NodeMetrics:
     """Everything one node exports: the event metrics, the scrape-time collector, and the HTTP endpoint."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: ObservedNode) -> None:
         # No ``*_created`` series: they double every counter's series for a
         # timestamp nobody graphs. (A process-wide switch; this is the only
         # registry of the node's process.)
@@ -216,7 +252,7 @@ class NodeMetrics:
 class _NodeCollector(Collector):
     """Reads the node's state when scraped. Never raises for a group or replica closing meanwhile: skips it."""
 
-    def __init__(self, node: Node, requests: RequestMetrics) -> None:
+    def __init__(self, node: ObservedNode, requests: RequestMetrics) -> None:
         self.node = node
         self.requests = requests
 
@@ -251,7 +287,7 @@ class _NodeCollector(Collector):
         yield from self._raft(node)
         yield from self._storage(node)
 
-    def _raft(self, node: Node) -> Iterator[Metric]:
+    def _raft(self, node: ObservedNode) -> Iterator[Metric]:
         def gauge(name: str, doc: str, *labels: str) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, labels=["shard", *labels])
 
@@ -347,7 +383,7 @@ class _NodeCollector(Collector):
             "mqds_raft_wal_syncs", "fsyncs of the Raft write-ahead log (group commits)", value=wal.flushes
         )
 
-    def _storage(self, node: Node) -> Iterator[Metric]:
+    def _storage(self, node: ObservedNode) -> Iterator[Metric]:
         def family(kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str, *labels: str) -> Any:
             return kind(name, doc, labels=["shard", *labels])
 

@@ -158,7 +158,7 @@ class HookProvider(pb_grpc.HookProviderServicer):
         self._told_undeliverable = True
         log.log(
             level,
-            "client %s: %d %s that ExHook cannot hand to EMQX (counted; see README: Broker persistence)",
+            "client %s: %d %s that ExHook cannot hand to EMQX (counted; see docs/brokers.md)",
             clientid,
             count,
             what.replace("_", " "),

@@ -31,9 +31,9 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 
@@ -48,7 +48,11 @@ from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.v1 import cluster_pb2 as clpb
 
 if TYPE_CHECKING:
-    from mqds.server.node import Node
+    from mqds.server.config import NodeConfig
+    from mqds.server.hosting import Vnode
+    from mqds.server.raft.transport import ClusterAuth, PeerRouter
+    from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
+    from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +63,41 @@ STEP_TIMEOUT_S = 1800.0
 _POLL_S = 0.2
 
 
+class MembershipNode(Protocol):
+    """What membership changes use of the node they run on (``mqds.server.node.Node``)."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def config(self) -> NodeConfig: ...
+
+    @property
+    def meta(self) -> meta_mod.MetaMachine | None: ...
+
+    @property
+    def meta_group(self) -> RaftGroup | None: ...
+
+    @property
+    def vnodes(self) -> Mapping[int, Vnode]: ...
+
+    @property
+    def router(self) -> PeerRouter: ...
+
+    @property
+    def auth(self) -> ClusterAuth: ...
+
+    def cluster_map(self) -> clpb.ClusterMap: ...
+
+    def cluster_stub(self, node_id: str) -> clpb_grpc.ClusterStub: ...
+
+    def internal_stub(self, node_id: str) -> rpb_grpc.RaftStub: ...
+
+
 class Membership:
     """join, leave, forget and rebalance, as the Cluster service exposes them."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: MembershipNode) -> None:
         self.node = node
         self._lock = threading.Lock()
         # What the last periodic check found apart (see repair_if_needed).

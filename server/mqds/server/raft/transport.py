@@ -40,7 +40,8 @@ import grpc
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.server.raft import codec
-from mqds.server.raft.group import Outgoing, RaftGroup
+from mqds.server.raft.group import RaftGroup
+from mqds.server.raft.outbox import Outgoing
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.storage.shard import varint
 

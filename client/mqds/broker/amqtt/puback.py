@@ -11,9 +11,10 @@ handler (for incoming messages only; the broker's own sends are amqtt's):
 
 - **QoS 1**: the message is queued for routing as before; its PUBACK is sent
   once the plugin's store of it returned (``MqdsPlugin.await_store``: a
-  future set when the message's wave was stored), for a topic some ``store``
-  rule covers (or a retained message a ``retain`` rule keeps); other messages
-  are acknowledged at once, as amqtt does.
+  future, kept in :class:`StoreWaits`, set when the message's wave was
+  stored), for a topic some ``store`` rule covers (or a retained message a
+  ``retain`` rule keeps); other messages are acknowledged at once, as amqtt
+  does.
 - **QoS 2**: for such a topic the message is routed (and stored) when it
   arrives, and PUBREC is sent once stored; the packet id is kept until PUBREL
   (MQTT 3.1.1 §4.3.3, "method B"), so a resend of the PUBLISH before PUBREL
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from amqtt.errors import AMQTTError
 from amqtt.mqtt.puback import PubackPacket
@@ -50,9 +51,7 @@ if TYPE_CHECKING:
     from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
     from amqtt.session import ApplicationMessage, Session
 
-    from mqds.broker.amqtt_plugin import MqdsPlugin
-
-__all__ = ["PublishAcks"]
+__all__ = ["PublishAcks", "StoreWaits"]
 
 log = logging.getLogger("mqds.broker.amqtt")
 
@@ -63,10 +62,56 @@ _QOS2_ROUTED = "mqds.qos2_routed"
 _Routed = dict[int, tuple["ApplicationMessage", "asyncio.Future[bool]"]]
 
 
+class _Plugin(Protocol):
+    """What the acknowledgements need of the plugin (:class:`~mqds.broker.amqtt.plugin.MqdsPlugin`)."""
+
+    def await_store(self, message: ApplicationMessage) -> asyncio.Future[bool] | None: ...
+
+    def count(self, what: str, n: int = 1) -> None: ...
+
+
+class StoreWaits:
+    """Incoming publishes whose PUBACK/PUBREC waits for their store: id -> (the message, its outcome).
+
+    ``MqdsPlugin.await_store`` adds one, its ``message_broadcast`` event
+    takes it (before any await) and sets it once stored; a message amqtt did
+    not broadcast is settled by the wrapped ``_handle_message_delivery``
+    (:mod:`mqds.broker.amqtt.internals`).
+    """
+
+    def __init__(self) -> None:
+        self._awaiting: dict[int, tuple[ApplicationMessage, asyncio.Future[bool]]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._awaiting)
+
+    def __contains__(self, message: object) -> bool:
+        return id(message) in self._awaiting
+
+    def add(self, message: ApplicationMessage) -> asyncio.Future[bool]:
+        """A future for ``message``'s store: its result is False if the store failed, else True."""
+        outcome: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._awaiting[id(message)] = (message, outcome)
+        return outcome
+
+    def take(self, message: ApplicationMessage) -> asyncio.Future[bool] | None:
+        """``message``'s future, no longer awaiting (None if it has none)."""
+        entry = self._awaiting.get(id(message))
+        if entry is None or entry[0] is not message:
+            return None
+        del self._awaiting[id(message)]
+        return entry[1]
+
+    def settle(self, message: ApplicationMessage, ok: bool) -> None:
+        outcome = self.take(message)
+        if outcome is not None and not outcome.done():
+            outcome.set_result(ok)
+
+
 class PublishAcks:
     """The acknowledgements of one connection's QoS 1/2 publishes: after their store, in arrival order."""
 
-    def __init__(self, plugin: MqdsPlugin, handler: BrokerProtocolHandler) -> None:
+    def __init__(self, plugin: _Plugin, handler: BrokerProtocolHandler) -> None:
         self.plugin = plugin
         self.handler = handler
         self._amqtt_qos1 = handler._handle_qos1_message_flow

@@ -1,0 +1,127 @@
+"""The public Cluster service: the cluster map, node status and membership administration.
+
+Membership changes are carried out by ``cluster.membership.Membership``;
+this service reads the node's state and hands requests over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from mqds.protocol import errors
+from mqds.protocol.errors import MqdsError, Reason
+from mqds.v1 import cluster_pb2 as clpb
+
+if TYPE_CHECKING:
+    from mqds.server.cluster.membership import Membership
+    from mqds.server.config import NodeConfig
+    from mqds.server.hosting import Vnode
+    from mqds.server.raft.group import RaftGroup
+    from mqds.server.raft.transport import PeerRouter
+
+_ROLES = {0: clpb.RAFT_ROLE_FOLLOWER, 1: clpb.RAFT_ROLE_CANDIDATE, 2: clpb.RAFT_ROLE_LEADER}
+
+
+class ClusterNode(Protocol):
+    """What the Cluster service reads of the node (``mqds.server.node.Node``)."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def config(self) -> NodeConfig: ...
+
+    @property
+    def membership(self) -> Membership: ...
+
+    @property
+    def router(self) -> PeerRouter: ...
+
+    @property
+    def vnodes(self) -> Mapping[int, Vnode]: ...
+
+    def groups(self) -> list[tuple[int, RaftGroup]]: ...
+
+    def vnode(self, shard: int) -> Vnode: ...
+
+    def cluster_map(self) -> clpb.ClusterMap: ...
+
+    def ready(self) -> bool: ...
+
+
+def node_status(node: ClusterNode) -> clpb.NodeStatus:
+    """This node's replicas, their Raft state, and whether the node is ready."""
+    status = clpb.NodeStatus(node_id=node.node_id, address=node.config.advertised)
+    for group_id, group in node.groups():
+        st = group.status()
+        vnode = node.vnodes.get(group_id)
+        try:
+            generations = len(vnode.replica.generations()) if vnode is not None else 0
+        except MqdsError:  # the replica is closing: report what is known
+            generations = 0
+        status.replicas.add(
+            group=group_id,
+            role=_ROLES.get(st["role"], clpb.RAFT_ROLE_UNSPECIFIED),
+            term=st["term"],
+            leader=st["leader"],
+            commit_index=st["commit_index"],
+            applied_index=st["applied_index"],
+            last_log_index=st["last_log_index"],
+            log_entries=st["log_entries"],
+            log_bytes=st["log_bytes"],
+            members=st["members"],
+            follower_lag=st["follower_lag"],
+            match_index=st["match_index"],
+            last_applied=st["last_applied"],
+            snapshots_installed=group.snapshots_installed,
+            generations=generations,
+        )
+    status.dropped_raft_messages = node.router.dropped_messages + node.router.dropped_frames
+    status.ready = node.ready()
+    return status
+
+
+class ClusterAPI:
+    """mqds.v1.Cluster: the cluster map, node status and membership administration."""
+
+    def __init__(self, node: ClusterNode) -> None:
+        self.node = node
+
+    def GetClusterMap(self, request: clpb.GetClusterMapRequest, context: Any = None) -> clpb.ClusterMap:
+        return self.node.cluster_map()
+
+    def GetNodeStatus(self, request: clpb.GetNodeStatusRequest, context: Any = None) -> clpb.NodeStatus:
+        return node_status(self.node)
+
+    def JoinNode(self, request: clpb.JoinNodeRequest, context: Any = None) -> clpb.MembershipResponse:
+        return self.node.membership.join(request.node_id, request.address)
+
+    def LeaveNode(self, request: clpb.LeaveNodeRequest, context: Any = None) -> clpb.MembershipResponse:
+        return self.node.membership.leave(request.node_id)
+
+    def ForgetNode(self, request: clpb.ForgetNodeRequest, context: Any = None) -> clpb.MembershipResponse:
+        return self.node.membership.forget(request.node_id)
+
+    def Rebalance(self, request: clpb.RebalanceRequest, context: Any = None) -> clpb.MembershipResponse:
+        return self.node.membership.rebalance()
+
+    def GetReplicaDigest(self, request: clpb.GetReplicaDigestRequest, context: Any = None) -> clpb.ReplicaDigest:
+        replica = self.node.vnode(request.shard).replica
+        for _ in range(50):
+            with replica.reading() as storage:
+                before = storage.applied_index
+                digest = hashlib.sha256()
+                keys = 0
+                for cf, key, value in storage.dump():
+                    for part in (cf.encode(), key, value):
+                        digest.update(len(part).to_bytes(4, "big") + part)
+                    keys += 1
+                if storage.applied_index == before:
+                    return clpb.ReplicaDigest(
+                        shard=request.shard, applied_index=before, sha256=digest.hexdigest(), keys=keys
+                    )
+            time.sleep(0.05)
+        raise errors.error(Reason.OVERLOADED, f"shard {request.shard} kept changing while being digested")

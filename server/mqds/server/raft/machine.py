@@ -1,0 +1,161 @@
+"""The replicated state machine: its contract with a group, and how committed entries reach it.
+
+Like hashicorp/raft's ``fsm.go``: :class:`StateMachine` is all a group knows of
+what it replicates, and :class:`CommandApplier` (part of ``RaftGroup``)
+overrides the two pysyncobj methods that read commands, so the log holds
+bytes, never pickles: ``0x00 + body`` goes to ``machine.apply``, ``0x02 +
+MembershipChange`` changes the members. Applying is made total here: an
+entry whose command fails the same way on every replica is recorded as
+applied with an error for its proposer, so one bad entry never wedges a shard.
+It also tells how far apply trails the commit index, and for how long it has
+not moved (``apply_stalled_s``, which readiness reads).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from pysyncobj import SyncObj
+from pysyncobj.monotonic import monotonic as raft_clock
+
+from mqds.protocol import errors
+from mqds.protocol.errors import Reason
+from mqds.server.raft import codec
+
+log = logging.getLogger(__name__)
+
+
+class StateMachine(Protocol):
+    """What a group replicates. Apply must be deterministic: same entries, same state, on every replica."""
+
+    @property
+    def applied_index(self) -> int:
+        """The last log index whose effect is in the machine's storage (0 if none)."""
+
+    def apply(self, command: bytes, index: int) -> Any:
+        """Apply one regular entry; skip it if ``index <= applied_index``. The result goes to the proposer.
+
+        Must be total: a command that cannot be applied is answered with an
+        ``MqdsError`` as its result, the same on every replica. Only a failure
+        of this replica's environment (``STORAGE_ERROR``, ``OSError``,
+        ``MemoryError``) may be raised: the group then retries the entry,
+        and readiness reports the stall. Anything else raised is taken as the
+        entry's deterministic failure (see ``CommandApplier._apply_regular``).
+        """
+
+    def skip(self, index: int) -> None:
+        """Record entry ``index`` as applied though it changed nothing here.
+
+        An election's no-op, a membership change, or a command whose apply
+        failed: the machine's applied index must still reach it, or a restart
+        compares a lower applied index with a snapshot manifest taken at the
+        entry and asks for a snapshot that no replica can serve.
+        """
+
+    def snapshot(self) -> bytes:
+        """Make everything applied durable and return the manifest payload describing it."""
+
+    def install(self, payload: bytes, index: int, source: str, members: list[str]) -> None:
+        """Replace the state with one that includes log index ``index`` (from ``source``'s manifest).
+
+        Blocks until done; called on the group's thread, only when
+        ``applied_index < index``. Must not return before the state is installed.
+        """
+
+
+class CommandApplier(SyncObj):
+    """Part of ``RaftGroup``: parsing and applying commands that are bytes, and how far apply trails the commits."""
+
+    name: str
+    machine: StateMachine
+    apply_failures: int
+
+    def _init_apply_progress(self) -> None:
+        self._applied_seen = 0
+        self._applied_moved_at = raft_clock()
+
+    def catch_up_lag(self) -> int:
+        """Entries committed (as far as this replica knows from its leader) that it has not applied yet.
+
+        Cheaper than ``status()``: readiness asks it of every group several times a second.
+        """
+        known = max(self._SyncObj__leaderCommitIndex or 0, self.raftCommitIndex)
+        return max(0, int(known) - int(self.raftLastApplied))
+
+    def _note_apply_progress(self) -> None:
+        """After each cycle: remember when the applied index last moved, or had nothing to catch up."""
+        applied = int(self.raftLastApplied)
+        if applied != self._applied_seen or self.catch_up_lag() == 0:
+            self._applied_seen = applied
+            self._applied_moved_at = raft_clock()
+
+    def apply_stalled_s(self) -> float:
+        """How long committed entries have waited here while none was applied (0 when none waits).
+
+        A group whose apply keeps failing (its disk), or whose thread is stuck,
+        reports a growing figure, so readiness can tell it from a replica that
+        is merely busy catching up. Accurate to a cycle (at most a second idle).
+        """
+        if self.catch_up_lag() == 0:
+            return 0.0
+        return max(0.0, raft_clock() - self._applied_moved_at)
+
+    def _SyncObj__parseChangeClusterRequest(self, command: bytes) -> tuple[str, str] | None:
+        if not command or command[0] != codec.COMMAND_MEMBERSHIP:
+            return None
+        return codec.decode_membership(command[1:])
+
+    def _SyncObj__doApplyCommand(self, command: bytes) -> Any:
+        index = self.raftLastApplied + 1
+        kind = command[0]
+        if kind == codec.COMMAND_REGULAR:
+            return self._apply_regular(command[1:], index)
+        if kind == codec.COMMAND_MEMBERSHIP:
+            # After a restart the journal is replayed: apply the change again
+            # (a no-op when already in effect).
+            self._SyncObj__doChangeCluster(codec.decode_membership(command[1:]))
+        if index > self.machine.applied_index:
+            self.machine.skip(index)
+        return None
+
+    def _apply_regular(self, body: bytes, index: int) -> Any:
+        """``machine.apply``, made total: a deterministic failure becomes the entry's result.
+
+        Whatever a committed entry holds, every replica must get past it the
+        same way. An exception from the command itself (a bug, or input the
+        leader's checks let through) would otherwise fail the cycle, and the
+        group would retry the same entry forever, on every replica and after
+        every restart: the shard dead for good. So it is logged, the entry is
+        recorded as applied, and the proposer gets an error. A failure of
+        this replica's environment (its disk, its memory) is not the entry's
+        fault and is raised: the cycle retries it, and readiness reports a
+        group whose applied index stopped behind its commit index.
+        """
+        try:
+            result = self.machine.apply(body, index)
+        except errors.MqdsError as err:
+            if err.reason is Reason.STORAGE_ERROR:
+                raise
+            failure: BaseException = err
+        except (OSError, MemoryError):
+            raise
+        except Exception as err:  # any other failure is the entry's own
+            failure = err
+        else:
+            if index > self.machine.applied_index:
+                # A refusal the machine answered without writing (a reused
+                # sequence number, a generation already dropped): applied all the same.
+                self.machine.skip(index)
+            return result
+        log.error("%s: log entry %d could not be applied; recorded as failed", self.name, index, exc_info=failure)
+        self.apply_failures += 1
+        if index > self.machine.applied_index:
+            self.machine.skip(index)
+        if isinstance(failure, errors.MqdsError):
+            return failure
+        return errors.error(
+            Reason.INTERNAL,
+            f"{self.name}: log entry {index} could not be applied ({type(failure).__name__}); "
+            "every replica recorded it as failed and went on",
+        )

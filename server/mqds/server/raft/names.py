@@ -1,0 +1,23 @@
+"""How groups and their members are named: the metadata group's id, a group's display name, a member.
+
+Below every other module of the package (futures, snapshots and the group all
+name groups and members), so none of them needs to import ``group.py``.
+"""
+
+from __future__ import annotations
+
+from pysyncobj.node import Node
+
+META_GROUP = 0xFFFFFFFF
+"""The group id of the cluster metadata; vnode groups are numbered from 0."""
+
+
+def group_name(group: int) -> str:
+    return "meta" if group == META_GROUP else f"shard {group}"
+
+
+class PeerNode(Node):
+    """A Raft member, known by its node id; its address lives in the router's address book."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(node_id)

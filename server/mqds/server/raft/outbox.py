@@ -1,0 +1,128 @@
+"""The outbox: how a group's outgoing messages are encoded, held and batched.
+
+pysyncobj hands every message it produces to a transport at once. Ours
+(:class:`GroupTransport`) only encodes it and keeps it: the group hands the
+cycle's messages to the router (:class:`Outbox`) after ``journal.sync()``, so
+nothing leaves the node before what it acknowledges is on disk. Each message
+is also marked lazy or not here, which is what lets the peer's link batch
+heartbeats of several groups into one frame (see DESIGN.md, "Heartbeats wait
+for company"). The router itself is ``transport.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple, Protocol
+
+from pysyncobj.node import Node
+from pysyncobj.transport import Transport
+
+from mqds.server.raft import codec
+
+log = logging.getLogger(__name__)
+
+
+def carries_entries(message: dict[str, Any]) -> bool:
+    """Whether an append-entries carries log entries or a snapshot (not just a heartbeat)."""
+    return bool(message.get("entries")) or "serialized" in message or "transmission" in message
+
+
+class Outgoing(NamedTuple):
+    """An encoded message for one peer, once it may leave the node."""
+
+    node_id: str
+    raw: bytes
+    lazy: bool
+    """Nobody waits for it: it may wait a little to share a frame (see ``GroupTransport.send``)."""
+
+
+class Outbox(Protocol):
+    """Where a group's messages go once they may leave the node (the router)."""
+
+    def send(self, group: int, messages: list[Outgoing]) -> None: ...
+
+    def is_connected(self, node_id: str) -> bool: ...
+
+    def address_of(self, node_id: str) -> str | None: ...
+
+
+class Sender(Protocol):
+    """What the transport reads from its group (``RaftGroup``) to encode and classify a message."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def echo_round(self) -> int: ...
+
+    @property
+    def last_echo_from(self) -> dict[str, int]: ...
+
+    @property
+    def declines_leadership(self) -> bool: ...
+
+    def on_member_added(self, node_id: str) -> None: ...
+
+
+class GroupTransport(Transport):
+    """pysyncobj's transport for one group: encodes and holds messages until the group's cycle ends."""
+
+    def __init__(self, group: Sender) -> None:
+        super().__init__(None, None, None)
+        self._group = group
+        self.outbox: list[Outgoing] = []
+        self.answering_entries = False
+        """Set while the group handles an append-entries that carries entries (its answer is never lazy)."""
+        # Per peer: the (term, read round) of the last append-entries sent,
+        # and the (next index, read round, declines) of the last answer.
+        self._last_beat: dict[str, tuple[int, int]] = {}
+        self._last_answer: dict[str, tuple[int, int, bool]] = {}
+
+    def send(self, node: Node, message: dict[str, Any]) -> bool:
+        """Encode a message for ``node``, and say whether anybody waits for it.
+
+        Lazy (it may wait up to ``raft_heartbeat_linger_s`` in the peer's link
+        to share a frame): a leader's heartbeat (no entries, no snapshot) in a
+        term and read round it already sent this peer, and a follower's
+        answer to a heartbeat that repeats its last answer. A commit waits
+        for answers to entries, a read for a new round's echo, an election for
+        votes, a new leader for its first heartbeat: those leave at once, and
+        take whatever waits for the same peer with them. A lazy heartbeat
+        still resets the follower's election timer within the linger, and
+        tells it the commit index a little later; nothing else changes.
+        """
+        group = self._group
+        kind = message["type"]
+        lazy = False
+        if kind == "append_entries":
+            echo = group.echo_round
+            beat = (message["term"], echo)
+            lazy = not carries_entries(message) and self._last_beat.get(node.id) == beat
+            self._last_beat[node.id] = beat
+        elif kind == "next_node_idx":
+            echo = group.last_echo_from.get(node.id, 0)
+            if group.declines_leadership:
+                message = {**message, "declines_leadership": True}
+            answer = (message["next_node_idx"], echo, bool(message.get("declines_leadership")))
+            lazy = (
+                not self.answering_entries
+                and message["success"]
+                and not message["reset"]
+                and self._last_answer.get(node.id) == answer
+            )
+            self._last_answer[node.id] = answer
+        else:
+            echo = 0
+        try:
+            raw = codec.encode(message, echo)
+        except ValueError:
+            log.exception("%s: cannot send %s to %s", group.name, kind, node.id)
+            return False
+        self.outbox.append(Outgoing(node.id, raw, lazy))
+        return True
+
+    def addNode(self, node: Node) -> None:
+        self._group.on_member_added(node.id)
+
+    def dropNode(self, node: Node) -> None:
+        pass

@@ -1,0 +1,99 @@
+"""Linearizable reads by read index: a read waits for a majority to echo a heartbeat round sent after it.
+
+:class:`ReadIndex` (part of ``RaftGroup``) numbers heartbeat rounds. A read
+on the leader takes the next round and the commit index; the transport
+stamps append-entries with the round (``echo_round``) and a follower's answer
+echoes the last round it heard (``last_echo_from``), counted per follower
+in ``_acked_round``. A read is served once a majority echoed its round, the
+leader committed an entry of its own term, and it applied everything
+committed when the read arrived: a deposed leader cut off from the majority
+can never serve a stale read. Reads are answered through a
+:class:`~mqds.server.raft.futures.PendingRead`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from pysyncobj import SyncObj
+
+from mqds.protocol import errors
+from mqds.protocol.errors import Reason
+from mqds.server.raft.futures import PendingRead
+
+
+class ReadIndex(SyncObj):
+    """Part of ``RaftGroup``: the reads waiting for their read index, and the heartbeat rounds they wait on."""
+
+    group: int
+    name: str
+
+    def _init_reads(self) -> None:
+        self.echo_round = 0
+        self.last_echo_from: dict[str, int] = {}
+        self._acked_round: dict[str, int] = {}
+        self._acks_term = -1
+        self._reads_new: list[PendingRead] = []
+        self._reads: list[PendingRead] = []
+        self._reads_lock = threading.Lock()
+
+    def begin_read(self) -> PendingRead:
+        """Start a linearizable read; its ``wait`` returns once it may be served here.
+
+        Raises NOT_LEADER or NO_LEADER at once when this replica is not the
+        leader; ``wait`` raises them when leadership was lost meanwhile.
+        """
+        if not self._isLeader():
+            raise self.not_leader_error()
+        read = PendingRead(self.group)
+        with self._reads_lock:
+            self._reads_new.append(read)
+        self._wake.set()
+        return read
+
+    def _fail_reads_stopping(self) -> None:
+        """The replica is stopping: every read still waiting fails with SHUTTING_DOWN."""
+        with self._reads_lock:
+            for read in self._reads_new + self._reads:
+                read.error = errors.error(Reason.SHUTTING_DOWN, f"{self.name}: replica is stopping")
+                read.done.set()
+            self._reads_new, self._reads = [], []
+
+    def _serve_reads(self) -> None:
+        with self._reads_lock:
+            new, self._reads_new = self._reads_new, []
+            if not new and not self._reads:
+                return
+        term = self.raftCurrentTerm
+        if term != self._acks_term:
+            self._acked_round = {}
+            self._acks_term = term
+        if not self.is_leader:
+            for read in new + self._reads:
+                read.error = self.not_leader_error()
+                read.done.set()
+            self._reads = []
+            return
+        if new:
+            self.echo_round += 1
+            for read in new:
+                read.round, read.term, read.read_index = self.echo_round, term, self.raftCommitIndex
+            self._reads.extend(new)
+            # A heartbeat now, stamped with the new round, instead of waiting
+            # for the next period.
+            self._SyncObj__sendAppendEntries()
+        others = [n.id for n in self.otherNodes]
+        noop = self._SyncObj__noopIDx
+        ready_commit = noop is not None and self.raftCommitIndex >= noop
+        waiting = []
+        for read in self._reads:
+            if read.term != term:
+                read.error = self.not_leader_error()
+                read.done.set()
+                continue
+            acks = 1 + sum(1 for n in others if self._acked_round.get(n, 0) >= read.round)
+            if 2 * acks > len(others) + 1 and ready_commit and self.raftLastApplied >= read.read_index:
+                read.done.set()
+            else:
+                waiting.append(read)
+        self._reads = waiting

@@ -1,0 +1,91 @@
+"""Timing: Raft's timers as a group configures them, and when its thread must wake or stay quiet.
+
+pysyncobj keeps the deadlines (next heartbeat, election) and acts on them
+when ticked; it never sleeps itself (``autoTick=False``). The group's thread
+sleeps until the next deadline unless woken (:meth:`ElectionTimers._sleep_s`),
+and pushes the election deadline back while the replica must not campaign
+(:meth:`ElectionTimers._hold_election`): a retiring replica, or a new or
+wiped one that has not heard a leader yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pysyncobj import SyncObj
+from pysyncobj.monotonic import monotonic as raft_clock
+
+
+@dataclass(frozen=True)
+class RaftTiming:
+    """Raft timers, in seconds."""
+
+    heartbeat_s: float = 0.1
+    """How often a leader sends append-entries when idle."""
+    election_timeout_min_s: float = 0.5
+    """A follower that hears nothing for a random time between min and max starts an election."""
+    election_timeout_max_s: float = 1.0
+    log_max_bytes: int = 16 * 1024 * 1024
+    """Compact (snapshot) the journal once its commands exceed this many bytes."""
+    compaction_interval_s: float = 600.0
+    """Compact at least this often when anything was applied."""
+    max_entry_bytes: int = 65 * 1024 * 1024
+    """Largest command; pysyncobj would chunk (and pickle) larger ones."""
+
+
+def syncobj_timers(t: RaftTiming) -> dict[str, Any]:
+    """The ``SyncObjConf`` settings that are timers."""
+    return {
+        "appendEntriesPeriod": t.heartbeat_s,
+        "raftMinTimeout": t.election_timeout_min_s,
+        "raftMaxTimeout": t.election_timeout_max_s,
+        "leaderFallbackTimeout": t.election_timeout_max_s,
+        "connectionTimeout": max(3.5, t.election_timeout_max_s),
+        "logCompactionMinTime": t.compaction_interval_s,
+    }
+
+
+class ElectionTimers(SyncObj):
+    """Part of ``RaftGroup``: the thread's sleep, and the election deadline of a replica that must not campaign."""
+
+    timing: RaftTiming
+    _retiring: bool
+    _heard_leader: bool
+    """Whether this replica heard from a leader (or had a journal when it started)."""
+    _quiet_until: float
+    """Until when a replica that has not heard a leader neither campaigns nor votes."""
+
+    def _init_quiet(self, has_journal: bool, joining: bool) -> None:
+        # A replica with an empty journal may be new in a group that has a
+        # leader (a move, or a node whose disk was wiped): it stays quiet,
+        # neither campaigning nor voting, until it hears from a leader. That
+        # keeps it from disturbing the group with a higher term, and from
+        # voting twice in a term it voted in before the wipe. A replica of a
+        # new cluster gives up waiting after two election timeouts.
+        self._heard_leader = has_journal
+        self._quiet_until = float("inf") if joining else raft_clock() + 2 * self.timing.election_timeout_max_s
+
+    def _staying_quiet(self) -> bool:
+        return not self._heard_leader and raft_clock() < self._quiet_until
+
+    def _hold_election(self) -> None:
+        """Before a tick: keep a replica that must not campaign from reaching its election deadline."""
+        if self._retiring or self._staying_quiet():
+            # Not campaigning: a retiring replica, or a new one that has not heard a leader yet.
+            self._SyncObj__raftElectionDeadline = raft_clock() + self.timing.election_timeout_max_s
+
+    def _sleep_s(self) -> float:
+        """How long nothing needs doing unless woken: until the next heartbeat or election deadline."""
+        now = raft_clock()
+        if self._isLeader():
+            due = self._SyncObj__newAppendEntriesTime
+        else:
+            due = self._SyncObj__raftElectionDeadline
+            if due <= now and self.otherNodes and not self._SyncObj__connectedNodes:
+                # Past the deadline, but pysyncobj campaigns only when some
+                # peer is connected, and a link coming up wakes the group. A
+                # node alone with its peers down used to wake every group
+                # every millisecond here (about half a core).
+                return 1.0
+        return max(min(due - now, 1.0), 0.001)

@@ -1,0 +1,89 @@
+"""Leadership transfer, done as etcd does it: pause proposals, wait for the target, then TimeoutNow.
+
+pysyncobj's ``transferLeadership`` sends TimeoutNow only if the target has
+the leader's whole log at that instant, and keeps taking writes meanwhile;
+under steady writes the transfer rarely happened, or the old leader won the
+election again (see DESIGN.md). :class:`LeadershipTransfer` (part of
+``RaftGroup``) refuses new proposals from the request on, looks each cycle
+whether the target caught up, and gives up after an election timeout. It
+also keeps which followers decline leadership (a stopping or not-ready node),
+so a transfer without a named target never picks one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pysyncobj import FAIL_REASON, SyncObj
+from pysyncobj.monotonic import monotonic as raft_clock
+
+from mqds.protocol import errors
+from mqds.protocol.errors import Reason
+from mqds.server.raft.timing import RaftTiming
+
+
+class LeadershipTransfer(SyncObj):
+    """Part of ``RaftGroup``: a leadership transfer in progress, and the proposals it holds back."""
+
+    name: str
+    timing: RaftTiming
+
+    def _init_transfer(self) -> None:
+        # A leadership transfer in progress (the group's thread only): the
+        # target ("" = the most caught-up follower), the caller's callback,
+        # and when to give up. New proposals are refused until
+        # ``_paused_until`` (any thread reads it).
+        self._transfer: tuple[str, Callable[[Any, int], None], float] | None = None
+        self._paused_until = 0.0
+        # Followers whose latest answer said their node is stopping (group's thread only).
+        self._declining: set[str] = set()
+
+    def _check_accepting(self) -> None:
+        if not self._isLeader():
+            raise self.not_leader_error()
+        if raft_clock() < self._paused_until:
+            raise errors.error(Reason.NO_LEADER, f"{self.name}: leadership is being handed over; retry")
+
+    def _begin_transfer(self, node_id: str, callback: Callable[[Any, int], None]) -> None:
+        if not self._isLeader():
+            callback(None, FAIL_REASON.NOT_LEADER)
+            return
+        if node_id and (node_id not in self._members_set() or node_id in self._declining):
+            callback(None, FAIL_REASON.REQUEST_DENIED)
+            return
+        if self._transfer is not None:
+            self._transfer[1](None, FAIL_REASON.REQUEST_DENIED)  # superseded by this one
+        deadline = raft_clock() + self.timing.election_timeout_max_s
+        self._transfer = (node_id, callback, deadline)
+        self._paused_until = deadline
+
+    def _advance_transfer(self) -> None:
+        """Send TimeoutNow once the target has the whole log (after this cycle's appends); give up at the deadline."""
+        assert self._transfer is not None
+        node_id, callback, deadline = self._transfer
+        if not self._isLeader():
+            fail = FAIL_REASON.NOT_LEADER
+        elif (target := node_id or self._transfer_target()) is None:
+            fail = FAIL_REASON.REQUEST_DENIED  # nobody to hand over to: no point waiting
+        else:
+            # pysyncobj answers at once: denied unless the target has the whole log.
+            answers: list[int] = []
+            self.transferLeadership(target, lambda _, answer: answers.append(answer))
+            fail = answers[0]
+            if fail == FAIL_REASON.REQUEST_DENIED and raft_clock() < deadline:
+                return  # not caught up yet: the next cycle looks again
+        self._transfer = None
+        if fail != FAIL_REASON.SUCCESS:
+            self._paused_until = 0.0
+        # Granted: proposals stay refused until the deadline, or until the
+        # target's election makes this replica a follower.
+        callback(None, fail)
+
+    def _transfer_target(self) -> str | None:
+        """The most caught-up connected follower that does not decline leadership."""
+        connected = self._SyncObj__connectedNodes
+        candidates = [
+            (self.match_index(n.id), n.id) for n in self.otherNodes if n in connected and n.id not in self._declining
+        ]
+        return max(candidates)[1] if candidates else None

@@ -1,0 +1,223 @@
+"""Reading a shard: which streams may match a filter, and scanning one stream of one generation.
+
+A read is a forward scan of one stream (``D | stream | timestamp``) from an
+iterator's position, or, when the filter fixes a varying level the stream
+indexes, a walk of that level's posting lists (``I`` keys) with a multi-get
+of the data keys they name. Either way each candidate's topic is checked
+against the filter (hashes may collide; only one level is looked up), and the
+read stops at the batch size, the byte budget or the fence. The shard looks up
+the generation and the stream's pattern under its lock and scans without it
+(``ShardStorage.next``); ``ReadCost`` counts the keys a scan read.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from rocksdict import Rdict
+
+from mqds.protocol import errors
+from mqds.protocol.errors import Reason
+from mqds.protocol.topics import matches_levels
+from mqds.server.storage import keys
+from mqds.server.storage.generations import Generation
+from mqds.server.storage.iterators import IteratorState
+from mqds.server.storage.trie import TopicTrie, filter_constraints
+from mqds.v1 import storage_pb2 as pb
+
+NO_FENCE = 1 << 64
+""""No fence": above every timestamp."""
+BUDGET_CHUNK = 32
+"""Values an indexed read fetches at once when its answer has a byte budget."""
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """What ``next`` read: (timestamp, stored message bytes) pairs, oldest first."""
+
+    entries: list[tuple[int, bytes]]
+    state: IteratorState
+    end_of_stream: bool
+
+
+@dataclass(frozen=True)
+class StreamRef:
+    generation: int
+    stream: int
+    pattern: str
+
+
+@dataclass
+class ReadCost:
+    """What a read cost: the keys it read (data keys and index keys)."""
+
+    keys: int = 0
+
+
+def find_streams(
+    trie: TopicTrie, gens: Iterable[Generation], filter_levels: list[str], start_time_us: int
+) -> list[StreamRef]:
+    """Streams with data in ``gens`` (in order) that may match the filter and reach past ``start_time_us``."""
+    candidates = trie.match(filter_levels)
+    found = []
+    for gen in gens:
+        until = gen.record.until_us
+        if until is not None and until <= start_time_us:
+            continue
+        for stream in sorted(stream for stream, _ in candidates if stream in gen.present):
+            found.append(StreamRef(gen.number, stream, trie.pattern(stream)))
+    return found
+
+
+def check_filter(pattern: str, stream: int, topic_filter: str) -> None:
+    """Refuse a filter that no topic of the stream (of ``pattern``) can match."""
+    if filter_constraints(pattern, topic_filter.split("/")) is None:
+        raise errors.error(
+            Reason.INVALID_TOPIC_FILTER,
+            f"topic filter {topic_filter!r} cannot match stream {stream} ({pattern!r}); "
+            "use a stream that GetStreams returned for this filter",
+        )
+
+
+def read(
+    cf: Rdict,
+    state: IteratorState,
+    pattern: str,
+    closed: bool,
+    fence_us: int | None,
+    batch_size: int,
+    max_bytes: int | None,
+    cost: ReadCost,
+) -> ReadResult:
+    """Read up to ``batch_size`` messages of the stream (of ``pattern``) in ``cf`` after the iterator's position.
+
+    ``closed``: the generation was closed before the read began, so reading
+    everything ends the stream; so does a fence.
+    """
+    fenced = fence_us is not None
+    limit = fence_us if fence_us is not None else NO_FENCE
+    filter_levels = state.topic_filter.split("/")
+    constraints = filter_constraints(pattern, filter_levels)
+    if constraints is None:
+        return ReadResult([], state, closed or fenced)
+    indexed = {level: value for level, value in constraints.items() if level < keys.MAX_INDEXED_LEVELS}
+    if indexed:
+        entries, next_ts, exhausted = scan_index(cf, state, indexed, filter_levels, batch_size, limit, max_bytes, cost)
+    else:
+        # Constraints only on levels too deep to be indexed: scan the
+        # stream and check each topic.
+        check = filter_levels if constraints else None
+        entries, next_ts, exhausted = scan_stream(cf, state, batch_size, check, limit, max_bytes, cost)
+    return ReadResult(entries, state.advanced(next_ts), (closed or fenced) and exhausted)
+
+
+def scan_stream(
+    cf: Rdict,
+    state: IteratorState,
+    batch_size: int,
+    check: list[str] | None,
+    limit: int,
+    max_bytes: int | None,
+    cost: ReadCost,
+) -> tuple[list[tuple[int, bytes]], int, bool]:
+    """Scan the stream's data keys; keep those whose topic matches ``check`` (all if None)."""
+    prefix = keys.data_prefix(state.stream)
+    entries: list[tuple[int, bytes]] = []
+    exhausted = True
+    next_ts = state.next_ts
+    scanned = 0
+    budget = NO_FENCE if max_bytes is None else max_bytes
+    parse = pb.Message.FromString
+    for key, value in cf.items(from_key=prefix + keys.u64(state.next_ts)):
+        if not key.startswith(prefix):
+            break
+        ts = int.from_bytes(key[5:13], "big")
+        if ts > limit:
+            break
+        if len(entries) == batch_size or (entries and len(value) > budget):
+            exhausted = False
+            break
+        scanned += 1
+        next_ts = ts + 1
+        if check is None or matches_levels(check, parse(value).topic.split("/")):
+            entries.append((ts, value))
+            budget -= len(value)
+    cost.keys += scanned + (0 if exhausted else 1)
+    return entries, next_ts, exhausted
+
+
+def scan_index(
+    cf: Rdict,
+    state: IteratorState,
+    constraints: dict[int, str],
+    filter_levels: list[str],
+    batch_size: int,
+    limit: int,
+    max_bytes: int | None,
+    cost: ReadCost,
+) -> tuple[list[tuple[int, bytes]], int, bool]:
+    """Read the messages the index lists for the first constrained level; keep those that match the filter."""
+    level = min(constraints)
+    prefix = keys.index_prefix(state.stream, level, constraints[level])
+    candidates = postings(cf, prefix, state.next_ts, limit, cost)
+    entries: list[tuple[int, bytes]] = []
+    next_ts = state.next_ts
+    exhausted = False
+    parse = pb.Message.FromString
+    # With a byte budget, values are fetched a few at a time, so what is
+    # held beyond the budget stays small.
+    chunk = batch_size if max_bytes is None else BUDGET_CHUNK
+    budget = NO_FENCE if max_bytes is None else max_bytes
+    full = False
+    while len(entries) < batch_size and not full:
+        stamps = list(itertools.islice(candidates, min(chunk, batch_size - len(entries))))
+        if not stamps:
+            exhausted = True
+            break
+        values = cf.get([keys.data_key(state.stream, ts) for ts in stamps])
+        cost.keys += len(stamps)
+        for ts, value in zip(stamps, values, strict=True):
+            if entries and value is not None and len(value) > budget:
+                full = True
+                break
+            next_ts = ts + 1
+            # The hash may collide and other constrained levels are not
+            # indexed: check the topic itself.
+            if value is not None and matches_levels(filter_levels, parse(value).topic.split("/")):
+                entries.append((ts, value))
+                budget -= len(value)
+    if full:
+        return entries, next_ts, False
+    if not exhausted:
+        exhausted = next(candidates, None) is None
+    return entries, next_ts, exhausted
+
+
+def postings(cf: Rdict, prefix: bytes, start: int, limit: int, cost: ReadCost) -> Iterator[int]:
+    """The timestamps the index keys under ``prefix`` list, from ``start`` up to ``limit``, ascending.
+
+    An index key is named after the first message it lists, so the one
+    listing ``start`` may be named before it: begin at the last key at or
+    before ``start``.
+    """
+    width = len(prefix)
+    it = cf.iter()
+    it.seek_for_prev(prefix + keys.u64(start))
+    if not (it.valid() and it.key().startswith(prefix)):
+        it.seek(prefix + keys.u64(start))
+    while it.valid():
+        key = it.key()
+        if not key.startswith(prefix):
+            return
+        first = int.from_bytes(key[width : width + 8], "big")
+        if first > limit:
+            return
+        cost.keys += 1
+        for ts in keys.decode_postings(first, it.value()):
+            if ts > limit:
+                return
+            if ts >= start:
+                yield ts
+        it.next()
