@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from mqds.server.api.storage_service import _NOW_US_TAG, _STORE_TAG, positions_bytes
 from mqds.server.cluster.v1 import commands_pb2 as cpb
-from mqds.server.storage.shard import varint
+from mqds.server.wire import varint
 from mqds.v1 import storage_pb2 as pb
 
 

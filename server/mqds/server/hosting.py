@@ -20,7 +20,6 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -30,7 +29,7 @@ from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.auth import time_left
 from mqds.server.cluster import meta as meta_mod
 from mqds.server.cluster.v1 import commands_pb2 as cpb
-from mqds.server.cluster.vnode import VnodeReplica
+from mqds.server.cluster.vnode import Vnode, VnodeReplica
 from mqds.server.config import NodeConfig
 from mqds.server.datadir import DataDir
 from mqds.server.peers import Peers
@@ -45,15 +44,6 @@ log = logging.getLogger(__name__)
 
 FetchSnapshot = Callable[[str, int, int, str], int]
 """(node_id, shard, min_index, dest) -> the applied index of the snapshot copied into dest."""
-
-
-@dataclass
-class Vnode:
-    """A vnode replica hosted here: its storage and its Raft group."""
-
-    shard: int
-    replica: VnodeReplica
-    group: RaftGroup
 
 
 def add_generation_command(now: int, if_current: int) -> bytes:

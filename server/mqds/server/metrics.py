@@ -43,8 +43,8 @@ from mqds.server.raft.group import META_GROUP, ROLE_NAMES
 
 if TYPE_CHECKING:
     from mqds.server.auth import ApiGuard
+    from mqds.server.cluster.vnode import Vnode
     from mqds.server.config import NodeConfig
-    from mqds.server.hosting import Vnode
     from mqds.server.raft.group import RaftGroup
     from mqds.server.raft.journal import NodeLog
     from mqds.server.raft.transport import PeerRouter

@@ -17,8 +17,8 @@ from mqds.v1 import cluster_pb2 as clpb
 
 if TYPE_CHECKING:
     from mqds.server.cluster.membership import Membership
+    from mqds.server.cluster.vnode import Vnode
     from mqds.server.config import NodeConfig
-    from mqds.server.hosting import Vnode
     from mqds.server.raft.group import RaftGroup
     from mqds.server.raft.transport import PeerRouter
 

@@ -24,8 +24,8 @@ from mqds.server.raft.transport import raft_stream_handler
 from mqds.server.raft.v1 import raft_pb2 as rpb
 
 if TYPE_CHECKING:
+    from mqds.server.cluster.vnode import Vnode
     from mqds.server.config import NodeConfig
-    from mqds.server.hosting import Vnode
     from mqds.server.metrics import RequestMetrics
     from mqds.server.raft.group import RaftGroup
     from mqds.server.raft.transport import ClusterAuth, PeerRouter

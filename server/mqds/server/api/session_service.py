@@ -20,7 +20,7 @@ from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_topic
 from mqds.server.api.storage_service import Shards, ShardsAPI, check_properties, now_us
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.storage.sessions import FetchFilter
-from mqds.server.storage.shard import encode_messages, repeated_field
+from mqds.server.wire import encode_messages, repeated_field
 from mqds.v1 import sessions_pb2 as spb
 
 _MESSAGES_TAG = b"\x0a"  # FetchMessagesResponse.messages, field 1, length-delimited

@@ -27,7 +27,7 @@ from mqds.server.api.handlers import takes_raw_request
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.group import PendingRead, Proposal
 from mqds.server.storage import GenerationInfo, IteratorDecodeError, IteratorState
-from mqds.server.storage.shard import encode_messages, repeated_field, varint
+from mqds.server.wire import encode_messages, repeated_field, varint
 from mqds.v1 import storage_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 
-from mqds.client.routing import ClusterView
 from mqds.protocol import errors
+from mqds.protocol.cluster_view import ClusterView
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.cluster import meta as meta_mod
 from mqds.server.cluster import placement
@@ -48,8 +48,8 @@ from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.v1 import cluster_pb2 as clpb
 
 if TYPE_CHECKING:
+    from mqds.server.cluster.vnode import Vnode
     from mqds.server.config import NodeConfig
-    from mqds.server.hosting import Vnode
     from mqds.server.raft.transport import ClusterAuth, PeerRouter
     from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
     from mqds.v1 import cluster_pb2_grpc as clpb_grpc

@@ -21,7 +21,8 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
@@ -29,6 +30,9 @@ from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.journal import fsync_dir
 from mqds.server.storage import Engine, GenerationInfo, ShardStorage
 from mqds.v1 import sessions_pb2 as spb
+
+if TYPE_CHECKING:
+    from mqds.server.raft.group import RaftGroup
 
 log = logging.getLogger(__name__)
 
@@ -246,3 +250,12 @@ class VnodeReplica:
     def generations(self) -> list[GenerationInfo]:
         with self.reading() as storage:
             return storage.generations()
+
+
+@dataclass
+class Vnode:
+    """A vnode replica hosted on a node: its storage and its Raft group."""
+
+    shard: int
+    replica: VnodeReplica
+    group: RaftGroup

@@ -43,7 +43,7 @@ from mqds.server.raft import codec
 from mqds.server.raft.group import RaftGroup
 from mqds.server.raft.outbox import Outgoing
 from mqds.server.raft.v1 import raft_pb2 as rpb
-from mqds.server.storage.shard import varint
+from mqds.server.wire import varint
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from mqds.server.storage.iterators import IteratorState
 from mqds.server.storage.reads import ReadResult, StreamRef
 from mqds.server.storage.sessions import SessionState
 from mqds.server.storage.trie import TopicTrie
-from mqds.server.storage.wire import (
+from mqds.server.wire import (
     decode_message,
     encode_messages,
     message_wire,
