@@ -1,0 +1,177 @@
+"""The retry rules of a call to one shard, and of waiting for a first cluster map; no I/O.
+
+:class:`Backoff` gives the pauses (exponential, full jitter). :class:`MapWait`
+asks for the map again and again while no node answers, so a client started
+before its cluster (or one that lost every node at once) waits for it until
+the call's deadline; only then does the call fail, with UNAVAILABLE naming
+the endpoints tried and the last cause. :class:`ShardRetry` decides, after
+each failure of a call to one shard, whether to retry (NOT_LEADER, NO_LEADER,
+OVERLOADED, an unreachable node), where (the hinted leader, the next
+replica), whether to refresh the map first, and how long to back off.
+
+The callers do the I/O and the waiting: :class:`mqds.client.routing.Router`
+with threads, :class:`mqds.client.aio_routing.AsyncRouter` with tasks.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from mqds.client.routing_table import RoutingTable
+from mqds.protocol import errors
+from mqds.protocol.errors import MqdsError, Reason
+
+__all__ = ["Backoff", "MapWait", "ShardRetry"]
+
+# While waiting for a first map, a refresh is not started with less time than this.
+_MIN_MAP_WAIT_TRY_S = 0.1
+
+# Errors after which the node asked may be down: try another replica, refresh.
+_UNREACHABLE = (Reason.UNAVAILABLE, Reason.SHUTTING_DOWN, Reason.DEADLINE_EXCEEDED)
+_REDIRECTS = (Reason.NOT_LEADER, Reason.NOT_HOSTED)
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff with full jitter, in seconds."""
+
+    initial_s: float = 0.05
+    max_s: float = 1.0
+    multiplier: float = 2.0
+
+    def delays(self) -> Iterator[float]:
+        delay = self.initial_s
+        while True:
+            yield random.uniform(0, delay)
+            delay = min(delay * self.multiplier, self.max_s)
+
+
+class MapWait:
+    """The retry rules of getting the cluster map while no node answers; the caller does the I/O.
+
+    A refresh that no node answered (every one refused the connection, was
+    unreachable, or is not part of a cluster yet) is tried again after the
+    backoff, until ``deadline``: a client started before its cluster waits
+    for it. ``timeout_s`` gives the next refresh's time (or raises the final
+    error once the deadline has passed); after a failed refresh, ``failed``
+    gives the pause, or raises: at once for an error retrying cannot help
+    (a refused credential), else the final error when the deadline would
+    pass first. The final error is UNAVAILABLE, naming the endpoints tried
+    and the last cause, and how long it waited.
+
+    >>> wait = MapWait(time.monotonic() + 60, Backoff(initial_s=0.01))
+    >>> refused = errors.error(Reason.UNAVAILABLE, "no mqds node answered at a:1 (a:1: connection refused)")
+    >>> 0 <= wait.failed(refused) <= 0.01
+    True
+    >>> MapWait(time.monotonic(), Backoff()).failed(refused)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    mqds.protocol.errors.UnavailableError: UNAVAILABLE: no mqds node ... refused); still none after 1 attempt in 0.0 s
+    """
+
+    def __init__(self, deadline: float, backoff: Backoff) -> None:
+        self.deadline = deadline
+        self.started = time.monotonic()
+        self.attempts = 0
+        self.last: MqdsError | None = None
+        self._delays = backoff.delays()
+
+    def timeout_s(self) -> float:
+        """The time the next refresh may take; raises the final error when the deadline has passed."""
+        remaining = self.deadline - time.monotonic()
+        if self.attempts == 0:
+            return max(remaining, _MIN_MAP_WAIT_TRY_S)  # one try, however short the deadline
+        if remaining <= 0:
+            raise self.final()
+        return remaining
+
+    def failed(self, err: MqdsError) -> float:
+        """A refresh failed with ``err``: the pause before the next one, or raises."""
+        self.attempts += 1
+        if not err.retriable:
+            raise err
+        self.last = err
+        delay = next(self._delays)
+        remaining = self.deadline - time.monotonic()
+        if remaining < _MIN_MAP_WAIT_TRY_S:
+            raise self.final()
+        # Leave the last refresh time enough to tell why it failed.
+        return min(delay, remaining - _MIN_MAP_WAIT_TRY_S)
+
+    def final(self) -> MqdsError:
+        """The error that ends the wait: the last refresh's, with how long it waited."""
+        elapsed = time.monotonic() - self.started
+        tries = f"{self.attempts} attempt" + ("s" if self.attempts != 1 else "")
+        last = self.last or errors.error(Reason.UNAVAILABLE, "no mqds node answered")
+        return errors.error(last.reason, f"{last.message}; still none after {tries} in {elapsed:.1f} s")
+
+
+class ShardRetry:
+    """The retry rules of one call to a shard's leader (or any replica); the caller does the I/O.
+
+    ``next_attempt`` says where to send and how long is left; after a
+    failure, ``failed`` raises the error when retrying cannot help and
+    otherwise says whether to back off before the next attempt (False when a
+    NOT_LEADER hint already named the leader), and ``refresh_map`` whether
+    the map must be refreshed first (not for OVERLOADED: the node is busy,
+    not gone, and stays the leader); then ``backoff_s`` gives the pause, or
+    raises the error when the deadline would pass first.
+    ``retry_unavailable=False`` gives up on an unreachable node (for writes
+    whose first attempt may have been applied).
+    """
+
+    def __init__(
+        self,
+        table: RoutingTable,
+        shard: int | None,
+        deadline: float,
+        backoff: Backoff,
+        *,
+        any_replica: bool = False,
+        retry_unavailable: bool = True,
+    ) -> None:
+        self.table = table
+        self.shard = shard
+        self.deadline = deadline
+        self.any_replica = any_replica
+        self.retry_unavailable = retry_unavailable
+        self._delays = backoff.delays()
+        self._tried_replicas = 0
+        self.refresh_map = True
+        """After a failure that backs off: whether to refresh the cluster map first."""
+
+    def next_attempt(self) -> tuple[str, float]:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise errors.error(Reason.DEADLINE_EXCEEDED, "the call did not succeed before its deadline")
+        address = self.table.address_for(self.shard, any_replica=self.any_replica, attempt=self._tried_replicas)
+        return address, remaining
+
+    def failed(self, err: MqdsError) -> bool:
+        if not err.retriable:
+            raise err
+        self.refresh_map = err.reason is not Reason.OVERLOADED
+        if err.reason is Reason.OVERLOADED:
+            pass  # the same node, after a pause: forgetting it made a busy cluster refresh its map again and again
+        elif err.reason in _UNREACHABLE:
+            if not self.retry_unavailable:
+                raise err
+            self._tried_replicas += 1
+            if self.shard is not None:
+                self.table.forget_leader(self.shard)
+        elif err.reason is Reason.REPLICA_BEHIND:
+            self._tried_replicas += 1  # the next replica may have applied further
+        elif err.reason in _REDIRECTS:
+            if self.table.learn(err, self.shard):
+                return False
+        elif self.shard is not None:  # NO_LEADER, OVERLOADED, ...
+            self.table.forget_leader(self.shard)
+        return True
+
+    def backoff_s(self, err: MqdsError) -> float:
+        delay = next(self._delays)
+        if time.monotonic() + delay >= self.deadline:
+            raise err
+        return delay
