@@ -10,6 +10,8 @@ the workload, about two and a half minutes. The long run
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -80,6 +82,19 @@ def test_a_short_mixed_chaos_run_passes(tmp_path: Path) -> None:
 
 def test_the_runner_exits_nonzero_on_bad_options() -> None:
     assert runner.main(["--nemesis", "meteor"]) == runner.EXIT_USAGE
+
+
+def test_the_runner_has_an_entry_point_of_its_own() -> None:
+    """``python -m mqds.chaos`` (what make chaos runs), not a command of the mqds command line."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mqds.chaos", "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: {runner.PROG}")
+    bad = subprocess.run(
+        [sys.executable, "-m", "mqds.chaos", "--nodes", "2"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert bad.returncode == runner.EXIT_USAGE and "--nodes must be 3 or more" in bad.stderr
 
 
 def test_a_leader_stopped_with_sigterm_hands_leadership_over_at_once(tmp_path: Path) -> None:

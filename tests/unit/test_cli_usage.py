@@ -48,6 +48,15 @@ def test_the_command_tree_has_every_command() -> None:
     }
 
 
+def test_the_chaos_runner_is_not_an_mqds_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """The fault-injection runner is a test tool with an entry point of its own (python -m mqds.chaos)."""
+    assert "chaos" not in {path[0] for path in COMMANDS if path}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["chaos", "--help"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'chaos'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("path", COMMANDS, ids=lambda p: " ".join(p) or "mqds")
 def test_help_explains_every_option(path: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
     parser = dict(parsers(build_parser()))[path]

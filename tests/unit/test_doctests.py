@@ -1,4 +1,4 @@
-"""The examples in the docstrings of the protocol and storage modules run and hold."""
+"""The examples in the docstrings of the protocol, client, settings and storage modules run and hold."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ from types import ModuleType
 
 import pytest
 
+from mqds.client import retry, routing_table
 from mqds.protocol import sharding, topics
 from mqds.server import config
 from mqds.server.cluster import placement
+from mqds.server.config import units
 from mqds.server.raft import codec, journal
 from mqds.server.storage import iterators, keys, trie
 
-MODULES = [topics, sharding, keys, trie, iterators, placement, codec, journal, config]
+MODULES = [topics, sharding, keys, trie, iterators, placement, codec, journal, config, units, retry, routing_table]
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

@@ -8,5 +8,7 @@ injects faults on a seeded schedule (:mod:`mqds.chaos.nemesis`), heals them,
 drains, and checks the history (:mod:`mqds.chaos.checker`): nothing
 acknowledged lost, nothing unexpected, nothing stored twice, per-publisher order,
 replicas converged, and how long writes stopped per fault.
-:func:`mqds.chaos.runner.main` is the entry point.
+:func:`mqds.chaos.runner.main` is the entry point (``python -m mqds.chaos``; a test tool, not a
+command of the ``mqds`` command line); it drives :mod:`mqds.chaos.options`,
+:mod:`mqds.chaos.phases` and :mod:`mqds.chaos.verify`.
 """

@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from mqds.cli import admin, bench, broker, chaos, exhook, generations, local_cluster, messages, spark_job, status
+from mqds.cli import admin, bench, broker, exhook, generations, local_cluster, messages, spark_job, status
 from mqds.cli.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CommandError
 from mqds.protocol.errors import InvalidArgumentError, MqdsError
 
@@ -94,7 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
     admin.register(sub, connection)
     local_cluster.register(sub)
     bench.register(sub, connection)
-    chaos.register(sub)
     exhook.register(sub, connection)
     broker.register(sub, connection)
     spark_job.register(sub, connection)
@@ -103,12 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["chaos"]:
-        try:
-            return chaos.run(args[1:])
-        except CommandError as err:
-            print(f"mqds chaos: {err}", file=sys.stderr)
-            return err.exit_code
     opts = build_parser().parse_args(args)
     name = " ".join(["mqds", opts.command, *([opts.action] if getattr(opts, "action", None) else [])])
     try:

@@ -1,9 +1,12 @@
 """The node's settings: one frozen dataclass, loaded from defaults < file < environment < flags.
 
-Every field documents its unit. ``load_config`` builds the command line from
-the fields, so ``mqds-server --help`` explains every option, and every option
-can also be set in a TOML file (``--config``) or as ``MQDS_<NAME>`` in the
-environment (``MQDS_DATA_DIR=/var/lib/mqds``).
+Every field documents its unit. ``load_config`` reads the settings with
+pydantic-settings (flags, then ``MQDS_<NAME>`` environment variables, then a
+TOML file given with ``--config`` or ``MQDS_CONFIG``, then the defaults) and
+builds the command line from the fields, grouped by topic (``cli``), so
+``mqds-server --help`` explains every option. Sizes (``*_bytes``) and
+durations (``*_s``) take a plain number or one with a unit (``units``):
+``MQDS_RAFT_LOG_MAX_BYTES=16MiB``, ``--write-timeout-s 500ms``.
 """
 
 from __future__ import annotations
@@ -12,16 +15,15 @@ import argparse
 import dataclasses
 import os
 import ssl
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-ENV_PREFIX = "MQDS_"
+from mqds.server.config import cli
+from mqds.server.config.settings import ENV_PREFIX, ConfigError, SettingsReader
+from mqds.server.config.units import parse_bool
 
-
-class ConfigError(ValueError):
-    """The settings are wrong; the message says which and why."""
+__all__ = ["ENV_PREFIX", "ConfigError", "NodeConfig", "build_parser", "load_config", "parse_bool", "parse_peers"]
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -183,6 +185,9 @@ class NodeConfig:
     )
     shutdown_grace_s: float = _opt(5.0, "seconds in-flight calls get to finish on SIGTERM")
     log_level: str = _opt("INFO", "logging level: DEBUG, INFO, WARNING or ERROR")
+    log_format: str = _opt(
+        "text", "log line format on stderr: text, or json (one JSON object a line: time, level, logger, message)"
+    )
 
     def validate(self) -> NodeConfig:
         """Raise ConfigError with a precise message for the first bad setting."""
@@ -288,6 +293,8 @@ class NodeConfig:
             )
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level {self.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format {self.log_format!r}: use text or json")
         return self
 
     def _check_worker_caps(self) -> None:
@@ -372,6 +379,7 @@ class NodeConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
+_SETTINGS = SettingsReader(dataclasses.fields(NodeConfig))
 # Workers kept from public calls, at least: internal calls and refusals.
 _SPARE_WORKERS = 8
 
@@ -404,83 +412,9 @@ def parse_peers(text: str) -> dict[str, str]:
     return peers
 
 
-def parse_bool(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"not a boolean: {raw!r}")
-
-
-def _coerce(name: str, raw: Any, source: str) -> Any:
-    kind = type(_FIELDS[name].default)
-    try:
-        if kind is bool and isinstance(raw, str):
-            return parse_bool(raw)
-        if kind is int and isinstance(raw, str):
-            return int(raw.replace("_", ""))
-        if kind is float and isinstance(raw, (int, str)) and not isinstance(raw, bool):
-            return float(raw)
-        if not isinstance(raw, kind) or isinstance(raw, bool) != (kind is bool):
-            raise TypeError
-        return raw
-    except (TypeError, ValueError):
-        raise ConfigError(f"{source}: {name} must be {kind.__name__}, got {raw!r}") from None
-
-
-def _from_file(path: str) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as fh:
-            doc = tomllib.load(fh)
-    except OSError as err:
-        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
-    values = {}
-    for key, raw in doc.items():
-        if key not in _FIELDS:
-            known = ", ".join(sorted(_FIELDS))
-            raise ConfigError(f"config file {path}: unknown setting {key!r} (known: {known})")
-        values[key] = _coerce(key, raw, f"config file {path}")
-    return values
-
-
-def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    values = {}
-    for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
-            continue
-        name = key[len(ENV_PREFIX) :].lower()
-        if name in _FIELDS:
-            values[name] = _coerce(name, raw, f"environment variable {key}")
-    return values
-
-
 def build_parser(prog: str = "mqds-server") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description=(
-            "Run an mqds node: a gRPC server that stores MQTT messages in RocksDB and replays them. "
-            "Settings come from defaults, then --config FILE (TOML), then MQDS_<NAME> environment "
-            "variables, then these flags."
-        ),
-    )
-    parser.add_argument("--config", metavar="FILE", help="TOML file with settings (also MQDS_CONFIG)")
-    parser.add_argument("--print-config", action="store_true", help="print the effective settings as TOML and exit")
-    for f in dataclasses.fields(NodeConfig):
-        kind = type(f.default)
-        extra: dict[str, Any] = {"nargs": "?", "const": True} if kind is bool else {}
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f.name,
-            type=parse_bool if kind is bool else kind,
-            default=None,
-            metavar="BOOL" if kind is bool else f.name.upper(),
-            help=f"{f.metadata['help']} (default: {f.default})",
-            **extra,
-        )
-    return parser
+    """``mqds-server``'s command line: --config, --print-config and a flag per setting, grouped by topic."""
+    return cli.build_parser(dataclasses.fields(NodeConfig), prog)
 
 
 def load_config(
@@ -489,10 +423,6 @@ def load_config(
     """Parse flags, read the file and the environment; return the validated config."""
     environ = os.environ if environ is None else environ
     args = build_parser().parse_args(argv)
-    values: dict[str, Any] = {}
+    flags = {name: getattr(args, name) for name in _FIELDS if getattr(args, name) is not None}
     config_file = args.config or environ.get(ENV_PREFIX + "CONFIG")
-    if config_file:
-        values.update(_from_file(config_file))
-    values.update(_from_env(environ))
-    values.update({name: getattr(args, name) for name in _FIELDS if getattr(args, name) is not None})
-    return NodeConfig(**values).validate(), args
+    return NodeConfig(**_SETTINGS.read(flags, environ, config_file or None)).validate(), args
