@@ -462,7 +462,14 @@ def test_dockerfile_parser_and_build_context() -> None:
         assert included(path), path
     assert included("deploy/healthcheck.py")
     # The chaos runner is a test tool: not in the image.
-    for path in ("chaos/mqds/chaos/__init__.py", ".venv/bin/python", "tests/conftest.py", "server/mqds/__pycache__/x.pyc", "data/n1/LOCK", ".git/HEAD"):
+    for path in (
+        "chaos/mqds/chaos/__init__.py",
+        ".venv/bin/python",
+        "tests/conftest.py",
+        "server/mqds/__pycache__/x.pyc",
+        "data/n1/LOCK",
+        ".git/HEAD",
+    ):
         assert not included(path), path
 
 
