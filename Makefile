@@ -37,9 +37,9 @@ $(STAMP): pyproject.toml client/pyproject.toml
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check client server tests proto chaos
-	$(BIN)/ruff format --check client server tests proto chaos
-	$(BIN)/mypy -p mqds.protocol -p mqds.client -p mqds.server -p mqds.cli -p mqds.broker -p mqds.chaos -p mqds.spark -m mqds.bench
+	$(BIN)/ruff check client server tests proto chaos tools
+	$(BIN)/ruff format --check client server tests proto chaos tools
+	$(BIN)/mypy -p mqds.protocol -p mqds.client -p mqds.server -p mqds.cli -p mqds.broker -p mqds.chaos -p mqds.tools -p mqds.spark -m mqds.bench
 
 # The Spark tests first, in a process of their own (Spark's JVM must start
 # before any gRPC channel of the process). Then two workers, each running whole test files (a file's cluster fixture and its
@@ -81,7 +81,7 @@ bench-storage: $(STAMP)
 	$(BIN)/python -m mqds.server.storage.bench
 
 bench-cluster: $(STAMP)
-	$(BIN)/python -m mqds.server.bench_cluster
+	$(BIN)/python -m mqds.tools.bench_cluster
 
 bench-spark: $(STAMP)
 	$(BIN)/python -m mqds.spark.bench
@@ -94,7 +94,7 @@ cluster: $(STAMP)
 	$(BIN)/mqds cluster up --data-dir data/cluster
 
 demo: $(STAMP)
-	$(BIN)/python -m mqds.server.demo
+	$(BIN)/python -m mqds.tools.demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from mqds.server.localproc import SERVER, LocalCluster, NodeProcess, free_port, free_port_block, wait_serving
+from mqds.tools.localproc import SERVER, LocalCluster, NodeProcess, free_port, free_port_block, wait_serving
 
 ServerProcess = NodeProcess
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 from harness import MQDS
 
-from mqds.server.localproc import free_port, wait_until
+from mqds.tools.localproc import free_port, wait_until
 
 
 class BrokerProcess:

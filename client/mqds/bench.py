@@ -1,6 +1,6 @@
 """A write load generator for a running mqds cluster: publisher processes, acknowledged rate, latency.
 
-Used by ``mqds bench`` and by ``python -m mqds.server.bench_cluster`` (which
+Used by ``mqds bench`` and by ``python -m mqds.tools.bench_cluster`` (which
 starts the clusters it measures). It needs only the client package.
 
 Each publisher is a process of its own (so the load generator's Python does

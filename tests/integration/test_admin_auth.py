@@ -22,7 +22,7 @@ from mqds.client import Client, ConnectionSettings, Message
 from mqds.client import errors as E
 from mqds.protocol.errors import Reason, from_rpc_error
 from mqds.server.auth import ApiGuard
-from mqds.server.localproc import LocalCluster
+from mqds.tools.localproc import LocalCluster
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 from mqds.v1 import storage_pb2 as pb

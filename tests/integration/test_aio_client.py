@@ -13,7 +13,7 @@ import pytest
 from mqds.client import Client, ConnectionSettings, Message, aio
 from mqds.client import errors as E
 from mqds.protocol.sharding import shard_of
-from mqds.server.localproc import LocalCluster, wait_until
+from mqds.tools.localproc import LocalCluster, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ from mqds.client import Client, ConnectionSettings, Message
 from mqds.client import errors as E
 from mqds.protocol.errors import Reason
 from mqds.server.auth import ApiGuard, TokenFileError, load_tokens
-from mqds.server.localproc import LocalCluster
+from mqds.tools.localproc import LocalCluster
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc
 

@@ -24,7 +24,7 @@ from mqtt_support import BrokerProcess, Mqtt, payloads
 
 from mqds.client import Client, ClientState
 from mqds.protocol.sharding import shard_of
-from mqds.server.localproc import LocalCluster, wait_until
+from mqds.tools.localproc import LocalCluster, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -21,7 +21,7 @@ import pytest
 from harness import MQDS, cluster_up
 
 from mqds.client import Client
-from mqds.server.localproc import free_port, wait_until
+from mqds.tools.localproc import free_port, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

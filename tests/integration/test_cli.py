@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from mqds.server.localproc import LocalCluster, free_port, free_port_block, wait_until
+from mqds.tools.localproc import LocalCluster, free_port, free_port_block, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -12,7 +12,7 @@ import pytest
 
 from mqds.client import Client, Message, aio
 from mqds.client import errors as E
-from mqds.server.localproc import LocalCluster, NodeProcess, free_port
+from mqds.tools.localproc import LocalCluster, NodeProcess, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mqds.server.demo import compare_readings
+from mqds.tools.demo import compare_readings
 
 
 def reading(device: str, seq: int) -> bytes:
@@ -39,7 +39,7 @@ def test_the_demo_check_passes_an_exact_replay_and_names_every_kind_of_problem()
 @pytest.mark.slow
 def test_demo_story_passes_its_own_checks() -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "mqds.server.demo", "--devices", "4", "--readings", "600", "--batch", "20"],
+        [sys.executable, "-m", "mqds.tools.demo", "--devices", "4", "--readings", "600", "--batch", "20"],
         capture_output=True,
         text=True,
         timeout=300,  # the story, then a Spark job (a JVM start and a local session)

@@ -66,7 +66,7 @@ from tls_certs import TestCA
 from mqds.broker.exhook.v3 import exhook_pb2 as expb
 from mqds.broker.exhook.v3 import exhook_pb2_grpc as expb_grpc
 from mqds.client import Client, Message
-from mqds.server.localproc import wait_serving, wait_until
+from mqds.tools.localproc import wait_serving, wait_until
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 

@@ -30,7 +30,7 @@ from mqds.broker.exhook.v3 import exhook_pb2 as pb
 from mqds.broker.exhook.v3 import exhook_pb2_grpc as pb_grpc
 from mqds.broker.hooks import load_config
 from mqds.client import Client, Message, aio
-from mqds.server.localproc import LocalCluster, free_port
+from mqds.tools.localproc import LocalCluster, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from mqds.client import Client, Fence, Message
-from mqds.server.localproc import LocalCluster
+from mqds.tools.localproc import LocalCluster
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc
 

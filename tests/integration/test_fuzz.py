@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mqds.client import Client, Message
-from mqds.server.localproc import LocalCluster
 from mqds.server.raft.transport import NODE_HEADER, SECRET_HEADER
+from mqds.tools.localproc import LocalCluster
 from mqds.v1 import cluster_pb2, sessions_pb2, storage_pb2
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from mqds.client import Message
-from mqds.server.localproc import READY_SERVICE, LocalCluster, NodeProcess
+from mqds.tools.localproc import READY_SERVICE, LocalCluster, NodeProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

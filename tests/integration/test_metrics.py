@@ -27,8 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from mqds.client import Client, Message
 from mqds.protocol.errors import Reason, from_rpc_error
 from mqds.protocol.sharding import shard_of
-from mqds.server.localproc import LocalCluster, NodeProcess, wait_until
 from mqds.server.metrics import REQUEST_BUCKETS
+from mqds.tools.localproc import LocalCluster, NodeProcess, wait_until
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc
 

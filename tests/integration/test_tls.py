@@ -14,7 +14,7 @@ from tls_certs import Issued, TestCA
 
 from mqds.client import Client, ConnectionSettings, Message, aio
 from mqds.client import errors as E
-from mqds.server.localproc import LocalCluster, NodeProcess
+from mqds.tools.localproc import LocalCluster, NodeProcess
 
 pytestmark = pytest.mark.integration
 

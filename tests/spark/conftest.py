@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import pytest
 from pyspark.sql import SparkSession
 
-from mqds.server.localproc import LocalCluster
 from mqds.spark import register
+from mqds.tools.localproc import LocalCluster
 
 N_SHARDS = 4
 

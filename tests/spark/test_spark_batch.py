@@ -15,11 +15,11 @@ from pyspark.sql import functions as F
 from spark_support import load, positions, rows_of, stored_rows
 
 from mqds.client import Client, Message
-from mqds.server.localproc import LocalCluster
 from mqds.spark import arrow_schema, pin_snapshot
 from mqds.spark.batch import MqdsBatchReader
 from mqds.spark.options import parse_options
 from mqds.spark.plan import DataLossError
+from mqds.tools.localproc import LocalCluster
 
 pytestmark = [pytest.mark.spark, pytest.mark.integration]
 

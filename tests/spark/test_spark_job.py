@@ -13,9 +13,9 @@ from pyspark.sql import functions as F
 
 from mqds.cli import main
 from mqds.client import Client, Message
-from mqds.server.localproc import LocalCluster
 from mqds.spark.options import format_time_us
 from mqds.spark.snapshot import Snapshot
+from mqds.tools.localproc import LocalCluster
 
 pytestmark = [pytest.mark.spark, pytest.mark.integration]
 

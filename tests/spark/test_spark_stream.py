@@ -15,11 +15,11 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
 from mqds.client import Client, Message
-from mqds.server.localproc import LocalCluster
 from mqds.spark import FORMAT, arrow_schema
 from mqds.spark.options import parse_options
 from mqds.spark.plan import DataLossError
 from mqds.spark.stream import MqdsStreamReader
+from mqds.tools.localproc import LocalCluster
 
 pytestmark = [pytest.mark.spark, pytest.mark.integration]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"server": ROOT / "server", "client": ROOT / "client", "chaos": ROOT / "chaos"}
+PACKAGES = {"server": ROOT / "server", "client": ROOT / "client", "chaos": ROOT / "chaos", "tools": ROOT / "tools"}
 
 # Inside mqds.server: a module may import its own layer and the ones below, never one above.
 LAYERS = {"mqds.server.storage": 0, "mqds.server.raft": 1, "mqds.server.cluster": 2, "mqds.server.api": 3}
@@ -84,9 +84,10 @@ def test_server_layers_import_downwards(name: str) -> None:
     assert not bad, f"{name} imports a higher layer: {bad}"
 
 
-# The development commands of the command line (a local cluster, the benchmarks) start nodes, and
-# the chaos tool drives them: they may import the server. Nothing a broker or an application imports may.
-DEV_TOOLS = ("mqds.server.", "mqds.chaos", "mqds.cli", "mqds.spark.bench", "mqds.bench")
+# The development commands of the command line (a local cluster, the benchmarks) start nodes, the
+# development tools (the local-cluster harness, the demo, the benchmarks) and the chaos tool drive
+# them: they may import the server. Nothing a broker or an application imports may.
+DEV_TOOLS = ("mqds.server.", "mqds.chaos", "mqds.tools", "mqds.cli", "mqds.spark.bench", "mqds.bench")
 
 
 @pytest.mark.parametrize("name", sorted(n for n in ALL if not n.startswith(DEV_TOOLS)))

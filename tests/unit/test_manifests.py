@@ -461,9 +461,10 @@ def test_dockerfile_parser_and_build_context() -> None:
     for path in ("pyproject.toml", "README.md", "client/pyproject.toml", "server/mqds/server/main.py"):
         assert included(path), path
     assert included("deploy/healthcheck.py")
-    # The chaos runner is a test tool: not in the image.
+    # The chaos runner and the development tools (local clusters, demo, benchmarks): not in the image.
     for path in (
         "chaos/mqds/chaos/__init__.py",
+        "tools/mqds/tools/localproc.py",
         ".venv/bin/python",
         "tests/conftest.py",
         "server/mqds/__pycache__/x.pyc",

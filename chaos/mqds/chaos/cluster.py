@@ -5,7 +5,7 @@ With a :class:`~mqds.chaos.network.NetnsNetwork` each node runs under
 ``kill -9``/``SIGSTOP`` reach it) and listens on its namespace's address; with
 a :class:`~mqds.chaos.network.HookNetwork` the nodes are plain loopback
 processes. Everything else (kill, restart, wipe, add_node, digests) is
-:class:`mqds.server.localproc.LocalCluster`.
+:class:`mqds.tools.localproc.LocalCluster`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import grpc
 from mqds.chaos.network import HookNetwork, NetnsNetwork
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError
-from mqds.server.localproc import LocalCluster, NodeProcess
 from mqds.server.raft.transport import NODE_HEADER, SECRET_HEADER
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
+from mqds.tools.localproc import LocalCluster, NodeProcess
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 

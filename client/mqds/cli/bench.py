@@ -16,7 +16,7 @@ from mqds.client.client import parse_endpoints
 from mqds.protocol.sharding import shard_of
 
 if TYPE_CHECKING:
-    from mqds.server.localproc import LocalCluster
+    from mqds.tools.localproc import LocalCluster
 
 
 def _replay(client: Client, since_us: int) -> tuple[int, float]:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError
 
 if TYPE_CHECKING:
-    from mqds.server.localproc import LocalCluster
+    from mqds.tools.localproc import LocalCluster
 
 DEFAULT_BASE_PORT = 7101
 
@@ -30,7 +30,7 @@ DEFAULT_BASE_PORT = 7101
 def localproc() -> ModuleType:
     """The server package's process harness, or a clear error when the server is not installed."""
     try:
-        from mqds.server import localproc
+        from mqds.tools import localproc
     except ImportError as err:
         raise CommandError(
             "mqds cluster runs mqds-server nodes and needs the server package, which is not installed "

@@ -38,7 +38,7 @@ from mqds.cli.console import ProgressLine, bar, format_time_us
 from mqds.client import Client, Message
 from mqds.client.errors import MqdsError
 from mqds.protocol.sharding import shard_of
-from mqds.server.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 
 
 def step(text: str) -> None:
@@ -375,7 +375,7 @@ def spark_job(cluster: LocalCluster, since_us: int, expected: int, failures: lis
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mqds.server.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m mqds.tools.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--devices", type=int, default=8, help="simulated devices (default 8)")
     parser.add_argument("--readings", type=int, default=2_500, help="readings each device publishes (default 2,500)")

@@ -1,21 +1,17 @@
-"""Local mqds-server processes and clusters of them: start, kill -9, restart, wipe, partition.
+"""N local mqds-server processes forming one cluster: the harness of the tests, the demo and the benchmarks.
 
-Used by the demo, the tests, the benchmarks and ``mqds cluster``. Every wait
-is bounded; a process that dies during start-up raises with the end of its
-log. :class:`LocalCluster` is the harness the integration tests share: it
-starts N real ``mqds-server`` processes on loopback that form one cluster,
-and answers who leads what, kills and restarts nodes, wipes their data,
-partitions them (through the nodes' fault-injection hook, which drops Raft
-traffic between the two sides), and checks that replicas converged.
+:class:`LocalCluster` starts N real ``mqds-server`` processes on loopback
+that form one cluster, and answers who leads what, kills and restarts nodes,
+wipes their data, partitions them (through the nodes' fault-injection hook,
+which drops Raft traffic between the two sides), and checks that replicas
+converged.
 
 A cluster can also outlive the program that started it (``mqds cluster up``):
 :meth:`LocalCluster.up` starts the nodes detached (their own session, so a
 Ctrl-C in the terminal does not reach them) and records ids, ports, pids,
 arguments and the cluster secret in ``<dir>/cluster.json``;
 :meth:`LocalCluster.load` reads it back in a later program, which then
-stops, kills and restarts the nodes by pid. A recorded pid counts only while
-its process still runs ``mqds-server`` on that data directory, so a recycled
-pid is never signalled.
+stops, kills and restarts the nodes by pid (see :mod:`mqds.tools.processes`).
 """
 
 from __future__ import annotations
@@ -23,350 +19,31 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
-import sys
-import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mqds.client import Client, ConnectionSettings
 from mqds.server.raft.group import META_GROUP
 from mqds.server.raft.transport import NODE_HEADER, SECRET_HEADER
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
+from mqds.tools.channels import SecretMetadata
+from mqds.tools.errors import LocalClusterError
+from mqds.tools.ports import free_port, port_in_use
+from mqds.tools.processes import NodeProcess
+from mqds.tools.waiting import wait_until
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
-
-T = TypeVar("T")
-
-
-def _server_executable() -> str:
-    """``mqds-server`` beside this Python (a virtualenv's bin/), else the one on PATH."""
-    sibling = Path(sys.executable).with_name("mqds-server")
-    if sibling.exists():
-        return str(sibling)
-    return shutil.which("mqds-server") or str(sibling)
-
-
-SERVER = _server_executable()
 
 # What LocalCluster.save writes and LocalCluster.load reads, in the cluster's directory.
 STATE_FILE = "cluster.json"
 STATE_FORMAT = 1
-
-
-class LocalClusterError(RuntimeError):
-    """A local cluster cannot do what was asked (no recorded cluster, a port in use, ...); the message says why."""
-
-
-_handed_out: set[int] = set()
-_handed_out_lock = threading.Lock()
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now, and never one this process handed out before.
-
-    The kernel may give the same port to two binds in a row once the first
-    socket is closed: two nodes of one cluster were once given the same
-    port, and the second could not listen.
-    """
-    with _handed_out_lock:
-        for _ in range(100):
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = int(sock.getsockname()[1])
-            if port not in _handed_out:
-                _handed_out.add(port)
-                return port
-    raise LocalClusterError("found no free port on 127.0.0.1 that was not handed out already")
-
-
-def port_in_use(port: int) -> bool:
-    """Whether something listens on 127.0.0.1:``port`` (connections lingering in TIME_WAIT do not count)."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
-
-
-def free_port_block(count: int, attempts: int = 200) -> int:
-    """A port P with P .. P+count-1 all free now, for a cluster on consecutive ports."""
-    rng = random.Random()
-    for _ in range(attempts):
-        # Below the usual ephemeral range (32768+), where outgoing connections take ports.
-        base = rng.randrange(20000, 32000 - count)
-        if not any(port_in_use(base + i) for i in range(count)):
-            return base
-    raise LocalClusterError(f"found no {count} consecutive free ports on 127.0.0.1")
-
-
-def _process_alive(pid: int, marker: str) -> bool:
-    """Whether ``pid`` runs and has ``marker`` as one of its arguments (a recycled pid does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: the pid was recycled
-        return False
-    proc = Path("/proc") / str(pid)
-    if not proc.is_dir():
-        return True  # no /proc (macOS): the signal check is all there is
-    try:
-        argv = (proc / "cmdline").read_bytes().split(b"\0")
-        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        # A killed process's main thread is a zombie while its other threads
-        # still exit, and its sockets close only after the last one.
-        threads = len(os.listdir(proc / "task"))
-    except (OSError, IndexError):
-        return False
-    if state in ("Z", "X"):
-        return threads > 1
-    return marker.encode() in argv
-
-
-READY_SERVICE = "mqds.v1.Storage"
-
-
-def wait_serving(
-    address: str, timeout_s: float, service: str = READY_SERVICE, connection: ConnectionSettings | None = None
-) -> bool:
-    """Poll the gRPC health service until ``service`` is SERVING or the time is up.
-
-    The node's own readiness is the ``mqds.v1.Storage`` service (joined, every
-    replica has a leader); ``""`` is liveness (the process serves at all).
-    """
-    deadline = time.monotonic() + timeout_s
-    with (connection or ConnectionSettings()).open_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return True
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    return False
-
-
-class NodeProcess:
-    """One mqds-server process with a fixed node id, port and data directory."""
-
-    def __init__(
-        self,
-        data_dir: Path,
-        *,
-        node_id: str = "n1",
-        port: int | None = None,
-        args: Sequence[str] = (),
-        env: dict[str, str] | None = None,
-        detach: bool = False,
-        connection: ConnectionSettings | None = None,
-        metrics_port: int | None = None,
-    ) -> None:
-        self.data_dir = data_dir
-        self.node_id = node_id
-        self.port = port or free_port()
-        # The node's Prometheus endpoint on 127.0.0.1 (metrics_listen), if any.
-        self.metrics_port = metrics_port
-        self.args = list(args)
-        self.env = dict(env or {})
-        # Detached: in a session of its own, so it outlives this program and
-        # a Ctrl-C in the terminal does not reach it.
-        self.detach = detach
-        # How to reach the node (TLS), for the readiness checks.
-        self.connection = connection
-        self.proc: subprocess.Popen[bytes] | None = None
-        # Set by launch, or by adopt for a process another program started.
-        self.pid: int | None = None
-        self._terminating = False
-        self.log_path = data_dir.parent / f"{node_id}-{self.port}.log"
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def metrics_url(self) -> str | None:
-        """Where the node serves its Prometheus metrics, when started with a metrics port."""
-        return None if self.metrics_port is None else f"http://127.0.0.1:{self.metrics_port}/metrics"
-
-    def command(self) -> list[str]:
-        metrics = ["--metrics-listen", f"127.0.0.1:{self.metrics_port}"] if self.metrics_port is not None else []
-        return [
-            SERVER,
-            "--node-id",
-            self.node_id,
-            "--listen",
-            self.address,
-            "--data-dir",
-            str(self.data_dir),
-            *metrics,
-            *self.args,
-        ]
-
-    def launch(self) -> NodeProcess:
-        """Start the process without waiting for it."""
-        assert not self.running, "already running"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.command(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env},
-                start_new_session=self.detach,
-            )
-        self.pid = self.proc.pid
-        self._terminating = False
-        return self
-
-    def adopt(self, pid: int) -> None:
-        """Take charge of a process another program started (``mqds cluster up``); it is signalled by pid."""
-        self.proc = None
-        self.pid = pid
-        self._terminating = False
-
-    def wait(self, timeout_s: float = 30, service: str = READY_SERVICE) -> NodeProcess:
-        """Until the node reports ``service`` SERVING (by default: ready to serve)."""
-        assert self.pid is not None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.running:
-                code = f" with {self.proc.returncode}" if self.proc is not None else ""
-                raise RuntimeError(f"mqds-server {self.node_id} exited{code}:\n{self.output()}")
-            if wait_serving(self.address, 0.5, service, self.connection):
-                return self
-        self.kill()
-        raise TimeoutError(f"mqds-server {self.node_id} not serving after {timeout_s}s:\n{self.output()}")
-
-    def start(self, timeout_s: float = 30, service: str = READY_SERVICE) -> NodeProcess:
-        """Start the process and wait until it is ready (``service=""``: only until it runs)."""
-        return self.launch().wait(timeout_s, service)
-
-    def output(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-5000:]
-        except OSError:
-            return ""
-
-    def kill(self) -> None:
-        """kill -9: no shutdown code runs."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        elif self.proc is None and self.pid is not None and self.running:
-            os.kill(self.pid, signal.SIGKILL)
-            if not self._gone_within(10):
-                raise TimeoutError(f"mqds-server {self.node_id} (pid {self.pid}) still runs after SIGKILL")
-
-    def _gone_within(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while self.running:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
-
-    def terminate(self) -> None:
-        """SIGTERM without waiting: the node stops accepting calls, finishes in-flight ones and exits."""
-        if self.running and not self._terminating:
-            assert self.pid is not None
-            os.kill(self.pid, signal.SIGTERM)
-            # Once: a second SIGTERM would interrupt the node's shutdown with another.
-            self._terminating = True
-
-    def stop(self, timeout_s: float = 20) -> int:
-        """SIGTERM and wait; returns the exit code (0 for an adopted process, whose code is not known here)."""
-        if self.proc is None:
-            if self.pid is not None and self.running:
-                self.terminate()
-                if not self._gone_within(timeout_s):
-                    self.kill()
-                    raise subprocess.TimeoutExpired(self.command(), timeout_s)
-            return 0
-        if self.proc.poll() is None:
-            self.terminate()
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-                raise
-        return int(self.proc.returncode)
-
-    def restart(self, timeout_s: float = 30) -> NodeProcess:
-        self.kill()
-        return self.start(timeout_s)
-
-    @property
-    def running(self) -> bool:
-        if self.proc is not None:
-            return self.proc.poll() is None
-        return self.pid is not None and _process_alive(self.pid, str(self.data_dir))
-
-    def pause(self) -> None:
-        """SIGSTOP: the process stays, but does nothing (a long GC pause, a frozen VM)."""
-        if self.running:
-            assert self.pid is not None
-            os.kill(self.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        if self.running:
-            assert self.pid is not None
-            os.kill(self.pid, signal.SIGCONT)
-
-
-class _SecretMetadata(grpc.UnaryUnaryClientInterceptor):
-    """Adds the cluster secret to every unary call of a channel."""
-
-    def __init__(self, secret: str) -> None:
-        self._metadata = ((SECRET_HEADER, secret), (NODE_HEADER, "harness"))
-
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        metadata = tuple(details.metadata or ()) + self._metadata
-        return continuation(_CallDetails(details.method, details.timeout, metadata, details.credentials), request)
-
-
-@dataclasses.dataclass(frozen=True)
-class _CallDetails(grpc.ClientCallDetails):
-    method: str
-    timeout: float | None
-    metadata: Any
-    credentials: Any
-    wait_for_ready: bool | None = None
-    compression: Any = None
-
-
-def wait_until(what: str, check: Callable[[], T | None], timeout_s: float, interval_s: float = 0.1) -> T:
-    """Poll ``check`` until it returns something truthy; TimeoutError naming ``what`` otherwise."""
-    deadline = time.monotonic() + timeout_s
-    last_error: Exception | None = None
-    while True:
-        try:
-            result = check()
-            if result:
-                return result
-        except (grpc.RpcError, OSError) as err:
-            last_error = err
-        if time.monotonic() > deadline:
-            detail = f" (last error: {last_error})" if last_error else ""
-            raise TimeoutError(f"{what} did not happen within {timeout_s:g}s{detail}")
-        time.sleep(interval_s)
 
 
 class LocalCluster:
@@ -667,7 +344,7 @@ class LocalCluster:
         channel = self._channels.get(address)
         if channel is None:
             raw = (self.connection or ConnectionSettings()).open_channel(address)
-            channel = grpc.intercept_channel(raw, _SecretMetadata(self.secret))
+            channel = grpc.intercept_channel(raw, SecretMetadata(self.secret))
             self._channels[address] = channel
         return channel
 

@@ -1,6 +1,6 @@
 """Replicated write throughput: a 3-node, 3-replica cluster against one node with one replica.
 
-``python -m mqds.server.bench_cluster`` (or ``make bench-cluster``) starts the
+``python -m mqds.tools.bench_cluster`` (or ``make bench-cluster``) starts the
 clusters itself, as real ``mqds-server`` processes on loopback, and drives each
 with several publisher processes (the load generator of :mod:`mqds.bench`,
 which ``mqds bench`` also uses). Each publisher stores 100-byte messages in
@@ -30,7 +30,7 @@ from typing import Any
 
 from mqds.bench import LeaderKill, RunResult, publisher_ids, run_load
 from mqds.protocol.sharding import shard_of
-from mqds.server.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 
 
 def _line(result: RunResult, cpu_ms: float) -> str:
@@ -58,7 +58,7 @@ def _cpu_s(cluster: LocalCluster) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mqds.server.bench_cluster",
+        prog="python -m mqds.tools.bench_cluster",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

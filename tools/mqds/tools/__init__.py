@@ -1,0 +1,12 @@
+"""Development tools around real ``mqds-server`` processes; not part of a node's runtime.
+
+:mod:`mqds.tools.localproc` gathers the local-process harness (the tests,
+the demo, the benchmarks, ``mqds cluster`` and :mod:`mqds.chaos` use it):
+:class:`~mqds.tools.local_cluster.LocalCluster` (N nodes on loopback forming
+one cluster), :class:`~mqds.tools.processes.NodeProcess` (one node
+process), :mod:`mqds.tools.ports` (free loopback ports) and
+:mod:`mqds.tools.waiting` (bounded polling, readiness through the health
+service). :mod:`mqds.tools.demo` is ``make demo``,
+:mod:`mqds.tools.bench_cluster` is ``make bench-cluster``. The package is
+installed with the server package but is not in the container image.
+"""
