@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from mqds.broker import actions, hooks
+from mqds.broker import hooks, subscriptions
 from mqds.broker.actions import BrokerHooks, real_filter
 from mqds.broker.hooks import ACTIONS, HOOKS, HookConfigError, OfflineOpts, load_config, parse_config, parse_duration
 from mqds.client import aio
@@ -219,7 +219,7 @@ def test_shared_subscription_filters() -> None:
             real_filter(bad)
 
 
-@pytest.mark.parametrize("module", [hooks, actions], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [hooks, subscriptions], ids=lambda m: m.__name__)
 def test_doctests_pass(module: Any) -> None:
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

@@ -51,10 +51,10 @@ import asyncio
 import collections
 import socket
 from collections.abc import Awaitable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from mqds.broker.hooks import HOOKS, HookConfig, Mode, Rule
+from mqds.broker.subscriptions import Delivery, check_clientid, check_qos, real_filter
 from mqds.client import aio
 from mqds.client.model import Message
 from mqds.protocol.errors import PartialBatchError
@@ -63,64 +63,6 @@ from mqds.protocol.topics import matches, validate_filter, validate_topic
 __all__ = ["BrokerHooks", "Delivery", "real_filter"]
 
 DEFAULT_MAX_CLIENTS = 1_000_000
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """What a new subscription should receive: ``messages`` = ``offline`` (oldest first), then ``retained``.
-
-    ``offline`` are stored messages the subscription missed, each with its
-    position (``shard``, ``timestamp_us``), which ``message_acked`` needs back;
-    ``retained`` are the retained messages matching the filter, by topic.
-    ``modes`` maps the filter offline messages were fetched for to the mode
-    used (``pubsub`` or ``queue``); empty when no fetch rule applied. A
-    retained message that was also stored offline comes in both lists (with
-    ``retain`` set in ``offline`` too): a broker that sends ``retained`` should
-    not send the stored copies of retained publishes (``looked_up`` says
-    whether retained messages were looked up), or a subscriber gets a retained
-    message twice, and a deleted one with its empty delete marker.
-    """
-
-    messages: list[Message] = field(default_factory=list)
-    offline: list[Message] = field(default_factory=list)
-    retained: list[Message] = field(default_factory=list)
-    modes: dict[str, Mode] = field(default_factory=dict)
-    looked_up: bool = False
-    """The retained messages were looked up (``retained`` is what mqds retains for the filter)."""
-    more: bool = False
-    """``offline`` is a full page (``max_returned_count``): more may be stored. Once these are
-    acknowledged, :meth:`BrokerHooks.next_offline_page` returns the next page."""
-
-
-def real_filter(topic_filter: str) -> str:
-    """The filter a shared subscription matches: without ``$share/<group>/`` or ``$queue/``.
-
-    >>> real_filter("$share/workers/jobs/#"), real_filter("$queue/jobs/+"), real_filter("a/b")
-    ('jobs/#', 'jobs/+', 'a/b')
-    """
-    if topic_filter.startswith("$share/"):
-        parts = topic_filter.split("/", 2)
-        if len(parts) == 3 and parts[1] and parts[2]:
-            return parts[2]
-        raise ValueError(f"invalid shared subscription {topic_filter!r}: expected $share/<group>/<filter>")
-    if topic_filter.startswith("$queue/"):
-        rest = topic_filter[len("$queue/") :]
-        if rest:
-            return rest
-        raise ValueError(f"invalid shared subscription {topic_filter!r}: expected $queue/<filter>")
-    return topic_filter
-
-
-def _clientid(clientid: object) -> str:
-    if not isinstance(clientid, str) or not clientid:
-        raise ValueError(f"clientid must be a non-empty string, not {clientid!r}")
-    return clientid
-
-
-def _qos(qos: object) -> int:
-    if isinstance(qos, bool) or not isinstance(qos, int) or not 0 <= qos <= 2:
-        raise ValueError(f"qos must be 0, 1 or 2, not {qos!r}")
-    return qos
 
 
 class BrokerHooks:
@@ -230,7 +172,7 @@ class BrokerHooks:
     async def _connected(
         self, hook: str, clientid: str, node: str | None, clean_start: bool, *, discard: bool
     ) -> dict[str, int]:
-        _clientid(clientid)
+        check_clientid(clientid)
         rules = self.config.rules_for(hook)
         jobs: list[Awaitable[Any]] = []
         lookup = not clean_start and any(rule.kind == "subscription_lookup" for rule in rules)
@@ -264,7 +206,7 @@ class BrokerHooks:
         even where the broker itself has nothing (it restarted). Asks nothing
         without a lookup rule.
         """
-        _clientid(clientid)
+        check_clientid(clientid)
         lookup = any(
             rule.kind == "subscription_lookup"
             for hook in ("client.connected", "session.created")
@@ -282,7 +224,7 @@ class BrokerHooks:
         does not mark the reconnected client offline (and leaves its
         remembered subscriptions alone).
         """
-        _clientid(clientid)
+        check_clientid(clientid)
         if not any(rule.kind == "client_disconnected" for rule in self.config.rules_for("client.disconnected")):
             self._filters.pop(clientid, None)
             return
@@ -316,9 +258,9 @@ class BrokerHooks:
         stored nor given offline messages (the broker delivers it live), only
         the retained ones.
         """
-        _clientid(clientid)
+        check_clientid(clientid)
         validate_filter(topic_filter)
-        _qos(qos)
+        check_qos(qos)
         real = real_filter(topic_filter)
         validate_filter(real)
         shared = real != topic_filter
@@ -361,7 +303,7 @@ class BrokerHooks:
         too (at its fetch), a little later: a broker that can act before
         SUBACK calls this first. Whether a position was started.
         """
-        _clientid(clientid)
+        check_clientid(clientid)
         validate_filter(topic_filter)
         real = real_filter(topic_filter)
         fetch = self.config.fetch_rule(real)
@@ -381,7 +323,7 @@ class BrokerHooks:
         page before it asks for the next. Without a fetch rule for the filter,
         ([], False).
         """
-        _clientid(clientid)
+        check_clientid(clientid)
         real = real_filter(topic_filter)
         fetch = next((rule for rule in self.config.rules_for("session.subscribed", real) if rule.kind == "fetch"), None)
         if fetch is None:
@@ -406,7 +348,7 @@ class BrokerHooks:
 
     async def session_unsubscribed(self, clientid: str, topic_filter: str) -> None:
         """Run the ``session.unsubscribed`` rules: forget the read position, delete the stored subscription."""
-        _clientid(clientid)
+        check_clientid(clientid)
         validate_filter(topic_filter)
         real = real_filter(topic_filter)
         known = self._filters.get(clientid)
@@ -451,7 +393,7 @@ class BrokerHooks:
         to_retain: list[Message] = []
         for index, message in enumerate(messages):
             validate_topic(message.topic)
-            _qos(message.qos)
+            check_qos(message.qos)
             rules = self.config.rules_for("message.publish", message.topic)
             if any(
                 rule.kind == "store" and (message.qos > 0 or self.config.keep_qos0 or rule.spec.stores_qos0)
@@ -499,7 +441,7 @@ class BrokerHooks:
         documentation); a queue message is removed once, whichever filters
         match.
         """
-        _clientid(clientid)
+        check_clientid(clientid)
         if message.shard is None or message.timestamp_us is None:
             raise ValueError(
                 "message_acked needs the message's stored position (shard and timestamp_us), "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import io
 import re
 import sys
 import time
@@ -71,14 +72,23 @@ def format_time_us(timestamp_us: int, precision: str = "microseconds") -> str:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], right: Sequence[int] = ()) -> str:
-    """Rows under headers in aligned columns; ``right`` lists the columns aligned right (numbers)."""
-    cells = [list(map(str, headers)), *[[str(c) for c in row] for row in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = []
-    for row in cells:
-        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
-        lines.append("  ".join(parts).rstrip())
-    return "\n".join(lines)
+    """Rows under headers in aligned columns, two spaces apart; ``right`` lists the columns aligned right (numbers).
+
+    Laid out by rich (no borders, no colour, no wrapping: a long cell widens its column), so a
+    value with brackets is shown as it is, never read as markup.
+    """
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    grid = Table(box=None, pad_edge=False, padding=(0, 1), show_edge=False, header_style="")
+    for i, header in enumerate(headers):
+        grid.add_column(Text(str(header)), justify="right" if i in right else "left", no_wrap=True)
+    for row in rows:
+        grid.add_row(*(Text(str(cell)) for cell in row))
+    out = io.StringIO()
+    Console(file=out, width=100_000, color_system=None, highlight=False, emoji=False).print(grid)
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
 
 
 def bar(fraction: float, width: int = 24) -> str:
