@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
 
 import pytest
 
 from mqds.cli import build_parser, main
-from mqds.cli.console import format_time_us, parse_time, table
+from mqds.cli.console import ProgressLine, format_time_us, parse_time, table
 
 NOW_S = 1_750_000_000.0
 
@@ -119,6 +120,32 @@ def test_table_aligns_columns() -> None:
         "x       1",
         "long  100",
     ]
+
+
+def test_a_progress_line_on_a_pipe_prints_whole_lines_at_a_steady_pace() -> None:
+    out = io.StringIO()
+    line = ProgressLine(out, every_s=3600)
+    for i in range(5):
+        line.show(f"{i} of 4")
+    line.show("4 of 4 [done]", final=True)
+    assert out.getvalue() == "0 of 4\n4 of 4 [done]\n"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_progress_line_on_a_terminal_is_redrawn_in_place_and_ends_its_line() -> None:
+    out = _Terminal()
+    line = ProgressLine(out)
+    line.show("1 of 2 [a]")
+    line.show("2 of 2 [b]", final=True)
+    print("next", file=out)
+    text = out.getvalue()
+    assert "1 of 2 [a]\r" in text  # brackets shown as they are; the line is redrawn, not added to
+    screen = [part.split("\r")[-1].replace("\x1b[2K", "") for part in text.split("\n")]
+    assert screen[-3:] == ["2 of 2 [b]", "\x1b[?25hnext", ""]  # the last state stays, on a line of its own
 
 
 @pytest.mark.parametrize(

@@ -6,9 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mqds.server.api.storage_service import _NOW_US_TAG, _STORE_TAG, positions_bytes
 from mqds.server.cluster.v1 import commands_pb2 as cpb
-from mqds.server.wire import varint
+from mqds.server.wire import positions_bytes, store_command
 from mqds.v1 import storage_pb2 as pb
 
 
@@ -38,13 +37,13 @@ def test_a_request_plus_now_is_the_command(
         sequence=sequence,
         sync=sync,
     )
-    inner = request.SerializeToString() + _NOW_US_TAG + varint(now)
-    command = cpb.VnodeCommand.FromString(_STORE_TAG + varint(len(inner)) + inner)
+    raw = store_command(request.SerializeToString(), now)
+    command = cpb.VnodeCommand.FromString(raw)
     assert command.WhichOneof("kind") == "store"
     assert list(command.store.messages) == list(request.messages)
     assert (command.store.producer_id, command.store.sequence, command.store.now_us) == (producer, sequence, now)
     # The view replicas apply a store through: each message as the bytes it was logged as.
-    encoded = cpb.VnodeCommandEncoded.FromString(_STORE_TAG + varint(len(inner)) + inner).store.messages
+    encoded = cpb.VnodeCommandEncoded.FromString(raw).store.messages
     assert list(encoded) == [m.SerializeToString() for m in request.messages]
 
 

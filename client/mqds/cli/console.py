@@ -98,23 +98,32 @@ def bar(fraction: float, width: int = 24) -> str:
 
 
 class ProgressLine:
-    """One status line: redrawn in place on a terminal; on a pipe or file, printed every ``every_s`` seconds."""
+    """One status line: on a terminal, redrawn in place by rich; on a pipe or file, printed every ``every_s`` seconds.
+
+    A pipe gets whole lines at a steady pace (what a CI log or ``tee`` needs), where a live
+    display would print nothing until it stops.
+    """
 
     def __init__(self, stream: TextIO | None = None, every_s: float = 5.0) -> None:
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.every_s = every_s
         self._last_print = 0.0
-        self._width = 0
-        self._open = False
+        self._live: Any = None
 
     def show(self, text: str, final: bool = False) -> None:
         if self.tty:
-            pad = " " * max(0, self._width - len(text))
-            self.stream.write("\r" + text + pad + ("\n" if final else ""))
-            self._width = 0 if final else len(text)
-            self._open = not final
-            self.stream.flush()
+            from rich.console import Console
+            from rich.live import Live
+            from rich.text import Text
+
+            if self._live is None:
+                console = Console(file=self.stream, highlight=False, emoji=False)
+                self._live = Live(console=console, auto_refresh=False, redirect_stdout=False, redirect_stderr=False)
+                self._live.start()
+            self._live.update(Text(text), refresh=True)
+            if final:
+                self.close()
             return
         now = time.monotonic()
         if final or now - self._last_print >= self.every_s:
@@ -123,11 +132,10 @@ class ProgressLine:
             self._last_print = now
 
     def close(self) -> None:
-        """End a line left open on a terminal (after an interruption), so what follows starts on its own."""
-        if self._open:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._open = False
+        """End the line (after an interruption too), so what follows starts on its own."""
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
 
 
 def connection(opts: Any, default_timeout_s: float) -> ConnectionSettings:

@@ -65,3 +65,45 @@ def encode_messages(tag: bytes, entries: list[tuple[int, bytes]], shard: int) ->
 def repeated_field(tag: bytes, items: list[bytes]) -> bytes:
     """Encode ``items`` as a repeated length-delimited protobuf field."""
     return b"".join(tag + varint(len(item)) + item for item in items)
+
+
+# -- the store command and its answer ---------------------------------------------
+
+STORE_TAG = b"\x0a"  # VnodeCommand.store, field 1, length-delimited
+NOW_US_TAG = b"\x28"  # StoreMessages.now_us, field 5, varint
+_POSITION_TAG = b"\x0a"  # StoreBatchResponse.positions, field 1, length-delimited
+
+
+def store_command(request: bytes, now_us: int) -> bytes:
+    """The VnodeCommand storing a StoreBatchRequest's messages at ``now_us``, from the request's own bytes.
+
+    StoreMessages is wire-compatible with StoreBatchRequest (see commands.proto): the request's
+    bytes plus ``now_us`` are the command, without decoding a message.
+    """
+    inner = request + NOW_US_TAG + varint(now_us)
+    return STORE_TAG + varint(len(inner)) + inner
+
+
+def positions_bytes(shard: int, first: int, count: int) -> bytes:
+    """An encoded StoreBatchResponse for ``count`` messages stored in ``shard`` from timestamp ``first`` on.
+
+    Built without a protobuf object per message: consecutive timestamps share
+    every varint byte but the first within each run of 128.
+    """
+    head = (b"\x08" + varint(shard) if shard else b"") + b"\x10"
+    out: list[bytes] = []
+    ts, end = first, first + count
+    while ts < end:
+        high = ts >> 7
+        stop = min(end, (high + 1) << 7)
+        if high == 0:
+            out.extend(_POSITION_TAG + varint(len(head) + len(varint(t))) + head + varint(t) for t in range(ts, stop))
+        else:
+            tail = varint(high)
+            lead = _POSITION_TAG + varint(len(head) + 1 + len(tail)) + head
+            out.extend(lead + _LOW7[t & 0x7F] + tail for t in range(ts, stop))
+        ts = stop
+    return b"".join(out)
+
+
+_LOW7 = [bytes((0x80 | low,)) for low in range(128)]

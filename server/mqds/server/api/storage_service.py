@@ -27,7 +27,7 @@ from mqds.server.api.handlers import takes_raw_request
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.group import PendingRead, Proposal
 from mqds.server.storage import GenerationInfo, IteratorDecodeError, IteratorState
-from mqds.server.wire import encode_messages, repeated_field, varint
+from mqds.server.wire import encode_messages, positions_bytes, repeated_field, store_command
 from mqds.v1 import storage_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -51,35 +51,6 @@ _FENCE_AHEAD_US = 86_400 * 1_000_000
 # Bytes a Next or FetchMessages answer adds to each stored message (field
 # tags, lengths, timestamp and shard), so the budget covers them too.
 _PER_MESSAGE_BYTES = 24
-
-_STORE_TAG = b"\x0a"  # VnodeCommand.store, field 1, length-delimited
-_NOW_US_TAG = b"\x28"  # StoreMessages.now_us, field 5, varint
-_POSITION_TAG = b"\x0a"  # StoreBatchResponse.positions, field 1, length-delimited
-
-
-def positions_bytes(shard: int, first: int, count: int) -> bytes:
-    """An encoded StoreBatchResponse for ``count`` messages stored in ``shard`` from timestamp ``first`` on.
-
-    Built without a protobuf object per message: consecutive timestamps share
-    every varint byte but the first within each run of 128.
-    """
-    head = (b"\x08" + varint(shard) if shard else b"") + b"\x10"
-    out: list[bytes] = []
-    ts, end = first, first + count
-    while ts < end:
-        high = ts >> 7
-        stop = min(end, (high + 1) << 7)
-        if high == 0:
-            out.extend(_POSITION_TAG + varint(len(head) + len(varint(t))) + head + varint(t) for t in range(ts, stop))
-        else:
-            tail = varint(high)
-            lead = _POSITION_TAG + varint(len(head) + 1 + len(tail)) + head
-            out.extend(lead + _LOW7[t & 0x7F] + tail for t in range(ts, stop))
-        ts = stop
-    return b"".join(out)
-
-
-_LOW7 = [bytes((0x80 | low,)) for low in range(128)]
 
 
 def now_us() -> int:
@@ -345,8 +316,7 @@ class StorageService(ShardsAPI):
         if len(order) == 1 and as_sent and raw is not None:
             # StoreMessages is wire-compatible with the request: its bytes
             # plus now_us are the command (see commands.proto).
-            inner = raw + _NOW_US_TAG + varint(now)
-            commands.append((order[0], _STORE_TAG + varint(len(inner)) + inner))
+            commands.append((order[0], store_command(raw, now)))
         else:
             for shard in order:
                 cmd = cpb.VnodeCommand()
