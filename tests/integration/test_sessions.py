@@ -166,7 +166,8 @@ def test_a_subscription_started_now_reads_only_what_is_stored_after_it(client: C
     client.ack("ns-a", "new/+/cmd", first)
     assert len(client.fetch_offline("ns-a", "new/+/cmd")) == 9
     # Starting again keeps the position (a re-subscribe does not interrupt the flow).
-    assert client.start_read_position("ns-a", "new/+/cmd").start_us == position.start_us
+    again = client.start_read_position("ns-a", "new/+/cmd")
+    assert again.start_us == position.start_us and again.found and not again.started
     # The default reads the whole history of a pair without a position, and gives it none.
     assert len(client.fetch_offline("ns-b", "new/+/cmd")) == 20
     assert not client.read_position("ns-b", "new/+/cmd").found
@@ -176,7 +177,7 @@ def test_forgetting_a_session_deletes_its_subscriptions_and_read_positions(clien
     client.client_connected("fs-1", "broker-1")
     client.subscribe("fs-1", "fs/a/#", qos=1)
     client.subscribe("fs-1", "fs/b", qos=2)
-    client.start_read_position("fs-1", "fs/a/#")
+    assert client.start_read_position("fs-1", "fs/a/#").started
     client.subscribe("fs-2", "fs/a/#", qos=1)
     assert client.forget_session("fs-1") == (2, 1)
     assert client.subscriptions("fs-1") == {} and not client.read_position("fs-1", "fs/a/#").found

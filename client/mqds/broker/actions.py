@@ -153,7 +153,7 @@ class BrokerHooks:
         rules keep any), whatever the rules of the hook, and no proxy
         subscriptions are returned, as a clean session starts with none.
         """
-        return await self._connected("client.connected", clientid, node, clean_start, discard=clean_start)
+        return await self._connected("client.connected", clientid, node, clean_start)
 
     async def session_created(
         self, clientid: str, *, node: str | None = None, clean_start: bool = False
@@ -162,22 +162,21 @@ class BrokerHooks:
 
         With ``clean_start`` it returns none; the previous session is discarded by ``client_connected``.
         """
-        return await self._connected("session.created", clientid, node, clean_start, discard=False)
+        return await self._connected("session.created", clientid, node, clean_start)
 
     @property
     def keeps_sessions(self) -> bool:
         """Whether the rules keep session state in mqds: stored subscriptions or read positions."""
         return any(rule.kind in ("subscribe", "fetch", "ack") for rule in self.config.rules)
 
-    async def _connected(
-        self, hook: str, clientid: str, node: str | None, clean_start: bool, *, discard: bool
-    ) -> dict[str, int]:
+    async def _connected(self, hook: str, clientid: str, node: str | None, clean_start: bool) -> dict[str, int]:
         check_clientid(clientid)
         rules = self.config.rules_for(hook)
         jobs: list[Awaitable[Any]] = []
         lookup = not clean_start and any(rule.kind == "subscription_lookup" for rule in rules)
         record = any(rule.kind == "client_connected" for rule in rules)
-        discard = discard and self.keeps_sessions
+        # The connect itself discards the previous session, once: session.created only skips the lookup.
+        discard = clean_start and hook == "client.connected" and self.keeps_sessions
         if record:
             jobs.append(self.client.client_connected(clientid, self._node(node)))
         if discard:
@@ -309,9 +308,8 @@ class BrokerHooks:
         fetch = self.config.fetch_rule(real)
         if fetch is None or fetch.mode != "pubsub":
             return False
-        if (await self.client.read_position(clientid, real)).found:
+        if not (await self.client.start_read_position(clientid, real)).started:
             return False
-        await self.client.start_read_position(clientid, real)
         self.stats["read_positions_started"] += 1
         return True
 

@@ -396,9 +396,8 @@ class Client:
         deadline = self._deadline(timeout_s)
         position: ReadPosition | None = None
         if fetch.pubsub:
-            position = self.read_position(clientid, topic_filter, timeout_s=timeout_s)
-            if not position.found and fetch.start_now:
-                position = self.start_read_position(clientid, topic_filter, timeout_s=timeout_s)
+            read = self.start_read_position if fetch.start_now else self.read_position
+            position = read(clientid, topic_filter, timeout_s=timeout_s)
         remaining = max(0.1, deadline - time.monotonic())
         return fetch.cut(self._fanout_call(fetch.messages(position), remaining))
 

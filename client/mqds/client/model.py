@@ -204,9 +204,11 @@ class ReadPosition:
     ``acked_us``: per shard, the timestamp of the last acknowledged message;
     ``start_us``: only messages stored after it are the pair's to read, in
     every shard (the subscription began then; 0: the whole stored history);
-    ``found``: mqds has a position for the pair (False: it reads from the first message).
+    ``found``: mqds has a position for the pair (False: it reads from the first message);
+    ``started``: ``start_read_position`` started it with this call (the pair had none).
     """
 
     acked_us: dict[int, int]
     start_us: int = 0
     found: bool = False
+    started: bool = False

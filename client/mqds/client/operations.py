@@ -353,8 +353,8 @@ def retained(topic_filter: str, stale_ok: bool) -> FanoutCall[Message]:
     )
 
 
-def _position(found: bool, position: spb.ReadPosition) -> ReadPosition:
-    return ReadPosition(dict(position.acked_us), position.start_us, found)
+def _position(found: bool, position: spb.ReadPosition, started: bool = False) -> ReadPosition:
+    return ReadPosition(dict(position.acked_us), position.start_us, found, started)
 
 
 def read_position(clientid: str, topic_filter: str, n_shards: int) -> ShardCall[ReadPosition]:
@@ -366,7 +366,9 @@ def read_position(clientid: str, topic_filter: str, n_shards: int) -> ShardCall[
 def start_read_position(clientid: str, topic_filter: str, n_shards: int) -> ShardCall[ReadPosition]:
     """Start the (clientid, filter) read position at the leader's clock unless it has one; the pair's position."""
     request = spb.StartReadPositionRequest(clientid=clientid, topic_filter=topic_filter)
-    return _session_call("StartReadPosition", clientid, n_shards, request, lambda r: _position(True, r.position))
+    return _session_call(
+        "StartReadPosition", clientid, n_shards, request, lambda r: _position(True, r.position, r.started)
+    )
 
 
 def forget_session(clientid: str, n_shards: int) -> ShardCall[tuple[int, int]]:

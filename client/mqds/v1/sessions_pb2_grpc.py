@@ -214,7 +214,8 @@ class SessionsServicer:
         leader's clock, unless the pair has one: a new subscription's offline
         delivery begins with what is stored after it, as MQTT has it, while a
         subscription that has read before keeps its position (a re-subscribe
-        does not interrupt its flow). Returns the pair's position.
+        does not interrupt its flow). Returns the pair's position; one that has
+        a position is answered from the leader's state, without a log write.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

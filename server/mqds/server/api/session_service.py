@@ -258,6 +258,11 @@ class SessionService(ShardsAPI):
     def StartReadPosition(self, request: spb.StartReadPositionRequest) -> spb.StartReadPositionResponse:
         shard = self._client_shard(request.clientid)
         self._filter(request.topic_filter)
+        # A pair that has a position (a reconnect, a re-subscribe) costs a read, not a Raft write.
+        with self._one(shard, False).replica.reading() as storage:
+            position = storage.sessions.read_position(request.clientid, request.topic_filter)
+        if position is not None:
+            return spb.StartReadPositionResponse(started=False, position=position)
         started, position = self._log(shard, start_position=request)
         return spb.StartReadPositionResponse(started=started, position=position)
 
