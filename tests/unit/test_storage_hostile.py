@@ -7,8 +7,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
 from mqds.protocol.topics import MAX_TOPIC_BYTES, matches, validate_filter, validate_topic
 from mqds.server.storage import keys
 from mqds.server.storage.sessions import FetchFilter
@@ -19,17 +17,7 @@ from mqds.v1 import storage_pb2 as pb
 DEEP = 1_500
 
 
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine()
-
-
-@pytest.fixture
-def shard(tmp_path: Path, engine: Engine) -> Iterator[ShardStorage]:
-    storage = ShardStorage(str(tmp_path / "shard"), 5, engine)
-    storage.initialize(1)
-    yield storage
-    storage.close()
+SHARD_NUMBER = 5  # the conftest shard fixture opens this shard
 
 
 @contextmanager

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,18 +14,7 @@ from mqds.server.storage.sessions import FetchFilter
 from mqds.server.storage.shard import Engine, ShardStorage
 from mqds.v1 import storage_pb2 as pb
 
-
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine()
-
-
-@pytest.fixture
-def shard(tmp_path: Path, engine: Engine) -> Iterator[ShardStorage]:
-    storage = ShardStorage(str(tmp_path / "shard"), 3, engine)
-    storage.initialize(1)
-    yield storage
-    storage.close()
+SHARD_NUMBER = 3  # the conftest shard fixture opens this shard
 
 
 def msg(topic: str, payload: str, qos: int = 1) -> pb.Message:
