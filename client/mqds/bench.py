@@ -11,6 +11,12 @@ pre-serialised ``StoreBatch`` request straight to its shard's leader,
 following NOT_LEADER hints and refreshing the map otherwise, so the client's
 own cost stays small next to the cluster's. Every acknowledgement waited for
 a majority's fsync (``sync=True``).
+
+Two other ways of sending: ``threads`` runs that blocking loop in several
+threads of each publisher (the old path at a given concurrency), and
+``in_flight`` instead keeps that many pipelined ``Client.store_async`` calls
+outstanding per publisher (a new one submitted as each completes; a call's
+latency runs from its submit to its acknowledgement).
 """
 
 from __future__ import annotations
@@ -19,15 +25,17 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
+import threading
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from mqds.client.connection import ConnectionSettings
+from mqds.client.model import Message
 from mqds.client.routing import Router
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
@@ -63,16 +71,49 @@ def _request(sender: str, batch: int, size: int) -> bytes:
     return request.SerializeToString()
 
 
-def _publish(args: tuple[list[str], str, int, int, int, float, float, Any, Any, Any, Any, Any]) -> dict[str, Any]:
-    """One publisher process: store batches from the common start for ``duration_s``; latencies and failures."""
-    addresses, sender, n_shards, batch, size, duration_s, interval_s, results, acked, ready, start, settings = args
-    raw = _request(sender, batch, size)
-    shard = shard_of(sender, n_shards)
-    router = Router(
-        addresses,
-        settings=settings,
-        channel_options=[("grpc.max_send_message_length", 64 << 20), ("grpc.initial_reconnect_backoff_ms", 100)],
-    )
+@dataclass
+class Shared:
+    """What the parent and every load process share: the results queue, the acknowledged count, the start."""
+
+    results: Any
+    acked: Any
+    ready: Any
+    start: Any
+
+    def wait_for_start(self) -> float:
+        """Say this process is ready, wait for the common start; the end time is the start + duration."""
+        with self.ready.get_lock():
+            self.ready.value += 1
+        # The parent sets the start once every process is ready (spawning and
+        # importing grpc takes a while, longer on a busy machine).
+        while not self.start.value or time.time() < self.start.value:
+            time.sleep(0.001)
+        return float(self.start.value)
+
+    def count(self, n: int) -> None:
+        with self.acked.get_lock():
+            self.acked.value += n
+
+
+@dataclass
+class PublisherSpec:
+    addresses: list[str]
+    sender: str
+    n_shards: int
+    batch: int
+    size: int
+    duration_s: float
+    interval_s: float
+    settings: ConnectionSettings | None
+    threads: int = 1
+    in_flight: int = 0
+
+
+def _blocking(spec: PublisherSpec, shared: Shared, end_at: float, router: Router, out: dict[str, Any]) -> None:
+    """One thread's loop of blocking StoreBatch calls until ``end_at``; adds to ``out`` under its lock."""
+    raw = _request(spec.sender, spec.batch, spec.size)
+    shard = shard_of(spec.sender, spec.n_shards)
+    addresses = spec.addresses
 
     def leader() -> str:
         with contextlib.suppress(MqdsError):
@@ -87,16 +128,10 @@ def _publish(args: tuple[list[str], str, int, int, int, float, float, Any, Any, 
     outages: list[tuple[float, float]] = []
     failures = 0
     failing_since: float | None = None
-    with ready.get_lock():
-        ready.value += 1
-    # The parent sets the start once every publisher is ready (spawning and
-    # importing grpc takes a while, longer on a busy machine).
-    while not start.value or time.time() < start.value:
-        time.sleep(0.001)
-    end_at = start.value + duration_s
+    interval_s = spec.interval_s
     # Paced publishers spread their sends over the interval instead of all
     # sending at the same instant.
-    next_at = time.monotonic() + interval_s * (zlib.crc32(sender.encode()) % 1000) / 1000
+    next_at = time.monotonic() + interval_s * (zlib.crc32(spec.sender.encode()) % 1000) / 1000
     while time.time() < end_at:
         if interval_s:
             next_at += interval_s
@@ -118,21 +153,101 @@ def _publish(args: tuple[list[str], str, int, int, int, float, float, Any, Any, 
                 address = leader()
             continue
         latencies.append(time.perf_counter() - t0)
-        with acked.get_lock():
-            acked.value += batch
+        shared.count(spec.batch)
         if failing_since is not None:
             outages.append((failing_since, time.time()))
             failing_since = None
+    with out["lock"]:
+        out["latencies"] += latencies
+        out["outages"] += outages
+        out["failures"] += failures
+
+
+def _pipelined(spec: PublisherSpec, shared: Shared, end_at: float, client: Any, out: dict[str, Any]) -> None:
+    """Keep ``spec.in_flight`` store_async calls of ``spec.batch`` messages outstanding until ``end_at``."""
+    payload = os.urandom(spec.size)
+    messages = [
+        Message(f"{TOPIC_PREFIX}/{spec.sender}/{i % 100}", payload, sender=spec.sender, qos=1)
+        for i in range(spec.batch)
+    ]
+    slots = threading.Semaphore(spec.in_flight)
+    lock = threading.Lock()
+    latencies: list[float] = []
+    failures = [0]
+
+    def submit() -> None:
+        t0 = time.perf_counter()
+
+        def done(future: Any) -> None:
+            took = time.perf_counter() - t0
+            failed = future.exception() is not None
+            with lock:
+                if failed:
+                    failures[0] += 1
+                else:
+                    latencies.append(took)
+            if not failed:
+                shared.count(spec.batch)
+            slots.release()
+
+        client.store_async(messages, timeout_s=10).add_done_callback(done)
+
+    while time.time() < end_at:
+        slots.acquire()
+        if time.time() >= end_at:
+            slots.release()
+            break
+        submit()
+    # Wait for the outstanding calls (counted, as a blocking loop's last call is).
+    for _ in range(spec.in_flight):
+        slots.acquire(timeout=15)
+    with out["lock"]:
+        out["latencies"] += latencies
+        out["failures"] += failures[0]
+
+
+def _publish(args: tuple[PublisherSpec, Shared]) -> dict[str, Any]:
+    """One publisher process: store from the common start for ``duration_s``; latencies, failures, CPU seconds."""
+    spec, shared = args
+    shard = shard_of(spec.sender, spec.n_shards)
+    out: dict[str, Any] = {"lock": threading.Lock(), "latencies": [], "outages": [], "failures": 0}
+    router = Router(
+        spec.addresses,
+        settings=spec.settings,
+        channel_options=[("grpc.max_send_message_length", 64 << 20), ("grpc.initial_reconnect_backoff_ms", 100)],
+    )
+    client: Any = None
+    if spec.in_flight:
+        from mqds.client import Client
+
+        window = max(10_000, spec.in_flight * spec.batch)
+        client = Client(spec.addresses, settings=spec.settings, max_in_flight_messages=window)
+        client.cluster_map()
+    else:
+        with contextlib.suppress(MqdsError):
+            router.refresh(2, force=True)
+    start_at = shared.wait_for_start()
+    end_at = start_at + spec.duration_s
+    cpu_before = time.process_time()
+    if client is not None:
+        try:
+            _pipelined(spec, shared, end_at, client, out)
+        finally:
+            client.close()
+    else:
+        workers = [
+            threading.Thread(target=_blocking, args=(spec, shared, end_at, router, out), daemon=True)
+            for _ in range(spec.threads)
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    cpu_s = time.process_time() - cpu_before
     router.close()
-    out = {
-        "sender": sender,
-        "shard": shard,
-        "latencies": latencies,
-        "outages": outages,
-        "batch": batch,
-        "failures": failures,
-    }
-    results.put(out)
+    del out["lock"]
+    out.update(sender=spec.sender, shard=shard, batch=spec.batch, cpu_s=cpu_s)
+    shared.results.put(out)
     return out
 
 
@@ -151,6 +266,13 @@ class RunResult:
     # Wall-clock bounds of the run (seconds since the epoch): replay from start_at finds its messages.
     start_at: float = 0.0
     end_at: float = 0.0
+    # Acknowledged messages in all, and every acknowledged call's latency in seconds (sorted).
+    acked_msgs: int = 0
+    latencies_s: list[float] = field(default_factory=list)
+    # CPU seconds the load processes used between the start and the end of their loops.
+    load_cpu_s: float = 0.0
+    # ``sample()`` at the end minus at the start (see run_load); None without a sample or when it had none.
+    sampled: float | None = None
 
 
 class LeaderKill:
@@ -187,6 +309,81 @@ class LeaderKill:
 Progress = Callable[[int, float, float], None]
 
 
+def pct_ms(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted latencies in seconds, in milliseconds (0 when there are none)."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 if ordered else 0.0
+
+
+def drive(
+    target: Callable[[Any], dict[str, Any]],
+    specs: list[Any],
+    duration_s: float,
+    *,
+    during: Callable[[], None] | None = None,
+    progress: Progress | None = None,
+    progress_interval_s: float = 0.5,
+    sample: Callable[[], float | None] | None = None,
+) -> tuple[list[dict[str, Any]], float, float, float | None]:
+    """Run ``target((spec, shared))`` in one spawned process per spec, all starting at once, for ``duration_s``.
+
+    Each process calls ``shared.wait_for_start()``, counts acknowledged
+    messages with ``shared.count(n)`` and puts one dict on ``shared.results``.
+    Returns those dicts, the start and end times, and ``sample()`` at the end
+    minus at the start (e.g. the CPU of processes the caller watches).
+    """
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        shared = Shared(manager.Queue(), ctx.Value("q", 0), ctx.Value("i", 0), ctx.Value("d", 0.0))
+        procs = [ctx.Process(target=target, args=((spec, shared),), daemon=True) for spec in specs]
+        for p in procs:
+            p.start()
+        try:
+            ready_deadline = time.monotonic() + 120
+            while shared.ready.value < len(procs):
+                if time.monotonic() > ready_deadline or not all(p.is_alive() for p in procs):
+                    codes = sorted({p.exitcode for p in procs if p.exitcode})
+                    raise RuntimeError(f"the load processes did not start (exit codes {codes})")
+                time.sleep(0.05)
+            start_at = time.time() + 0.1
+            end_at = start_at + duration_s
+            shared.start.value = start_at
+            time.sleep(max(0.0, start_at - time.time()))
+            sampled_before = sample() if sample is not None else None
+            pending_during = during
+            last_progress = 0.0
+            while time.time() < end_at:
+                now = time.time()
+                if pending_during is not None and now >= start_at + duration_s / 3:
+                    pending_during()
+                    pending_during = None
+                if progress is not None and now >= start_at and now - last_progress >= progress_interval_s:
+                    progress(int(shared.acked.value), now - start_at, duration_s)
+                    last_progress = now
+                time.sleep(0.05)
+            collected: list[dict[str, Any]] = []
+            collect_deadline = time.monotonic() + 120
+            while len(collected) < len(procs):
+                try:
+                    collected.append(shared.results.get(timeout=0.5))
+                except queue.Empty:
+                    if time.monotonic() > collect_deadline or not any(p.is_alive() for p in procs):
+                        codes = sorted({p.exitcode for p in procs if p.exitcode})
+                        raise RuntimeError(
+                            f"{len(procs) - len(collected)} load processes did not report (exit codes {codes})"
+                        ) from None
+            sampled_after = sample() if sample is not None else None
+            if progress is not None:
+                progress(int(shared.acked.value), duration_s, duration_s)
+        finally:
+            for p in procs:
+                # Processes that never got a start time would wait for ever.
+                p.join(timeout=30 if shared.start.value else 0)
+                if p.is_alive():
+                    p.kill()
+    sampled = None if sampled_before is None or sampled_after is None else sampled_after - sampled_before
+    return collected, start_at, end_at, sampled
+
+
 def run_load(
     addresses: list[str],
     n_shards: int,
@@ -199,6 +396,10 @@ def run_load(
     progress: Progress | None = None,
     progress_interval_s: float = 0.5,
     settings: ConnectionSettings | None = None,
+    *,
+    threads: int = 1,
+    in_flight: int = 0,
+    sample: Callable[[], float | None] | None = None,
 ) -> RunResult:
     """Drive ``publishers`` processes against the cluster for ``duration_s``; what was acknowledged, how fast.
 
@@ -206,87 +407,49 @@ def run_load(
     as acknowledged). ``during`` runs once, a third of the way through (to
     kill a leader under load). ``progress`` is called every
     ``progress_interval_s`` while the load runs. ``settings`` say how to
-    connect (TLS, token); plaintext by default.
+    connect (TLS, token); plaintext by default. ``threads`` runs the blocking
+    loop in that many threads per publisher; ``in_flight`` (above 0) instead
+    keeps that many ``store_async`` calls outstanding per publisher (not
+    paced). ``sample`` is called at the start and the end (``RunResult.sampled``).
     """
-    if publishers < 1 or batch < 1 or size < 0 or duration_s <= 0:
-        raise ValueError("publishers and batch must be at least 1, size at least 0, duration above 0")
+    if publishers < 1 or batch < 1 or size < 0 or duration_s <= 0 or threads < 1 or in_flight < 0:
+        raise ValueError(
+            "publishers, batch and threads must be at least 1, size and in_flight at least 0, duration above 0"
+        )
+    if in_flight and rate_msgs_per_s:
+        raise ValueError("in_flight calls are not paced: give a rate or in_flight, not both")
     senders = publisher_ids(publishers, n_shards)
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.Queue()
-        acked = ctx.Value("q", 0)
-        ready = ctx.Value("i", 0)
-        start = ctx.Value("d", 0.0)
-        interval = (batch * publishers / rate_msgs_per_s) if rate_msgs_per_s else 0.0
-        procs = [
-            ctx.Process(
-                target=_publish,
-                args=(
-                    (addresses, s, n_shards, batch, size, duration_s, interval, results, acked, ready, start, settings),
-                ),
-                daemon=True,
-            )
-            for s in senders
-        ]
-        for p in procs:
-            p.start()
-        try:
-            ready_deadline = time.monotonic() + 120
-            while ready.value < len(procs):
-                if time.monotonic() > ready_deadline or not all(p.is_alive() for p in procs):
-                    codes = sorted({p.exitcode for p in procs if p.exitcode})
-                    raise RuntimeError(f"the publisher processes did not start (exit codes {codes})")
-                time.sleep(0.05)
-            start_at = time.time() + 0.1
-            end_at = start_at + duration_s
-            start.value = start_at
-            pending_during = during
-            last_progress = 0.0
-            while time.time() < end_at:
-                now = time.time()
-                if pending_during is not None and now >= start_at + duration_s / 3:
-                    pending_during()
-                    pending_during = None
-                if progress is not None and now >= start_at and now - last_progress >= progress_interval_s:
-                    progress(int(acked.value), now - start_at, duration_s)
-                    last_progress = now
-                time.sleep(0.05)
-            collected: list[dict[str, Any]] = []
-            collect_deadline = time.monotonic() + 120
-            while len(collected) < len(procs):
-                try:
-                    collected.append(results.get(timeout=0.5))
-                except queue.Empty:
-                    if time.monotonic() > collect_deadline or not any(p.is_alive() for p in procs):
-                        codes = sorted({p.exitcode for p in procs if p.exitcode})
-                        raise RuntimeError(
-                            f"{len(procs) - len(collected)} publisher processes did not report (exit codes {codes})"
-                        ) from None
-            if progress is not None:
-                progress(int(acked.value), duration_s, duration_s)
-        finally:
-            for p in procs:
-                # Publishers that never got a start time would wait for ever.
-                p.join(timeout=30 if start.value else 0)
-                if p.is_alive():
-                    p.kill()
+    interval = (batch * publishers * threads / rate_msgs_per_s) if rate_msgs_per_s else 0.0
+    specs = [
+        PublisherSpec(addresses, s, n_shards, batch, size, duration_s, interval, settings, threads, in_flight)
+        for s in senders
+    ]
+    collected, start_at, end_at, sampled = drive(
+        _publish,
+        specs,
+        duration_s,
+        during=during,
+        progress=progress,
+        progress_interval_s=progress_interval_s,
+        sample=sample,
+    )
     latencies = sorted(x for r in collected for x in r["latencies"])
     batches = len(latencies)
     if not latencies:
         raise RuntimeError("no batch was acknowledged")
-
-    def pct(q: float) -> float:
-        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000
-
     outages = [(r["sender"], r["shard"], a, b) for r in collected for a, b in r["outages"]]
     return RunResult(
         batches * batch / duration_s,
-        pct(0.5),
-        pct(0.99),
-        pct(0.999),
+        pct_ms(latencies, 0.5),
+        pct_ms(latencies, 0.99),
+        pct_ms(latencies, 0.999),
         batches,
         outages,
         failed_batches=sum(r["failures"] for r in collected),
         start_at=start_at,
         end_at=end_at,
+        acked_msgs=batches * batch,
+        latencies_s=latencies,
+        load_cpu_s=sum(r["cpu_s"] for r in collected),
+        sampled=sampled,
     )

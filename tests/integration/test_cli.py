@@ -255,6 +255,46 @@ def test_bench_prints_figures(cli_cluster: CliCluster) -> None:
     assert "replay_msgs_per_s" not in report
 
 
+def test_bench_keeps_store_calls_in_flight(cli_cluster: CliCluster) -> None:
+    run = cli_cluster.run(
+        "bench", "--duration", "2", "--publishers", "2", "--batch", "1", "--in-flight", "8", "--json", "--skip-replay"
+    )
+    assert run.code == 0, run.err
+    report = json.loads(run.out)
+    assert report["in_flight"] == 8 and report["batch"] == 1
+    assert report["acked_msgs"] > 0 and report["failed_batches"] == 0
+    assert 0 < report["p50_ms"] <= report["p99_ms"]
+
+
+def test_bench_small_writes_runs_every_scenario(cli_cluster: CliCluster) -> None:
+    run = cli_cluster.run(
+        *("bench", "--data-dir", str(cli_cluster.data_dir), "--small-writes", "--duration", "1", "--rounds", "1"),
+        *("--publishers", "2", "--in-flight", "8", "--batch", "100", "--json"),
+        timeout_s=180,
+    )
+    assert run.code == 0, run.err
+    report = json.loads(run.out)
+    assert report["acked_msgs_per_s"] > 0 and 0 < report["p50_ms"] <= report["p99_ms"]
+    assert report["nodes_cpu_counted"] is True
+    names = [scenario["name"] for scenario in report["scenarios"]]
+    assert names == [
+        "one writer, 1 msg/call",
+        "1-msg calls, 8 in flight",
+        "ExHook, 64 concurrent OnMessagePublish",
+        "batched, 100 msgs/call",
+    ]
+    keys = {"name", "acked_msgs_per_s", "p50_ms", "p99_ms", "cpu_ms_per_1k", "target", "met"}
+    for scenario in report["scenarios"]:
+        assert keys <= scenario.keys(), scenario
+        assert scenario["acked_msgs"] > 0 and scenario["acked_msgs_per_s"] > 0, scenario
+        assert scenario["cpu_ms_per_1k"] > 0 and isinstance(scenario["met"], bool)
+    pipelined = report["scenarios"][1]
+    assert pipelined["acked_msgs_per_s"] == report["acked_msgs_per_s"]
+    assert pipelined["target"]["min"] == 50_000
+    assert pipelined["baseline"]["acked_msgs"] > 0 and pipelined["baseline"]["cpu_ms_per_1k"] > 0
+    assert "round 1/1" in run.err  # the progress line
+
+
 def test_bench_kills_a_leader_and_reports_the_failover(cli_cluster: CliCluster) -> None:
     run = cli_cluster.run(
         "bench",

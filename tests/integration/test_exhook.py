@@ -26,6 +26,7 @@ import grpc
 import pytest
 
 from mqds.broker.actions import BrokerHooks
+from mqds.broker.exhook.provider import HookProvider
 from mqds.broker.exhook.v3 import exhook_pb2 as pb
 from mqds.broker.exhook.v3 import exhook_pb2_grpc as pb_grpc
 from mqds.broker.hooks import load_config
@@ -381,6 +382,36 @@ def test_dispatcher_with_dynamodb_rules(cluster: LocalCluster, mqds: Client) -> 
     assert state is not None and not state.online and state.node == "amqtt-1"
     # The restarted dispatcher read stored subscriptions for worker-1's ack and worker-2's first subscription.
     assert got["stats"]["subscription_cache_misses"] == 2 and got["stats"]["acked"] == 1
+
+
+def test_concurrent_publishes_share_stores(cluster: LocalCluster, mqds: Client) -> None:
+    """EMQX calls OnMessagePublish once per message: concurrent calls must share batches, each stored once, in order."""
+    config = load_config(EXAMPLES / "redis-style.toml")
+    n = 200
+
+    async def scenario() -> tuple[list[pb.ValuedResponse], dict[str, int]]:
+        async with aio.Client(cluster.addresses, timeout_s=CALL_TIMEOUT_S) as client:
+            provider = HookProvider(BrokerHooks(client, config, node="emqx-1"))
+            calls = [
+                provider.OnMessagePublish(
+                    pb.MessagePublishRequest(
+                        message=pb.Message(
+                            id=f"m{i}", qos=1, topic="pubsub/fast/1", payload=f"{i}".encode(), **{"from": "fast-pub"}
+                        )
+                    ),
+                    None,
+                )
+                for i in range(n)
+            ]
+            answers = await asyncio.gather(*calls)
+            return list(answers), client.pipeline_stats()
+
+    answers, stats = run(scenario())
+    assert all(a.type == pb.ValuedResponse.CONTINUE for a in answers)
+    stored = [m.payload for m in mqds.replay("pubsub/fast/#")]
+    assert stored == [f"{i}".encode() for i in range(n)]  # each once, in the order EMQX called
+    assert stats["calls"] == n and stats["messages"] == n
+    assert stats["batches"] <= n // 4, f"{stats['batches']} batches for {n} concurrent publishes"
 
 
 def test_mqds_exhook_refuses_what_it_cannot_serve(cluster: LocalCluster, tmp_path: Path) -> None:

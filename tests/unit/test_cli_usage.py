@@ -158,6 +158,10 @@ def test_a_progress_line_on_a_terminal_is_redrawn_in_place_and_ends_its_line() -
         (["pub", "a/+", "-m", "x"], "topic 'a/+'"),
         (["pub", "a", "-m", "x", "--count", "0"], "--count and --batch must be at least 1"),
         (["bench", "--publishers", "0"], "--publishers must be at least 1"),
+        (["bench", "--in-flight", "0"], "--in-flight must be at least 1"),
+        (["bench", "--in-flight", "4", "--rate", "100"], "give --rate or --in-flight, not both"),
+        (["bench", "--small-writes", "--kill-leader"], "--small-writes runs its own scenarios"),
+        (["bench", "--small-writes", "--rounds", "0"], "--rounds must be at least 1"),
         (["generations", "drop", "-1", "1"], "SHARD and GENERATION must be 0 or more"),
     ],
 )

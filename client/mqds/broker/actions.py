@@ -381,8 +381,10 @@ class BrokerHooks:
     async def message_publish_batch(self, messages: list[Message]) -> list[Message | None]:
         """``message_publish`` for several messages at once: each one as stored, or None.
 
-        The messages to store go in one ``store_batch`` call (one Raft write
-        per shard instead of one per message), in order, so each publisher's
+        The messages to store go to the client's pipeline in one call
+        (``publish``): it coalesces them with whatever else this broker is
+        storing (concurrent publishes, other calls of this method) into one
+        batch per shard on a long-lived stream, in order, so each publisher's
         messages keep their order; retained messages are kept in order too.
         When the call stores only some shards' parts, the others are None
         (counted as ``store_failed``); any other failure is raised.
@@ -408,7 +410,7 @@ class BrokerHooks:
         if not to_store:
             return out
         try:
-            stored = await self.client.store_batch([messages[i] for i in to_store])
+            stored = await self.client.publish([messages[i] for i in to_store])
         except PartialBatchError as err:
             # Stored messages come back in request order; a sender's messages
             # share a shard, so equal messages are all stored or all not.

@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from mqds.bench import TOPIC_PREFIX, LeaderKill, RunResult, publisher_ids, run_load
-from mqds.cli import bench_mqtt, local_cluster
+from mqds.cli import bench_mqtt, bench_small, local_cluster
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, ProgressLine, bar, connection
 from mqds.client import Client
 from mqds.client.client import parse_endpoints
@@ -17,6 +17,8 @@ from mqds.protocol.sharding import shard_of
 
 if TYPE_CHECKING:
     from mqds.tools.localproc import LocalCluster
+
+DEFAULT_DURATION_S = 10.0
 
 
 def _replay(client: Client, since_us: int) -> tuple[int, float]:
@@ -26,15 +28,23 @@ def _replay(client: Client, since_us: int) -> tuple[int, float]:
 
 
 def run(opts: argparse.Namespace) -> int:
-    if opts.mqtt:
+    if opts.mqtt and not opts.small_writes:
         return bench_mqtt.run(opts)
     for name in ("publishers", "batch", "nodes", "shards", "replication_factor"):
         if getattr(opts, name) < 1:
             raise CommandError(f"--{name.replace('_', '-')} must be at least 1", EXIT_USAGE)
-    if opts.size < 0 or opts.duration <= 0 or opts.rate < 0:
+    if opts.size < 0 or (opts.duration is not None and opts.duration <= 0) or opts.rate < 0:
         raise CommandError("--size and --rate must be 0 or more, --duration above 0", EXIT_USAGE)
+    if opts.in_flight is not None and opts.in_flight < 1:
+        raise CommandError("--in-flight must be at least 1", EXIT_USAGE)
+    if opts.in_flight is not None and opts.rate:
+        raise CommandError("--in-flight calls are not paced: give --rate or --in-flight, not both", EXIT_USAGE)
     if opts.start_cluster and opts.data_dir:
         raise CommandError("give --start-cluster or --data-dir, not both", EXIT_USAGE)
+    if opts.small_writes:
+        return bench_small.run(opts)
+    if opts.duration is None:
+        opts.duration = DEFAULT_DURATION_S
     if opts.kill_leader and not (opts.start_cluster or opts.data_dir):
         raise CommandError(
             "--kill-leader kills a process, so it needs a cluster this command controls: "
@@ -60,6 +70,7 @@ def _bench(opts: argparse.Namespace, client: Client, endpoints: list[str], clust
         f"mqds bench: {opts.publishers} publishers, batches of {opts.batch:,} x {opts.size} B, "
         f"{opts.duration:g} s against {len(endpoints)} node(s), {n_shards} vnodes"
         + (f", paced at {opts.rate:,.0f} msg/s" if opts.rate else "")
+        + (f", {opts.in_flight} store_async calls in flight per publisher" if opts.in_flight else "")
     )
     kill: LeaderKill | None = None
     if opts.kill_leader:
@@ -89,6 +100,7 @@ def _bench(opts: argparse.Namespace, client: Client, endpoints: list[str], clust
             during=kill,
             progress=progress,
             settings=client.settings,
+            in_flight=opts.in_flight or 0,
         )
     except RuntimeError as err:
         raise CommandError(f"the load run failed: {err}") from None
@@ -99,6 +111,7 @@ def _bench(opts: argparse.Namespace, client: Client, endpoints: list[str], clust
         "batch": opts.batch,
         "size": opts.size,
         "duration_s": opts.duration,
+        "in_flight": opts.in_flight,
         "acked_msgs_per_s": round(result.acked_msgs_per_s, 1),
         "acked_msgs": result.batches * opts.batch,
         "failed_batches": result.failed_batches,
@@ -112,7 +125,8 @@ def _bench(opts: argparse.Namespace, client: Client, endpoints: list[str], clust
     )
     say(
         f"latency       p50 {result.p50_ms:.1f} ms   p99 {result.p99_ms:.1f} ms   p999 {result.p999_ms:.1f} ms"
-        f"   (per store call of {opts.batch:,} messages, acknowledged after a majority's fsync)"
+        f"   (per store call of {opts.batch:,} messages, acknowledged after a majority's fsync"
+        + (", from submit to acknowledgement)" if opts.in_flight else ")")
     )
     if kill is not None:
         failover = kill.failover_s(result)
@@ -143,13 +157,45 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
             "Run PUBLISHERS processes that each store batches of SIZE-byte messages under their own clientid "
             f"(topics {TOPIC_PREFIX}/<clientid>/<n>), as fast as acknowledgements come back, for DURATION seconds; "
             "print acknowledged messages/s and p50/p99/p999 store latency (a progress line runs on stderr), then "
-            f"how fast '{TOPIC_PREFIX}/#' replays what was written. The messages stay in the cluster."
+            f"how fast '{TOPIC_PREFIX}/#' replays what was written. The messages stay in the cluster. "
+            "--in-flight N keeps N pipelined store calls outstanding per publisher instead of one blocking call. "
+            "--small-writes runs the small-write scenarios against their targets instead (see its help); "
+            "--mqtt measures QoS 1 through 'mqds broker'."
         ),
     )
     parser.add_argument("--publishers", type=int, default=8, metavar="N", help="publisher processes (default 8)")
     parser.add_argument("--batch", type=int, default=1000, metavar="N", help="messages per store call (default 1000)")
     parser.add_argument("--size", type=int, default=100, metavar="BYTES", help="payload bytes (default 100)")
-    parser.add_argument("--duration", type=float, default=10.0, metavar="SECONDS", help="load time (default 10)")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=f"load time (default {DEFAULT_DURATION_S:g}; with --small-writes, of each scenario's run: "
+        f"default {bench_small.DEFAULT_DURATION_S:g})",
+    )
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep N pipelined Client.store_async calls of --batch messages outstanding per publisher, "
+        "submitting a new one as each is acknowledged (latency: submit to acknowledgement); default: one "
+        f"blocking store call at a time. With --small-writes: the calls in flight per publisher of its "
+        f"pipelined scenario (default {bench_small.DEFAULT_IN_FLIGHT})",
+    )
+    parser.add_argument(
+        "--small-writes",
+        action="store_true",
+        help="instead of one load: run the small-write scenarios against one cluster in alternating --rounds "
+        "(default 2) of --duration seconds, and print each one's msg/s, p50/p99 latency and CPU per 1,000 "
+        "messages (nodes' CPU with --start-cluster or --data-dir) with its target and PASS/MISS: one writer "
+        "storing 1 message per blocking call (target p50 <= 2 ms); --publishers x --in-flight pipelined "
+        "1-message calls (target 50,000 msg/s; baseline: as many blocking calls from threads); 'mqds exhook' "
+        f"driven by {bench_small.EXHOOK_CALLERS} concurrent OnMessagePublish calls (target 20,000 msg/s); "
+        "--publishers x blocking calls of --batch messages (target 100,000 msg/s). --json: one object, "
+        "the pipelined scenario's figures at the top and every scenario under 'scenarios'",
+    )
     parser.add_argument(
         "--rate", type=float, default=0.0, metavar="MSGS", help="pace to MSGS messages/s in total (default: flat out)"
     )

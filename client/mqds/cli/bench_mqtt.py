@@ -21,8 +21,6 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -33,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from mqds.cli import local_cluster
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError
+from mqds.cli.subprocess_cli import CliProcess
 from mqds.client.client import parse_endpoints
 
 if TYPE_CHECKING:
@@ -79,32 +78,13 @@ def _quiesce(pid: int, timeout_s: float = 30.0) -> None:
         last = now
 
 
-class _BrokerProcess:
+class _BrokerProcess(CliProcess):
     def __init__(self, workdir: Path, endpoints: list[str], port: int, extra: list[str]) -> None:
         self.port = port
-        self.log = workdir / f"broker-{port}.out"
-        command = [sys.executable, "-c", "import sys; from mqds.cli import main; sys.exit(main())", "broker"]
-        command += ["--endpoints", ",".join(endpoints), "--listen", f"127.0.0.1:{port}", *extra]
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while "mqds broker: ready" not in self.output():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise CommandError(f"mqds broker {' '.join(extra)} did not start:\n{self.output()}")
-            time.sleep(0.1)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        command = ["broker", "--endpoints", ",".join(endpoints), "--listen", f"127.0.0.1:{port}", *extra]
+        super().__init__(
+            command, workdir / f"broker-{port}.out", "mqds broker: ready", f"mqds broker {' '.join(extra)}"
+        )
 
 
 class _Publisher:

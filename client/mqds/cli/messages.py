@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import base64
+import collections
 import heapq
 import json
 import sys
 import time
 from collections.abc import Iterable
 from collections.abc import Iterator as AbcIterator
+from concurrent import futures
 
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, TIME_HELP, CommandError, connection, format_time_us, parse_time
 from mqds.client import Client, Iterator, Message, Stream
@@ -44,6 +46,10 @@ def _payloads(opts: argparse.Namespace) -> Iterable[str]:
             n += 1
 
 
+_PUB_IN_FLIGHT = 16
+"""Batches ``mqds pub`` keeps in flight."""
+
+
 def run_pub(opts: argparse.Namespace) -> int:
     try:
         validate_topic(opts.topic)
@@ -57,17 +63,26 @@ def run_pub(opts: argparse.Namespace) -> int:
         leaders = {v.shard: v.leader for v in client.cluster_map().vnodes}
         batch: list[Message] = []
         last: Message | None = None
+        # Batches are pipelined (store_async): up to _PUB_IN_FLIGHT in flight,
+        # reported in the order they were read.
+        pending: collections.deque[futures.Future[list[Message]]] = collections.deque()
 
-        def flush() -> None:
+        def report(stored: list[Message]) -> None:
             nonlocal published
-            for m in client.store_batch(batch):
+            for m in stored:
                 published += 1
                 shard = m.shard or 0
                 shards.add(shard)
                 if not opts.quiet:
                     leader = f" (leader {leaders[shard]})" if leaders.get(shard) else ""
                     print(f"stored {m.topic}  vnode {shard}{leader}  at {format_time_us(m.timestamp_us or 0)}")
-            batch.clear()
+
+        def flush(final: bool = False) -> None:
+            if batch:
+                pending.append(client.store_async(list(batch)))
+                batch.clear()
+            while pending and (final or len(pending) > _PUB_IN_FLIGHT or pending[0].done()):
+                report(pending.popleft().result())
 
         for text in _payloads(opts):
             batch.append(
@@ -83,8 +98,7 @@ def run_pub(opts: argparse.Namespace) -> int:
             last = batch[-1]
             if len(batch) >= opts.batch:
                 flush()
-        if batch:
-            flush()
+        flush(final=True)
         # --retain: the last message becomes the topic's retained message (an empty one deletes it),
         # as a broker does with an MQTT publish that has the retain flag.
         kept = client.retain(last) if opts.retain and last is not None else None
@@ -295,7 +309,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         metavar="N",
         help="publish each message N times (default 1); '{n}' in a message becomes its number, from 0",
     )
-    pub.add_argument("--batch", type=int, default=500, metavar="N", help="messages per store call (default 500)")
+    pub.add_argument(
+        "--batch",
+        type=int,
+        default=500,
+        metavar="N",
+        help="messages per store batch (default 500); up to 16 batches are in flight at once, "
+        "pipelined on one stream per node",
+    )
     pub.add_argument("-q", "--quiet", action="store_true", help="print only the summary, not a line per message")
     pub.set_defaults(run=run_pub)
 

@@ -19,6 +19,7 @@ to the event loop it is first used in: its channels are opened there.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import time
@@ -33,7 +34,10 @@ from mqds.client.aio_routing import AsyncRouter
 from mqds.client.connection import ConnectionSettings, parse_endpoints, resolve_settings
 from mqds.client.model import ClientState, Fence, Generation, Iterator, Message, NextResult, Rank, ReadPosition, Stream
 from mqds.client.operations import FanoutCall, ShardCall
+from mqds.client.pipeline import PipelineLimits, resolve_limits
+from mqds.client.pipeline_aio import AsyncPipeline
 from mqds.client.retry import Backoff
+from mqds.protocol.errors import MqdsError
 from mqds.v1 import cluster_pb2 as clpb
 
 __all__ = ["AsyncRouter", "Client"]
@@ -51,6 +55,8 @@ class Client:
     the call's deadline; concurrent calls that need a fresh cluster map share
     one refresh. A client may start before its cluster: while no node answers
     yet, a call keeps asking for the map until its deadline. Close it (``await client.close()``) or use ``async with``.
+    ``max_in_flight_messages`` and ``pipeline`` bound ``store_async`` /
+    ``publish`` as in the synchronous client.
     """
 
     def __init__(
@@ -61,6 +67,8 @@ class Client:
         timeout_s: float | None = None,
         max_message_bytes: int | None = None,
         backoff: Backoff | None = None,
+        max_in_flight_messages: int | None = None,
+        pipeline: PipelineLimits | None = None,
     ) -> None:
         self.endpoints = parse_endpoints(endpoints)
         self.settings = resolve_settings(settings, timeout_s, max_message_bytes)
@@ -69,6 +77,9 @@ class Client:
         self.producer_id = uuid.uuid4().hex
         """Names this client's writes for exactly-once storage (see ``store_batch``)."""
         self._sequences = itertools.count(1)
+        self.pipeline_limits = resolve_limits(pipeline, max_in_flight_messages, self.settings.max_send_message_bytes)
+        """The window and batch limits of ``store_async`` / ``publish``."""
+        self._pipeline: AsyncPipeline | None = None
 
     # -- plumbing ------------------------------------------------------------
 
@@ -112,6 +123,10 @@ class Client:
         return call.merge(parts)
 
     async def close(self) -> None:
+        """Release the connections; ``store_async`` calls not acknowledged yet fail with UNAVAILABLE."""
+        pipeline, self._pipeline = self._pipeline, None
+        if pipeline is not None:
+            await pipeline.close()
         await self._router.close()
 
     async def __aenter__(self) -> Client:
@@ -161,6 +176,39 @@ class Client:
 
         _, failures = await self._router.fanout(plan.shards, send, deadline)
         return plan.outcome(failures)
+
+    async def store_async(
+        self, messages: Message | Iterable[Message], *, timeout_s: float | None = None
+    ) -> asyncio.Future[list[Message]]:
+        """Queue messages for pipelined storing (awaiting room in the window); a future of the stored messages.
+
+        As :meth:`mqds.client.Client.store_async`: ``await`` this to queue
+        the messages, then the future it returns for their acknowledgement.
+        """
+        batch = [messages] if isinstance(messages, Message) else list(messages)
+        deadline = self._deadline(timeout_s)
+        try:
+            n_shards = await self._n_shards(deadline)
+        except MqdsError as err:
+            failed: asyncio.Future[list[Message]] = asyncio.get_running_loop().create_future()
+            failed.set_exception(err)
+            return failed
+        if self._pipeline is None:
+            self._pipeline = AsyncPipeline(self._router, self.producer_id, self._sequences, self.pipeline_limits)
+        return await self._pipeline.submit(batch, n_shards, deadline)
+
+    def pipeline_stats(self) -> dict[str, int]:
+        """What the pipelined writes did: ``calls`` taken, ``batches`` sent for them and their ``messages``.
+
+        ``messages / batches`` is how many messages a batch carried: how well
+        concurrent calls were coalesced (resends are not counted).
+        """
+        pipeline = self._pipeline
+        return dict(pipeline.core.stats) if pipeline is not None else {"calls": 0, "batches": 0, "messages": 0}
+
+    async def publish(self, messages: Message | Iterable[Message], *, timeout_s: float | None = None) -> list[Message]:
+        """Store messages through the pipeline (``store_async``) and await them; the stored messages."""
+        return await (await self.store_async(messages, timeout_s=timeout_s))
 
     # -- reads ---------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -18,6 +19,8 @@ from mqds.client import operations as ops
 from mqds.client.connection import DEFAULT_MAX_MESSAGE_BYTES, ConnectionSettings, parse_endpoints, resolve_settings
 from mqds.client.model import ClientState, Fence, Generation, Iterator, Message, NextResult, Rank, ReadPosition, Stream
 from mqds.client.operations import FanoutCall, ShardCall
+from mqds.client.pipeline import PipelineLimits, resolve_limits
+from mqds.client.pipeline_sync import SyncPipeline
 from mqds.client.routing import Backoff, Fanout, Router, ShardFailures
 from mqds.protocol.errors import MqdsError
 from mqds.v1 import cluster_pb2 as clpb
@@ -52,6 +55,10 @@ class Client:
     when given, override the settings' values. A missing or bad TLS file is
     a ``ValueError`` here. :class:`mqds.client.aio.Client` is the asyncio
     twin of this class.
+
+    ``max_in_flight_messages`` (default 10,000) bounds the messages
+    ``store_async`` keeps unacknowledged; ``pipeline``
+    (:class:`mqds.client.pipeline.PipelineLimits`) sets the batch limits too.
     """
 
     def __init__(
@@ -62,6 +69,8 @@ class Client:
         timeout_s: float | None = None,
         max_message_bytes: int | None = None,
         backoff: Backoff | None = None,
+        max_in_flight_messages: int | None = None,
+        pipeline: PipelineLimits | None = None,
     ) -> None:
         self.endpoints = parse_endpoints(endpoints)
         self.settings = resolve_settings(settings, timeout_s, max_message_bytes)
@@ -70,6 +79,10 @@ class Client:
         self.producer_id = uuid.uuid4().hex
         """Names this client's writes for exactly-once storage (see ``store_batch``)."""
         self._sequences = itertools.count(1)
+        self.pipeline_limits = resolve_limits(pipeline, max_in_flight_messages, self.settings.max_send_message_bytes)
+        """The window and batch limits of ``store_async`` / ``publish``."""
+        self._pipeline: SyncPipeline | None = None
+        self._pipeline_lock = threading.Lock()
 
     # -- plumbing ------------------------------------------------------------
 
@@ -153,12 +166,23 @@ class Client:
         results: list[T] = []
         while (step := fan.next_round()) is not None:
             groups, remaining = step
-            jobs = {self._router.submit(call, group, address, remaining): group for address, group in groups.items()}
-            for job in futures.as_completed(jobs):
+            if len(groups) == 1:
+                # One node to ask (a single-shard call, most of them): in this
+                # thread, not through the pool (a thread hand-off each way).
+                ((address, group),) = groups.items()
                 try:
-                    results.append(job.result())
+                    results.append(call(group, address, remaining))
                 except MqdsError as err:
-                    fan.failed(jobs[job], err)
+                    fan.failed(group, err)
+            else:
+                jobs = {
+                    self._router.submit(call, group, address, remaining): group for address, group in groups.items()
+                }
+                for job in futures.as_completed(jobs):
+                    try:
+                        results.append(job.result())
+                    except MqdsError as err:
+                        fan.failed(jobs[job], err)
             if fan.end_round():
                 if fan.refresh_map:
                     self._router.refresh_quietly(remaining)
@@ -168,6 +192,11 @@ class Client:
         return results, fan.failures
 
     def close(self) -> None:
+        """Release the connections; ``store_async`` calls not acknowledged yet fail with UNAVAILABLE."""
+        with self._pipeline_lock:
+            pipeline, self._pipeline = self._pipeline, None
+        if pipeline is not None:
+            pipeline.close()
         self._router.close()
 
     def __enter__(self) -> Client:
@@ -224,6 +253,47 @@ class Client:
 
         _, failures = self._per_leader_partial(plan.shards, send, deadline)
         return plan.outcome(failures)
+
+    def store_async(
+        self, messages: Message | Iterable[Message], *, timeout_s: float | None = None
+    ) -> futures.Future[list[Message]]:
+        """Queue messages for pipelined storing; a future of them with ``timestamp_us`` and ``shard`` set.
+
+        Messages go to their shards' leaders on one ``StoreStream`` per node,
+        coalesced with other calls' into batches. Blocks while the window
+        (``max_in_flight_messages``) is full. The future fails with the
+        call's error; a call whose messages a node can never store (a bad
+        topic) fails alone. Futures of one shard complete in call order.
+        Failover (a leader change, a lost node) resends the unacknowledged
+        batches, each stored once, until the call's deadline. See
+        ``docs/client.md``, "Pipelined writes".
+        """
+        batch = [messages] if isinstance(messages, Message) else list(messages)
+        deadline = self._deadline(timeout_s)
+        try:
+            n_shards = self._n_shards(deadline)
+        except MqdsError as err:
+            failed: futures.Future[list[Message]] = futures.Future()
+            failed.set_exception(err)
+            return failed
+        with self._pipeline_lock:
+            if self._pipeline is None:
+                self._pipeline = SyncPipeline(self._router, self.producer_id, self._sequences, self.pipeline_limits)
+            pipeline = self._pipeline
+        return pipeline.submit(batch, n_shards, deadline)
+
+    def pipeline_stats(self) -> dict[str, int]:
+        """What the pipelined writes did: ``calls`` taken, ``batches`` sent for them and their ``messages``.
+
+        ``messages / batches`` is how many messages a batch carried: how well
+        concurrent calls were coalesced (resends are not counted).
+        """
+        pipeline = self._pipeline
+        return dict(pipeline.core.stats) if pipeline is not None else {"calls": 0, "batches": 0, "messages": 0}
+
+    def publish(self, messages: Message | Iterable[Message], timeout_s: float | None = None) -> list[Message]:
+        """Store messages through the pipeline (``store_async``) and wait for them; the stored messages."""
+        return self.store_async(messages, timeout_s=timeout_s).result()
 
     # -- reads ---------------------------------------------------------------
 

@@ -204,6 +204,11 @@ class Reason(enum.Enum):
     UNAVAILABLE = "UNAVAILABLE"
     # The call did not complete before its deadline.
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    # A batch on a StoreStream call broke the stream's rules: a sequence not
+    # greater than the previous batch's, or another producer_id.
+    OUT_OF_ORDER = "OUT_OF_ORDER"
+    # A StoreStream call sent no batch for the node's store_stream_idle_s.
+    STREAM_IDLE = "STREAM_IDLE"
     # The storage engine failed (I/O error, corruption detected).
     STORAGE_ERROR = "STORAGE_ERROR"
     # An unexpected failure inside the node: a bug.
@@ -254,6 +259,8 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.SHUTTING_DOWN: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, True, UnavailableError),
     Reason.UNAVAILABLE: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, True, UnavailableError),
     Reason.DEADLINE_EXCEEDED: ReasonInfo(grpc.StatusCode.DEADLINE_EXCEEDED, True, True, DeadlineExceededError),
+    Reason.OUT_OF_ORDER: ReasonInfo(_IA, False, False, InvalidArgumentError),
+    Reason.STREAM_IDLE: ReasonInfo(grpc.StatusCode.DEADLINE_EXCEEDED, True, False, DeadlineExceededError),
     Reason.STORAGE_ERROR: ReasonInfo(grpc.StatusCode.INTERNAL, False, False, InternalError),
     Reason.INTERNAL: ReasonInfo(grpc.StatusCode.INTERNAL, False, False, InternalError),
 }

@@ -46,6 +46,20 @@ class StoreBatchRequest(_message.Message):
     sequence: int
     def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sync: _Optional[bool] = ..., producer_id: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
 
+class StoreStreamRequest(_message.Message):
+    __slots__ = ("batch",)
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    batch: StoreBatchRequest
+    def __init__(self, batch: _Optional[_Union[StoreBatchRequest, _Mapping]] = ...) -> None: ...
+
+class StoreStreamResponse(_message.Message):
+    __slots__ = ("sequence", "result")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    result: StoreBatchResponse
+    def __init__(self, sequence: _Optional[int] = ..., result: _Optional[_Union[StoreBatchResponse, _Mapping]] = ...) -> None: ...
+
 class MessagePosition(_message.Message):
     __slots__ = ("shard", "timestamp_us")
     SHARD_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class StorageStub:
                 request_serializer=mqds_dot_v1_dot_storage__pb2.StoreBatchRequest.SerializeToString,
                 response_deserializer=mqds_dot_v1_dot_storage__pb2.StoreBatchResponse.FromString,
                 _registered_method=True)
+        self.StoreStream = channel.stream_stream(
+                '/mqds.v1.Storage/StoreStream',
+                request_serializer=mqds_dot_v1_dot_storage__pb2.StoreStreamRequest.SerializeToString,
+                response_deserializer=mqds_dot_v1_dot_storage__pb2.StoreStreamResponse.FromString,
+                _registered_method=True)
         self.GetStreams = channel.unary_unary(
                 '/mqds.v1.Storage/GetStreams',
                 request_serializer=mqds_dot_v1_dot_storage__pb2.GetStreamsRequest.SerializeToString,
@@ -93,6 +98,29 @@ class StorageServicer:
         """Stores a batch of messages. The node assigns each message its shard and
         a timestamp that is strictly increasing within the shard. Messages of one
         sender come back from replay in the order they were stored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StoreStream(self, request_iterator, context):
+        """Stores batches pipelined on one long-lived call: a client keeps many
+        batches in flight and gets each one's acknowledgement, with its
+        positions, as it commits. Acknowledgements come in the order the
+        batches were sent. Every batch carries the stream's producer_id and a
+        sequence greater than the previous batch's, so a client that resends
+        its unacknowledged batches on a new stream (after a lost connection or a
+        leader change) has each stored once. A batch that fails (NOT_LEADER, an
+        invalid message) is answered with its error in `failures` and the stream
+        goes on; once a batch of a shard failed, the later batches of that shard
+        on the stream fail too without being stored, so a resend keeps their
+        order. The node reads a batch only when fewer than its window are
+        unanswered, so a client that does not read its acknowledgements is
+        slowed down by flow control, never buffered for without bound. The
+        stream ends with a status on a protocol error (a sequence out of order,
+        a different producer_id, a batch over the limits, a frame that does not
+        parse) and with DEADLINE_EXCEEDED (reason STREAM_IDLE) after the node's
+        store_stream_idle_s without a batch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -163,6 +191,11 @@ def add_StorageServicer_to_server(servicer, server):
                     request_deserializer=mqds_dot_v1_dot_storage__pb2.StoreBatchRequest.FromString,
                     response_serializer=mqds_dot_v1_dot_storage__pb2.StoreBatchResponse.SerializeToString,
             ),
+            'StoreStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StoreStream,
+                    request_deserializer=mqds_dot_v1_dot_storage__pb2.StoreStreamRequest.FromString,
+                    response_serializer=mqds_dot_v1_dot_storage__pb2.StoreStreamResponse.SerializeToString,
+            ),
             'GetStreams': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStreams,
                     request_deserializer=mqds_dot_v1_dot_storage__pb2.GetStreamsRequest.FromString,
@@ -231,6 +264,33 @@ class Storage:
             '/mqds.v1.Storage/StoreBatch',
             mqds_dot_v1_dot_storage__pb2.StoreBatchRequest.SerializeToString,
             mqds_dot_v1_dot_storage__pb2.StoreBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/mqds.v1.Storage/StoreStream',
+            mqds_dot_v1_dot_storage__pb2.StoreStreamRequest.SerializeToString,
+            mqds_dot_v1_dot_storage__pb2.StoreStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

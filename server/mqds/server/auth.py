@@ -63,6 +63,7 @@ READ, WRITE, ADMIN = "reader", "broker", "admin"
 METHOD_ROLES: dict[str, str] = {
     **{f"/mqds.v1.Storage/{m}": READ for m in ("GetStreams", "MakeIterator", "Next", "ListGenerations", "GetFences")},
     "/mqds.v1.Storage/StoreBatch": WRITE,
+    "/mqds.v1.Storage/StoreStream": WRITE,
     "/mqds.v1.Storage/AddGeneration": ADMIN,
     "/mqds.v1.Storage/DropGeneration": ADMIN,
     **{

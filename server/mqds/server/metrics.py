@@ -318,6 +318,12 @@ class _NodeCollector(Collector):
             "New leaders (term, node) this replica learned of, the first after start not counted",
         )
         elections = counter("mqds_raft_elections", "Elections this replica started (became a candidate)")
+        grouped_entries = counter(
+            "mqds_raft_group_commit_entries", "Log entries this replica proposed that held several commands"
+        )
+        grouped_commands = counter(
+            "mqds_raft_group_commit_commands", "Commands proposed here that went into a log entry with others"
+        )
         installing = gauge("mqds_snapshot_installing", "1 while the replica fetches and installs a snapshot")
         installs = counter("mqds_snapshot_installs", "Snapshots this replica installed")
         install_seconds = counter("mqds_snapshot_install_seconds", "Time spent fetching and installing snapshots")
@@ -344,12 +350,16 @@ class _NodeCollector(Collector):
             journal_entries.add_metric([label], st["log_entries"])
             leader_changes.add_metric([label], group.leader_changes)
             elections.add_metric([label], group.elections)
+            if group.proposals is not None:
+                grouped_entries.add_metric([label], group.proposals.batched_entries)
+                grouped_commands.add_metric([label], group.proposals.batched_commands)
             installing.add_metric([label], 1.0 if group.installing_snapshot else 0.0)
             installs.add_metric([label], group.snapshots_installed)
             install_seconds.add_metric([label], group.snapshot_install_seconds)
             not_member += group.dropped_messages
         yield from (role, has_leader, term, commit, applied, last_log, catch_up, follower_lag, members)
-        yield from (journal_bytes, journal_entries, leader_changes, elections, installing, installs, install_seconds)
+        yield from (journal_bytes, journal_entries, leader_changes, elections, grouped_entries, grouped_commands)
+        yield from (installing, installs, install_seconds)
 
         router = node.router
         dropped = CounterMetricFamily(

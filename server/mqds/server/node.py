@@ -185,6 +185,8 @@ class Node:
             max_answer_bytes=config.max_answer_bytes,
             max_entry_bytes=self.timing.max_entry_bytes,
             clock=self.clock,
+            stream_window=config.store_stream_window,
+            stream_idle_s=config.store_stream_idle_s,
         )
         tokens = load_tokens(config.auth_tokens_file) if config.auth_tokens_file else {}
         self._control_pool = futures.ThreadPoolExecutor(max_workers=_CONTROL_WORKERS, thread_name_prefix="grpc-control")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -86,6 +86,33 @@ def _serialize(response: Any) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
 
 
+def check_parsed(request: Any) -> Any:
+    """The request a handler's parser produced, or the MqdsError for one that did not parse or is too large."""
+    if isinstance(request, _Malformed):
+        raise errors.error(
+            Reason.MALFORMED_REQUEST,
+            f"request is not a valid {request.type_name} ({request.err}); "
+            "string fields such as topics must be valid UTF-8",
+        )
+    if isinstance(request, _TooLarge):
+        raise errors.error(
+            Reason.INVALID_REQUEST,
+            f"request {request.type_name} is {request.size:,} bytes, over the node's limit of "
+            f"{request.limit:,} (max_request_bytes); split it into smaller calls",
+        )
+    return request
+
+
+def _abort(context: grpc.ServicerContext, name: str, err: Exception, metrics: MethodMetrics | None) -> None:
+    """End a call with ``err``'s status (an unexpected exception: logged, INTERNAL), counting the refusal."""
+    if not isinstance(err, MqdsError):
+        log.exception("%s failed", name, exc_info=err)
+        err = errors.error(Reason.INTERNAL, f"{name} failed: {err}")
+    if metrics is not None:
+        metrics.rejected(err.reason)
+    context.abort_with_status(errors.to_status(err))
+
+
 def _unary(
     method: Callable[..., Any],
     request_cls: type[protobuf_message.Message],
@@ -99,30 +126,12 @@ def _unary(
     def handle(request: Any, context: grpc.ServicerContext) -> Any:
         started = metrics.started(context) if metrics is not None else 0.0
         try:
-            if isinstance(request, _Malformed):
-                raise errors.error(
-                    Reason.MALFORMED_REQUEST,
-                    f"request is not a valid {request.type_name} ({request.err}); "
-                    "string fields such as topics must be valid UTF-8",
-                )
-            if isinstance(request, _TooLarge):
-                raise errors.error(
-                    Reason.INVALID_REQUEST,
-                    f"request {request.type_name} is {request.size:,} bytes, over the node's limit of "
-                    f"{request.limit:,} (max_request_bytes); split it into smaller calls",
-                )
+            check_parsed(request)
             if keep_raw:
                 return method(request.parsed, request.raw)
             return method(request, context) if wants_context else method(request)
-        except MqdsError as err:
-            if metrics is not None:
-                metrics.rejected(err.reason)
-            context.abort_with_status(errors.to_status(err))
         except Exception as err:
-            log.exception("%s failed", name)
-            if metrics is not None:
-                metrics.rejected(Reason.INTERNAL)
-            context.abort_with_status(errors.to_status(errors.error(Reason.INTERNAL, f"{name} failed: {err}")))
+            _abort(context, name, err, metrics)
         finally:
             if metrics is not None:
                 metrics.finished(started)
@@ -134,28 +143,64 @@ def _unary(
     )
 
 
+def _bidi(
+    method: Callable[..., Any],
+    request_cls: type[protobuf_message.Message],
+    metrics: MethodMetrics | None = None,
+    max_request_bytes: int | None = None,
+) -> grpc.RpcMethodHandler:
+    """A bidirectional-streaming handler: ``method(requests, context)`` yields answers (bytes or messages).
+
+    Each request arrives as the parser left it (``check_parsed`` turns a bad
+    one into its error; ``.parsed`` and ``.raw`` of a good one). An
+    ``MqdsError`` the method raises ends the stream with its status, after
+    the answers it yielded before.
+    """
+    name = method.__name__
+
+    def handle(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        started = metrics.started(context) if metrics is not None else 0.0
+        try:
+            yield from method(requests, context)
+        except Exception as err:
+            _abort(context, name, err, metrics)
+        finally:
+            if metrics is not None:
+                metrics.finished(started)
+
+    return grpc.stream_stream_rpc_method_handler(
+        handle,
+        request_deserializer=_parser(request_cls, True, max_request_bytes),
+        response_serializer=_serialize,
+    )
+
+
 def unary_handlers(
     descriptor: protobuf_descriptor.ServiceDescriptor,
     impl: Any,
     module: ModuleType,
     metrics: RequestMetrics | None = None,
     max_request_bytes: int | None = None,
+    streams: bool = False,
 ) -> dict[str, grpc.RpcMethodHandler]:
     """Handlers for the unary methods of a service, calling ``impl``'s methods of the same names.
 
     A method of ``impl`` takes the parsed request, and the call context if it
-    has a second parameter. With ``metrics``, each call is timed and a refused
+    has a second parameter; a bidirectional-streaming method takes the
+    requests and the context and yields its answers (``_bidi``), with
+    ``streams`` (otherwise streaming methods are left to the caller). With ``metrics``, each call is timed and a refused
     one counted, under the service's short name (``Storage``) and the method's.
     With ``max_request_bytes``, a larger request is refused (INVALID_REQUEST)
     before it is parsed.
     """
     methods = {}
     for method in descriptor.methods:
-        if method.client_streaming or method.server_streaming:
-            continue
         request_cls = getattr(module, method.input_type.name)
         counted = metrics.method(descriptor.name, method.name) if metrics is not None else None
-        methods[method.name] = _unary(getattr(impl, method.name), request_cls, counted, max_request_bytes)
+        if method.client_streaming and method.server_streaming and streams:
+            methods[method.name] = _bidi(getattr(impl, method.name), request_cls, counted, max_request_bytes)
+        elif not (method.client_streaming or method.server_streaming):
+            methods[method.name] = _unary(getattr(impl, method.name), request_cls, counted, max_request_bytes)
     return methods
 
 
@@ -168,5 +213,5 @@ def service_handler(
 ) -> grpc.GenericRpcHandler:
     """The generic handler serving every (unary) method of a service with ``impl``."""
     return grpc.method_handlers_generic_handler(
-        descriptor.full_name, unary_handlers(descriptor, impl, module, metrics, max_request_bytes)
+        descriptor.full_name, unary_handlers(descriptor, impl, module, metrics, max_request_bytes, streams=True)
     )

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_filter, validate_topic
+from mqds.server.api import store_stream
 from mqds.server.api.handlers import takes_raw_request
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.group import PendingRead, Proposal
@@ -185,6 +186,71 @@ class ShardsAPI:
             raise errors.error(Reason.INVALID_TOPIC_FILTER, str(err)) from None
 
 
+class StoreInFlight:
+    """A batch whose parts are proposed (``StorageService.start_store``); ``finish`` waits for them and answers."""
+
+    __slots__ = ("by_shard", "count", "order", "started")
+
+    def __init__(
+        self, order: list[int], by_shard: dict[int, list[int]], count: int, started: list[Proposal | MqdsError]
+    ) -> None:
+        self.order = order
+        """The shards of the batch, in order."""
+        self.by_shard = by_shard
+        self.count = count
+        self.started = started
+
+    def failed_at_once(self) -> dict[int, MqdsError]:
+        """The shards whose part was refused before it was proposed (not leader, refused by a stream)."""
+        return {
+            shard: item for shard, item in zip(self.order, self.started, strict=True) if isinstance(item, MqdsError)
+        }
+
+    def outcome(self, timeout_s: float) -> list[int | MqdsError]:
+        """Each shard's first timestamp, or its error, once every part committed (or failed, or timed out)."""
+        deadline = time.monotonic() + timeout_s
+        results: list[int | MqdsError] = []
+        for item in self.started:
+            if isinstance(item, MqdsError):
+                results.append(item)
+                continue
+            try:
+                results.append(item.wait(max(0.0, deadline - time.monotonic())))
+            except MqdsError as err:
+                results.append(err)
+        return results
+
+    def finish(self, timeout_s: float) -> pb.StoreBatchResponse | bytes:
+        """The StoreBatch answer; raises the error when no part was stored."""
+        if not self.order:
+            return pb.StoreBatchResponse()
+        return self.answer(self.outcome(timeout_s), raise_if_none=True)
+
+    def answer(self, results: list[int | MqdsError], raise_if_none: bool) -> pb.StoreBatchResponse | bytes:
+        """The StoreBatchResponse for the parts' results (encoded when one shard stored all)."""
+        order, by_shard = self.order, self.by_shard
+        failed = [(shard, r) for shard, r in zip(order, results, strict=True) if isinstance(r, MqdsError)]
+        if raise_if_none and len(failed) == len(order):
+            raise failed[0][1]
+        if len(order) == 1 and not failed:
+            first = results[0]
+            assert isinstance(first, int)
+            return positions_bytes(order[0], first, self.count)
+        timestamps = [0] * self.count
+        shards = [0] * self.count
+        for shard, first in zip(order, results, strict=True):
+            for offset, index in enumerate(by_shard[shard]):
+                timestamps[index] = 0 if isinstance(first, MqdsError) else first + offset
+                shards[index] = shard
+        response = pb.StoreBatchResponse()
+        add = response.positions.add
+        for ts, shard in zip(timestamps, shards, strict=True):
+            add(shard=shard, timestamp_us=ts)
+        for shard, err in failed:
+            response.failures.add(shard=shard, reason=err.reason.value, message=err.message, metadata=err.metadata)
+        return response
+
+
 class StorageService(ShardsAPI):
     """Implements mqds.v1.Storage over the vnodes of one node."""
 
@@ -198,8 +264,12 @@ class StorageService(ShardsAPI):
         max_answer_bytes: int | None = None,
         max_entry_bytes: int | None = None,
         clock: Callable[[], int] = now_us,
+        stream_window: int = 256,
+        stream_idle_s: float = 300.0,
     ) -> None:
         super().__init__(shards, max_answer_bytes=max_answer_bytes, max_entry_bytes=max_entry_bytes)
+        self.stream_window = stream_window
+        self.stream_idle_s = stream_idle_s
         self.max_payload_bytes = max_payload_bytes
         self.max_batch_messages = max_batch_messages
         self.max_next_batch = max_next_batch
@@ -207,26 +277,16 @@ class StorageService(ShardsAPI):
 
     # -- helpers -------------------------------------------------------------
 
-    def _propose_each(self, commands: list[tuple[int, bytes]]) -> list[Any]:
-        """Propose one command per shard; each result, or the ``MqdsError`` that shard's part failed with."""
+    def _propose_started(self, commands: list[tuple[int, bytes]]) -> list[Proposal | MqdsError]:
+        """Propose one command per shard without waiting; each proposal, or the ``MqdsError`` it was refused with."""
         self._check_commands(commands)
-        started: list[Any] = []
+        started: list[Proposal | MqdsError] = []
         for shard, body in commands:
             try:
                 started.append(self.shards.leader_vnode(shard).group.propose(body))
             except MqdsError as err:
                 started.append(err)
-        deadline = time.monotonic() + self.shards.write_timeout_s
-        results: list[Any] = []
-        for item in started:
-            if isinstance(item, MqdsError):
-                results.append(item)
-                continue
-            try:
-                results.append(item.wait(max(0.0, deadline - time.monotonic())))
-            except MqdsError as err:
-                results.append(err)
-        return results
+        return started
 
     @staticmethod
     def _generation(info: GenerationInfo) -> pb.Generation:
@@ -261,6 +321,17 @@ class StorageService(ShardsAPI):
     @takes_raw_request
     def StoreBatch(self, request: pb.StoreBatchRequest, raw: bytes | None = None) -> pb.StoreBatchResponse | bytes:
         """Store a batch; ``raw`` (the request's bytes) lets a single-shard batch be logged as it came."""
+        return self.start_store(request, raw).finish(self.shards.write_timeout_s)
+
+    def start_store(
+        self, request: pb.StoreBatchRequest, raw: bytes | None = None, refused: dict[int, MqdsError] | None = None
+    ) -> StoreInFlight:
+        """Check a batch and propose its parts without waiting for them; ``finish`` waits and answers.
+
+        A part for a shard in ``refused`` is not proposed: it fails with that
+        error (a stream's earlier batch of the shard failed, see StoreStream).
+        Raises ``MqdsError`` for a batch refused as a whole.
+        """
         messages = request.messages
         if len(messages) > self.max_batch_messages:
             raise errors.error(
@@ -277,7 +348,7 @@ class StorageService(ShardsAPI):
             if request.sequence == 0:
                 raise errors.error(Reason.INVALID_REQUEST, "sequence must be 1 or more when producer_id is set")
         if not messages:
-            return pb.StoreBatchResponse()  # nothing to store: nothing proposed
+            return StoreInFlight([], {}, 0, [])  # nothing to store: nothing proposed
         n_shards = self.shards.n_shards
         max_payload = self.max_payload_bytes
         # No payload can be over the limit when the whole request is not.
@@ -331,26 +402,17 @@ class StorageService(ShardsAPI):
                 else:
                     store.messages.extend([messages[i] for i in indexes])
                 commands.append((shard, cmd.SerializeToString()))
-        results = self._propose_each(commands)
-        failed = [(shard, r) for shard, r in zip(order, results, strict=True) if isinstance(r, MqdsError)]
-        if len(failed) == len(order):
-            raise failed[0][1]
-        if len(order) == 1:
-            return positions_bytes(order[0], results[0], len(messages))
-        timestamps = [0] * len(messages)
-        shards = [0] * len(messages)
-        for shard, first in zip(order, results, strict=True):
-            stored = not isinstance(first, MqdsError)
-            for offset, index in enumerate(by_shard[shard]):
-                timestamps[index] = first + offset if stored else 0
-                shards[index] = shard
-        response = pb.StoreBatchResponse()
-        add = response.positions.add
-        for ts, shard in zip(timestamps, shards, strict=True):
-            add(shard=shard, timestamp_us=ts)
-        for shard, err in failed:
-            response.failures.add(shard=shard, reason=err.reason.value, message=err.message, metadata=err.metadata)
-        return response
+        if refused:
+            keep = [(shard, command) for shard, command in commands if shard not in refused]
+            proposed = iter(self._propose_started(keep))
+            started = [refused[shard] if shard in refused else next(proposed) for shard, _ in commands]
+        else:
+            started = self._propose_started(commands)
+        return StoreInFlight(order, by_shard, len(messages), started)
+
+    def StoreStream(self, requests: Iterator[Any], context: Any) -> Iterator[bytes]:
+        """Pipelined stores on one call (``store_stream.py``): each batch answered in order as it commits."""
+        return store_stream.serve(self, requests, self.stream_window, self.stream_idle_s, self.shards.write_timeout_s)
 
     def GetStreams(self, request: pb.GetStreamsRequest) -> pb.GetStreamsResponse:
         levels = self._filter(request.topic_filter)

@@ -28,7 +28,7 @@ from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.journal import fsync_dir
-from mqds.server.storage import Engine, GenerationInfo, ShardStorage
+from mqds.server.storage import Engine, GenerationInfo, ShardStorage, StorePart
 from mqds.v1 import sessions_pb2 as spb
 
 if TYPE_CHECKING:
@@ -110,33 +110,99 @@ class VnodeReplica:
         return self.storage.applied_index
 
     def apply(self, command: bytes, index: int) -> Any:
+        if index <= self.storage.applied_index:
+            return None
+        return self._apply_one(cpb.VnodeCommand.FromString(command), command, index)
+
+    def apply_batch(self, bodies: list[bytes], index: int) -> list[Any]:
+        """Apply the commands of a group-committed entry in order; each one's result (or MqdsError).
+
+        Consecutive stores are written as one RocksDB write batch; any other
+        command is a write of its own (a session change reads what the ones
+        before it wrote). An entry of several writes records each written
+        part (``ShardStorage.begin_part``) and the applied index with its
+        last, so replaying it after a crash applies each part once.
+        """
         storage = self.storage
         if index <= storage.applied_index:
-            return None
-        cmd = cpb.VnodeCommand.FromString(command)
-        kind = cmd.WhichOneof("kind")
-        if kind == "store":
-            store = cmd.store
-            if not storage.initialized:
-                storage.initialize(store.now_us)
-            dedup = (store.producer_id.encode(), store.sequence) if store.producer_id else None
-            last_ts = storage.last_ts
+            return [None] * len(bodies)
+        commands = [_parse(body) for body in bodies]
+        parts: list[list[int]] = []
+        for i, cmd in enumerate(commands):
+            if parts and _is_store(cmd) and _is_store(commands[parts[-1][-1]]):
+                parts[-1].append(i)
+            else:
+                parts.append([i])
+        done = storage.applied_part(index) if len(parts) > 1 else -1
+        results: list[Any] = [None] * len(bodies)
+        for k, part in enumerate(parts):
+            if k <= done:
+                continue  # written before a crash
+            last = k == len(parts) - 1
+            storage.begin_part(index, None if last else k)
+            applied = index if last else None
             try:
-                first = storage.store(
-                    store.messages,
-                    store.now_us,
-                    applied_index=index,
-                    dedup=dedup,
-                    encoded=cpb.VnodeCommandEncoded.FromString(command).store.messages,
-                )
+                first = commands[part[0]]
+                if first is None:
+                    raise ValueError("not a VnodeCommand")
+                if _is_store(first):
+                    stores = [cmd for cmd in (commands[i] for i in part) if cmd is not None]
+                    stored = self._apply_stores(stores, [bodies[i] for i in part], applied)
+                    for i, result in zip(part, stored, strict=True):
+                        results[i] = result
+                else:
+                    results[part[0]] = self._apply_one(first, bodies[part[0]], applied)
             except MqdsError as err:
                 if err.reason is Reason.STORAGE_ERROR:
                     raise
-                return err  # a reused sequence number: refused alike everywhere
-            if storage.last_ts != last_ts:  # stored, not a retry answered from the dedup memory
-                self.stored_messages += len(store.messages)
-                self.stored_bytes += len(command)
-            return first
+                for i in part:
+                    results[i] = err
+            except (OSError, MemoryError):
+                raise
+            except Exception as err:  # this command's own failure, the same on every replica
+                log.error("shard %d: command %d of log entry %d failed", self.shard, part[0], index, exc_info=err)
+                failure = errors.error(Reason.INTERNAL, f"shard {self.shard}: log entry {index} could not be applied")
+                for i in part:
+                    results[i] = failure
+            finally:
+                storage.begin_part(index, None)
+        if index > storage.applied_index:  # the last part wrote nothing (it failed, or changed nothing)
+            storage.record_applied(index)
+        return results
+
+    def _apply_stores(self, commands: list[cpb.VnodeCommand], bodies: list[bytes], applied: int | None) -> list[Any]:
+        """Store the messages of several store commands in one write; each one's first timestamp or refusal."""
+        storage = self.storage
+        if not storage.initialized:
+            storage.initialize(commands[0].store.now_us)
+        parts = [
+            StorePart(
+                cmd.store.messages,
+                cmd.store.now_us,
+                (cmd.store.producer_id.encode(), cmd.store.sequence) if cmd.store.producer_id else None,
+                cpb.VnodeCommandEncoded.FromString(body).store.messages,
+            )
+            for cmd, body in zip(commands, bodies, strict=True)
+        ]
+        before = storage.last_ts
+        results = storage.store_many(parts, applied_index=applied)
+        counted: set[int] = set()
+        for part, body, result in zip(parts, bodies, results, strict=True):
+            # Stored now, not a retry answered from the dedup memory (an
+            # earlier entry's positions, or an earlier part's of this one).
+            if isinstance(result, int) and result > before and result not in counted:
+                counted.add(result)
+                self.stored_messages += len(part.messages)
+                self.stored_bytes += len(body)
+        return list(results)
+
+    def _apply_one(self, cmd: cpb.VnodeCommand, command: bytes, index: int | None) -> Any:
+        """Apply one command; ``index`` is recorded as applied with its write (None: a part of an entry)."""
+        storage = self.storage
+        kind = cmd.WhichOneof("kind")
+        if kind == "store":
+            (result,) = self._apply_stores([cmd], [command], index)
+            return result  # a reused sequence number is refused alike everywhere
         if kind == "add_generation":
             add = cmd.add_generation
             if not storage.initialized:
@@ -157,13 +223,13 @@ class VnodeReplica:
                 return err
         if kind == "session":
             return self._apply_session(cmd.session, index)
-        raise errors.error(Reason.INTERNAL, f"shard {self.shard}: log entry {index} holds an unknown command")
+        raise errors.error(Reason.INTERNAL, f"shard {self.shard}: a log entry holds an unknown command")
 
     def skip(self, index: int) -> None:
         """An entry that changed nothing in this shard: its index is recorded all the same."""
         self.storage.record_applied(index)
 
-    def _apply_session(self, cmd: cpb.SessionCommand, index: int) -> Any:
+    def _apply_session(self, cmd: cpb.SessionCommand, index: int | None) -> Any:
         """A broker-state change (the leader checked its fields); its result goes to the proposer."""
         sessions = self.storage.sessions
         now = cmd.now_us
@@ -193,7 +259,7 @@ class VnodeReplica:
             return sessions.start_position(start.clientid, start.topic_filter, now, applied_index=index)
         if kind == "forget_session":
             return sessions.forget_session(cmd.forget_session.clientid, applied_index=index)
-        raise errors.error(Reason.INTERNAL, f"shard {self.shard}: log entry {index} holds an unknown session command")
+        raise errors.error(Reason.INTERNAL, f"shard {self.shard}: a log entry holds an unknown session command")
 
     def snapshot(self) -> bytes:
         self.storage.sync_wal()
@@ -250,6 +316,18 @@ class VnodeReplica:
     def generations(self) -> list[GenerationInfo]:
         with self.reading() as storage:
             return storage.generations()
+
+
+def _parse(body: bytes) -> cpb.VnodeCommand | None:
+    """A command of a batch entry, or None when its bytes are not one (that command alone fails)."""
+    try:
+        return cpb.VnodeCommand.FromString(body)
+    except Exception:  # DecodeError, or a RuntimeError from upb
+        return None
+
+
+def _is_store(cmd: cpb.VnodeCommand | None) -> bool:
+    return cmd is not None and cmd.HasField("store")
 
 
 @dataclass

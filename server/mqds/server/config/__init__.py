@@ -159,6 +159,15 @@ class NodeConfig:
     lts_threshold: int = _opt(10, "distinct values of a deeper topic level before it becomes a wildcard in a stream")
     max_payload_bytes: int = _opt(1024 * 1024, "largest payload accepted, in bytes")
     max_batch_messages: int = _opt(10_000, "most messages accepted in one StoreBatch call")
+    store_stream_window: int = _opt(
+        256,
+        "batches one StoreStream call may have unanswered on this node; the node reads the next batch only "
+        "once an earlier one is answered, so a client that does not read its acknowledgements is held back "
+        "by flow control instead of buffered for",
+    )
+    store_stream_idle_s: float = _opt(
+        300.0, "a StoreStream call that sends no batch for this long is ended (DEADLINE_EXCEEDED, STREAM_IDLE), seconds"
+    )
     max_next_batch: int = _opt(10_000, "most messages one Next call returns; larger batch_size values are capped")
     max_request_bytes: int = _opt(
         64 * 1024 * 1024,
@@ -222,6 +231,8 @@ class NodeConfig:
             "max_payload_bytes",
             "max_batch_messages",
             "max_next_batch",
+            "store_stream_window",
+            "store_stream_idle_s",
             "max_request_bytes",
             "max_answer_bytes",
             "grpc_workers",

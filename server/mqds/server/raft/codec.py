@@ -32,6 +32,8 @@ from mqds.server.raft.v1 import raft_pb2 as rpb
 COMMAND_REGULAR = 0
 COMMAND_NO_OP = 1
 COMMAND_MEMBERSHIP = 2
+# 3 is pysyncobj's (pickled) code-version switch, which mqds refuses.
+COMMAND_BATCH = 4
 
 # Largest index, term or request id a peer may send (they are Python ints
 # inside pysyncobj; this keeps them sane).
@@ -74,6 +76,11 @@ def check_command(command: bytes) -> None:
     elif kind == COMMAND_NO_OP:
         if len(command) != 1:
             raise MalformedMessage("no-op entry with a body")
+    elif kind == COMMAND_BATCH:
+        try:
+            rpb.CommandBatch.FromString(command[1:])
+        except DecodeError as err:
+            raise MalformedMessage(f"batch entry that is not a CommandBatch: {err}") from None
     elif kind != COMMAND_REGULAR:
         raise MalformedMessage(f"log entry of command type {kind}, which mqds does not use")
 

@@ -21,7 +21,7 @@ from pysyncobj.monotonic import monotonic as raft_clock
 
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
-from mqds.server.raft import codec
+from mqds.server.raft import batching, codec
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,10 @@ class StateMachine(Protocol):
         and readiness reports the stall. Anything else raised is taken as the
         entry's deterministic failure (see ``CommandApplier._apply_regular``).
         """
+
+    # Optional: ``apply_batch(bodies, index) -> list`` applies the regular
+    # commands of a group-committed entry (``batching.py``) in order, each
+    # result (or MqdsError) in the list; a machine without it gets no batches.
 
     def skip(self, index: int) -> None:
         """Record entry ``index`` as applied though it changed nothing here.
@@ -111,6 +115,8 @@ class CommandApplier(SyncObj):
         kind = command[0]
         if kind == codec.COMMAND_REGULAR:
             return self._apply_regular(command[1:], index)
+        if kind == codec.COMMAND_BATCH:
+            return self._apply_regular(command[1:], index, batch=True)
         if kind == codec.COMMAND_MEMBERSHIP:
             # After a restart the journal is replayed: apply the change again
             # (a no-op when already in effect).
@@ -119,8 +125,8 @@ class CommandApplier(SyncObj):
             self.machine.skip(index)
         return None
 
-    def _apply_regular(self, body: bytes, index: int) -> Any:
-        """``machine.apply``, made total: a deterministic failure becomes the entry's result.
+    def _apply_regular(self, body: bytes, index: int, batch: bool = False) -> Any:
+        """``machine.apply`` (or ``apply_batch``), made total: a deterministic failure becomes the result.
 
         Whatever a committed entry holds, every replica must get past it the
         same way. An exception from the command itself (a bug, or input the
@@ -133,7 +139,13 @@ class CommandApplier(SyncObj):
         group whose applied index stopped behind its commit index.
         """
         try:
-            result = self.machine.apply(body, index)
+            if batch:
+                apply_batch = getattr(self.machine, "apply_batch", None)
+                if apply_batch is None:
+                    raise errors.error(Reason.INTERNAL, f"{self.name}: a batch entry, but the machine takes no batches")
+                result = apply_batch(batching.decode(body), index)
+            else:
+                result = self.machine.apply(body, index)
         except errors.MqdsError as err:
             if err.reason is Reason.STORAGE_ERROR:
                 raise

@@ -94,6 +94,9 @@ META_FORMAT = b"m:format"
 META_SHARD = b"m:shard"
 META_LAST_TS = b"m:last_ts"
 META_APPLIED = b"m:applied"
+# The last part written of a log entry that is applied in several writes (a
+# group-committed entry, see ShardStorage.applied_part): log index u64, part u32.
+META_APPLIED_PART = b"m:applied_part"
 META_LTS = b"m:lts"
 META_NEXT_NODE = b"m:next_node"
 GENERATION_PREFIX = b"g:"

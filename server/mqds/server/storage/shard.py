@@ -49,6 +49,17 @@ from mqds.server.wire import (
 )
 from mqds.v1 import storage_pb2 as pb
 
+
+@dataclass(frozen=True)
+class StorePart:
+    """One batch of a ``ShardStorage.store_many`` call: what ``store`` takes for one batch."""
+
+    messages: Sequence[pb.Message]
+    now_us: int
+    dedup: tuple[bytes, int] | None = None
+    encoded: Sequence[bytes] | None = None
+
+
 __all__ = [
     "DEDUP_PRUNE_PERIOD_US",
     "DEDUP_WINDOW_US",
@@ -58,6 +69,7 @@ __all__ = [
     "GenerationInfo",
     "ReadResult",
     "ShardStorage",
+    "StorePart",
     "StreamRef",
     "decode_message",
     "encode_messages",
@@ -99,6 +111,8 @@ class ShardStorage:
         self._generations = Generations(shard)
         self.last_ts = 0
         self.applied_index = 0
+        self.part_mark: bytes | None = None
+        """Set while one part of a multi-part log entry is applied (``begin_part``): its writes record it."""
         self._dedup_pruned = 0
         self.keys_read = 0
         """Keys read by ``next`` since the shard was opened (a cost measure)."""
@@ -183,6 +197,8 @@ class ShardStorage:
     def _write(self, batch: WriteBatch, sync: bool, applied_index: int | None) -> None:
         if applied_index is not None:
             batch.put(keys.META_APPLIED, keys.u64(applied_index), self._meta_handle)
+        elif self.part_mark is not None:
+            batch.put(keys.META_APPLIED_PART, self.part_mark, self._meta_handle)
         try:
             self._db.write(batch, self._engine.sync_write if sync else self._engine.async_write)
         except Exception as err:
@@ -242,40 +258,77 @@ class ShardStorage:
         (the API layer checks them) and ``timestamp_us``/``shard`` unset.
         With ``dedup=(producer, sequence)``, a pair stored less than
         ``DEDUP_WINDOW_US`` before ``now_us`` is not stored again: the first
-        timestamp it got then is returned. Every input is in the Raft log,
+        timestamp it got then is returned (a different message count for the
+        pair is refused with INVALID_REQUEST). Every input is in the Raft log,
         so every replica decides the same. ``encoded``, if given, holds each
         message's bytes as logged, stored as they are (saves encoding them).
         """
+        (result,) = self.store_many(
+            [StorePart(messages, now_us, dedup, encoded)], sync=sync, applied_index=applied_index
+        )
+        if isinstance(result, errors.MqdsError):
+            raise result
+        return result
+
+    def store_many(
+        self, parts: Sequence[StorePart], *, sync: bool = False, applied_index: int | None = None
+    ) -> list[int | errors.MqdsError]:
+        """Store several batches in one RocksDB write (group commit); each one's first timestamp, or its refusal.
+
+        The parts are stored in order, each as ``store`` would store it alone
+        (its own ``now_us`` and deduplication pair; a pair stored by an
+        earlier part of the same call counts as stored). A refusal (a reused
+        sequence number) is that part's result and stores nothing of it.
+        """
         with self._lock:
-            dedup_key = None
-            if dedup is not None:
-                dedup_key = keys.dedup_key(*dedup)
-                seen = dedups.seen(self._db, dedup_key, now_us)
-                if seen is not None:
-                    self._write(WriteBatch(raw_mode=True), False, applied_index)
-                    if seen.count != len(messages):
-                        raise errors.error(
-                            Reason.INVALID_REQUEST,
-                            f"producer {dedup[0]!r} sequence {dedup[1]} was stored with {seen.count} messages "
-                            f"in shard {self.shard}, not {len(messages)}: a sequence number was reused",
-                        )
-                    return seen.first_ts
-            gen = self._generations.by_number[self._generations.current]
-            first = max(now_us, self.last_ts + 1)
-            values = encoded if encoded is not None else [message.SerializeToString() for message in messages]
+            results: list[int | errors.MqdsError] = []
+            batch = WriteBatch(raw_mode=True)
             meta = self._meta_handle
-            stored = writes.build(gen, messages, values, first, self.last_ts, self._routes, meta)
-            if dedup_key is not None:
-                dedups.remember(stored.batch, meta, dedup_key, first, len(messages), now_us)
-            pruned = dedups.prune(self._db, stored.batch, meta, now_us, self._dedup_pruned)
+            gen = self._generations.by_number[self._generations.current]
+            last_ts = self.last_ts
+            built: list[writes.StoreBatch] = []
+            here: dict[bytes, keys.DedupRecord] = {}
+            for part in parts:
+                messages, now_us = part.messages, part.now_us
+                dedup_key = None
+                if part.dedup is not None:
+                    dedup_key = keys.dedup_key(*part.dedup)
+                    seen = here.get(dedup_key) or dedups.seen(self._db, dedup_key, now_us)
+                    if seen is not None:
+                        results.append(self._seen_result(part, seen))
+                        continue
+                first = max(now_us, last_ts + 1)
+                values = part.encoded if part.encoded is not None else [m.SerializeToString() for m in messages]
+                stored = writes.build(gen, messages, values, first, last_ts, self._routes, meta, batch)
+                built.append(stored)
+                last_ts = stored.last_ts
+                if dedup_key is not None:
+                    dedups.remember(batch, meta, dedup_key, first, len(messages), now_us)
+                    here[dedup_key] = keys.DedupRecord(first, len(messages), now_us)
+                results.append(first)
+            now = max((part.now_us for part in parts), default=0)
+            pruned = dedups.prune(self._db, batch, meta, now, self._dedup_pruned) if built else self._dedup_pruned
             try:
-                self._write(stored.batch, sync, applied_index)
+                self._write(batch, sync, applied_index)
             except BaseException:
-                writes.undo(stored, gen, self._routes)
+                for stored in reversed(built):
+                    writes.undo(stored, gen, self._routes)
                 raise
-            self.last_ts = stored.last_ts
+            self.last_ts = last_ts
             self._dedup_pruned = pruned
-            return first
+            return results
+
+    def _seen_result(self, part: StorePart, seen: keys.DedupRecord) -> int | errors.MqdsError:
+        """The answer to a part whose (producer, sequence) was stored already: its first timestamp then."""
+        if seen.count == len(part.messages):
+            return seen.first_ts
+        assert part.dedup is not None
+        producer, sequence = part.dedup
+        return errors.error(
+            Reason.INVALID_REQUEST,
+            f"producer {producer!r} sequence {sequence} was stored with {seen.count} messages "
+            f"in shard {self.shard}, not {len(part.messages)}: a sequence number was reused",
+        )
 
     def add_generation(self, now_us: int, *, applied_index: int | None = None) -> GenerationInfo:
         """Close the current generation and open a new one starting now."""
@@ -302,6 +355,23 @@ class ShardStorage:
                 lambda b: self._write(b, True, applied_index),
                 self._routes.clear,
             )
+
+    def applied_part(self, index: int) -> int:
+        """The last part of log entry ``index`` already written (-1 for none).
+
+        An entry applied in several writes (a group commit holding session
+        commands, which read what the ones before them wrote) records each
+        part it wrote with ``begin_part``, and the applied index with its
+        last write; replaying it after a crash skips the parts written.
+        """
+        raw = self._db.get(keys.META_APPLIED_PART)
+        if raw is None or len(raw) != 12 or keys.read_u64(raw[:8]) != index:
+            return -1
+        return keys.read_u32(raw[8:])
+
+    def begin_part(self, index: int, part: int | None) -> None:
+        """The writes from now on are part ``part`` of log entry ``index`` (None: no longer)."""
+        self.part_mark = None if part is None else keys.u64(index) + keys.u32(part)
 
     def record_applied(self, applied_index: int) -> None:
         """Record a log index whose command changed nothing in this shard."""

@@ -73,19 +73,22 @@ def build(
     last_ts: int,
     routes: Routes,
     meta: object,
+    batch: WriteBatch | None = None,
 ) -> StoreBatch:
     """The write batch storing ``messages`` (serialised as ``values``) from timestamp ``first`` in ``gen``.
 
     Message ``i`` gets timestamp ``first + i``. New topics are learned by the
     trie and new streams marked present in ``gen`` right away; ``undo``
-    forgets them if the batch is not written.
+    forgets them if the batch is not written. With ``batch``, the puts go
+    into it (several stored batches in one write) and it is returned.
     """
     handle = gen.handle
     present = gen.present
     cache = routes.cache
     if len(cache) > ROUTE_CACHE_LIMIT:
         cache.clear()
-    batch = WriteBatch(raw_mode=True)
+    if batch is None:
+        batch = WriteBatch(raw_mode=True)
     put = batch.put
     new_edges: list[tuple[int, str, int]] = []
     new_streams: list[int] = []

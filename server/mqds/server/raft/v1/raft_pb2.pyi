@@ -35,6 +35,12 @@ class Entry(_message.Message):
     term: int
     def __init__(self, command: _Optional[bytes] = ..., index: _Optional[int] = ..., term: _Optional[int] = ...) -> None: ...
 
+class CommandBatch(_message.Message):
+    __slots__ = ("commands",)
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    commands: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, commands: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class RequestVote(_message.Message):
     __slots__ = ("term", "last_log_index", "last_log_term", "transfer")
     TERM_FIELD_NUMBER: _ClassVar[int]

@@ -1,0 +1,116 @@
+"""The calls of pipelined writes: limits, what the client checks before queueing, one call's outcome; no I/O.
+
+Part of :mod:`mqds.client.pipeline` (which re-exports these names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mqds.client.model import Message
+from mqds.protocol import errors
+from mqds.protocol.errors import MqdsError, PartialBatchError, Reason
+from mqds.protocol.sharding import shard_of
+from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_topic
+
+__all__ = ["PendingCall", "PipelineLimits", "check_message", "resolve_limits"]
+
+
+@dataclass(frozen=True)
+class PipelineLimits:
+    """How much a client keeps in flight: messages in all (the window), batch sizes, batches per shard.
+
+    ``max_batches_per_shard`` is what makes calls share batches: a shard
+    sends a new batch only while fewer than that are unacknowledged, so the
+    calls made meanwhile wait and go out together in the next one (like a
+    Kafka producer's ``max.in.flight``). Four keep a shard's Raft pipeline
+    busy (a round takes about as long as the node needs to take in three or
+    four batches) while one-message calls still travel a few dozen a batch.
+    """
+
+    max_in_flight_messages: int = 10_000
+    max_batch_messages: int = 1_000
+    max_batch_bytes: int = 4 * 1024 * 1024
+    max_batches_per_shard: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("max_in_flight_messages", "max_batch_messages", "max_batch_bytes", "max_batches_per_shard"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def resolve_limits(
+    limits: PipelineLimits | None, max_in_flight_messages: int | None, max_send_message_bytes: int
+) -> PipelineLimits:
+    """A client's limits: ``limits`` (or the defaults) with the window given, batches under the send limit."""
+    resolved = limits or PipelineLimits()
+    if max_in_flight_messages is not None:
+        resolved = dataclasses.replace(resolved, max_in_flight_messages=max_in_flight_messages)
+    cap = max(1, max_send_message_bytes // 2)
+    if resolved.max_batch_bytes > cap:
+        resolved = dataclasses.replace(resolved, max_batch_bytes=cap)
+    return resolved
+
+
+def check_message(index: int, message: Message) -> None:
+    """Raise what the node would for a message it can never store (a bad topic, qos or sender)."""
+    try:
+        validate_topic(message.topic)
+    except TopicError as err:
+        raise errors.error(Reason.INVALID_TOPIC, f"message {index}: {err}") from None
+    if message.qos not in (0, 1, 2):
+        raise errors.error(Reason.INVALID_MESSAGE, f"message {index}: qos must be 0, 1 or 2, got {message.qos}")
+    if len(message.sender.encode("utf-8")) > MAX_TOPIC_BYTES:
+        raise errors.error(Reason.INVALID_MESSAGE, f"message {index}: sender clientid is over 65,535 bytes")
+
+
+class PendingCall:
+    """One ``store_async`` call: its messages, deadline, the positions acknowledged so far, its outcome."""
+
+    _ids = itertools.count()
+
+    def __init__(self, messages: Sequence[Message], n_shards: int, deadline: float) -> None:
+        self.id = next(self._ids)
+        self.messages = list(messages)
+        self.deadline = deadline
+        self.shards = [shard_of(m.sender, n_shards) for m in self.messages]
+        self.parts_left = len(set(self.shards))
+        self.positions: dict[int, tuple[int, int]] = {}
+        self.failed: dict[int, MqdsError] = {}  # index -> error
+        self.last_error: MqdsError | None = None
+        self.sequence = 0
+        self.done = False
+        self.error: MqdsError | None = None
+        self.handle: object = None
+        """The transport's future for this call."""
+
+    def part_settled(self) -> bool:
+        """One shard's part is acknowledged or failed for good; True when that settles the call."""
+        self.parts_left -= 1
+        return self.parts_left <= 0 and not self.done
+
+    def fail(self, err: MqdsError) -> None:
+        self.done, self.error = True, err
+
+    def outcome(self) -> list[Message]:
+        """The messages with ``timestamp_us`` and ``shard`` set; raises the call's error."""
+        if self.error is not None:
+            raise self.error
+        stored: list[Message] = []
+        failed: list[tuple[Message, MqdsError]] = []
+        for index, m in enumerate(self.messages):
+            ts, shard = self.positions.get(index, (None, self.shards[index]))
+            copy = Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, ts, shard)
+            if index in self.failed:
+                failed.append((copy, self.failed[index]))
+            else:
+                stored.append(copy)
+        if not failed:
+            return stored
+        if not stored:
+            raise failed[0][1]
+        raise PartialBatchError(stored, failed, self.sequence)

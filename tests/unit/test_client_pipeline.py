@@ -1,0 +1,266 @@
+"""The pipelined-write rules of mqds.client.pipeline, without a cluster: batches, window, acks, resends."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from mqds.client import Message
+from mqds.client import errors as E
+from mqds.client.pipeline import Batch, PendingCall, Pipeline, PipelineLimits, Plan, StreamState, check_message
+from mqds.client.retry import Backoff
+from mqds.client.routing_table import RoutingTable
+from mqds.protocol.sharding import shard_of
+from mqds.v1 import storage_pb2 as pb
+
+N_SHARDS = 4
+FAR = 1e18  # a deadline that never passes
+
+
+def sender_on(shard: int, prefix: str = "s") -> str:
+    return next(f"{prefix}-{i}" for i in range(10_000) if shard_of(f"{prefix}-{i}", N_SHARDS) == shard)
+
+
+def table(leaders: dict[int, str]) -> RoutingTable:
+    t = RoutingTable(["a:1"])
+    view = t.view
+    view.n_shards, view.version = N_SHARDS, 1
+    view.addresses = {"a": "a:1", "b": "b:1", "c": "c:1"}
+    view.replicas = {s: ["a", "b", "c"] for s in range(N_SHARDS)}
+    view.leaders = {s: (1, node) for s, node in leaders.items()}
+    return t
+
+
+def pipeline(leaders: dict[int, str] | None = None, **limits: int) -> Pipeline:
+    routes = table(leaders if leaders is not None else {s: "a" for s in range(N_SHARDS)})
+    return Pipeline(routes, "prod", itertools.count(1), PipelineLimits(**limits), Backoff(initial_s=0.0, max_s=0.0))
+
+
+def call(shard: int, *payloads: str, deadline: float = FAR, topic: str = "t/1") -> PendingCall:
+    sender = sender_on(shard)
+    return PendingCall([Message(topic, p.encode(), sender, 1) for p in payloads], N_SHARDS, deadline)
+
+
+def ok(batch: Batch, ts: int = 1000) -> pb.StoreStreamResponse:
+    positions = [pb.MessagePosition(shard=batch.shard, timestamp_us=ts + i) for i in range(len(batch.entries))]
+    return pb.StoreStreamResponse(sequence=batch.sequence, result=pb.StoreBatchResponse(positions=positions))
+
+
+def failed(batch: Batch, reason: str, **metadata: str) -> pb.StoreStreamResponse:
+    failure = pb.ShardFailure(shard=batch.shard, reason=reason, message="no", metadata=metadata)
+    positions = [pb.MessagePosition(shard=batch.shard) for _ in batch.entries]
+    return pb.StoreStreamResponse(
+        sequence=batch.sequence, result=pb.StoreBatchResponse(positions=positions, failures=[failure])
+    )
+
+
+def payloads(batch: Batch) -> list[bytes]:
+    return [m.payload for m in batch.request.batch.messages]
+
+
+def test_queued_calls_of_a_shard_go_out_as_one_batch_on_the_leaders_stream() -> None:
+    p = pipeline()
+    calls = [call(0, "1"), call(0, "2", "3"), call(0, "4")]
+    for c in calls:
+        assert p.add(c) == []
+    plan = p.plan()
+    assert [s.address for s in plan.opened] == ["a:1"]
+    ((stream, batch),) = plan.sends
+    assert payloads(batch) == [b"1", b"2", b"3", b"4"]
+    request = batch.request.batch
+    assert (request.producer_id, request.sequence, batch.sequence) == ("prod", 1, 1)
+    assert p.unsettled_messages == 4 and not p.has_room(10_000 - 3)
+
+    settled = p.acked(stream, ok(batch))
+    assert settled == calls and p.unsettled_messages == 0
+    assert [[m.timestamp_us for m in c.outcome()] for c in calls] == [[1000], [1001, 1002], [1003]]
+    assert all(m.shard == 0 for c in calls for m in c.outcome())
+
+
+def test_calls_made_while_a_shards_batches_are_in_flight_wait_and_share_the_next_one() -> None:
+    """At most max_batches_per_shard batches of a shard in flight: one-message calls are coalesced meanwhile."""
+    p = pipeline(max_batches_per_shard=2)
+    first, second = call(0, "1"), call(0, "2")
+    p.add(first)
+    ((stream, batch1),) = p.plan().sends
+    p.add(second)
+    ((_, batch2),) = p.plan().sends
+    later = [call(0, str(n)) for n in range(3, 9)]
+    for c in later:
+        p.add(c)
+    assert p.plan().sends == []  # two batches in flight: the six calls wait
+    assert p.acked(stream, ok(batch1)) == [first]
+    ((_, batch3),) = p.plan().sends
+    assert payloads(batch3) == [str(n).encode() for n in range(3, 9)]
+    assert p.stats == {"calls": 8, "batches": 3, "messages": 8}
+
+
+def test_one_stream_per_node_and_one_sequence_per_batch() -> None:
+    p = pipeline({0: "a", 1: "b", 2: "a", 3: "b"})
+    for shard in range(N_SHARDS):
+        p.add(call(shard, str(shard)))
+    plan = p.plan()
+    assert sorted(s.address for s in plan.opened) == ["a:1", "b:1"]
+    by_stream: dict[str, list[int]] = {}
+    for stream, batch in plan.sends:
+        by_stream.setdefault(stream.address, []).append(batch.sequence)
+    assert all(seqs == sorted(seqs) for seqs in by_stream.values())
+    assert sorted(s for seqs in by_stream.values() for s in seqs) == [1, 2, 3, 4]
+
+
+def test_the_window_and_the_batch_limits() -> None:
+    p = pipeline(max_in_flight_messages=3, max_batch_messages=1, max_batches_per_shard=2)
+    assert p.has_room(50)  # a call larger than the window fits an empty one
+    p.add(call(0, "1", "2", "3"))
+    assert not p.has_room(1)
+    plan = p.plan()
+    assert [payloads(b) for _, b in plan.sends] == [[b"1"], [b"2"]]  # two batches per shard at most
+    stream = plan.sends[0][0]
+    assert p.acked(stream, ok(plan.sends[0][1])) == []
+    (third,) = p.plan().sends
+    assert payloads(third[1]) == [b"3"] and third[0] is stream  # on the same stream, after the others
+
+
+def test_acks_complete_calls_in_order_and_multi_shard_calls_when_every_part_is_in() -> None:
+    p = pipeline({0: "a", 1: "b", 2: "a", 3: "a"})
+    both = PendingCall([Message("t", b"x", sender_on(0)), Message("t", b"y", sender_on(1))], N_SHARDS, FAR)
+    p.add(both)
+    sends = {b.shard: (s, b) for s, b in p.plan().sends}
+    assert p.acked(*_ack(sends[0])) == []
+    assert p.acked(*_ack(sends[1])) == [both]
+    assert [m.payload for m in both.outcome()] == [b"x", b"y"]
+
+
+def _ack(sent: tuple[StreamState, Batch]) -> tuple[StreamState, pb.StoreStreamResponse]:
+    return sent[0], ok(sent[1])
+
+
+def test_not_leader_with_a_hint_resends_the_shards_batches_in_order_to_the_new_leader() -> None:
+    p = pipeline(max_batch_messages=1, max_batches_per_shard=8)
+    c1, c2, c3 = call(0, "1"), call(0, "2"), call(0, "3")
+    for c in (c1, c2, c3):
+        p.add(c)
+    plan = p.plan()
+    old = plan.opened[0]
+    first, second, third = (b for _, b in plan.sends)
+    assert p.acked(old, ok(first)) == [c1]
+    # The node lost the leadership: the second fails, the third is answered with the same failure.
+    assert p.acked(old, failed(second, "NOT_LEADER", leader="b", leader_address="b:1")) == []
+    assert p.acked(old, failed(third, "NOT_LEADER", leader="b", leader_address="b:1")) == []  # ignored
+    plan = p.plan()
+    assert [s.address for s in plan.opened] == ["b:1"]
+    assert [b for _, b in plan.sends] == [second, third]  # the same batches: same sequences, same messages
+    new = plan.opened[0]
+    assert p.acked(new, ok(second)) == [c2]
+    assert p.acked(new, ok(third)) == [c3]
+    assert p.unsettled_messages == 0
+
+
+def test_a_broken_stream_resends_everything_after_a_refresh_and_a_pause() -> None:
+    p = pipeline()
+    calls = [call(s, str(s)) for s in range(N_SHARDS)]
+    for c in calls:
+        p.add(c)
+    plan = p.plan()
+    stream = plan.opened[0]
+    sent = [b for _, b in plan.sends]
+    assert p.stream_ended(stream, E.UnavailableError(E.Reason.UNAVAILABLE, "connection reset")) == []
+    assert p.table.view.leaders == {}  # forgotten: the node may be gone
+    again = p.plan(now=1e12)  # after the pause
+    assert again.refresh_map
+    assert [b for _, b in again.sends] == sent
+    assert all(c.last_error is not None for c in calls)
+    # The old stream's late answers are ignored; the new one's settle the calls.
+    assert p.acked(stream, ok(sent[0])) == []
+    new = again.opened[0]
+    assert [c for b in sent for c in p.acked(new, ok(b))] == calls
+
+
+def test_a_resend_that_cannot_be_appended_restarts_the_nodes_stream() -> None:
+    p = pipeline({0: "a", 1: "b", 2: "b", 3: "b"})
+    c0, c1 = call(0, "x"), call(1, "y")
+    p.add(c0)
+    plan = p.plan()
+    a = plan.opened[0]
+    (_, moving) = plan.sends[0]
+    p.add(c1)
+    plan = p.plan()
+    b = plan.opened[0]
+    (_, other) = plan.sends[0]
+    assert moving.sequence < other.sequence
+    # Shard 0 moves to b, whose stream already carried a higher sequence: restart it, everything in order.
+    p.acked(a, failed(moving, "NOT_LEADER", leader="b", leader_address="b:1"))
+    plan = p.plan()
+    assert plan.cancelled == [b] and [s.address for s in plan.opened] == ["b:1"]
+    assert [x for _, x in plan.sends] == [moving, other]
+    assert p.acked(b, ok(other)) == []  # the cancelled stream's answer is ignored
+    new = plan.opened[0]
+    assert p.acked(new, ok(moving)) == [c0] and p.acked(new, ok(other)) == [c1]
+
+
+def test_an_invalid_batch_fails_only_its_calls() -> None:
+    p = pipeline(max_batch_messages=1, max_batches_per_shard=8)
+    good1, bad, good2 = call(0, "1"), call(0, "2"), call(0, "3")
+    for c in (good1, bad, good2):
+        p.add(c)
+    plan = p.plan()
+    stream = plan.opened[0]
+    b1, b2, b3 = (b for _, b in plan.sends)
+    assert p.acked(stream, ok(b1)) == [good1]
+    assert p.acked(stream, failed(b2, "INVALID_TOPIC")) == [bad]
+    with pytest.raises(E.InvalidArgumentError):
+        bad.outcome()
+    # The later batch of the shard is resent (deduplicated if stored) on a new stream.
+    plan = p.plan()
+    assert plan.cancelled == [stream] and [b for _, b in plan.sends] == [b3]
+    assert p.acked(plan.opened[0], ok(b3)) == [good2]
+    assert good2.outcome()[0].timestamp_us == 1000
+
+
+def test_check_message_refuses_what_no_node_stores() -> None:
+    with pytest.raises(E.InvalidArgumentError, match="wildcards"):
+        check_message(0, Message("a/+/b", b"x", "s"))
+    with pytest.raises(E.InvalidArgumentError, match="qos"):
+        check_message(3, Message("a", b"x", "s", qos=3))
+    check_message(0, Message("a/b", b"x", "s", qos=2))
+
+
+def test_a_call_past_its_deadline_fails_with_the_last_error_and_its_batch_is_dropped() -> None:
+    p = pipeline()
+    late = call(0, "1", deadline=100.0)
+    p.add(late)
+    plan = p.plan(now=50.0)
+    stream, batch = plan.sends[0]
+    assert plan.wake_at == 100.0
+    p.acked(stream, failed(batch, "NO_LEADER"))
+    plan = p.plan(now=101.0)
+    assert plan.settled == [late] and plan.sends == []
+    with pytest.raises(E.UnavailableError, match="no"):
+        late.outcome()
+    assert p.unsettled_messages == 0
+
+
+def test_a_partial_failure_of_a_multi_shard_call() -> None:
+    p = pipeline()
+    mixed = PendingCall([Message("t", b"x", sender_on(0)), Message("t", b"y", sender_on(1))], N_SHARDS, FAR)
+    p.add(mixed)
+    plan: Plan = p.plan()
+    stream = plan.opened[0]
+    by_shard = {b.shard: b for _, b in plan.sends}
+    p.acked(stream, ok(by_shard[0]))
+    assert p.acked(stream, failed(by_shard[1], "PAYLOAD_TOO_LARGE")) == [mixed]
+    with pytest.raises(E.PartialBatchError) as raised:
+        mixed.outcome()
+    assert [m.payload for m in raised.value.stored] == [b"x"]
+    assert [m.payload for m in raised.value.failed_messages] == [b"y"]
+
+
+def test_close_fails_what_is_not_acknowledged() -> None:
+    p = pipeline()
+    pending = call(0, "1")
+    p.add(pending)
+    p.plan()
+    assert p.close(E.UnavailableError(E.Reason.UNAVAILABLE, "closed")) == [pending]
+    with pytest.raises(E.UnavailableError, match="closed"):
+        pending.outcome()
