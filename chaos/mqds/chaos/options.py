@@ -27,6 +27,8 @@ class Options:
     seed: int = 0
     network: str = "auto"
     multi_publishers: int = 2
+    pipelined_publishers: int = 2
+    pipeline_in_flight: int = 32
     readers: int = 2
     pubsub_consumers: int = 2
     queue_consumers: int = 2
@@ -131,6 +133,21 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         default=2,
         metavar="N",
         help="publishers whose every call spans three shards, besides one publisher per shard (default 2)",
+    )
+    parser.add_argument(
+        "--pipelined-publishers",
+        type=int,
+        default=2,
+        metavar="N",
+        help="publishers storing one message per store_async call, --pipeline-in-flight calls at a time, each "
+        "with a sender of its own (default 2)",
+    )
+    parser.add_argument(
+        "--pipeline-in-flight",
+        type=int,
+        default=32,
+        metavar="N",
+        help="unacknowledged calls of each pipelined publisher (default 32)",
     )
     parser.add_argument(
         "--readers", type=int, default=2, metavar="N", help="readers tailing with iterators; odd ones stale_ok (2)"
@@ -243,11 +260,11 @@ def parse_options(argv: Sequence[str] | None, prog: str = PROG) -> tuple[Options
     ns = parser.parse_args(argv)
     if ns.nodes < 3:
         parser.error("--nodes must be 3 or more (a majority must survive a minority failing)")
-    counts = (ns.readers, ns.multi_publishers, ns.pubsub_consumers, ns.queue_consumers)
-    if ns.shards < 1 or ns.batch < 1 or min(counts) < 0:
+    counts = (ns.readers, ns.multi_publishers, ns.pipelined_publishers, ns.pubsub_consumers, ns.queue_consumers)
+    if ns.shards < 1 or ns.batch < 1 or ns.pipeline_in_flight < 1 or min(counts) < 0:
         parser.error(
-            "--shards and --batch must be 1 or more; --readers, --multi-publishers, --pubsub-consumers and "
-            "--queue-consumers 0 or more"
+            "--shards, --batch and --pipeline-in-flight must be 1 or more; --readers, --multi-publishers, "
+            "--pipelined-publishers, --pubsub-consumers and --queue-consumers 0 or more"
         )
     if ns.consumer_poll <= 0:
         parser.error("--consumer-poll must be greater than 0")
@@ -263,6 +280,8 @@ def parse_options(argv: Sequence[str] | None, prog: str = PROG) -> tuple[Options
         seed=ns.seed if ns.seed is not None else random.SystemRandom().randrange(1, 2**31),
         network=ns.network,
         multi_publishers=ns.multi_publishers,
+        pipelined_publishers=ns.pipelined_publishers,
+        pipeline_in_flight=ns.pipeline_in_flight,
         readers=ns.readers,
         pubsub_consumers=ns.pubsub_consumers,
         queue_consumers=ns.queue_consumers,

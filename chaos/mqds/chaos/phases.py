@@ -30,6 +30,7 @@ from mqds.chaos.workload import (
     QUEUE_BATCH,
     QUEUE_INTERVAL_S,
     QUEUE_SENDER,
+    PipelinedPublisher,
     Publisher,
     PubsubConsumer,
     QueueConsumer,
@@ -61,7 +62,7 @@ class ChaosRun:
         self.history = History()
         self.harness_findings: list[Finding] = []
         self.current = "starting"
-        self.publishers: list[Publisher] = []
+        self.publishers: list[Publisher | PipelinedPublisher] = []
         self.readers: list[Reader] = []
         self.consumers: list[SessionConsumer] = []
         self.hostile: HostileClients | None = None
@@ -144,6 +145,20 @@ class ChaosRun:
             picks = [(i * 3 + k) % opts.shards for k in range(3)]
             senders = senders_for_shards(f"multi{i}-", opts.shards, sorted(set(picks)))
             self.publishers.append(self._publisher(f"multi{i}", senders))
+        for i, sender in enumerate(senders_for_shards("piped", opts.shards, shards)[: opts.pipelined_publishers]):
+            self.publishers.append(
+                PipelinedPublisher(
+                    f"piped{i}",
+                    sender,
+                    self.client,
+                    self.history,
+                    opts.shards,
+                    in_flight=opts.pipeline_in_flight,
+                    interval_s=opts.interval_s,
+                    # Long enough for the pipeline to resend through a fault; the drain closes what is left.
+                    call_timeout_s=max(opts.call_timeout_s, opts.drain_timeout_s / 2),
+                )
+            )
         if opts.queue_consumers:
             # The queue consumers' topics: a sender of their own, written slowly (see QueueConsumer).
             self.publishers.append(

@@ -55,7 +55,7 @@ def text_report(run: dict[str, Any], result: CheckResult, faults: list[FaultReco
     lines += [
         "",
         "workload",
-        f"  messages attempted    {c.get('attempted', 0):>10,}   in {c.get('calls', 0):,} store_batch calls "
+        f"  messages attempted    {c.get('attempted', 0):>10,}   in {c.get('calls', 0):,} store calls "
         f"(ok {c.get('calls_ok', 0):,}, partial {c.get('calls_partial', 0):,}, "
         f"unknown {c.get('calls_unknown', 0):,}, failed {c.get('calls_failed', 0):,})",
         f"  acknowledged          {c.get('acked', 0):>10,}",

@@ -81,6 +81,8 @@ class Figures:
     cpu_s: float = 0.0
     load_cpu_s: float = 0.0
     failed_calls: int = 0
+    node_cpu_s: float | None = None
+    node_switches: int | None = None
 
     def add(self, result: RunResult, seconds: float, watched_cpu_s: float | None) -> None:
         self.messages += result.acked_msgs
@@ -89,6 +91,11 @@ class Figures:
         self.cpu_s += result.load_cpu_s + (watched_cpu_s or 0.0)
         self.load_cpu_s += result.load_cpu_s
         self.failed_calls += result.failed_batches
+
+    def add_nodes(self, cpu_s: float, switches: int) -> None:
+        """The nodes' CPU and context switches over one run (only when the command controls the nodes)."""
+        self.node_cpu_s = (self.node_cpu_s or 0.0) + cpu_s
+        self.node_switches = (self.node_switches or 0) + switches
 
     def report(self) -> dict[str, Any]:
         ordered = sorted(self.latencies)
@@ -102,6 +109,17 @@ class Figures:
             # The load processes' share of cpu_ms_per_1k (the rest: nodes, and the provider in its scenario).
             "load_cpu_ms_per_1k": round(self.load_cpu_s * 1_000_000 / self.messages, 1) if self.messages else None,
             "failed_calls": self.failed_calls,
+            # Where a small call's cost goes: the nodes' CPU and their threads' context switches per message.
+            "node_cpu_ms_per_1k": (
+                round(self.node_cpu_s * 1_000_000 / self.messages, 1)
+                if self.messages and self.node_cpu_s is not None
+                else None
+            ),
+            "node_switches_per_msg": (
+                round(self.node_switches / self.messages, 1)
+                if self.messages and self.node_switches is not None
+                else None
+            ),
         }
 
 
@@ -285,8 +303,13 @@ def run(opts: argparse.Namespace) -> int:
                         )
 
                     pids = node_pids + ([] if is_baseline else scenario.watch_pids)
+                    marks: list[tuple[float | None, int | None]] = []
 
-                    def sample(pids: list[int] = pids) -> float | None:
+                    def sample(
+                        pids: list[int] = pids, marks: list[tuple[float | None, int | None]] = marks
+                    ) -> float | None:
+                        if node_pids:
+                            marks.append((_cpu_total(node_pids), _switches(node_pids)))
                         return _cpu_total(pids) if pids else 0.0
 
                     try:
@@ -294,6 +317,11 @@ def run(opts: argparse.Namespace) -> int:
                     except RuntimeError as err:
                         raise CommandError(f"{title}: the load run failed: {err}") from None
                     figures.add(result, duration, result.sampled)
+                    if len(marks) >= 2:
+                        (cpu0, sw0), (cpu1, sw1) = marks[0], marks[-1]
+                        if None not in (cpu0, sw0, cpu1, sw1):
+                            assert cpu0 is not None and cpu1 is not None and sw0 is not None and sw1 is not None
+                            figures.add_nodes(cpu1 - cpu0, sw1 - sw0)
                     say(
                         f"  round {round_no + 1}  {scenario.name + (' (baseline)' if is_baseline else ''):<42} "
                         f"{result.acked_msgs_per_s:>9,.0f} msg/s  p50 {result.p50_ms:6.2f} ms  "
@@ -336,25 +364,59 @@ def run(opts: argparse.Namespace) -> int:
     say("")
     say(
         table(
-            ["scenario", "path", "msg/s", "p50 ms", "p99 ms", "CPU ms/1k msgs", "target", "result"],
+            [
+                "scenario",
+                "path",
+                "msg/s",
+                "p50 ms",
+                "p99 ms",
+                "CPU ms/1k msgs",
+                "nodes",
+                "switches/msg",
+                "target",
+                "result",
+            ],
             rows,
-            right=(2, 3, 4, 5),
+            right=(2, 3, 4, 5, 6, 7),
         )
     )
     cpu_note = "nodes + load + provider" if node_pids else "load + provider only: nodes not started by this command"
-    say(f"(figures over {opts.rounds} round(s) of {duration:g} s; CPU: {cpu_note})")
+    say(
+        f"(figures over {opts.rounds} round(s) of {duration:g} s; CPU: {cpu_note}; nodes: the nodes' share of it; "
+        "switches/msg: the nodes' threads' context switches per message)"
+    )
     return EXIT_OK
 
 
 def _row(name: str, report: dict[str, Any], target: str, result: str) -> list[object]:
-    cpu = "-" if report["cpu_ms_per_1k"] is None else f"{report['cpu_ms_per_1k']:,.1f}"
+    def figure(key: str) -> str:
+        return "-" if report.get(key) is None else f"{report[key]:,.1f}"
+
     return [
         name,
         report["path"],
         f"{report['acked_msgs_per_s']:,.0f}",
         f"{report['p50_ms']:.2f}",
         f"{report['p99_ms']:.2f}",
-        cpu,
+        figure("cpu_ms_per_1k"),
+        figure("node_cpu_ms_per_1k"),
+        figure("node_switches_per_msg"),
         target,
         result,
     ]
+
+
+def _switches(pids: list[int]) -> int | None:
+    """Context switches (voluntary and not) of every thread of ``pids`` so far, from /proc; None if unreadable."""
+    total = 0
+    try:
+        for pid in pids:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                try:
+                    status = (task / "status").read_text()
+                except OSError:
+                    continue  # a thread that ended meanwhile
+                total += sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches" in line)
+    except OSError:
+        return None
+    return total

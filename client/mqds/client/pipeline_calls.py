@@ -26,9 +26,11 @@ class PipelineLimits:
     ``max_batches_per_shard`` is what makes calls share batches: a shard
     sends a new batch only while fewer than that are unacknowledged, so the
     calls made meanwhile wait and go out together in the next one (like a
-    Kafka producer's ``max.in.flight``). Four keep a shard's Raft pipeline
-    busy (a round takes about as long as the node needs to take in three or
-    four batches) while one-message calls still travel a few dozen a batch.
+    Kafka producer's ``max.in.flight``). Two keep a shard's Raft pipeline
+    busy (one batch travels while the next gathers calls); in a trial of
+    one-message calls, 64 in flight from each of 8 processes, 1, 2 and 4
+    gave 14,710, 15,698 and 12,436 msg/s, and 64 (no coalescing while
+    slots were free) about 11,500.
     """
 
     max_in_flight_messages: int = 10_000

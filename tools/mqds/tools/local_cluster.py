@@ -297,10 +297,11 @@ class LocalCluster:
 
     @property
     def addresses(self) -> list[str]:
-        return [p.address for p in self.nodes.values()]
+        return [p.address for p in list(self.nodes.values())]
 
     def live(self) -> list[str]:
-        return [node_id for node_id, p in self.nodes.items() if p.running]
+        # A copy: a chaos nemesis may add a node from another thread meanwhile.
+        return [node_id for node_id, p in list(self.nodes.items()) if p.running]
 
     def client(self, **kwargs: Any) -> Client:
         kwargs.setdefault("settings", self.connection)

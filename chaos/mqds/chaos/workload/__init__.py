@@ -6,6 +6,8 @@ records what it did and saw in the run's :class:`~mqds.chaos.history.History`:
 - :mod:`~mqds.chaos.workload.publisher`: the publishers (:class:`Publisher`),
   exactly-once writes retried under the same client sequence, and
   :func:`senders_for_shards`;
+- :mod:`~mqds.chaos.workload.pipelined`: :class:`PipelinedPublisher`, one
+  message per ``store_async`` call with many in flight, as a broker stores;
 - :mod:`~mqds.chaos.workload.reader`: the readers (:class:`Reader`), tailing
   ``chaos/#`` with iterators and checking what they see as they go;
 - :mod:`~mqds.chaos.workload.consumer`: the persistent-session consumers'
@@ -24,6 +26,7 @@ records what it did and saw in the run's :class:`~mqds.chaos.history.History`:
 
 from mqds.chaos.workload.consumer import SessionConsumer
 from mqds.chaos.workload.pause import PauseGate, WorkloadPause
+from mqds.chaos.workload.pipelined import PipelinedPublisher
 from mqds.chaos.workload.publisher import Publisher, senders_for_shards
 from mqds.chaos.workload.pubsub_consumer import PubsubConsumer
 from mqds.chaos.workload.queue_consumer import QUEUE_BATCH, QUEUE_INTERVAL_S, QUEUE_SENDER, QueueConsumer
@@ -34,6 +37,7 @@ __all__ = [
     "QUEUE_INTERVAL_S",
     "QUEUE_SENDER",
     "PauseGate",
+    "PipelinedPublisher",
     "Publisher",
     "PubsubConsumer",
     "QueueConsumer",
