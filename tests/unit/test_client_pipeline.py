@@ -86,6 +86,7 @@ def test_calls_made_while_a_shards_batches_are_in_flight_wait_and_share_the_next
     ((stream, batch1),) = p.plan().sends
     p.add(second)
     ((_, batch2),) = p.plan().sends
+    assert payloads(batch2) == [b"2"]  # a free slot: sent at once
     later = [call(0, str(n)) for n in range(3, 9)]
     for c in later:
         p.add(c)
