@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -233,38 +233,62 @@ def test_concurrent_writes_to_one_shard_share_log_entries(cluster: LocalCluster,
     """Group commit: one-message calls from many threads at once are logged several to an entry."""
     sender = "group-commit"
     shard = shard_of(sender, N_SHARDS)
-    leader = cluster.wait_for_leader(shard)
-
-    def grouped() -> tuple[float, float]:
-        url = cluster.nodes[leader].metrics_url
-        assert url is not None
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
-        values = {}
-        for line in text.splitlines():
-            for name in ("mqds_raft_group_commit_entries_total", "mqds_raft_group_commit_commands_total"):
-                if line.startswith(f'{name}{{shard="{shard}"}}'):
-                    values[name] = float(line.split()[-1])
-        return values.get("mqds_raft_group_commit_entries_total", 0.0), values.get(
-            "mqds_raft_group_commit_commands_total", 0.0
-        )
-
-    entries_before, commands_before = grouped()
-    errors: list[BaseException] = []
-
-    def writer(n: int) -> None:
-        try:
-            for i in range(40):
-                client.store_batch([Message(f"gc/{n}/{i}", b"g", sender=sender)], timeout_s=30)
-        except BaseException as err:  # reported below
-            errors.append(err)
-
-    threads = [threading.Thread(target=writer, args=(n,)) for n in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    entries, commands = grouped()
+    entries_before, commands_before = grouped(cluster, shard)
+    concurrently(16, lambda n, i: client.store_batch([Message(f"gc/{n}/{i}", b"g", sender=sender)], timeout_s=30))
+    entries, commands = grouped(cluster, shard)
     assert commands - commands_before >= 100, "concurrent writes to one shard were not grouped"
     assert entries - entries_before < commands - commands_before
     assert len(list(client.replay("gc/#"))) == 16 * 40
+
+
+def test_concurrent_session_writes_share_log_entries_too(cluster: LocalCluster, client: Client) -> None:
+    """Subscriptions and read positions of one client, written from many threads, are grouped and all kept."""
+    clientid = "gc-session"
+    shard = shard_of(clientid, N_SHARDS)
+    (stored,) = client.store_batch([Message("gcs/topic", b"m", sender="gcs-pub")])
+    entries_before, commands_before = grouped(cluster, shard)
+
+    def write(n: int, i: int) -> None:
+        client.subscribe(clientid, f"gcs/{n}/{i}/#", qos=1, timeout_s=30)
+        client.ack(clientid, f"gcs/{n}/#", stored, timeout_s=30)
+
+    concurrently(16, write)
+    entries, commands = grouped(cluster, shard)
+    assert commands - commands_before >= 100, "concurrent session writes were not grouped"
+    assert entries - entries_before < commands - commands_before
+    assert len(client.subscriptions(clientid)) == 16 * 40
+    assert client.read_position(clientid, "gcs/3/#").found
+
+
+def grouped(cluster: LocalCluster, shard: int) -> tuple[float, float]:
+    """The shard leader's group-commit counters: entries that held several commands, and those commands."""
+    url = cluster.nodes[cluster.wait_for_leader(shard)].metrics_url
+    assert url is not None
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        for name in ("mqds_raft_group_commit_entries_total", "mqds_raft_group_commit_commands_total"):
+            if line.startswith(f'{name}{{shard="{shard}"}}'):
+                values[name] = float(line.split()[-1])
+    return values.get("mqds_raft_group_commit_entries_total", 0.0), values.get(
+        "mqds_raft_group_commit_commands_total", 0.0
+    )
+
+
+def concurrently(threads: int, work: Callable[[int, int], object], calls: int = 40) -> None:
+    """``work(thread, i)`` for ``calls`` values of i in each of ``threads`` threads at once; re-raises a failure."""
+    errors: list[BaseException] = []
+
+    def run(n: int) -> None:
+        try:
+            for i in range(calls):
+                work(n, i)
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    started = [threading.Thread(target=run, args=(n,)) for n in range(threads)]
+    for t in started:
+        t.start()
+    for t in started:
+        t.join(120)
+    assert not errors, errors
