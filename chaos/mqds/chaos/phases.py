@@ -32,6 +32,7 @@ from mqds.chaos.workload import (
     QUEUE_SENDER,
     PipelinedPublisher,
     Publisher,
+    PublisherThread,
     PubsubConsumer,
     QueueConsumer,
     Reader,
@@ -62,7 +63,7 @@ class ChaosRun:
         self.history = History()
         self.harness_findings: list[Finding] = []
         self.current = "starting"
-        self.publishers: list[Publisher | PipelinedPublisher] = []
+        self.publishers: list[PublisherThread] = []
         self.readers: list[Reader] = []
         self.consumers: list[SessionConsumer] = []
         self.hostile: HostileClients | None = None

@@ -27,7 +27,7 @@ records what it did and saw in the run's :class:`~mqds.chaos.history.History`:
 from mqds.chaos.workload.consumer import SessionConsumer
 from mqds.chaos.workload.pause import PauseGate, WorkloadPause
 from mqds.chaos.workload.pipelined import PipelinedPublisher
-from mqds.chaos.workload.publisher import Publisher, senders_for_shards
+from mqds.chaos.workload.publisher import Publisher, PublisherThread, senders_for_shards
 from mqds.chaos.workload.pubsub_consumer import PubsubConsumer
 from mqds.chaos.workload.queue_consumer import QUEUE_BATCH, QUEUE_INTERVAL_S, QUEUE_SENDER, QueueConsumer
 from mqds.chaos.workload.reader import Reader
@@ -39,6 +39,7 @@ __all__ = [
     "PauseGate",
     "PipelinedPublisher",
     "Publisher",
+    "PublisherThread",
     "PubsubConsumer",
     "QueueConsumer",
     "Reader",

@@ -15,12 +15,11 @@ sequence could store it twice.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from concurrent import futures
 
 from mqds.chaos.history import OK, UNKNOWN, Attempt, History, MessageKey, payload_of, topic_of
-from mqds.chaos.workload.pause import PauseGate
+from mqds.chaos.workload.publisher import PublisherThread
 from mqds.client import Client, Message
 from mqds.client import errors as E
 from mqds.protocol.sharding import shard_of
@@ -28,7 +27,7 @@ from mqds.protocol.sharding import shard_of
 log = logging.getLogger(__name__)
 
 
-class PipelinedPublisher:
+class PipelinedPublisher(PublisherThread):
     """One thread writing its sender's messages one per ``store_async`` call, waves of ``in_flight`` calls at a time.
 
     A wave's calls are all submitted at once and recorded as they settle;
@@ -47,38 +46,14 @@ class PipelinedPublisher:
         interval_s: float,
         call_timeout_s: float,
     ) -> None:
-        self.name = name
+        super().__init__(name, make_client, history, interval_s)
         self.sender = sender
-        self.client = make_client()
-        self.history = history
         self.shard = shard_of(sender, n_shards)
         self.in_flight = in_flight
-        self.interval_s = interval_s
         self.call_timeout_s = call_timeout_s
         self.next_seq = 0
-        self.stop = threading.Event()
-        self.abandon = threading.Event()
-        self.gate = PauseGate()
-        self.thread = threading.Thread(target=self._run, name=f"chaos-{name}", daemon=True)
 
-    def start(self) -> None:
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            while self.gate.enter(self.stop):
-                try:
-                    self._write_one_wave()
-                finally:
-                    self.gate.leave()
-                self.stop.wait(self.interval_s)
-        except Exception as err:  # a bug in the client or here: record it, it fails the run
-            log.exception("publisher %s died", self.name)
-            self.history.record_anomaly("publisher-crashed", f"{self.name}: {err!r}")
-        finally:
-            self.client.close()
-
-    def _write_one_wave(self) -> None:
+    def _write_unit(self) -> None:
         """``in_flight`` one-message calls submitted at once, each recorded as its future settles."""
         sent: list[tuple[MessageKey, float, futures.Future[list[Message]]]] = []
         for _ in range(self.in_flight):

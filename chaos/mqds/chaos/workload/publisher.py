@@ -17,6 +17,7 @@ the drain ends: the exactly-once contract under test.
 
 from __future__ import annotations
 
+import abc
 import logging
 import threading
 import time
@@ -45,7 +46,46 @@ def senders_for_shards(prefix: str, n_shards: int, shards: list[int]) -> list[st
     return [found[s] for s in shards]
 
 
-class Publisher:
+class PublisherThread(abc.ABC):
+    """What every publisher is: a thread with its own client, doing one unit of writes at a time between pauses.
+
+    ``stop``: begin no new unit; ``abandon``: the drain is over, give up on
+    what is unacknowledged. A subclass writes one unit in ``_write_unit``.
+    """
+
+    def __init__(self, name: str, make_client: Callable[[], Client], history: History, interval_s: float) -> None:
+        self.name = name
+        self.client = make_client()
+        self.history = history
+        self.interval_s = interval_s
+        self.stop = threading.Event()
+        self.abandon = threading.Event()
+        self.gate = PauseGate()
+        self.thread = threading.Thread(target=self._run, name=f"chaos-{name}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    @abc.abstractmethod
+    def _write_unit(self) -> None:
+        """One unit of writes (the pause gate is held around it)."""
+
+    def _run(self) -> None:
+        try:
+            while self.gate.enter(self.stop):
+                try:
+                    self._write_unit()
+                finally:
+                    self.gate.leave()
+                self.stop.wait(self.interval_s)
+        except Exception as err:  # a bug in the client or here: record it, it fails the run
+            log.exception("publisher %s died", self.name)
+            self.history.record_anomaly("publisher-crashed", f"{self.name}: {err!r}")
+        finally:
+            self.client.close()
+
+
+class Publisher(PublisherThread):
     """One thread writing batches of its senders' messages, exactly once, until told to stop."""
 
     def __init__(
@@ -60,24 +100,13 @@ class Publisher:
         interval_s: float,
         call_timeout_s: float,
     ) -> None:
-        self.name = name
+        super().__init__(name, make_client, history, interval_s)
         self.senders = senders
-        self.client = make_client()
-        self.history = history
         self.n_shards = n_shards
         self.shards = tuple(sorted({shard_of(s, n_shards) for s in senders}))
         self.batch = batch
-        self.interval_s = interval_s
         self.call_timeout_s = call_timeout_s
         self.next_seq = dict.fromkeys(senders, 0)
-        # stop: begin no new batch; abandon: stop retrying too (the drain is over).
-        self.stop = threading.Event()
-        self.abandon = threading.Event()
-        self.gate = PauseGate()
-        self.thread = threading.Thread(target=self._run, name=f"chaos-{name}", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
 
     def _messages(self) -> list[Message]:
         per_sender = max(1, self.batch // len(self.senders))
@@ -93,21 +122,8 @@ class Publisher:
     def _key(message: Message) -> MessageKey:
         return message.sender, int(message.topic.rsplit("/", 1)[1])
 
-    def _run(self) -> None:
-        try:
-            while self.gate.enter(self.stop):
-                try:
-                    self._write_one_batch()
-                finally:
-                    self.gate.leave()
-                self.stop.wait(self.interval_s)
-        except Exception as err:  # a bug in the client or here: record it, it fails the run
-            log.exception("publisher %s died", self.name)
-            self.history.record_anomaly("publisher-crashed", f"{self.name}: {err!r}")
-        finally:
-            self.client.close()
-
-    def _write_one_batch(self) -> None:
+    def _write_unit(self) -> None:
+        """One batch, retried with its sequence until acknowledged or abandoned."""
         pending = self._messages()
         self.history.record_attempted([self._key(m) for m in pending])
         sequence: int | None = None
