@@ -324,6 +324,8 @@ def test_ctrl_c_prints_what_was_handled(provider: Provider) -> None:
     assert done["late disconnects ignored"] == 1 and done["clients disconnected"] == 1
     # What ExHook cannot hand back to EMQX is counted: the reconnect's lookup and the resubscription's backlog.
     assert done["proxy subscriptions found"] == 2 and done["offline messages found"] == 4
+    # The stores went through the client's pipeline: its calls, batches and their messages.
+    assert counts["pipeline"]["messages"] == 8 and 1 <= counts["pipeline"]["batches"] <= 8
 
 
 def run(coro: Coroutine[Any, Any, T], timeout_s: float = 60) -> T:

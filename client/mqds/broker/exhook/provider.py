@@ -339,6 +339,10 @@ class HookProvider(pb_grpc.HookProviderServicer):
         done = self.hooks.stats + self.stats
         if done:
             lines.append("  done: " + ", ".join(f"{what.replace('_', ' ')} {n}" for what, n in sorted(done.items())))
+        piped = self.hooks.client.pipeline_stats()
+        if piped["calls"]:
+            # How well concurrent publishes shared batches: messages / batches.
+            lines.append("  pipeline: " + ", ".join(f"{what} {n}" for what, n in piped.items()))
         return "\n".join(lines)
 
 

@@ -200,12 +200,6 @@ class StoreInFlight:
         self.count = count
         self.started = started
 
-    def failed_at_once(self) -> dict[int, MqdsError]:
-        """The shards whose part was refused before it was proposed (not leader, refused by a stream)."""
-        return {
-            shard: item for shard, item in zip(self.order, self.started, strict=True) if isinstance(item, MqdsError)
-        }
-
     def outcome(self, timeout_s: float) -> list[int | MqdsError]:
         """Each shard's first timestamp, or its error, once every part committed (or failed, or timed out)."""
         deadline = time.monotonic() + timeout_s

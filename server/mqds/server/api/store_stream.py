@@ -21,7 +21,9 @@ stream goes on; after a shard's batch failed in a way a client retries
 (NOT_LEADER, a timeout), the stream's later batches of that shard are
 answered with the same failure without being proposed, so the client's
 resend, in order and with the same sequences, keeps them in order and
-stores each once.
+stores each once. The reader learns of such a failure from the shard's
+latest proposal itself, before it proposes the next batch, not only when
+the answering thread gets to it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from mqds.protocol import errors
 from mqds.protocol.errors import REASONS, MqdsError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.server.api.handlers import check_parsed
+from mqds.server.raft.futures import Proposal
 from mqds.server.wire import varint
 from mqds.v1 import storage_pb2 as pb
 
@@ -92,6 +95,8 @@ class _Stream:
         self.sequence = 0
         self.refused: dict[int, MqdsError] = {}
         """Shards whose batch failed in a way a client retries: their later batches fail the same way."""
+        self.last: dict[int, Proposal] = {}
+        """Each shard's latest proposal on this stream, checked before the next is proposed."""
 
     def check(self, batch: pb.StoreBatchRequest) -> None:
         """The stream's rules for one batch (a break ends the stream)."""
@@ -127,8 +132,21 @@ class _Stream:
         frame: pb.StoreStreamRequest = parsed.parsed
         batch = frame.batch
         self.check(batch)
+        # A batch whose proposal already failed (before the thread answering it
+        # got to it) refuses its shard's next ones now: a leader elected again
+        # meanwhile would otherwise store them ahead of the client's resend.
+        for shard, proposal in list(self.last.items()):
+            err = proposal.failed()
+            if err is not None and REASONS[err.reason].retriable:
+                self.refused.setdefault(shard, err)
         try:
-            return batch.sequence, self.service.start_store(batch, batch_bytes(parsed.raw), self.refused)
+            started = self.service.start_store(batch, batch_bytes(parsed.raw), self.refused)
+            for shard, item in zip(started.order, started.started, strict=True):
+                if isinstance(item, Proposal):
+                    self.last[shard] = item
+                elif REASONS[item.reason].retriable:  # refused at once: not the leader, say
+                    self.refused.setdefault(shard, item)
+            return batch.sequence, started
         except MqdsError as err:  # refused as a whole: an invalid message, say
             n_shards = self.service.shards.n_shards
             return batch.sequence, _Refused(err, shard_of(batch.messages[0].sender, n_shards) if batch.messages else 0)

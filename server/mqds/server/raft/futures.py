@@ -57,6 +57,14 @@ class Proposal:
             self.fail = fail
         self.done.set()
 
+    def failed(self) -> errors.MqdsError | None:
+        """The error it ended with, if it ended and failed (None while in flight, or when it succeeded)."""
+        if not self.done.is_set():
+            return None
+        if self.fail is not None:
+            return _fail_error(self.group, self.fail)
+        return self.result if isinstance(self.result, errors.MqdsError) else None
+
     def wait(self, timeout_s: float) -> Any:
         if not self.done.wait(timeout_s):
             raise errors.error(
