@@ -51,6 +51,8 @@ def for_benchmark(opts: argparse.Namespace, stack: contextlib.ExitStack, prefix:
         if not opts.json:
             print(f"starting {opts.nodes} local nodes ({opts.shards} vnodes) ...", flush=True)
         cluster.start()
+        # The leader balancer moves leaders in the first seconds; measure after it.
+        cluster.wait_leaders_settled()
         return cluster
     if opts.data_dir:
         return load(opts.data_dir)
