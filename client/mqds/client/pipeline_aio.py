@@ -22,7 +22,7 @@ import grpc
 from mqds.client.aio_routing import AsyncRouter
 from mqds.client.model import Message
 from mqds.client.pipeline import PendingCall, Pipeline, PipelineLimits, Plan, StreamState, check_message
-from mqds.client.pipeline_sync import closed_error
+from mqds.client.pipeline_calls import closed_error, open_failed, read_failed, resolve
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.v1 import storage_pb2 as pb
@@ -30,16 +30,6 @@ from mqds.v1 import storage_pb2 as pb
 __all__ = ["AsyncPipeline"]
 
 log = logging.getLogger(__name__)
-
-
-def _resolve(call: PendingCall) -> None:
-    future: asyncio.Future[list[Message]] = call.handle  # type: ignore[assignment]
-    if future.done():
-        return
-    try:
-        future.set_result(call.outcome())
-    except MqdsError as err:
-        future.set_exception(err)
 
 
 class _Stream:
@@ -73,7 +63,7 @@ class _Stream:
             raise
         except Exception as unexpected:  # never leave the calls waiting
             log.exception("store stream to %s failed", self.state.address)
-            err = errors.error(Reason.INTERNAL, f"the store stream failed: {unexpected}")
+            err = read_failed(unexpected)
         self.owner.on_end(self.state, err)
 
     def send(self, request: pb.StoreStreamRequest) -> None:
@@ -163,7 +153,7 @@ class AsyncPipeline:
             settled = list(self._settled) + plan.settled
             self._settled.clear()
             for call in settled:
-                _resolve(call)
+                resolve(call)
             if settled:
                 async with self._room:
                     self._room.notify_all()
@@ -179,8 +169,7 @@ class AsyncPipeline:
             try:
                 stream = _Stream(self, state)
             except Exception as err:  # a closed channel: end the stream at once
-                failure = errors.error(Reason.UNAVAILABLE, f"cannot open a stream: {err}")
-                self._settled.extend(self.core.stream_ended(state, failure))
+                self._settled.extend(self.core.stream_ended(state, open_failed(err)))
                 continue
             state.handle = stream
             self._streams = [s for s in self._streams if not s.state.closed]
@@ -204,7 +193,7 @@ class AsyncPipeline:
         settled = list(self._settled) + self.core.close(closed_error())
         self._settled.clear()
         for call in settled:
-            _resolve(call)
+            resolve(call)
         tasks: list[asyncio.Future[Any]] = []
         for stream in self._streams:
             stream.cancel()

@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mqds.client.model import Message
 from mqds.protocol import errors
@@ -16,7 +17,16 @@ from mqds.protocol.errors import MqdsError, PartialBatchError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_topic
 
-__all__ = ["PendingCall", "PipelineLimits", "check_message", "resolve_limits"]
+__all__ = [
+    "PendingCall",
+    "PipelineLimits",
+    "check_message",
+    "closed_error",
+    "open_failed",
+    "read_failed",
+    "resolve",
+    "resolve_limits",
+]
 
 
 @dataclass(frozen=True)
@@ -116,3 +126,32 @@ class PendingCall:
         if not stored:
             raise failed[0][1]
         raise PartialBatchError(stored, failed, self.sequence)
+
+
+def resolve(call: PendingCall) -> None:
+    """Complete a settled call's future (a ``concurrent.futures`` or an asyncio one) with its messages or error."""
+    future: Any = call.handle
+    if future.done():
+        return
+    try:
+        future.set_result(call.outcome())
+    except MqdsError as err:
+        future.set_exception(err)
+
+
+def closed_error() -> MqdsError:
+    """What the calls a client had not had acknowledged when it was closed fail with."""
+    return errors.error(
+        Reason.UNAVAILABLE,
+        "the client was closed before the write was acknowledged; it may or may not have been stored",
+    )
+
+
+def open_failed(cause: Exception) -> MqdsError:
+    """What a stream that could not be opened (a closed channel) ends with."""
+    return errors.error(Reason.UNAVAILABLE, f"cannot open a stream: {cause}")
+
+
+def read_failed(cause: Exception) -> MqdsError:
+    """What a stream whose reading failed unexpectedly (not with a gRPC status) ends with."""
+    return errors.error(Reason.INTERNAL, f"the store stream failed: {cause}")

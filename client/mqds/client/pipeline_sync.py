@@ -21,32 +21,15 @@ import grpc
 
 from mqds.client.model import Message
 from mqds.client.pipeline import PendingCall, Pipeline, PipelineLimits, Plan, StreamState, check_message
+from mqds.client.pipeline_calls import closed_error, open_failed, read_failed, resolve
 from mqds.client.routing import Router
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.v1 import storage_pb2 as pb
 
-__all__ = ["SyncPipeline", "closed_error"]
+__all__ = ["SyncPipeline"]
 
 log = logging.getLogger(__name__)
-
-
-def closed_error() -> MqdsError:
-    return errors.error(
-        Reason.UNAVAILABLE,
-        "the client was closed before the write was acknowledged; it may or may not have been stored",
-    )
-
-
-def resolve(call: PendingCall) -> None:
-    """Complete a settled call's future with its messages or its error."""
-    future: futures.Future[list[Message]] = call.handle  # type: ignore[assignment]
-    if future.done():
-        return
-    try:
-        future.set_result(call.outcome())
-    except MqdsError as err:
-        future.set_exception(err)
 
 
 class _Stream:
@@ -73,7 +56,7 @@ class _Stream:
             err = self.owner.router.settings.call_error(rpc_error)
         except Exception as unexpected:  # never leave the calls waiting
             log.exception("store stream to %s failed", self.state.address)
-            err = errors.error(Reason.INTERNAL, f"the store stream failed: {unexpected}")
+            err = read_failed(unexpected)
         self.owner.on_end(self.state, err)
 
     def send(self, request: pb.StoreStreamRequest) -> None:
@@ -184,9 +167,7 @@ class SyncPipeline:
             try:
                 state.handle = _Stream(self, state)
             except Exception as err:  # a closed channel: end the stream at once
-                self._settled.extend(
-                    self.core.stream_ended(state, errors.error(Reason.UNAVAILABLE, f"cannot open a stream: {err}"))
-                )
+                self._settled.extend(self.core.stream_ended(state, open_failed(err)))
         for state, batch in plan.sends:
             if isinstance(state.handle, _Stream):
                 state.handle.send(batch.request)
