@@ -15,7 +15,7 @@ from pysyncobj import FAIL_REASON
 
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.api.handlers import _WithRaw
-from mqds.server.api.storage_service import StoreInFlight
+from mqds.server.api.storage_service import StorageService, StoreInFlight
 from mqds.server.api.store_stream import _Stream, batch_bytes
 from mqds.server.raft.futures import Proposal
 from mqds.v1 import storage_pb2 as pb
@@ -26,6 +26,7 @@ class FakeStorage:
 
     max_batch_messages = 10
     shards = SimpleNamespace(n_shards=4)
+    check_batch_size = StorageService.check_batch_size  # the real check, on this max_batch_messages
 
     def __init__(self) -> None:
         self.proposals: list[Proposal] = []

@@ -271,11 +271,19 @@ class StorageService(ShardsAPI):
 
     # -- helpers -------------------------------------------------------------
 
-    def _propose_started(self, commands: list[tuple[int, bytes]]) -> list[Proposal | MqdsError]:
-        """Propose one command per shard without waiting; each proposal, or the ``MqdsError`` it was refused with."""
+    def _propose_started(
+        self, commands: list[tuple[int, bytes]], refused: dict[int, MqdsError] | None = None
+    ) -> list[Proposal | MqdsError]:
+        """Propose one command per shard without waiting; each proposal, or the ``MqdsError`` it was refused with.
+
+        A shard in ``refused`` is not proposed to: its part gets that error.
+        """
         self._check_commands(commands)
         started: list[Proposal | MqdsError] = []
         for shard, body in commands:
+            if refused and shard in refused:
+                started.append(refused[shard])
+                continue
             try:
                 started.append(self.shards.leader_vnode(shard).group.propose(body))
             except MqdsError as err:
@@ -327,12 +335,7 @@ class StorageService(ShardsAPI):
         Raises ``MqdsError`` for a batch refused as a whole.
         """
         messages = request.messages
-        if len(messages) > self.max_batch_messages:
-            raise errors.error(
-                Reason.BATCH_TOO_LARGE,
-                f"batch has {len(messages)} messages, over the limit of {self.max_batch_messages} "
-                "(max_batch_messages); split it",
-            )
+        self.check_batch_size(request)
         producer = request.producer_id
         if producer:
             if len(producer.encode("utf-8")) > MAX_PRODUCER_ID_BYTES:
@@ -396,13 +399,16 @@ class StorageService(ShardsAPI):
                 else:
                     store.messages.extend([messages[i] for i in indexes])
                 commands.append((shard, cmd.SerializeToString()))
-        if refused:
-            keep = [(shard, command) for shard, command in commands if shard not in refused]
-            proposed = iter(self._propose_started(keep))
-            started = [refused[shard] if shard in refused else next(proposed) for shard, _ in commands]
-        else:
-            started = self._propose_started(commands)
-        return StoreInFlight(order, by_shard, len(messages), started)
+        return StoreInFlight(order, by_shard, len(messages), self._propose_started(commands, refused))
+
+    def check_batch_size(self, request: pb.StoreBatchRequest) -> None:
+        """Refuse a batch of more than max_batch_messages (BATCH_TOO_LARGE)."""
+        if len(request.messages) > self.max_batch_messages:
+            raise errors.error(
+                Reason.BATCH_TOO_LARGE,
+                f"batch has {len(request.messages)} messages, over the limit of {self.max_batch_messages} "
+                "(max_batch_messages); split it",
+            )
 
     def StoreStream(self, requests: Iterator[Any], context: Any) -> Iterator[bytes]:
         """Pipelined stores on one call (``store_stream.py``): each batch answered in order as it commits."""

@@ -116,15 +116,14 @@ class _Stream:
                 f"batch sequence {batch.sequence} after {self.sequence} on this stream: sequences must increase "
                 "(resend unacknowledged batches on a new stream)",
             )
-        limit = self.service.max_batch_messages
-        if len(batch.messages) > limit:
-            raise errors.error(
-                Reason.BATCH_TOO_LARGE,
-                f"batch {batch.sequence} has {len(batch.messages):,} messages, over the limit of {limit:,} "
-                "(max_batch_messages); split it",
-            )
+        self.service.check_batch_size(batch)
         self.producer = batch.producer_id
         self.sequence = batch.sequence
+
+    def note_failure(self, shard: int, err: MqdsError | None) -> None:
+        """A shard's batch failed with ``err``: if a client retries that, the shard's later batches fail too."""
+        if err is not None and REASONS[err.reason].retriable:
+            self.refused.setdefault(shard, err)
 
     def start(self, request: Any) -> tuple[int, StoreInFlight | _Refused]:
         """Check and propose one frame; its sequence and what is in flight (or the batch's own error)."""
@@ -136,16 +135,14 @@ class _Stream:
         # got to it) refuses its shard's next ones now: a leader elected again
         # meanwhile would otherwise store them ahead of the client's resend.
         for shard, proposal in list(self.last.items()):
-            err = proposal.failed()
-            if err is not None and REASONS[err.reason].retriable:
-                self.refused.setdefault(shard, err)
+            self.note_failure(shard, proposal.failed())
         try:
             started = self.service.start_store(batch, batch_bytes(parsed.raw), self.refused)
             for shard, item in zip(started.order, started.started, strict=True):
                 if isinstance(item, Proposal):
                     self.last[shard] = item
-                elif REASONS[item.reason].retriable:  # refused at once: not the leader, say
-                    self.refused.setdefault(shard, item)
+                else:  # refused at once: not the leader, say
+                    self.note_failure(shard, item)
             return batch.sequence, started
         except MqdsError as err:  # refused as a whole: an invalid message, say
             n_shards = self.service.shards.n_shards
@@ -187,8 +184,7 @@ class _Stream:
             return answer_bytes(sequence, response)
         results = started.outcome(timeout_s)
         for shard, result in zip(started.order, results, strict=True):
-            if isinstance(result, MqdsError) and REASONS[result.reason].retriable:
-                self.refused.setdefault(shard, result)
+            self.note_failure(shard, result if isinstance(result, MqdsError) else None)
         return answer_bytes(sequence, started.answer(results, raise_if_none=False))
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from mqds.server.raft import batching
 from mqds.server.raft.v1 import raft_pb2 as rpb
 
 # pysyncobj's command types (the first byte of every log entry).
@@ -78,7 +79,7 @@ def check_command(command: bytes) -> None:
             raise MalformedMessage("no-op entry with a body")
     elif kind == COMMAND_BATCH:
         try:
-            rpb.CommandBatch.FromString(command[1:])
+            batching.decode(command[1:])
         except DecodeError as err:
             raise MalformedMessage(f"batch entry that is not a CommandBatch: {err}") from None
     elif kind != COMMAND_REGULAR:
