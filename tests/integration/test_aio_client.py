@@ -13,7 +13,7 @@ import pytest
 from mqds.client import Client, ConnectionSettings, Message, aio
 from mqds.client import errors as E
 from mqds.protocol.sharding import shard_of
-from mqds.tools.localproc import LocalCluster, wait_until
+from mqds.tools.localproc import LocalCluster
 
 pytestmark = pytest.mark.integration
 
@@ -32,13 +32,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         c.start()
         # Leadership moves to each vnode's preferred replica (spread over the
         # nodes) soon after start; let it settle so the tests see stable leaders.
-        wait_until("every vnode led by its preferred replica", lambda: preferred_leaders(c), 30, interval_s=0.3)
+        c.wait_leaders_settled()
         yield c
-
-
-def preferred_leaders(cluster: LocalCluster) -> bool:
-    leaders = cluster.leaders()
-    return all(leaders.get(v.shard) == v.replicas[0] for v in cluster.cluster_map().vnodes)
 
 
 def sender_on(shard: int, prefix: str) -> str:

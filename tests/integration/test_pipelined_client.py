@@ -13,7 +13,7 @@ import pytest
 from mqds.client import Client, Message, aio
 from mqds.client import errors as E
 from mqds.protocol.sharding import shard_of
-from mqds.tools.localproc import LocalCluster, wait_until
+from mqds.tools.localproc import LocalCluster
 
 pytestmark = pytest.mark.integration
 
@@ -25,13 +25,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     args = ["--leader-balance-interval-s", "1"]
     with LocalCluster(tmp_path_factory.mktemp("pipelined") / "c", 3, n_shards=N_SHARDS, args=args) as c:
         c.start()
-        wait_until("every vnode led by its preferred replica", lambda: preferred_leaders(c), 30, interval_s=0.3)
+        c.wait_leaders_settled()
         yield c
-
-
-def preferred_leaders(cluster: LocalCluster) -> bool:
-    leaders = cluster.leaders()
-    return all(leaders.get(v.shard) == v.replicas[0] for v in cluster.cluster_map().vnodes)
 
 
 def sender_on(shard: int, prefix: str) -> str:
