@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
@@ -146,7 +146,8 @@ class VnodeReplica:
                 if first is None:
                     raise ValueError("not a VnodeCommand")
                 if _is_store(first):
-                    stores = [cmd for cmd in (commands[i] for i in part) if cmd is not None]
+                    # A run of stores holds parsed commands only (``_is_store``).
+                    stores = cast(list[cpb.VnodeCommand], [commands[i] for i in part])
                     stored = self._apply_stores(stores, [bodies[i] for i in part], applied)
                     for i, result in zip(part, stored, strict=True):
                         results[i] = result
