@@ -210,6 +210,11 @@ def test_probes_use_the_grpc_health_service(base: list[dict[str, Any]]) -> None:
     grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
     listen = find(base, "ConfigMap", "mqds-config")["data"]["MQDS_LISTEN"]
     assert listen == f"0.0.0.0:{grpc_port}"
+    # Raft between the nodes on a fixed port of its own, which the peers' Service lists.
+    raft_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "raft")
+    assert find(base, "ConfigMap", "mqds-config")["data"]["MQDS_RAFT_LISTEN"] == f"0.0.0.0:{raft_port}"
+    headless = find(base, "Service", "mqds-headless")["spec"]["ports"]
+    assert any(p["name"] == "raft" and p["port"] == raft_port for p in headless)
     services = {kind: container[kind]["grpc"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
     assert all(probe["port"] == grpc_port for probe in services.values())
     assert services["startupProbe"].get("service", "") == ""
@@ -437,7 +442,9 @@ def test_dockerfile_image_contract() -> None:
     exposed = image.last("EXPOSE")
     assert exposed is not None
     ports = {int(p) for p in exposed.args.split()}
-    assert ports == {int(env["MQDS_LISTEN"].rpartition(":")[2]), int(env["MQDS_METRICS_LISTEN"].rpartition(":")[2])}
+    assert ports == {
+        int(env[name].rpartition(":")[2]) for name in ("MQDS_LISTEN", "MQDS_RAFT_LISTEN", "MQDS_METRICS_LISTEN")
+    }
     entrypoint = image.last("ENTRYPOINT")
     assert entrypoint is not None and entrypoint.exec_form() == ["mqds-server"]
     assert healthcheck_command(image)[0] == "python"

@@ -382,6 +382,12 @@ class _NodeCollector(Collector):
         for peer, up in sorted(router.peer_links().items()):
             peers.add_metric([peer], 1.0 if up else 0.0)
         yield peers
+        yield CounterMetricFamily(
+            "mqds_raft_connections_refused",
+            "Raft TCP connections this node closed: a failed handshake (no cluster secret proof), a frame over "
+            "the limit, or more connections still in their handshake than it takes",
+            value=router.refused_connections,
+        )
         wal = node.raft_log
         yield GaugeMetricFamily(
             "mqds_raft_wal_bytes", "Disk bytes of the node's Raft write-ahead log", value=_wal_bytes(wal.directory)

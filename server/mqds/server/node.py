@@ -47,6 +47,7 @@ from mqds.server.hosting import Hosting, Vnode
 from mqds.server.maintenance import Maintenance
 from mqds.server.metrics import NodeMetrics
 from mqds.server.peers import Peers
+from mqds.server.raft import tcp_wire
 from mqds.server.raft.group import RaftGroup, RaftTiming
 from mqds.server.raft.journal import COPY_BYTES, NodeLog
 from mqds.server.raft.transport import ClusterAuth, PeerRouter
@@ -121,6 +122,8 @@ class Node:
             self._group_of,
             self.tls.peer_credentials() if self.tls else None,
             linger_s=config.raft_heartbeat_linger_s,
+            transport=config.raft_transport,
+            tls_client=self.tls.raft_client_context() if self.tls else None,
         )
         self.peers = Peers(self.router)
         self.snapshots = Snapshots(self.peers, self.auth, self.metrics, self.data_dir.tmp)
@@ -200,6 +203,18 @@ class Node:
             control_pool=self._control_pool,
         )
         """Client authentication, roles, and the limits on public calls in flight (see mqds.server.auth)."""
+        try:
+            if config.raft_transport == "tcp":
+                self.router.listen_tcp(
+                    config.raft_tcp_listen,
+                    self.timing.max_entry_bytes + 2 * tcp_wire.FRAME_TARGET_BYTES,
+                    self.tls.raft_server_context() if self.tls else None,
+                )
+        except OSError as err:
+            self._close_all()
+            raise StartupError(
+                f"cannot take Raft traffic on {config.raft_tcp_listen} (raft_listen): {err.strerror or err}"
+            ) from None
         self.server = grpc_server(config, (self.guard,), self._handlers(), self.health.servicer)
         try:
             if self.tls is not None:

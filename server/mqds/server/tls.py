@@ -1,4 +1,4 @@
-"""TLS of the node's one gRPC port: what it serves with, and what it dials its peers with.
+"""TLS of the node's gRPC port and Raft TCP port: what it serves with, and what it dials its peers with.
 
 With ``tls_cert_file`` and ``tls_key_file`` set, the port accepts TLS only:
 clients, and peers carrying Raft and internal calls alike. With
@@ -11,6 +11,7 @@ peers still prove cluster membership with the cluster secret on top.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 
 import grpc
@@ -26,6 +27,8 @@ class NodeTls:
     private_key: bytes
     peer_ca: bytes | None
     client_ca: bytes | None
+    cert_file: str = ""
+    key_file: str = ""
 
     @classmethod
     def from_config(cls, config: NodeConfig) -> NodeTls | None:
@@ -38,6 +41,8 @@ class NodeTls:
             private_key=_read(config.tls_key_file) or b"",
             peer_ca=_read(config.tls_ca_file) or client_ca,
             client_ca=client_ca,
+            cert_file=config.tls_cert_file,
+            key_file=config.tls_key_file,
         )
 
     def server_credentials(self) -> grpc.ServerCredentials:
@@ -51,6 +56,27 @@ class NodeTls:
         return grpc.ssl_channel_credentials(
             root_certificates=self.peer_ca, private_key=self.private_key, certificate_chain=self.cert_chain
         )
+
+    def raft_server_context(self) -> ssl.SSLContext:
+        """TLS of the Raft TCP listener: the node's certificate; a peer's required when clients' are (mTLS)."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.cert_file, self.key_file)
+        if self.client_ca is not None:
+            context.load_verify_locations(cadata=self.client_ca.decode("ascii"))
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def raft_client_context(self) -> ssl.SSLContext:
+        """TLS of Raft TCP connections to peers: their certificates checked as the gRPC channels check them."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.peer_ca is not None:
+            context.load_verify_locations(cadata=self.peer_ca.decode("ascii"))
+        else:
+            context.load_default_certs()
+        context.load_cert_chain(self.cert_file, self.key_file)
+        return context
 
 
 def _read(path: str) -> bytes | None:

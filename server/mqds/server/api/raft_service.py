@@ -124,6 +124,10 @@ class RaftAPI:
         log.warning("fault injection: Raft traffic with %s dropped", list(request.blocked_peers) or "nobody")
         return rpb.InjectFaultResponse()
 
+    def LinkAddress(self, request: rpb.LinkAddressRequest, context: grpc.ServicerContext) -> rpb.LinkAddressResponse:
+        self.node.auth.check(context)
+        return rpb.LinkAddressResponse(port=self.node.router.tcp_port)
+
     def _led_group(self, group_id: int) -> RaftGroup:
         group = self.node.meta_group if group_id == META_GROUP else self.node.vnode(group_id).group
         if group is None:

@@ -95,6 +95,20 @@ class NodeConfig:
         "calls in flight or queued on this node in all (Raft streams included); more are refused with "
         "RESOURCE_EXHAUSTED instead of queueing without bound",
     )
+    raft_transport: str = _opt(
+        "tcp",
+        "how this node sends Raft messages to its peers: tcp = on a TCP connection of its own to each peer "
+        "(raft_listen), written by the thread that produced them, TLS when the node serves TLS, the peer "
+        "proving the cluster secret in a handshake; grpc = on a gRPC stream over the peers' gRPC port "
+        "(more thread hand-offs per message). Either way the node also takes Raft traffic on its gRPC "
+        "port, and a peer that takes no TCP gets gRPC",
+    )
+    raft_listen: str = _opt(
+        "",
+        "host:port where this node takes Raft messages over TCP from its peers (they ask for the port over "
+        "gRPC); empty = the host of listen, any free port. Set a fixed port where a firewall or a network "
+        "policy lists the ports nodes may use between them (the images use 7201)",
+    )
     raft_heartbeat_s: float = _opt(0.2, "how often a Raft leader sends heartbeats, in seconds")
     raft_heartbeat_linger_s: float = _opt(
         0.1,
@@ -208,11 +222,13 @@ class NodeConfig:
                 continue
             if not _is_address(value):
                 raise ConfigError(f"{name} {value!r}: expected host:port with a port from 1 to 65535")
-        host, sep, port = self.metrics_listen.rpartition(":")
-        if self.metrics_listen and not (sep and host and port.isdigit() and int(port) < 65536):
-            raise ConfigError(
-                f"metrics_listen {self.metrics_listen!r}: expected host:port with a port from 0 to 65535, or empty"
-            )
+        for name in ("metrics_listen", "raft_listen"):
+            value = getattr(self, name)
+            host, sep, port = value.rpartition(":")
+            if value and not (sep and host and port.isdigit() and int(port) < 65536):
+                raise ConfigError(f"{name} {value!r}: expected host:port with a port from 0 to 65535, or empty")
+        if self.raft_transport not in ("tcp", "grpc"):
+            raise ConfigError(f"raft_transport {self.raft_transport!r}: expected tcp or grpc")
         if self.ready_max_lag_entries < 0:
             raise ConfigError(f"ready_max_lag_entries must be 0 or more, got {self.ready_max_lag_entries}")
         peers = self.peer_map()
@@ -327,6 +343,11 @@ class NodeConfig:
                 f"max_calls_per_client ({self.max_calls_per_client}) must not exceed max_public_calls "
                 f"({self.max_public_calls}): one client could otherwise take every public slot"
             )
+
+    @property
+    def raft_tcp_listen(self) -> str:
+        """Where the Raft TCP listener binds: raft_listen, or the host of listen with any free port."""
+        return self.raft_listen or f"{self.listen.rpartition(':')[0]}:0"
 
     @property
     def tls(self) -> bool:

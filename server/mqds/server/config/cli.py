@@ -35,6 +35,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "auth_tokens_file",
     ),
     "Raft replication": (
+        "raft_transport",
+        "raft_listen",
         "raft_heartbeat_s",
         "raft_heartbeat_linger_s",
         "raft_election_timeout_s",
@@ -77,6 +79,8 @@ _METAVARS = {
     "listen": "HOST:PORT",
     "advertise": "HOST:PORT",
     "metrics_listen": "HOST:PORT",
+    "raft_listen": "HOST:PORT",
+    "raft_transport": "{tcp,grpc}",
     "peers": "ID=HOST:PORT,...",
     "data_dir": "DIR",
     "node_id": "ID",

@@ -132,6 +132,8 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         """Group commit (``batching.py``): proposals for the next cycle; None if the machine takes no batches."""
         self._inbox: collections.deque[tuple[int, str, Any]] = collections.deque()
         self._wake = threading.Event()
+        self.cycle_lock = threading.Lock()
+        """Held while a cycle runs: by the group's thread, or by a receiving thread (``cycles.run_cycles``)."""
         self._stopping = False
         self._retiring = False
         self.not_ready = False
@@ -239,10 +241,19 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
 
     # -- inputs from other threads ---------------------------------------------
 
-    def deliver(self, node_id: str, message: dict[str, Any], echo: int) -> None:
-        """A decoded message from a peer (any thread)."""
+    def deliver(self, node_id: str, message: dict[str, Any], echo: int, wake: bool = True) -> None:
+        """A decoded message from a peer (any thread); ``wake=False``: the caller runs or wakes the cycle."""
         self._inbox.append((_MESSAGE, node_id, (message, echo)))
+        if wake:
+            self._wake.set()
+
+    def wake(self) -> None:
+        """Have the group's thread run a cycle soon."""
         self._wake.set()
+
+    def note_cycle(self) -> None:
+        """A cycle ran on another thread (``cycles.run_cycles``): what the group's thread notes after each."""
+        self._note_apply_progress()
 
     def peer_connected(self, node_id: str, connected: bool) -> None:
         self._inbox.append((_CONNECTED if connected else _DISCONNECTED, node_id, None))
@@ -372,7 +383,8 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
             if self._stopping:
                 break
             try:
-                self._cycle()
+                with self.cycle_lock:
+                    self._cycle()
             except Exception:
                 log.exception("%s: Raft cycle failed; retrying", self.name)
                 time.sleep(0.5)
@@ -383,6 +395,12 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
             log.exception("%s: final journal sync failed", self.name)
 
     def _cycle(self) -> None:
+        self.cycle_before_sync()
+        self.journal.sync()
+        self.cycle_after_sync()
+
+    def cycle_before_sync(self) -> None:
+        """A cycle up to its log sync: deliver the inbox, log proposals, tick; a leader's appends leave."""
         members = self._members_set()
         inbox = self._inbox
         while inbox:
@@ -433,7 +451,9 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
             # answers, handled in a later cycle (after this sync), and is
             # applied, and answered, only after this sync in any case.
             self._send_outbox()
-        self.journal.sync()
+
+    def cycle_after_sync(self) -> None:
+        """The rest of a cycle, once its log records are durable: send what it produced, then apply."""
         self._send_outbox()
         # Only now, with this cycle's acknowledgements and append-entries on
         # their way, apply what is committed: a follower's answer to the next

@@ -155,6 +155,20 @@ class RaftJournal(Journal):
 
     def sync(self) -> None:
         """Make every change so far durable. Call before any message leaves the node."""
+        round_ = self.stage()
+        if round_ is not None:
+            self._log.wait_durable(round_)
+
+    def wait_durable(self, round_: int) -> None:
+        """Return once the node log's round ``round_`` (from ``stage``, any group's) is on disk."""
+        self._log.wait_durable(round_)
+
+    def stage(self) -> int | None:
+        """Queue every change so far for the node log's next write; the round that makes it durable, or None.
+
+        ``sync`` is this followed by ``NodeLog.wait_durable``; several groups
+        staged before one wait share a single write and flush.
+        """
         with self._lock:
             if self._state_dirty or (
                 self._commit_dirty and time.monotonic() - self._state_recorded_at > _COMMIT_RECORD_INTERVAL_S
@@ -168,12 +182,13 @@ class RaftJournal(Journal):
             cleared, self._pending_cleared = self._pending_cleared, False
             floor = self._entries[0][1] if self._entries else NO_FLOOR
         if not records:
-            return
+            return None
         if self._dir_to_sync is not None:
             fsync_dir(self._dir_to_sync)
             self._dir_to_sync = None
-        self._log.persist(records, self.group, last_entry, floor, cleared)
+        round_ = self._log.queue(records, self.group, last_entry, floor, cleared)
         self.syncs += 1
+        return round_
 
     def state_records(self, copy_bytes: int) -> tuple[list[bytes], int | None]:
         """What a new log segment starts with for this journal, and the last entry copied into it.

@@ -151,7 +151,7 @@ class NodeLog:
         for group, recovered in self._recovered.items():
             self._floors[group] = recovered.entries[0][1] if recovered.entries else NO_FLOOR
         self._open_active()
-        # True while a thread is writing (one at a time; see persist).
+        # True while a thread is writing (one at a time; see wait_durable).
         self._writing = False
 
     # -- files -------------------------------------------------------------------
@@ -179,17 +179,17 @@ class NodeLog:
         """Forget a group for good (its replica was deleted); durable when this returns."""
         self._journals.pop(group, None)
         self._recovered.pop(group, None)
-        self.persist([record(group, DROP)], group, 0, NO_FLOOR, cleared=True)
+        self.wait_durable(self.queue([record(group, DROP)], group, 0, NO_FLOOR, cleared=True))
 
-    def persist(
+    def queue(
         self,
         records: list[bytes],
         group: int | None = None,
         last_entry: int = 0,
         floor: int = 0,
         cleared: bool = False,
-    ) -> None:
-        """Write records and return once they are on disk (with whatever other groups queued).
+    ) -> int:
+        """Queue records for the next write (with whatever other groups queue); the round ``wait_durable`` waits for.
 
         ``group`` names the group whose records they are: ``last_entry`` is
         the highest entry index among them (0 if none), ``floor`` the lowest
@@ -203,13 +203,17 @@ class NodeLog:
             self._queue.extend(records)
             if group is not None:
                 self._queued_marks.append((group, last_entry, floor, cleared))
-            mine = self._queued_round
-            while self._durable_round < mine and self._error is None:
+            return self._queued_round
+
+    def wait_durable(self, round_: int) -> None:
+        """Return once every record queued up to ``round_`` is on disk, writing them on this thread if nobody is."""
+        with self._cond:
+            while self._durable_round < round_ and self._error is None:
                 if self._writing:
                     self._cond.wait()
                 else:
                     self._write_queued()
-            if self._durable_round < mine and self._error is not None:
+            if self._durable_round < round_ and self._error is not None:
                 raise OSError(f"writing the Raft log failed: {self._error}")
 
     def close(self) -> None:

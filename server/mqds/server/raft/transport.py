@@ -1,27 +1,31 @@
-"""Raft messages between nodes, over the node's own gRPC port.
+"""Raft messages between nodes: the router, and the gRPC stream link.
 
-Each node keeps one long-lived ``Raft.Stream`` call open to every peer it
-knows (a :class:`_PeerLink` with a thread of its own). Groups hand the router
-their encoded messages once their journal is synced; the router packs every
-message queued for a peer, whatever its group, into one ``Frame``, so a busy
-node sends few gRPC messages. A message nobody waits for (a heartbeat, a
-follower's answer that repeats its last one: ``Outgoing.lazy``) waits up to
-``linger_s`` for company; any other message for that peer sends it at once.
-Each frame costs a handful of thread hand-offs in gRPC on both ends, and
-heartbeats of ~17 groups per node were most of the frames of an idle or
-half-loaded cluster. Envelopes are built at the wire level (tag,
+Each node keeps one link to every peer it knows: by default a TCP connection
+written by the thread that sends (:mod:`mqds.server.raft.tcp_link`, received by
+:mod:`mqds.server.raft.tcp_listener`), or, with ``raft_transport = "grpc"`` or
+for a peer that takes no TCP, a long-lived ``Raft.Stream`` call (a
+:class:`_PeerLink` with a thread of its own). Groups hand the router their
+encoded messages once their journal is synced (a leader's appends before);
+the router sends each peer its share. On the gRPC stream every message queued
+for a peer, whatever its group, goes out in one ``Frame`` (each frame costs a
+handful of thread hand-offs in gRPC on both ends). A message nobody waits for
+(a heartbeat, a follower's answer that repeats its last one:
+``Outgoing.lazy``) waits up to ``linger_s`` for company; any other message for
+that peer sends it at once. Envelopes are built at the wire level (tag,
 length, bytes), so a message is serialised once, by the group that sent it.
 
-Receiving runs in the gRPC server's thread for that stream: a frame is parsed
-with protobuf, each message decoded by the restricted decoder
-(:mod:`mqds.server.raft.codec`) and appended to its group's inbox, which wakes
-the group. A frame or message that does not parse, or names a group this node
-does not host, is dropped and counted; it never reaches pysyncobj.
+Receiving, from either link, goes through ``_receive_frame``: a frame is
+parsed with protobuf, each message decoded by the restricted decoder
+(:mod:`mqds.server.raft.codec`) and appended to its group's inbox; then the
+cycles of the groups it touched run on the receiving thread
+(:mod:`mqds.server.raft.cycles`). A frame or message that does not parse, or
+names a group this node does not host, is dropped and counted; it never
+reaches pysyncobj.
 
-Peers authenticate with the cluster secret in the call metadata (compared in
-constant time); without a secret only ``dev_mode`` lets internal calls in.
-When the node serves TLS, every channel to a peer is a TLS channel too (the
-credentials come from :mod:`mqds.server.tls`), and the secret travels inside it.
+Peers authenticate with the cluster secret: in the call metadata (compared in
+constant time) on gRPC, with an HMAC proof in the TCP handshake; without a
+secret only ``dev_mode`` lets them in. When the node serves TLS, its links to
+peers are TLS too (the credentials come from :mod:`mqds.server.tls`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import collections
 import hmac
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -40,8 +45,11 @@ import grpc
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.server.raft import codec
+from mqds.server.raft.cycles import run_cycles
 from mqds.server.raft.group import RaftGroup
 from mqds.server.raft.outbox import Outgoing
+from mqds.server.raft.tcp_link import TcpPeerLink
+from mqds.server.raft.tcp_listener import TcpListener
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.wire import varint
 
@@ -85,6 +93,11 @@ class ClusterAuth:
         self.address = address
         self._secret = secret.encode("utf-8")
         self.dev_mode = dev_mode
+
+    @property
+    def secret(self) -> bytes:
+        """The cluster secret (empty: none), for the Raft TCP handshake's proof."""
+        return self._secret
 
     def metadata(self) -> list[tuple[str, str]]:
         md = [(NODE_HEADER, self.node_id), (ADDRESS_HEADER, self.address)]
@@ -286,14 +299,21 @@ class PeerRouter:
         group_lookup: Callable[[int], RaftGroup | None],
         credentials: grpc.ChannelCredentials | None = None,
         linger_s: float = 0.0,
+        transport: str = "tcp",
+        tls_client: ssl.SSLContext | None = None,
     ) -> None:
         self.auth = auth
+        self.transport = transport
+        """How this node sends Raft messages: "tcp" (``tcp_link``) or "grpc" (the ``Raft.Stream`` call)."""
+        self.tls_client = tls_client
+        """The TLS context of Raft TCP connections to peers (None: plaintext)."""
+        self._listener: TcpListener | None = None
         self.linger_s = linger_s
         """How long a lazy message (a heartbeat, a repeated answer) may wait for company (raft_heartbeat_linger_s)."""
         self._credentials = credentials
         self.node_id = auth.node_id
         self._lookup = group_lookup
-        self._links: dict[str, _PeerLink] = {}
+        self._links: dict[str, _PeerLink | TcpPeerLink] = {}
         self._addresses: dict[str, str] = {}
         self._lock = threading.Lock()
         self._blocked: frozenset[str] = frozenset()
@@ -335,7 +355,8 @@ class PeerRouter:
             self._addresses[node_id] = address
             link = self._links.get(node_id)
             if link is None:
-                self._links[node_id] = _PeerLink(self, node_id, address)
+                link_class = TcpPeerLink if self.transport == "tcp" else _PeerLink
+                self._links[node_id] = link_class(self, node_id, address)
             else:
                 link.address = address
         log.info("peer %s is at %s", node_id, address)
@@ -369,6 +390,33 @@ class PeerRouter:
             self._links.clear()
         for link in links:
             link.close()
+        if self._listener is not None:
+            self._listener.close()
+
+    # -- Raft over TCP (the receiving end) ----------------------------------------
+
+    def listen_tcp(self, listen: str, max_frame_bytes: int, tls_server: ssl.SSLContext | None) -> int:
+        """Take peers' Raft connections on ``listen`` (host:port, port 0: any); the port bound."""
+        self._listener = TcpListener(
+            listen, self.auth.secret, self.auth.dev_mode, self._receive_tcp, max_frame_bytes, tls_server
+        )
+        return self._listener.port
+
+    @property
+    def tcp_port(self) -> int:
+        """The port peers send Raft traffic to over TCP (``Raft.LinkAddress``); 0 when this node takes none."""
+        return self._listener.port if self._listener is not None else 0
+
+    @property
+    def refused_connections(self) -> int:
+        return self._listener.refused if self._listener is not None else 0
+
+    def _receive_tcp(self, sender: str, address: str, raw: bytes) -> None:
+        if sender in self._blocked:
+            return
+        if address and sender != self.node_id and self._addresses.get(sender) != address:
+            self.set_address(sender, address)
+        self._receive_frame(sender, raw)
 
     # -- faults (tests) --------------------------------------------------------
 
@@ -417,6 +465,8 @@ class PeerRouter:
             self.dropped_frames += 1
             log.warning("dropped a Raft frame from %s that does not parse: %s", sender, err)
             return
+        touched: dict[int, RaftGroup] = {}
+        threaded: set[int] = set()
         for env in frame.messages:
             group = self._lookup(env.group)
             if group is None:
@@ -428,7 +478,16 @@ class PeerRouter:
                 self.dropped_malformed += 1
                 log.warning("dropped a malformed Raft message from %s for group %d: %s", sender, env.group, err)
                 continue
-            group.deliver(sender, message, env.message.echo)
+            if "serialized" in message or env.group in threaded:
+                # A snapshot's transfer (and what follows it): the group's own thread installs it.
+                group.deliver(sender, message, env.message.echo)
+                touched.pop(env.group, None)
+                threaded.add(env.group)
+                continue
+            group.deliver(sender, message, env.message.echo, wake=False)
+            touched.setdefault(env.group, group)
+        # Their cycles run here, sharing one log write, instead of waking each group's thread (cycles.py).
+        run_cycles(touched.values())
 
 
 def raft_stream_handler(router: PeerRouter, pool: futures.ThreadPoolExecutor | None = None) -> Any:

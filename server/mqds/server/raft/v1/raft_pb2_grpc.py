@@ -65,6 +65,11 @@ class RaftStub:
                 request_serializer=mqds_dot_server_dot_raft_dot_v1_dot_raft__pb2.InjectFaultRequest.SerializeToString,
                 response_deserializer=mqds_dot_server_dot_raft_dot_v1_dot_raft__pb2.InjectFaultResponse.FromString,
                 _registered_method=True)
+        self.LinkAddress = channel.unary_unary(
+                '/mqds.server.raft.v1.Raft/LinkAddress',
+                request_serializer=mqds_dot_server_dot_raft_dot_v1_dot_raft__pb2.LinkAddressRequest.SerializeToString,
+                response_deserializer=mqds_dot_server_dot_raft_dot_v1_dot_raft__pb2.LinkAddressResponse.FromString,
+                _registered_method=True)
 
 
 class RaftServicer:
@@ -117,6 +122,16 @@ class RaftServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LinkAddress(self, request, context):
+        """Where this node takes Raft traffic over TCP (raft_transport "tcp"): a
+        peer asks before it connects, and after every lost connection. A node
+        without it (UNIMPLEMENTED) or with raft_transport "grpc" gets frames on
+        Stream instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RaftServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +164,11 @@ def add_RaftServicer_to_server(servicer, server):
                     servicer.InjectFault,
                     request_deserializer=mqds_dot_server_dot_raft_dot_v1_dot_raft__pb2.InjectFaultRequest.FromString,
                     response_serializer=mqds_dot_server_dot_raft_dot_v1_dot_raft__pb2.InjectFaultResponse.SerializeToString,
+            ),
+            'LinkAddress': grpc.unary_unary_rpc_method_handler(
+                    servicer.LinkAddress,
+                    request_deserializer=mqds_dot_server_dot_raft_dot_v1_dot_raft__pb2.LinkAddressRequest.FromString,
+                    response_serializer=mqds_dot_server_dot_raft_dot_v1_dot_raft__pb2.LinkAddressResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -314,6 +334,33 @@ class Raft:
             '/mqds.server.raft.v1.Raft/InjectFault',
             mqds_dot_server_dot_raft_dot_v1_dot_raft__pb2.InjectFaultRequest.SerializeToString,
             mqds_dot_server_dot_raft_dot_v1_dot_raft__pb2.InjectFaultResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LinkAddress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mqds.server.raft.v1.Raft/LinkAddress',
+            mqds_dot_server_dot_raft_dot_v1_dot_raft__pb2.LinkAddressRequest.SerializeToString,
+            mqds_dot_server_dot_raft_dot_v1_dot_raft__pb2.LinkAddressResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,110 @@
+"""The Raft TCP connection's bytes: the handshake that proves cluster membership, and frame framing.
+
+A connection carries one node's Raft frames to another, one way (answers
+travel on the connection the other node opens), the same ``Frame`` messages
+as the gRPC ``Raft.Stream``. It opens with a handshake:
+
+1. the accepting node sends ``CHALLENGE_BYTES`` random bytes;
+2. the connecting node sends a ``LinkHello`` (length-prefixed): its id, its
+   gRPC address and ``proof``, an HMAC-SHA256 of the challenge, id and address
+   keyed with the cluster secret, so the secret itself never travels and a
+   recorded handshake cannot be replayed;
+3. the accepting node checks the proof (in constant time) and answers
+   ``ACCEPTED``, or closes the connection.
+
+Then each frame is a 4-byte big-endian length and the frame's bytes. A length
+over ``max_frame_bytes`` ends the connection (the sender sends nothing that
+large: Raft entries are bounded by ``max_entry_bytes``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import socket
+import struct
+
+from mqds.server.raft.v1 import raft_pb2 as rpb
+
+CHALLENGE_BYTES = 32
+FRAME_TARGET_BYTES = 4 * 1024 * 1024
+"""A frame takes messages up to this size; a larger message goes in a frame of its own."""
+ACCEPTED = b"\x01"
+HELLO_MAX_BYTES = 4096
+_LENGTH = struct.Struct(">I")
+
+
+class LinkRefused(Exception):
+    """The other end broke the protocol or refused the handshake; the message says how."""
+
+
+def frame_header(length: int) -> bytes:
+    return _LENGTH.pack(length)
+
+
+def frames(items: list[bytes]) -> list[bytes]:
+    """Envelopes packed, in order, into frames of at most ``FRAME_TARGET_BYTES`` (one larger envelope alone)."""
+    out: list[bytes] = []
+    current: list[bytes] = []
+    size = 0
+    for item in items:
+        if current and size + len(item) > FRAME_TARGET_BYTES:
+            out.append(b"".join(current))
+            current, size = [], 0
+        current.append(item)
+        size += len(item)
+    if current:
+        out.append(b"".join(current))
+    return out
+
+
+def proof(secret: bytes, challenge: bytes, node_id: str, address: str) -> bytes:
+    """What a connecting node sends to prove it knows ``secret``; empty without one."""
+    if not secret:
+        return b""
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    for part in (challenge, node_id.encode("utf-8"), address.encode("utf-8")):
+        mac.update(_LENGTH.pack(len(part)))
+        mac.update(part)
+    return mac.digest()
+
+
+def hello(secret: bytes, challenge: bytes, node_id: str, address: str) -> bytes:
+    """The connecting node's ``LinkHello``, length-prefixed."""
+    body = rpb.LinkHello(
+        node_id=node_id, address=address, proof=proof(secret, challenge, node_id, address)
+    ).SerializeToString()
+    return _LENGTH.pack(len(body)) + body
+
+
+def check_hello(body: bytes, secret: bytes, challenge: bytes) -> rpb.LinkHello:
+    """The hello of a connecting node; raises LinkRefused unless it parses and its proof holds."""
+    try:
+        message = rpb.LinkHello.FromString(body)
+    except Exception as err:  # DecodeError, or RuntimeError from upb
+        raise LinkRefused(f"a hello that does not parse: {err}") from None
+    if not message.node_id:
+        raise LinkRefused("a hello without a node id")
+    if secret and not hmac.compare_digest(message.proof, proof(secret, challenge, message.node_id, message.address)):
+        raise LinkRefused(f"{message.node_id!r} did not prove it knows the cluster secret (cluster_secret)")
+    return message
+
+
+def read_exactly(sock: socket.socket, count: int) -> bytes:
+    """``count`` bytes from a blocking socket; raises EOFError if it closes first."""
+    view = memoryview(bytearray(count))
+    got = 0
+    while got < count:
+        n = sock.recv_into(view[got:], count - got)
+        if not n:
+            raise EOFError("the connection closed")
+        got += n
+    return bytes(view)
+
+
+def read_sized(sock: socket.socket, max_bytes: int) -> bytes:
+    """One length-prefixed message from a blocking socket; raises LinkRefused past ``max_bytes``."""
+    (length,) = _LENGTH.unpack(read_exactly(sock, _LENGTH.size))
+    if length > max_bytes:
+        raise LinkRefused(f"a message of {length} bytes, over the limit of {max_bytes}")
+    return read_exactly(sock, length) if length else b""
