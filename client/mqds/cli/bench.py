@@ -192,7 +192,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         "messages (nodes' CPU with --start-cluster or --data-dir) with its target and PASS/MISS: one writer "
         "storing 1 message per blocking call (target p50 <= 2 ms); --publishers x --in-flight pipelined "
         "1-message calls (target 50,000 msg/s; baseline: as many blocking calls from threads); 'mqds exhook' "
-        f"driven by {bench_small.EXHOOK_CALLERS} concurrent OnMessagePublish calls (target 20,000 msg/s); "
+        f"driven by {bench_small.EXHOOK_CALLERS} concurrent OnMessagePublish calls (target 20,000 msg/s; "
+        "ceiling: the same callers against a provider that stores nothing); "
         "--publishers x blocking calls of --batch messages (target 100,000 msg/s). --json: one object, "
         "the pipelined scenario's figures at the top and every scenario under 'scenarios'",
     )

@@ -13,7 +13,10 @@ comparison. The figures of a scenario are those of all its rounds together:
   IN_FLIGHT threads in each of the same processes.
 - ExHook, 64 concurrent OnMessagePublish: an ``mqds exhook`` process (rules
   that store every message) driven by 64 concurrent grpc.aio callers (in two
-  processes); target 20,000 msg/s.
+  processes); target 20,000 msg/s. Ceiling: the same callers against a
+  second provider whose rules store nothing, which answers each call at once:
+  what the callers and a provider cost on this machine before anything is
+  stored.
 - batched, 1,000 msgs/call: PUBLISHERS processes, blocking calls of BATCH
   messages (``mqds bench``'s default load); target 100,000 msg/s.
 
@@ -49,6 +52,8 @@ EXHOOK_CALLERS = 64
 EXHOOK_PROCESSES = 2
 # The rule that makes the provider store every message it is called with (QoS 1 and 2).
 EXHOOK_RULES = '[[rule]]\nhook = "message.publish"\ntopic = "#"\naction = "on_message_publish"\n'
+# The ceiling's provider: the same rule for topics the load never publishes, so it answers at once.
+EXHOOK_NOTHING_RULES = EXHOOK_RULES.replace('topic = "#"', 'topic = "mqds-bench-stores-nothing/#"')
 
 
 @dataclass(frozen=True)
@@ -136,14 +141,29 @@ class Scenario:
     watch_pids: list[int] = field(default_factory=list)  # processes whose CPU counts besides the nodes'
     baseline_run: Runner | None = None
     baseline: Figures | None = None
+    ceiling_run: Runner | None = None  # the same load where nothing is stored: the most the scenario can reach
+    ceiling: Figures | None = None
+    ceiling_pids: list[int] = field(default_factory=list)
+
+    def side(self, kind: str) -> tuple[Runner, Figures, list[int], str]:
+        """The runner, figures, watched processes and title suffix of ``kind``: "", "baseline" or "ceiling"."""
+        if kind == "baseline":
+            assert self.baseline_run is not None and self.baseline is not None
+            return self.baseline_run, self.baseline, [], " (baseline)"
+        if kind == "ceiling":
+            assert self.ceiling_run is not None and self.ceiling is not None
+            return self.ceiling_run, self.ceiling, self.ceiling_pids, " (ceiling)"
+        return self.run, self.figures, self.watch_pids, ""
 
 
 class _ExhookProcess(CliProcess):
     """``mqds exhook`` as a subprocess with rules that store every message; its address once it serves."""
 
-    def __init__(self, workdir: Path, endpoints: list[str], opts: argparse.Namespace) -> None:
-        config = workdir / "store-every-message.toml"
-        config.write_text(EXHOOK_RULES)
+    def __init__(
+        self, workdir: Path, endpoints: list[str], opts: argparse.Namespace, rules: str = EXHOOK_RULES
+    ) -> None:
+        config = workdir / ("store-every-message.toml" if rules == EXHOOK_RULES else "store-nothing.toml")
+        config.write_text(rules)
         command = ["--endpoints", ",".join(endpoints)]
         if opts.tls:
             command.append("--tls")
@@ -151,7 +171,7 @@ class _ExhookProcess(CliProcess):
             if getattr(opts, option, None):
                 command += [f"--{option.replace('_', '-')}", getattr(opts, option)]
         command += ["exhook", "--config", str(config), "--listen", "127.0.0.1:0"]
-        super().__init__(command, workdir / "exhook.out", r"serving \S+ on (\S+) ", "mqds exhook")
+        super().__init__(command, workdir / f"{config.stem}.out", r"serving \S+ on (\S+) ", "mqds exhook")
         self.address = self.ready.group(1)
 
 
@@ -215,6 +235,9 @@ def run(opts: argparse.Namespace) -> int:
         provider = _ExhookProcess(workdir, endpoints, opts)
         stack.callback(provider.stop)
         _warm_up_exhook(provider.address)
+        idle_provider = _ExhookProcess(workdir, endpoints, opts, EXHOOK_NOTHING_RULES)
+        stack.callback(idle_provider.stop)
+        _warm_up_exhook(idle_provider.address)
 
         def load(n: int, batch: int, *, threads: int = 1, flight: int = 0) -> Runner:
             def runner(progress: Callable[[int, float, float], None], sample: Callable[[], float | None]) -> RunResult:
@@ -234,10 +257,13 @@ def run(opts: argparse.Namespace) -> int:
 
             return runner
 
-        def exhook(progress: Callable[[int, float, float], None], sample: Callable[[], float | None]) -> RunResult:
-            return run_exhook_load(
-                provider.address, EXHOOK_CALLERS, EXHOOK_PROCESSES, size, duration, progress=progress, sample=sample
-            )
+        def exhook(address: str) -> Runner:
+            def runner(progress: Callable[[int, float, float], None], sample: Callable[[], float | None]) -> RunResult:
+                return run_exhook_load(
+                    address, EXHOOK_CALLERS, EXHOOK_PROCESSES, size, duration, progress=progress, sample=sample
+                )
+
+            return runner
 
         calls = publishers * in_flight
         scenarios = [
@@ -260,9 +286,12 @@ def run(opts: argparse.Namespace) -> int:
             Scenario(
                 f"ExHook, {EXHOOK_CALLERS} concurrent OnMessagePublish",
                 Target("acked_msgs_per_s", 20_000, at_most=False),
-                exhook,
+                exhook(provider.address),
                 Figures(f"mqds exhook, {EXHOOK_CALLERS} grpc.aio callers in {EXHOOK_PROCESSES} processes"),
                 watch_pids=[provider.proc.pid],
+                ceiling_run=exhook(idle_provider.address),
+                ceiling=Figures("the same callers, a provider whose rules store nothing"),
+                ceiling_pids=[idle_provider.proc.pid],
             ),
             Scenario(
                 f"batched, {opts.batch:,} msgs/call",
@@ -272,27 +301,26 @@ def run(opts: argparse.Namespace) -> int:
             ),
         ]
         say(
-            f"mqds bench --small-writes: {len(scenarios)} scenarios (and a baseline), {duration:g} s each, "
+            f"mqds bench --small-writes: {len(scenarios)} scenarios (and a baseline and a ceiling), "
+            f"{duration:g} s each, "
             f"{opts.rounds} round(s) alternating, {size} B payloads, against {len(endpoints)} node(s), "
             f"{n_shards} vnodes"
             + ("" if node_pids else "; CPU: load processes and provider only (nodes not started by this command)")
         )
-        runs: list[tuple[Scenario, bool]] = []
+        runs: list[tuple[Scenario, str]] = []
         for scenario in scenarios:
-            runs.append((scenario, False))
+            runs.append((scenario, ""))
             if scenario.baseline_run is not None:
-                runs.append((scenario, True))
+                runs.append((scenario, "baseline"))
+            if scenario.ceiling_run is not None:
+                runs.append((scenario, "ceiling"))
         line = ProgressLine()
         try:
             for round_no in range(opts.rounds):
                 order = runs if round_no % 2 == 0 else list(reversed(runs))
-                for step, (scenario, is_baseline) in enumerate(order, 1):
-                    figures = scenario.baseline if is_baseline else scenario.figures
-                    runner = scenario.baseline_run if is_baseline else scenario.run
-                    assert figures is not None and runner is not None
-                    title = f"round {round_no + 1}/{opts.rounds} run {step}/{len(order)} {scenario.name}" + (
-                        " (baseline)" if is_baseline else ""
-                    )
+                for step, (scenario, kind) in enumerate(order, 1):
+                    runner, figures, watched, suffix = scenario.side(kind)
+                    title = f"round {round_no + 1}/{opts.rounds} run {step}/{len(order)} {scenario.name}{suffix}"
 
                     def progress(acked: int, elapsed_s: float, duration_s: float, title: str = title) -> None:
                         rate = acked / elapsed_s if elapsed_s > 0 else 0.0
@@ -302,7 +330,7 @@ def run(opts: argparse.Namespace) -> int:
                             final=elapsed_s >= duration_s,
                         )
 
-                    pids = node_pids + ([] if is_baseline else scenario.watch_pids)
+                    pids = node_pids + watched
                     marks: list[tuple[float | None, int | None]] = []
 
                     def sample(
@@ -323,7 +351,7 @@ def run(opts: argparse.Namespace) -> int:
                             assert cpu0 is not None and cpu1 is not None and sw0 is not None and sw1 is not None
                             figures.add_nodes(cpu1 - cpu0, sw1 - sw0)
                     say(
-                        f"  round {round_no + 1}  {scenario.name + (' (baseline)' if is_baseline else ''):<42} "
+                        f"  round {round_no + 1}  {scenario.name + suffix:<42} "
                         f"{result.acked_msgs_per_s:>9,.0f} msg/s  p50 {result.p50_ms:6.2f} ms  "
                         f"p99 {result.p99_ms:7.2f} ms"
                     )
@@ -336,6 +364,8 @@ def run(opts: argparse.Namespace) -> int:
         report["met"] = scenario.target.met(report)
         if scenario.baseline is not None:
             report["baseline"] = scenario.baseline.report()
+        if scenario.ceiling is not None:
+            report["ceiling"] = scenario.ceiling.report()
         reports.append(report)
     main = reports[1]
     if opts.json:
@@ -361,6 +391,10 @@ def run(opts: argparse.Namespace) -> int:
         if base is not None:
             ratio = report["acked_msgs_per_s"] / base["acked_msgs_per_s"] if base["acked_msgs_per_s"] else 0.0
             rows.append(_row("  baseline (old path, same concurrency)", base, f"new/old {ratio:.2f}x", ""))
+        ceiling = report.get("ceiling")
+        if ceiling is not None:
+            ratio = report["acked_msgs_per_s"] / ceiling["acked_msgs_per_s"] if ceiling["acked_msgs_per_s"] else 0.0
+            rows.append(_row("  ceiling (nothing stored)", ceiling, f"stored/ceiling {ratio:.2f}x", ""))
     say("")
     say(
         table(
