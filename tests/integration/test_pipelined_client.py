@@ -155,3 +155,44 @@ def test_every_acknowledged_message_is_stored_once_across_a_leader_kill(cluster:
         assert [int(m.payload) for m in stored] == list(range(total))
     finally:
         cluster.start_node(victim)
+
+
+def test_flush_waits_for_every_call_before_it_and_says_when_they_outlast_it(cluster: LocalCluster) -> None:
+    sender = sender_on(1, "flush")
+    with Client(cluster.addresses, timeout_s=30) as client:
+        client.flush()  # nothing in flight: returns at once
+        pending = [client.store_async(Message("flush/a", str(i).encode(), sender, qos=1)) for i in range(300)]
+        client.flush()
+        assert all(f.done() and not f.exception() for f in pending)
+        # Calls that cannot commit: the shard's leader cut off from both followers.
+        leader = cluster.wait_for_leader(1)
+        cluster.partition([leader], [n for n in cluster.nodes if n != leader])
+        try:
+            stuck = [client.store_async(Message("flush/b", str(i).encode(), sender, qos=1)) for i in range(20)]
+            with pytest.raises(E.DeadlineExceededError, match="20 of 20 pipelined calls still in flight"):
+                client.flush(timeout_s=0.5)
+            assert not any(f.done() for f in stuck)
+        finally:
+            cluster.heal()
+        client.flush(timeout_s=60)  # they go on after a flush gave up, and complete once healed
+        assert all(f.done() for f in stuck)
+        assert all(not f.exception() for f in stuck)
+    assert sorted(int(m.payload) for m in replayed(cluster, "flush/a")) == list(range(300))
+    assert sorted(int(m.payload) for m in replayed(cluster, "flush/b")) == list(range(20))
+
+
+def test_the_asyncio_client_flushes_too(cluster: LocalCluster) -> None:
+    async def run() -> list[asyncio.Future[list[Message]]]:
+        async with aio.Client(cluster.addresses, timeout_s=30) as client:
+            await client.flush()
+            pending = [
+                await client.store_async(Message("aflush/a", str(i).encode(), f"aflush-{i % 5}", qos=1))
+                for i in range(200)
+            ]
+            await client.flush()
+            assert all(f.done() for f in pending)
+            return pending
+
+    pending = asyncio.run(run())
+    assert all(not f.exception() for f in pending)
+    assert len(replayed(cluster, "aflush/a")) == 200

@@ -108,7 +108,7 @@ class ProgressLine:
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.every_s = every_s
-        self._last_print = 0.0
+        self._last_print: float | None = None  # the first line prints at once, however long the machine has been up
         self._live: Any = None
 
     def show(self, text: str, final: bool = False) -> None:
@@ -126,7 +126,7 @@ class ProgressLine:
                 self.close()
             return
         now = time.monotonic()
-        if final or now - self._last_print >= self.every_s:
+        if final or self._last_print is None or now - self._last_print >= self.every_s:
             self.stream.write(text + "\n")
             self.stream.flush()
             self._last_print = now

@@ -37,7 +37,8 @@ from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.pipeline import PipelineLimits, resolve_limits
 from mqds.client.pipeline_aio import AsyncPipeline
 from mqds.client.retry import Backoff
-from mqds.protocol.errors import MqdsError
+from mqds.protocol import errors
+from mqds.protocol.errors import MqdsError, Reason
 from mqds.v1 import cluster_pb2 as clpb
 
 __all__ = ["AsyncRouter", "Client"]
@@ -209,6 +210,27 @@ class Client:
     async def publish(self, messages: Message | Iterable[Message], *, timeout_s: float | None = None) -> list[Message]:
         """Store messages through the pipeline (``store_async``) and await them; the stored messages."""
         return await (await self.store_async(messages, timeout_s=timeout_s))
+
+    async def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every ``store_async`` / ``publish`` call made before this one is acknowledged or failed.
+
+        As :meth:`mqds.client.Client.flush`: raises DEADLINE_EXCEEDED if
+        some are still in flight after ``timeout_s`` (default: the client's
+        timeout), and none of the calls' own errors.
+        """
+        pipeline = self._pipeline
+        if pipeline is None:
+            return
+        waiting = pipeline.pending()
+        if not waiting:
+            return
+        budget = self.settings.timeout_s if timeout_s is None else timeout_s
+        _, left = await asyncio.wait(waiting, timeout=budget)
+        if left:
+            raise errors.error(
+                Reason.DEADLINE_EXCEEDED,
+                f"{len(left)} of {len(waiting)} pipelined calls still in flight after {budget:g} s",
+            )
 
     # -- reads ---------------------------------------------------------------
 

@@ -23,7 +23,8 @@ from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.pipeline import PipelineLimits, resolve_limits
 from mqds.client.pipeline_sync import SyncPipeline
 from mqds.client.routing import Backoff, Fanout, Router, ShardFailures
-from mqds.protocol.errors import MqdsError
+from mqds.protocol import errors
+from mqds.protocol.errors import MqdsError, Reason
 from mqds.v1 import cluster_pb2 as clpb
 
 log = logging.getLogger(__name__)
@@ -295,6 +296,25 @@ class Client(BrokerStateCalls):
     def publish(self, messages: Message | Iterable[Message], timeout_s: float | None = None) -> list[Message]:
         """Store messages through the pipeline (``store_async``) and wait for them; the stored messages."""
         return self.store_async(messages, timeout_s=timeout_s).result()
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every ``store_async`` / ``publish`` call made before this one is acknowledged or failed.
+
+        Each call's outcome stays in its own future (``flush`` raises none of
+        them). Raises DEADLINE_EXCEEDED if some are still in flight after
+        ``timeout_s`` (default: the client's timeout); they go on.
+        """
+        pipeline = self._pipeline
+        if pipeline is None:
+            return
+        waiting = pipeline.pending()
+        budget = self.settings.timeout_s if timeout_s is None else timeout_s
+        _, left = futures.wait(waiting, timeout=budget)
+        if left:
+            raise errors.error(
+                Reason.DEADLINE_EXCEEDED,
+                f"{len(left)} of {len(waiting)} pipelined calls still in flight after {budget:g} s",
+            )
 
     # -- reads ---------------------------------------------------------------
 

@@ -148,6 +148,10 @@ class Pipeline:
             state.queued.append((call, index, encoded, encoded.ByteSize() + _FRAME_BYTES))
         return []
 
+    def unsettled(self) -> list[object]:
+        """The transport handles (futures) of every call taken and not settled yet (``flush`` waits for them)."""
+        return [call.handle for _, _, call in self._deadlines if not call.done]
+
     def _settle(self, call: PendingCall, out: list[PendingCall]) -> None:
         call.done = True
         self.unsettled_messages -= len(call.messages)

@@ -91,6 +91,11 @@ class AsyncPipeline:
         self._streams: list[_Stream] = []
         self._refresh_task: asyncio.Future[None] | None = None
 
+    def pending(self) -> list[asyncio.Future[list[Message]]]:
+        """The futures of every call submitted so far that is not complete yet."""
+        handles = [call.handle for call in self._settled] + self.core.unsettled()
+        return [f for f in handles if isinstance(f, asyncio.Future) and not f.done()]
+
     async def submit(
         self, messages: Sequence[Message], n_shards: int, deadline: float
     ) -> asyncio.Future[list[Message]]:

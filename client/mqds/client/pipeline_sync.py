@@ -116,6 +116,12 @@ class SyncPipeline:
         self._dirty = True
         self._cond.notify_all()
 
+    def pending(self) -> list[futures.Future[list[Message]]]:
+        """The futures of every call submitted so far that is not complete yet."""
+        with self._cond:
+            handles = [call.handle for call in self._settled] + self.core.unsettled()
+        return [f for f in handles if isinstance(f, futures.Future) and not f.done()]
+
     # -- events from the streams (reader threads) ----------------------------------
 
     def on_response(self, state: StreamState, response: pb.StoreStreamResponse) -> None:
