@@ -34,6 +34,7 @@ from mqds.client.retry import Backoff
 from mqds.client.routing_table import RoutingTable
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
+from mqds.protocol.wire import encode_message, store_stream_frame
 from mqds.v1 import storage_pb2 as pb
 
 __all__ = [
@@ -59,7 +60,8 @@ class Batch:
     shard: int
     sequence: int
     entries: list[tuple[PendingCall, int]]
-    request: pb.StoreStreamRequest
+    request: bytes
+    """The encoded ``StoreStreamRequest`` (see :func:`mqds.protocol.wire.store_stream_frame`)."""
     stream: StreamState | None = None
 
     @property
@@ -94,7 +96,7 @@ class Plan:
 
 class _Shard:
     def __init__(self, backoff: Backoff) -> None:
-        self.queued: deque[tuple[PendingCall, int, pb.Message, int]] = deque()
+        self.queued: deque[tuple[PendingCall, int, bytes, int]] = deque()
         self.batches: deque[Batch] = deque()  # sealed, not acknowledged, in sequence order
         self.not_before = 0.0
         self.backoff = backoff
@@ -142,10 +144,11 @@ class Pipeline:
             return [call]
         self.unsettled_messages += len(call.messages)
         heapq.heappush(self._deadlines, (call.deadline, call.id, call))
-        for index, (message, shard) in enumerate(zip(call.messages, call.shards, strict=True)):
-            encoded = message.to_pb()
-            state = self.shards.get(shard) or self.shards.setdefault(shard, _Shard(self.backoff))
-            state.queued.append((call, index, encoded, encoded.ByteSize() + _FRAME_BYTES))
+        shards = self.shards
+        for index, (m, shard) in enumerate(zip(call.messages, call.shards, strict=True)):
+            encoded = encode_message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties)
+            state = shards.get(shard) or shards.setdefault(shard, _Shard(self.backoff))
+            state.queued.append((call, index, encoded, len(encoded) + _FRAME_BYTES))
         return []
 
     def unsettled(self) -> list[object]:
@@ -219,7 +222,7 @@ class Pipeline:
         limits = self.limits
         while state.queued and len(state.batches) < limits.max_batches_per_shard:
             entries: list[tuple[PendingCall, int]] = []
-            messages: list[pb.Message] = []
+            messages: list[bytes] = []
             size = 0
             while state.queued and len(messages) < limits.max_batch_messages:
                 call, index, encoded, nbytes = state.queued[0]
@@ -238,11 +241,7 @@ class Pipeline:
             self.stats["messages"] += len(messages)
             for call, _ in entries:
                 call.sequence = call.sequence or sequence
-            request = pb.StoreStreamRequest(
-                batch=pb.StoreBatchRequest(
-                    messages=messages, sync=True, producer_id=self.producer_id, sequence=sequence
-                )
-            )
+            request = store_stream_frame(messages, self.producer_id, sequence)
             state.batches.append(Batch(shard, sequence, entries, request))
 
     def _ready(self, now: float) -> dict[str, list[Batch]]:
@@ -315,14 +314,22 @@ class Pipeline:
         return out
 
     def _parts_done(self, batch: Batch, out: list[PendingCall]) -> None:
-        for call in dict.fromkeys(call for call, _ in batch.entries):
+        """Settle, in call order, the calls whose part on ``batch``'s shard this batch completed."""
+        checked: set[int] = set()
+        for call, _ in batch.entries:
             if call.done:
                 continue
-            if (
-                all(i in call.positions or i in call.failed for i, s in enumerate(call.shards) if s == batch.shard)
-                and call.part_settled()
-            ):
+            if len(call.messages) == 1:  # the common case: its one message is answered
+                call.parts_left = 0
                 self._settle(call, out)
+            elif call.id not in checked:
+                checked.add(call.id)
+                positions, failed = call.positions, call.failed
+                if (
+                    all(positions[i] is not None or i in failed for i, s in enumerate(call.shards) if s == batch.shard)
+                    and call.part_settled()
+                ):
+                    self._settle(call, out)
 
     def _batch_failed(self, stream: StreamState, batch: Batch, err: MqdsError, out: list[PendingCall]) -> None:
         stream.poisoned.add(batch.shard)

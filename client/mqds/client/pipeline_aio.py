@@ -22,7 +22,7 @@ import grpc
 from mqds.client.aio_routing import AsyncRouter
 from mqds.client.model import Message
 from mqds.client.pipeline import PendingCall, Pipeline, PipelineLimits, Plan, StreamState, check_message
-from mqds.client.pipeline_calls import closed_error, open_failed, read_failed, resolve
+from mqds.client.pipeline_calls import closed_error, open_failed, read_failed, resolve, store_stream
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.v1 import storage_pb2 as pb
@@ -38,9 +38,9 @@ class _Stream:
     def __init__(self, owner: AsyncPipeline, state: StreamState) -> None:
         self.owner = owner
         self.state = state
-        self.requests: asyncio.Queue[pb.StoreStreamRequest | None] = asyncio.Queue()
+        self.requests: asyncio.Queue[bytes | None] = asyncio.Queue()
         router = owner.router
-        self.call: Any = router.storage(state.address).StoreStream(metadata=router.metadata)
+        self.call: Any = store_stream(router.channel(state.address))(metadata=router.metadata)
         self.tasks = [asyncio.ensure_future(self._write()), asyncio.ensure_future(self._read())]
 
     async def _write(self) -> None:
@@ -66,7 +66,7 @@ class _Stream:
             err = read_failed(unexpected)
         self.owner.on_end(self.state, err)
 
-    def send(self, request: pb.StoreStreamRequest) -> None:
+    def send(self, request: bytes) -> None:
         self.requests.put_nowait(request)
 
     def cancel(self) -> None:

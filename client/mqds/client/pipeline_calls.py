@@ -5,9 +5,12 @@ Part of :mod:`mqds.client.pipeline` (which re-exports these names).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +19,7 @@ from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, PartialBatchError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_topic
+from mqds.v1 import storage_pb2 as pb
 
 __all__ = [
     "PendingCall",
@@ -26,6 +30,7 @@ __all__ = [
     "read_failed",
     "resolve",
     "resolve_limits",
+    "store_stream",
 ]
 
 
@@ -81,17 +86,39 @@ def check_message(index: int, message: Message) -> None:
 
 
 class PendingCall:
-    """One ``store_async`` call: its messages, deadline, the positions acknowledged so far, its outcome."""
+    """One ``store_async`` call: its messages, deadline, the positions acknowledged so far, its outcome.
 
+    Built once per call on the write path, so it keeps to slots and fills
+    ``positions`` (a list, one entry per message) instead of dictionaries.
+    """
+
+    __slots__ = (
+        "deadline",
+        "done",
+        "error",
+        "failed",
+        "handle",
+        "id",
+        "last_error",
+        "messages",
+        "parts_left",
+        "positions",
+        "sequence",
+        "shards",
+    )
     _ids = itertools.count()
 
     def __init__(self, messages: Sequence[Message], n_shards: int, deadline: float) -> None:
         self.id = next(self._ids)
-        self.messages = list(messages)
+        self.messages = messages if type(messages) is list else list(messages)
         self.deadline = deadline
-        self.shards = [shard_of(m.sender, n_shards) for m in self.messages]
-        self.parts_left = len(set(self.shards))
-        self.positions: dict[int, tuple[int, int]] = {}
+        if len(self.messages) == 1:
+            self.shards = [shard_of(self.messages[0].sender, n_shards)]
+            self.parts_left = 1
+        else:
+            self.shards = [shard_of(m.sender, n_shards) for m in self.messages]
+            self.parts_left = len(set(self.shards))
+        self.positions: list[tuple[int, int] | None] = [None] * len(self.messages)
         self.failed: dict[int, MqdsError] = {}  # index -> error
         self.last_error: MqdsError | None = None
         self.sequence = 0
@@ -112,31 +139,57 @@ class PendingCall:
         """The messages with ``timestamp_us`` and ``shard`` set; raises the call's error."""
         if self.error is not None:
             raise self.error
+        if not self.failed:
+            return [
+                Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, *at)
+                if at is not None
+                else Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, None, self.shards[i])
+                for i, (m, at) in enumerate(zip(self.messages, self.positions, strict=True))
+            ]
         stored: list[Message] = []
         failed: list[tuple[Message, MqdsError]] = []
         for index, m in enumerate(self.messages):
-            ts, shard = self.positions.get(index, (None, self.shards[index]))
+            ts, shard = self.positions[index] or (None, self.shards[index])
             copy = Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, ts, shard)
             if index in self.failed:
                 failed.append((copy, self.failed[index]))
             else:
                 stored.append(copy)
-        if not failed:
-            return stored
         if not stored:
             raise failed[0][1]
         raise PartialBatchError(stored, failed, self.sequence)
 
 
+_ALREADY_DONE = (futures.InvalidStateError, asyncio.InvalidStateError)
+
+
 def resolve(call: PendingCall) -> None:
-    """Complete a settled call's future (a ``concurrent.futures`` or an asyncio one) with its messages or error."""
+    """Complete a settled call's future (a ``concurrent.futures`` or an asyncio one) with its messages or error.
+
+    A future the caller cancelled meanwhile is left as it is.
+    """
     future: Any = call.handle
-    if future.done():
-        return
     try:
-        future.set_result(call.outcome())
+        result = call.outcome()
     except MqdsError as err:
-        future.set_exception(err)
+        with contextlib.suppress(*_ALREADY_DONE):
+            future.set_exception(err)
+        return
+    with contextlib.suppress(*_ALREADY_DONE):
+        future.set_result(result)
+
+
+STORE_STREAM_METHOD = "/mqds.v1.Storage/StoreStream"
+
+
+def store_stream(channel: Any) -> Any:
+    """``Storage.StoreStream`` on a channel (sync or ``grpc.aio``), taking requests already encoded (bytes)."""
+    return channel.stream_stream(
+        STORE_STREAM_METHOD,
+        request_serializer=None,
+        response_deserializer=pb.StoreStreamResponse.FromString,
+        _registered_method=True,
+    )
 
 
 def closed_error() -> MqdsError:

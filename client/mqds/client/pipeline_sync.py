@@ -21,7 +21,7 @@ import grpc
 
 from mqds.client.model import Message
 from mqds.client.pipeline import PendingCall, Pipeline, PipelineLimits, Plan, StreamState, check_message
-from mqds.client.pipeline_calls import closed_error, open_failed, read_failed, resolve
+from mqds.client.pipeline_calls import closed_error, open_failed, read_failed, resolve, store_stream
 from mqds.client.routing import Router
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
@@ -38,12 +38,12 @@ class _Stream:
     def __init__(self, owner: SyncPipeline, state: StreamState) -> None:
         self.owner = owner
         self.state = state
-        self.requests: queue.SimpleQueue[pb.StoreStreamRequest | None] = queue.SimpleQueue()
+        self.requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         router = owner.router
-        self.call = router.storage(state.address).StoreStream(self._requests(), metadata=router.metadata)
+        self.call = store_stream(router.channel(state.address))(self._requests(), metadata=router.metadata)
         threading.Thread(target=self._read, name="mqds-store-stream", daemon=True).start()
 
-    def _requests(self) -> Iterator[pb.StoreStreamRequest]:
+    def _requests(self) -> Iterator[bytes]:
         while (request := self.requests.get()) is not None:
             yield request
 
@@ -59,7 +59,7 @@ class _Stream:
             err = read_failed(unexpected)
         self.owner.on_end(self.state, err)
 
-    def send(self, request: pb.StoreStreamRequest) -> None:
+    def send(self, request: bytes) -> None:
         self.requests.put(request)
 
     def cancel(self) -> None:
@@ -75,7 +75,7 @@ class SyncPipeline:
     ) -> None:
         self.router = router
         self.core = Pipeline(router.table, producer_id, sequences, limits, router.backoff)
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._dirty = False
         self._closed = False
         self._refreshing = False

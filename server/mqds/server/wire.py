@@ -11,26 +11,8 @@ from __future__ import annotations
 
 import struct
 
+from mqds.protocol.wire import varint
 from mqds.v1 import storage_pb2 as pb
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-# Varint encodings of small lengths, looked up instead of computed per message.
-_SMALL_VARINTS = [_varint(n) for n in range(1 << 14)]
-
-
-def varint(value: int) -> bytes:
-    """The protobuf varint encoding of a non-negative integer."""
-    return _SMALL_VARINTS[value] if value < 16384 else _varint(value)
-
 
 _TS_TAG = b"\x39"  # field 7 (timestamp_us), fixed64
 _SHARD_TAG = b"\x40"  # field 8 (shard), varint

@@ -21,3 +21,13 @@ class PeerNode(Node):
 
     def __init__(self, node_id: str) -> None:
         super().__init__(node_id)
+
+    # pysyncobj keys its per-peer state (next and match indexes, connections)
+    # by node objects: a leader's cycle hashes and compares them a few hundred
+    # times per Raft round. Reading ``_id`` directly skips pysyncobj's ``id``
+    # property on every one of those; the pickled form stays the same.
+    def __hash__(self) -> int:
+        return hash(self._id)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, Node) and self._id == other._id)
