@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
+from storage_support import msg
 
 from mqds.protocol.wire import encode_message, store_stream_frame, varint
 from mqds.v1 import storage_pb2 as pb
@@ -22,15 +23,7 @@ messages = st.builds(
 
 
 def as_pb(m: tuple) -> pb.Message:
-    topic, payload, sender, qos, retain, props = m
-    return pb.Message(
-        topic=topic,
-        payload=payload,
-        sender=sender,
-        qos=qos,
-        retain=retain,
-        properties=[pb.UserProperty(key=k, value=v) for k, v in props],
-    )
+    return msg(*m)
 
 
 @given(messages)
