@@ -222,8 +222,10 @@ def test_next_and_fetch_answers_are_bounded_and_continue(
         stored = client.store_batch([Message("large/n", payload, sender="large", qos=1) for _ in range(24)])
     stays_well.rebase()
     # Reading 24 MiB three ways fills the block caches (64 MiB a node) and
-    # gRPC's buffers; a 24 MiB answer built whole took as much again.
-    stays_well.allow(256 * MiB)
+    # gRPC's buffers: the three nodes grew by 210-280 MiB in all over
+    # 2026-11-26's runs (the file's earlier tests leave their own share). A
+    # 24 MiB answer built whole took as much again, well over this bound.
+    stays_well.allow(320 * MiB)
     shard = shard_of("large", N_SHARDS)
     want = [m.timestamp_us for m in stored]
 
