@@ -10,6 +10,8 @@
 from mqds.client import aio, errors
 from mqds.client.client import Client
 from mqds.client.connection import ConnectionSettings
+from mqds.client.follow import FollowBatch, FollowPosition
+from mqds.client.follow_sync import Subscription
 from mqds.client.model import ClientState, Fence, Generation, Iterator, Message, NextResult, Rank, ReadPosition, Stream
 
 __all__ = [
@@ -17,6 +19,8 @@ __all__ = [
     "ClientState",
     "ConnectionSettings",
     "Fence",
+    "FollowBatch",
+    "FollowPosition",
     "Generation",
     "Iterator",
     "Message",
@@ -24,6 +28,7 @@ __all__ = [
     "Rank",
     "ReadPosition",
     "Stream",
+    "Subscription",
     "aio",
     "errors",
 ]

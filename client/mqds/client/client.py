@@ -18,6 +18,8 @@ import grpc
 from mqds.client import operations as ops
 from mqds.client.broker_state import BrokerStateCalls
 from mqds.client.connection import DEFAULT_MAX_MESSAGE_BYTES, ConnectionSettings, parse_endpoints, resolve_settings
+from mqds.client.follow import FollowPosition
+from mqds.client.follow_sync import FollowMux, Subscription
 from mqds.client.model import Fence, Generation, Iterator, Message, NextResult, Rank, Stream
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.pipeline import PipelineLimits, resolve_limits
@@ -85,6 +87,7 @@ class Client(BrokerStateCalls):
         """The window and batch limits of ``store_async`` / ``publish``."""
         self._pipeline: SyncPipeline | None = None
         self._pipeline_lock = threading.Lock()
+        self._follows: FollowMux | None = None
 
     # -- plumbing ------------------------------------------------------------
 
@@ -197,8 +200,11 @@ class Client(BrokerStateCalls):
         """Release the connections; ``store_async`` calls not acknowledged yet fail with UNAVAILABLE."""
         with self._pipeline_lock:
             pipeline, self._pipeline = self._pipeline, None
+            follows, self._follows = self._follows, None
         if pipeline is not None:
             pipeline.close()
+        if follows is not None:
+            follows.close()
         self._router.close()
 
     def __enter__(self) -> Client:
@@ -382,6 +388,49 @@ class Client(BrokerStateCalls):
             iterator = result.iterator
             if ops.stream_exhausted(result):
                 return
+
+    def follow(
+        self,
+        topic_filter: str,
+        *,
+        start_time_us: int = 0,
+        position: FollowPosition | bytes | None = None,
+        window: int = 1000,
+        any_replica: bool = False,
+        shards: Iterable[int] | None = None,
+        timeout_s: float | None = None,
+    ) -> Subscription:
+        """A push subscription: iterate it for batches of the messages matching ``topic_filter`` as they are stored.
+
+        From ``position`` (a :class:`FollowPosition`, or its bytes) if given,
+        else from ``start_time_us`` (0: everything stored). Each batch holds
+        one shard's next messages in the order they were stored, and the
+        position to save. Nodes push what they commit (no polling); a
+        shard's part moves to another replica or the new leader when its node
+        fails, continuing from its position (nothing lost or repeated). At
+        most ``window`` messages per shard wait in the client; ``any_replica``
+        lets followers serve (committed messages only). See
+        ``docs/client.md``, "Push subscriptions".
+        """
+        deadline = self._deadline(timeout_s)
+        view = self._router.ensure_map(max(0.1, deadline - time.monotonic()))
+        if isinstance(position, (bytes, bytearray, memoryview)):
+            position = FollowPosition.from_bytes(position)
+        with self._pipeline_lock:
+            if self._follows is None:
+                self._follows = FollowMux(self._router)
+            mux = self._follows
+        return Subscription(
+            mux,
+            view.cluster_id,
+            view.n_shards,
+            topic_filter,
+            start_time_us=start_time_us,
+            position=position,
+            window=window,
+            any_replica=any_replica,
+            shards=None if shards is None else list(shards),
+        )
 
     def replay(
         self, topic_filter: str, start_time_us: int = 0, batch_size: int = 1000, *, stale_ok: bool = False

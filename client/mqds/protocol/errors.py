@@ -158,6 +158,9 @@ class Reason(enum.Enum):
     BATCH_TOO_LARGE = "BATCH_TOO_LARGE"
     # An iterator token is garbage, truncated, or from an unknown format.
     INVALID_ITERATOR = "INVALID_ITERATOR"
+    # A saved follow position is damaged, or belongs to another cluster or
+    # another topic filter.
+    INVALID_POSITION = "INVALID_POSITION"
     # Another request field is out of range (e.g. batch_size 0).
     INVALID_REQUEST = "INVALID_REQUEST"
     # A clientid that state cannot be kept under: empty, NUL, or too long.
@@ -239,6 +242,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.PAYLOAD_TOO_LARGE: ReasonInfo(_RE, False, False, InvalidArgumentError),
     Reason.BATCH_TOO_LARGE: ReasonInfo(_RE, False, False, InvalidArgumentError),
     Reason.INVALID_ITERATOR: ReasonInfo(_IA, False, False, InvalidArgumentError),
+    Reason.INVALID_POSITION: ReasonInfo(_IA, False, False, InvalidArgumentError),
     Reason.INVALID_REQUEST: ReasonInfo(_IA, False, False, InvalidArgumentError),
     Reason.INVALID_CLIENTID: ReasonInfo(_IA, False, False, InvalidArgumentError),
     Reason.UNKNOWN_SHARD: ReasonInfo(_NF, False, False, NotFoundError),

@@ -282,3 +282,53 @@ class DropGenerationResponse(_message.Message):
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     dropped: Generation
     def __init__(self, dropped: _Optional[_Union[Generation, _Mapping]] = ...) -> None: ...
+
+class FollowRequest(_message.Message):
+    __slots__ = ("start", "credit", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: FollowStart
+    credit: FollowCredit
+    cancel: int
+    def __init__(self, start: _Optional[_Union[FollowStart, _Mapping]] = ..., credit: _Optional[_Union[FollowCredit, _Mapping]] = ..., cancel: _Optional[int] = ...) -> None: ...
+
+class FollowStart(_message.Message):
+    __slots__ = ("id", "topic_filter", "shard", "after_us", "start_time_us", "credit", "stale_ok")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    AFTER_US_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    STALE_OK_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    topic_filter: str
+    shard: int
+    after_us: int
+    start_time_us: int
+    credit: int
+    stale_ok: bool
+    def __init__(self, id: _Optional[int] = ..., topic_filter: _Optional[str] = ..., shard: _Optional[int] = ..., after_us: _Optional[int] = ..., start_time_us: _Optional[int] = ..., credit: _Optional[int] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
+
+class FollowCredit(_message.Message):
+    __slots__ = ("id", "messages")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    messages: int
+    def __init__(self, id: _Optional[int] = ..., messages: _Optional[int] = ...) -> None: ...
+
+class FollowResponse(_message.Message):
+    __slots__ = ("id", "shard", "messages", "position_us", "failure")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    POSITION_US_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    shard: int
+    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    position_us: int
+    failure: ShardFailure
+    def __init__(self, id: _Optional[int] = ..., shard: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., position_us: _Optional[int] = ..., failure: _Optional[_Union[ShardFailure, _Mapping]] = ...) -> None: ...

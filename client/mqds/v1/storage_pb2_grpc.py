@@ -84,6 +84,11 @@ class StorageStub:
                 request_serializer=mqds_dot_v1_dot_storage__pb2.DropGenerationRequest.SerializeToString,
                 response_deserializer=mqds_dot_v1_dot_storage__pb2.DropGenerationResponse.FromString,
                 _registered_method=True)
+        self.Follow = channel.stream_stream(
+                '/mqds.v1.Storage/Follow',
+                request_serializer=mqds_dot_v1_dot_storage__pb2.FollowRequest.SerializeToString,
+                response_deserializer=mqds_dot_v1_dot_storage__pb2.FollowResponse.FromString,
+                _registered_method=True)
 
 
 class StorageServicer:
@@ -183,6 +188,27 @@ class StorageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Follow(self, request_iterator, context):
+        """Push subscriptions (follow a topic filter): the node sends the messages of a shard that match a
+        topic filter as they are committed, with no polling. One call carries
+        any number of subscriptions (each a topic filter on one shard, numbered
+        by the client); the client starts them, grants them credit (messages
+        the node may send) and cancels them on the same call. Each answer holds
+        one subscription's messages, in the shard's timestamp order, and the
+        position to resume from: a subscription started again from it, on this
+        node or on any other replica, continues with nothing lost or repeated.
+        A subscription with no credit gets nothing and costs the node no
+        memory: it reads from disk again once credit comes. Without stale_ok
+        the node must lead the shard; with it any replica serves what it has
+        applied (committed messages only). A subscription that cannot go on (its
+        shard moved away, its position's messages were dropped by retention)
+        gets an answer with `failure` and ends; a request that breaks the
+        protocol ends the call with INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StorageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -230,6 +256,11 @@ def add_StorageServicer_to_server(servicer, server):
                     servicer.DropGeneration,
                     request_deserializer=mqds_dot_v1_dot_storage__pb2.DropGenerationRequest.FromString,
                     response_serializer=mqds_dot_v1_dot_storage__pb2.DropGenerationResponse.SerializeToString,
+            ),
+            'Follow': grpc.stream_stream_rpc_method_handler(
+                    servicer.Follow,
+                    request_deserializer=mqds_dot_v1_dot_storage__pb2.FollowRequest.FromString,
+                    response_serializer=mqds_dot_v1_dot_storage__pb2.FollowResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -480,6 +511,33 @@ class Storage:
             '/mqds.v1.Storage/DropGeneration',
             mqds_dot_v1_dot_storage__pb2.DropGenerationRequest.SerializeToString,
             mqds_dot_v1_dot_storage__pb2.DropGenerationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Follow(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/mqds.v1.Storage/Follow',
+            mqds_dot_v1_dot_storage__pb2.FollowRequest.SerializeToString,
+            mqds_dot_v1_dot_storage__pb2.FollowResponse.FromString,
             options,
             channel_credentials,
             insecure,

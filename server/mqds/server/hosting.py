@@ -178,6 +178,7 @@ class Hosting:
             fetch_snapshot=self._fetch_snapshot,
             lts_threshold_top=self.config.lts_threshold_top,
             lts_threshold=self.config.lts_threshold,
+            feed_bytes=self.config.follow_feed_bytes,
         )
         try:
             group = self._new_group(shard, members, replica, raft_dir, joining)

@@ -419,11 +419,24 @@ class _NodeCollector(Collector):
         memtable_bytes = family(
             GaugeMetricFamily, "mqds_storage_memtable_bytes", "Bytes in the shard's memtables, not yet in SST files"
         )
+        follow_sent = family(
+            CounterMetricFamily,
+            "mqds_follow_sent_messages",
+            "Messages push subscriptions (Follow) were sent, by where they were read: the replica's feed of what it "
+            "just stored (shared by every subscriber) or disk",
+            "source",
+        )
+        feed_bytes = family(
+            GaugeMetricFamily, "mqds_follow_feed_bytes", "Bytes of recent stores kept for push subscribers"
+        )
         for shard, vnode in node.hosted_vnodes():
             label = str(shard)
             replica = vnode.replica
             stored.add_metric([label], replica.stored_messages)
             stored_bytes.add_metric([label], replica.stored_bytes)
+            follow_sent.add_metric([label, "feed"], replica.feed.read_from_ring)
+            follow_sent.add_metric([label, "disk"], replica.feed.read_from_disk)
+            feed_bytes.add_metric([label], replica.feed.size_bytes)
             try:
                 with replica.reading() as storage:
                     usage = storage.disk_usage()
@@ -435,6 +448,7 @@ class _NodeCollector(Collector):
             metadata_bytes.add_metric([label], usage.metadata_bytes)
             memtable_bytes.add_metric([label], usage.memtable_bytes)
         yield from (stored, stored_bytes, generations, generation_bytes, metadata_bytes, memtable_bytes)
+        yield from (follow_sent, feed_bytes)
 
 
 def _wal_bytes(directory: str) -> int:

@@ -31,6 +31,7 @@ from typing import Any
 
 from mqds.protocol.errors import MqdsError
 from mqds.server.api.cluster_service import ClusterAPI
+from mqds.server.api.follow import FollowLimits
 from mqds.server.api.handlers import service_handler
 from mqds.server.api.raft_service import raft_handler
 from mqds.server.api.server import grpc_server
@@ -190,6 +191,7 @@ class Node:
             clock=self.clock,
             stream_window=config.store_stream_window,
             stream_idle_s=config.store_stream_idle_s,
+            follow_limits=FollowLimits(config.follow_max_subscriptions, config.follow_max_batch),
         )
         tokens = load_tokens(config.auth_tokens_file) if config.auth_tokens_file else {}
         self._control_pool = futures.ThreadPoolExecutor(max_workers=_CONTROL_WORKERS, thread_name_prefix="grpc-control")

@@ -23,7 +23,7 @@ from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_filter, validate_topic
-from mqds.server.api import store_stream
+from mqds.server.api import follow, store_stream
 from mqds.server.api.handlers import takes_raw_request
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.group import PendingRead, Proposal
@@ -109,6 +109,8 @@ class Shards(Protocol):
     def read_timeout_s(self) -> float: ...
 
     def leader_vnode(self, shard: int) -> VnodeView: ...
+
+    def vnode(self, shard: int) -> Any: ...
 
     def begin_read(self, shard: int, stale_ok: bool) -> tuple[VnodeView, PendingRead | None]: ...
 
@@ -260,8 +262,10 @@ class StorageService(ShardsAPI):
         clock: Callable[[], int] = now_us,
         stream_window: int = 256,
         stream_idle_s: float = 300.0,
+        follow_limits: follow.FollowLimits | None = None,
     ) -> None:
         super().__init__(shards, max_answer_bytes=max_answer_bytes, max_entry_bytes=max_entry_bytes)
+        self.follow_limits = follow_limits or follow.FollowLimits()
         self.stream_window = stream_window
         self.stream_idle_s = stream_idle_s
         self.max_payload_bytes = max_payload_bytes
@@ -413,6 +417,10 @@ class StorageService(ShardsAPI):
     def StoreStream(self, requests: Iterator[Any], context: Any) -> Iterator[bytes]:
         """Pipelined stores on one call (``store_stream.py``): each batch answered in order as it commits."""
         return store_stream.serve(self, requests, self.stream_window, self.stream_idle_s, self.shards.write_timeout_s)
+
+    def Follow(self, requests: Iterator[Any], context: Any) -> Iterator[bytes]:
+        """Push subscriptions on one call (``follow.py``): committed messages sent as they come, within credit."""
+        return follow.serve(self.shards, requests, self.follow_limits, self.max_answer_bytes, self.clock)
 
     def GetStreams(self, request: pb.GetStreamsRequest) -> pb.GetStreamsResponse:
         levels = self._filter(request.topic_filter)

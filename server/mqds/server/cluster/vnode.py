@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
+from mqds.server.cluster.feed import ShardFeed
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.journal import fsync_dir
 from mqds.server.storage import Engine, GenerationInfo, ShardStorage, StorePart
@@ -53,6 +54,7 @@ class VnodeReplica:
         fetch_snapshot: SnapshotFetcher,
         lts_threshold_top: int,
         lts_threshold: int,
+        feed_bytes: int = 4 * 1024 * 1024,
     ) -> None:
         self.shard = shard
         self.path = path
@@ -65,6 +67,8 @@ class VnodeReplica:
         self._swapping = False
         self.stopping = threading.Event()
         self.storage = self._open()
+        self.feed = ShardFeed(feed_bytes)
+        """What this replica just stored, for push subscriptions (``feed.py``)."""
         # For the metrics, counted per applied batch (never per message) by
         # the group's thread, the only one that applies: plain ints suffice.
         self.stored_messages = 0
@@ -195,6 +199,8 @@ class VnodeReplica:
                 counted.add(result)
                 self.stored_messages += len(part.messages)
                 self.stored_bytes += len(body)
+                assert part.encoded is not None
+                self.feed.append(result, part.messages, part.encoded)
         return list(results)
 
     def _apply_one(self, cmd: cpb.VnodeCommand, command: bytes, index: int | None) -> Any:
@@ -307,6 +313,7 @@ class VnodeReplica:
                 os.replace(incoming, self.path)
                 fsync_dir(os.path.dirname(self.path))
                 self.storage = self._open()
+                self.feed.reset(self.storage.last_ts)
             finally:
                 self._swapping = False
                 self._cond.notify_all()

@@ -182,6 +182,15 @@ class NodeConfig:
     store_stream_idle_s: float = _opt(
         300.0, "a StoreStream call that sends no batch for this long is ended (DEADLINE_EXCEEDED, STREAM_IDLE), seconds"
     )
+    follow_feed_bytes: int = _opt(
+        4 * 1024 * 1024,
+        "per shard replica with push subscribers (Follow): the recent stores kept in memory for them, in bytes; "
+        "a subscriber further behind reads from disk",
+    )
+    follow_max_subscriptions: int = _opt(
+        10_000, "push subscriptions one Follow call may carry; one more ends the call with INVALID_ARGUMENT"
+    )
+    follow_max_batch: int = _opt(1_000, "most messages one Follow answer carries (and at most max_answer_bytes)")
     max_next_batch: int = _opt(10_000, "most messages one Next call returns; larger batch_size values are capped")
     max_request_bytes: int = _opt(
         64 * 1024 * 1024,
@@ -249,6 +258,9 @@ class NodeConfig:
             "max_next_batch",
             "store_stream_window",
             "store_stream_idle_s",
+            "follow_feed_bytes",
+            "follow_max_subscriptions",
+            "follow_max_batch",
             "max_request_bytes",
             "max_answer_bytes",
             "grpc_workers",

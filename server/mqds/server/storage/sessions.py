@@ -15,7 +15,6 @@ message it removes.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,15 +23,13 @@ from rocksdict import WriteBatch
 
 from mqds.protocol.topics import matches_levels
 from mqds.server.storage import keys
-from mqds.server.storage.iterators import IteratorState
+from mqds.server.storage.ordered import ordered
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
 
 if TYPE_CHECKING:
     from mqds.server.storage.shard import ShardStorage
 
-# How many messages one read of a stream asks for while fetching.
-_FETCH_CHUNK = 256
 # How far one queue acknowledgement moves its filter's floor at most.
 _FLOOR_STEPS = 10_000
 
@@ -273,38 +270,7 @@ class SessionState:
         return found
 
     def _ordered(self, topic_filter: str, start_us: int) -> Iterator[tuple[int, bytes]]:
-        """Every stored message matching ``topic_filter`` from ``start_us`` on, in timestamp order, read lazily.
-
-        Generations one after the other; within one, its matching streams
-        merged by timestamp. The read stops at the shard's last timestamp as
-        it was before the streams were listed (a fence): a store that lands
-        while this runs may start a stream the list does not have, and
-        returning its later messages from the listed streams would skip its
-        own. A reader that acknowledges what it got would never see them.
-        """
-        storage = self._storage
-        fence = storage.last_ts  # first: every stream with data up to it is listed next
-        by_generation: dict[int, list[int]] = {}
-        for ref in storage.get_streams(topic_filter.split("/"), start_us):
-            by_generation.setdefault(ref.generation, []).append(ref.stream)
-        for generation in sorted(by_generation):
-            runs = [
-                self._stream(IteratorState(storage.shard, generation, stream, topic_filter, start_us), fence)
-                for stream in by_generation[generation]
-            ]
-            yield from heapq.merge(*runs, key=_timestamp) if len(runs) > 1 else runs[0]
-
-    def _stream(self, state: IteratorState, fence_us: int) -> Iterator[tuple[int, bytes]]:
-        while True:
-            result = self._storage.next(state, _FETCH_CHUNK, fence_us)
-            yield from result.entries
-            if result.end_of_stream or result.state.next_ts == state.next_ts:
-                return
-            state = result.state
-
-
-def _timestamp(entry: tuple[int, bytes]) -> int:
-    return entry[0]
+        return ordered(self._storage, topic_filter, start_us)
 
 
 _parse: Callable[[bytes], pb.Message] = pb.Message.FromString

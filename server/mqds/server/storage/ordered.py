@@ -1,0 +1,77 @@
+"""A shard's messages matching a filter in timestamp order, across its streams and generations; what retention took.
+
+Offline fetches (``sessions.py``) and push subscriptions (``mqds.server.api.follow``)
+read a shard this way: from a time on, oldest first, whatever stream each
+message is in, lazily, so a reader that stops early reads no more than it
+returns (plus one chunk per stream).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from mqds.server.storage.iterators import IteratorState
+
+if TYPE_CHECKING:
+    from mqds.server.storage.shard import ShardStorage
+
+CHUNK = 256
+"""How many messages one read of a stream asks for."""
+
+
+def ordered(
+    storage: ShardStorage, topic_filter: str, start_us: int, fence_us: int | None = None
+) -> Iterator[tuple[int, bytes]]:
+    """Every stored message matching ``topic_filter`` from ``start_us`` on, as (timestamp, stored bytes), in order.
+
+    Generations one after the other; within one, its matching streams merged
+    by timestamp. The read stops at a fence: ``fence_us``, else the shard's
+    last timestamp as it was before the streams were listed. A store that
+    lands while this runs may start a stream the list does not have, and
+    returning its later messages from the listed streams would skip its own:
+    a reader that goes on from the last message it got would never see them.
+    """
+    fence = storage.last_ts if fence_us is None else min(fence_us, storage.last_ts)
+    by_generation: dict[int, list[int]] = {}
+    for ref in storage.get_streams(topic_filter.split("/"), start_us):
+        by_generation.setdefault(ref.generation, []).append(ref.stream)
+    for generation in sorted(by_generation):
+        runs = [
+            _stream(storage, IteratorState(storage.shard, generation, stream, topic_filter, start_us), fence)
+            for stream in by_generation[generation]
+        ]
+        yield from heapq.merge(*runs, key=_timestamp) if len(runs) > 1 else runs[0]
+
+
+def _stream(storage: ShardStorage, state: IteratorState, fence_us: int) -> Iterator[tuple[int, bytes]]:
+    while True:
+        result = storage.next(state, CHUNK, fence_us)
+        yield from result.entries
+        if result.end_of_stream or result.state.next_ts == state.next_ts:
+            return
+        state = result.state
+
+
+def _timestamp(entry: tuple[int, bytes]) -> int:
+    return entry[0]
+
+
+def dropped_after(storage: ShardStorage, after_us: int) -> tuple[int, int] | None:
+    """A time interval ``[since, until)`` whose messages were dropped (a dropped generation) and that holds
+    timestamps after ``after_us``; None when everything stored after ``after_us`` is still there.
+
+    Generations are numbered from 1 without gaps, and each starts where the one
+    before it ended: a missing number is a dropped generation, and the time
+    between its neighbours is what went with it.
+    """
+    infos = storage.generations()
+    if not infos:
+        return None
+    previous_number, previous_until = 0, 0
+    for info in infos:
+        if info.generation > previous_number + 1 and info.since_us - 1 > after_us:
+            return previous_until, info.since_us
+        previous_number, previous_until = info.generation, info.until_us or 0
+    return None

@@ -1,0 +1,169 @@
+"""Push subscriptions' pieces without a cluster: the replica's feed, ordered reads and drops, saved positions."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from storage_support import msg
+
+from mqds.client import FollowPosition
+from mqds.client import errors as E
+from mqds.server.cluster.feed import ShardFeed
+from mqds.server.storage.ordered import dropped_after, ordered
+from mqds.server.storage.shard import ShardStorage
+
+
+def part(first: int, *topics: str) -> tuple[int, list, list[bytes]]:
+    messages = [msg(t, f"{first + i}".encode()) for i, t in enumerate(topics)]
+    return first, messages, [m.SerializeToString() for m in messages]
+
+
+def read(feed: ShardFeed, after: int, topic_filter: str = "#", limit: int = 100, budget: int | None = None):
+    return feed.read_after(after, topic_filter, topic_filter.split("/"), limit, budget)
+
+
+def test_an_idle_feed_keeps_nothing_and_starts_when_someone_listens() -> None:
+    feed = ShardFeed(1 << 20)
+    feed.append(*part(10, "a", "b"))
+    assert feed.size_bytes == 0 and read(feed, 0) is None
+    woken: list[int] = []
+    feed.listen(lambda: woken.append(1), lambda: 11)
+    assert read(feed, 10) is None  # before the feed started: from disk
+    assert read(feed, 11) == ([], 11)
+    feed.append(*part(12, "a", "b", "c"))
+    assert woken == [1]
+    entries, reached = read(feed, 11)
+    assert [ts for ts, _ in entries] == [12, 13, 14] and reached == 14
+
+
+def test_the_feed_serves_only_matches_after_a_position_within_credit_and_bytes() -> None:
+    feed = ShardFeed(1 << 20)
+    feed.listen(lambda: None, lambda: 0)
+    feed.append(*part(1, "s/1/t", "s/2/t", "x", "s/3/t"))
+    feed.append(*part(10, "x", "x"))
+    entries, reached = read(feed, 0, "s/+/t")
+    assert [ts for ts, _ in entries] == [1, 2, 4] and reached == 11  # the later non-matching ones are read past
+    entries, reached = read(feed, 1, "s/+/t", limit=1)
+    assert [ts for ts, _ in entries] == [2] and reached == 2
+    one = len(entries[0][1])
+    entries, reached = read(feed, 0, "s/+/t", budget=one + 1)
+    assert [ts for ts, _ in entries] == [1] and reached == 1  # one at least, then the budget stops it
+
+
+def test_a_feed_over_its_bytes_drops_its_oldest_and_sends_those_readers_to_disk() -> None:
+    parts = [part(first, *["a"] * 10) for first in (11, 21, 31)]
+    size = max(sum(len(b) for b in p[2]) + 64 for p in parts)
+    feed = ShardFeed(size * 2)
+    feed.listen(lambda: None, lambda: 10)
+    for p in parts:
+        feed.append(*p)
+    assert feed.size_bytes <= size * 2 and feed.covers_after == 20
+    assert read(feed, 15) is None
+    entries, _ = read(feed, 20)
+    assert entries[0][0] == 21
+
+
+def test_a_reset_feed_starts_again_after_the_new_data() -> None:
+    feed = ShardFeed(1 << 20)
+    woken: list[int] = []
+    feed.listen(lambda: woken.append(1), lambda: 0)
+    feed.append(*part(1, "a"))
+    feed.reset(500)
+    assert feed.covers_after == 500 and read(feed, 1) is None and read(feed, 500) == ([], 500)
+    assert woken == [1, 1]
+
+
+def test_matches_are_found_once_per_batch_and_filter() -> None:
+    feed = ShardFeed(1 << 20)
+    feed.listen(lambda: None, lambda: 0)
+
+    class Counting:
+        def __init__(self, topic: str) -> None:
+            self.reads = 0
+            self._topic = topic
+
+        @property
+        def topic(self) -> str:
+            self.reads += 1
+            return self._topic
+
+    messages = [Counting("s/1"), Counting("s/2")]
+    feed.append(1, messages, [b"x", b"y"])
+    for _ in range(50):  # fifty subscribers of one filter
+        assert [ts for ts, _ in read(feed, 0, "s/+")[0]] == [1, 2]
+    read(feed, 0, "s/1")
+    assert [m.reads for m in messages] == [1, 1]
+
+
+def test_the_last_listener_gone_drops_the_ring() -> None:
+    feed = ShardFeed(1 << 20)
+    a, b = (lambda: None), (lambda: None)
+    feed.listen(a, lambda: 0)
+    feed.listen(b, lambda: 0)
+    feed.append(*part(1, "a"))
+    feed.unlisten(a)
+    assert feed.size_bytes > 0
+    feed.unlisten(b)
+    assert feed.size_bytes == 0 and feed.covers_after is None
+
+
+def test_ordered_reads_merge_streams_and_stop_at_the_fence(shard: ShardStorage) -> None:
+    shard.store([msg("a/1"), msg("b/x/y"), msg("a/2")], 100)
+    shard.add_generation(200)
+    shard.store([msg("b/x/y"), msg("a/3")], 300)
+    all_ts = [ts for ts, _ in ordered(shard, "#", 0)]
+    assert all_ts == sorted(all_ts) and len(all_ts) == 5
+    assert [ts for ts, _ in ordered(shard, "a/+", 0)] == [all_ts[0], all_ts[2], all_ts[4]]
+    assert [ts for ts, _ in ordered(shard, "#", all_ts[1] + 1, fence_us=all_ts[3])] == all_ts[2:4]
+
+
+def test_dropped_generations_are_told_to_positions_before_them_only(shard: ShardStorage) -> None:
+    shard.store([msg("a")], 100)
+    first = shard.generations()[0]
+    shard.add_generation(1_000)
+    shard.store([msg("a")], 1_100)
+    shard.add_generation(2_000)
+    assert dropped_after(shard, 50) is None
+    shard.drop_generation(first.generation)
+    assert dropped_after(shard, 50) == (0, 1_000)
+    assert dropped_after(shard, 999) is None  # everything after it is still there
+    shard.drop_generation(shard.generations()[0].generation)
+    assert dropped_after(shard, 1_500) == (0, 2_000)  # both dropped generations' time, before the third
+
+
+positions = st.builds(
+    lambda cid, flt, after: FollowPosition.of(cid, flt, after),
+    st.text(max_size=20),
+    st.text(min_size=1, max_size=30),
+    st.dictionaries(st.integers(0, 2**16), st.integers(0, 2**64 - 1), max_size=20),
+)
+
+
+@given(positions)
+def test_a_saved_position_reads_back_the_same(position: FollowPosition) -> None:
+    assert FollowPosition.from_bytes(position.to_bytes()) == position
+
+
+@given(positions, st.data())
+def test_a_damaged_position_is_refused(position: FollowPosition, data: st.DataObject) -> None:
+    raw = bytearray(position.to_bytes())
+    how = data.draw(st.sampled_from(["flip", "cut", "grow"]))
+    if how == "flip":
+        at = data.draw(st.integers(0, len(raw) - 1))
+        raw[at] ^= 1 << data.draw(st.integers(0, 7))
+    elif how == "cut":
+        raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
+    else:
+        raw += b"\x00"
+    with pytest.raises(E.InvalidArgumentError, match="not a follow position"):
+        FollowPosition.from_bytes(bytes(raw))
+
+
+def test_a_position_of_another_cluster_filter_or_shard_count_is_refused() -> None:
+    position = FollowPosition.of("c1", "a/#", {0: 5, 3: 9})
+    position.check("c1", "a/#", 4)
+    for cid, flt, n, what in (("c2", "a/#", 4, "cluster"), ("c1", "b/#", 4, "topic filter"), ("c1", "a/#", 2, "shard")):
+        with pytest.raises(E.InvalidArgumentError, match=what) as err:
+            position.check(cid, flt, n)
+        assert err.value.reason.value == "INVALID_POSITION"
