@@ -154,8 +154,6 @@ def test_replay_follow_prints_new_messages_until_ctrl_c(cli_cluster: CliCluster)
             "replay",
             "cli/follow/#",
             "--follow",
-            "--poll-interval",
-            "0.2",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""``mqds pub`` stores messages; ``mqds replay`` reads them back, and with ``--follow`` keeps reading."""
+"""``mqds pub`` stores messages; ``mqds replay`` reads them back, and with ``--follow`` keeps reading (pushed)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,16 @@ import collections
 import heapq
 import json
 import sys
-import time
 from collections.abc import Iterable
 from collections.abc import Iterator as AbcIterator
 from concurrent import futures
 
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, TIME_HELP, CommandError, connection, format_time_us, parse_time
 from mqds.client import Client, Iterator, Message, Stream
-from mqds.client.errors import GenerationDroppedError, MqdsError
+from mqds.client.errors import GenerationDroppedError
 from mqds.protocol.topics import validate_filter, validate_topic
 
 DEFAULT_SENDER = "mqds-cli"
-MIN_POLL_S, MAX_POLL_S = 0.1, 60.0
 
 # -- pub -------------------------------------------------------------------------
 
@@ -118,14 +116,12 @@ def run_pub(opts: argparse.Namespace) -> int:
 
 
 class Tail:
-    """Every message matching a filter from a start time: what is stored now, then (``poll`` again) what comes.
+    """Every message matching a filter from a start time, as stored now (``mqds replay`` without ``--follow``).
 
-    Keeps one iterator per stream it has seen. Each :meth:`poll` looks for new
-    streams (a new topic structure, a new generation), then reads every
-    stream until it has nothing more, rank by rank (shard, generation), the
-    streams of a rank merged by timestamp, so each sender's messages come in
-    the order they were stored. A closed generation's streams are dropped
-    once read to the end.
+    One iterator per stream: :meth:`poll` lists the streams, then reads each
+    to its end, rank by rank (shard, generation), the streams of a rank
+    merged by timestamp, so each sender's messages come in the order they
+    were stored. A generation dropped meanwhile is reported and skipped.
     """
 
     def __init__(self, client: Client, topic_filter: str, start_us: int, batch: int, stale_ok: bool) -> None:
@@ -226,14 +222,15 @@ def run_replay(opts: argparse.Namespace) -> int:
         raise CommandError(f"--since: {err}", EXIT_USAGE) from None
     if (opts.limit is not None and opts.limit < 1) or opts.batch < 1:
         raise CommandError("--limit and --batch must be at least 1", EXIT_USAGE)
-    if not MIN_POLL_S <= opts.poll_interval <= MAX_POLL_S:
-        raise CommandError(f"--poll-interval must be between {MIN_POLL_S:g} and {MAX_POLL_S:g} seconds", EXIT_USAGE)
     show = format_json if opts.format == "json" else format_text
     with Client(opts.endpoints, settings=connection(opts, 30.0)) as client:
-        tail = Tail(client, opts.filter, start_us, opts.batch, opts.stale_ok)
+        if opts.follow:
+            messages = _followed(client, opts.filter, start_us, opts.batch, opts.stale_ok)
+        else:
+            messages = Tail(client, opts.filter, start_us, opts.batch, opts.stale_ok).poll()
         shown = 0
         try:
-            for m in _messages(tail, opts.follow, opts.poll_interval):
+            for m in messages:
                 shown += 1  # before printing: a Ctrl-C right after a line must not leave it uncounted
                 print(show(m), flush=opts.follow)
                 if opts.limit is not None and shown >= opts.limit:
@@ -247,20 +244,11 @@ def run_replay(opts: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _messages(tail: Tail, follow: bool, poll_interval_s: float) -> AbcIterator[Message]:
-    """What is stored now; with ``follow``, then what comes, polling every ``poll_interval_s`` when idle."""
-    while True:
-        try:
-            yield from tail.poll()
-        except MqdsError as err:
-            # Following is meant to run for a long time: ride out an outage
-            # longer than one call's timeout.
-            if not (follow and err.retriable):
-                raise
-            print(f"mqds replay: {err}; trying again", file=sys.stderr)
-        if not follow:
-            return
-        time.sleep(poll_interval_s)
+def _followed(client: Client, topic_filter: str, start_us: int, window: int, any_replica: bool) -> AbcIterator[Message]:
+    """What is stored from ``start_us`` on, then what comes, pushed by the nodes (``Client.follow``)."""
+    with client.follow(topic_filter, start_time_us=start_us, window=window, any_replica=any_replica) as sub:
+        for batch in sub:
+            yield from batch.messages
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connection: argparse.ArgumentParser) -> None:
@@ -327,7 +315,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         description=(
             "Print every stored message matching FILTER (MQTT wildcards: + one level, # the rest), shard by "
             "shard, each publisher's messages in the order they were stored. With --follow, keep printing "
-            "messages as they are stored until Ctrl-C."
+            "messages as they are stored until Ctrl-C: a push subscription, which rides out a node's failure "
+            "with nothing lost or repeated."
         ),
     )
     replay.add_argument("filter", metavar="FILTER", help="topic filter, e.g. 'sensor/+/temp' or 'sensor/#' (quote it)")
@@ -336,7 +325,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         "-f",
         "--follow",
         action="store_true",
-        help="after the stored messages, keep polling for new ones until Ctrl-C",
+        help="after the stored messages, keep printing new ones as the nodes push them, until Ctrl-C (messages "
+        "come vnode by vnode as they are stored: each publisher's in order, not all in one global order)",
     )
     replay.add_argument("--limit", type=int, metavar="N", help="stop after N messages")
     replay.add_argument(
@@ -346,13 +336,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         help="text: one readable line per message; json: one JSON object per line (default text)",
     )
     replay.add_argument(
-        "--poll-interval",
-        type=float,
-        default=1.0,
-        metavar="SECONDS",
-        help=f"with --follow, how long to wait when nothing is new ({MIN_POLL_S:g}-{MAX_POLL_S:g}, default 1)",
+        "--batch",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="messages per read call; with --follow, messages each vnode may send ahead (default 1000)",
     )
-    replay.add_argument("--batch", type=int, default=1000, metavar="N", help="messages per read call (default 1000)")
     replay.add_argument(
         "--stale-ok",
         action="store_true",
