@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
@@ -12,7 +13,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mqds.client import Client, FollowPosition, Message, Subscription
+from mqds.client import Client, FollowPosition, Message, Subscription, aio
 from mqds.client import errors as E
 from mqds.protocol.sharding import shard_of
 from mqds.tools.localproc import LocalCluster
@@ -244,3 +245,30 @@ def test_bad_input_gets_a_clear_status_and_the_node_goes_on_serving(cluster: Loc
         client.store_batch([Message("bad/ok", b"ok", sender, 1)])
         with client.follow("bad/#") as sub:
             assert [m.payload for m in take(sub, 1)] == [b"ok"]
+
+
+def test_the_asyncio_client_follows_too(cluster: LocalCluster) -> None:
+    names = senders("aio", 4)
+
+    async def run() -> tuple[list[Message], bytes]:
+        async with aio.Client(cluster.addresses, timeout_s=30) as client:
+            await client.store_batch([Message("aio/t", str(i).encode(), names[i % 4], 1) for i in range(50)])
+            got: list[Message] = []
+            async with await client.follow("aio/#", window=20) as sub:
+                async for batch in sub:
+                    got.extend(batch.messages)
+                    if len(got) == 50:
+                        await client.store_batch(
+                            [Message("aio/t", str(i).encode(), names[i % 4], 1) for i in range(50, 80)]
+                        )
+                    if len(got) >= 80:
+                        break
+                assert await sub.poll(0.3) is None
+                return got, sub.position.to_bytes()
+
+    got, saved = asyncio.run(run())
+    check_once_in_order(got, 80)
+    with Client(cluster.addresses, timeout_s=30) as client:  # a position saved by one client works in the other
+        client.store_batch([Message("aio/t", b"80", names[0], 1)])
+        with client.follow("aio/#", position=saved) as sub:
+            assert [m.payload for m in take(sub, 1)] == [b"80"]

@@ -30,9 +30,12 @@ from typing import Any, TypeVar
 import grpc
 
 from mqds.client import operations as ops
+from mqds.client.aio_broker_state import AsyncBrokerStateCalls
 from mqds.client.aio_routing import AsyncRouter
 from mqds.client.connection import ConnectionSettings, parse_endpoints, resolve_settings
-from mqds.client.model import ClientState, Fence, Generation, Iterator, Message, NextResult, Rank, ReadPosition, Stream
+from mqds.client.follow import FollowCore, FollowPosition
+from mqds.client.follow_aio import AsyncFollowMux, AsyncSubscription
+from mqds.client.model import Fence, Generation, Iterator, Message, NextResult, Rank, Stream
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.pipeline import PipelineLimits, resolve_limits
 from mqds.client.pipeline_aio import AsyncPipeline
@@ -46,7 +49,7 @@ __all__ = ["AsyncRouter", "Client"]
 T = TypeVar("T")
 
 
-class Client:
+class Client(AsyncBrokerStateCalls):
     """Stores and replays MQTT messages on an mqds cluster, from asyncio code.
 
     The same methods, arguments, results and errors as
@@ -81,6 +84,7 @@ class Client:
         self.pipeline_limits = resolve_limits(pipeline, max_in_flight_messages, self.settings.max_send_message_bytes)
         """The window and batch limits of ``store_async`` / ``publish``."""
         self._pipeline: AsyncPipeline | None = None
+        self._follows: AsyncFollowMux | None = None
 
     # -- plumbing ------------------------------------------------------------
 
@@ -128,6 +132,9 @@ class Client:
         pipeline, self._pipeline = self._pipeline, None
         if pipeline is not None:
             await pipeline.close()
+        follows, self._follows = self._follows, None
+        if follows is not None:
+            await follows.close()
         await self._router.close()
 
     async def __aenter__(self) -> Client:
@@ -300,6 +307,26 @@ class Client:
             if ops.stream_exhausted(result):
                 return
 
+    async def follow(
+        self,
+        topic_filter: str,
+        *,
+        start_time_us: int = 0,
+        position: FollowPosition | bytes | None = None,
+        window: int = 1000,
+        any_replica: bool = False,
+        shards: Iterable[int] | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncSubscription:
+        """A push subscription (``async for batch in await client.follow(...)``); see the sync ``Client.follow``."""
+        deadline = self._deadline(timeout_s)
+        view = await self._router.ensure_map(max(0.1, deadline - time.monotonic()))
+        options = {"start_time_us": start_time_us, "window": window, "any_replica": any_replica}
+        core = FollowCore.of(self._router.table, view, topic_filter, position, shards, **options)
+        if self._follows is None:
+            self._follows = AsyncFollowMux(self._router)
+        return AsyncSubscription(self._follows, core)
+
     async def replay(
         self, topic_filter: str, start_time_us: int = 0, batch_size: int = 1000, *, stale_ok: bool = False
     ) -> AsyncIterator[Message]:
@@ -315,141 +342,6 @@ class Client:
             ]
             async for message in _merge(sources, ops.timestamp):
                 yield message
-
-    # -- broker state: clients, subscriptions, retained messages, offline delivery --
-
-    async def client_connected(self, clientid: str, node: str, timeout_s: float | None = None) -> ClientState:
-        """Record that ``clientid`` connected to broker ``node`` (online, node, online time) and return that."""
-        state = await self._keyed_call(lambda n: ops.client_connected(clientid, node, n), timeout_s)
-        assert state is not None  # a connect always leaves a record
-        return state
-
-    async def client_disconnected(
-        self, clientid: str, node: str | None = None, timeout_s: float | None = None
-    ) -> ClientState | None:
-        """Record that ``clientid`` disconnected (offline, offline time); the new state, None if unknown.
-
-        With ``node``, only if the client is still recorded on that node, so a
-        late disconnect from a broker the client already left (it reconnected
-        elsewhere) does not mark it offline; None then too.
-        """
-        return await self._keyed_call(lambda n: ops.client_disconnected(clientid, node, n), timeout_s)
-
-    async def client_state(
-        self, clientid: str, *, stale_ok: bool = False, timeout_s: float | None = None
-    ) -> ClientState | None:
-        """What mqds knows of ``clientid``'s connection, or None if it never connected."""
-        return await self._keyed_call(lambda n: ops.client_state(clientid, n, stale_ok), timeout_s)
-
-    async def clients_on_node(self, node: str, *, stale_ok: bool = False, timeout_s: float | None = None) -> list[str]:
-        """The clientids recorded online on broker ``node``, sorted."""
-        return await self._fanout_call(ops.clients_on_node(node, stale_ok), timeout_s)
-
-    async def subscribe(self, clientid: str, topic_filter: str, qos: int = 1, timeout_s: float | None = None) -> None:
-        """Add (or change the QoS of) a proxy subscription of ``clientid``."""
-        await self._keyed_call(lambda n: ops.subscribe(clientid, topic_filter, qos, n), timeout_s)
-
-    async def unsubscribe(self, clientid: str, topic_filter: str, timeout_s: float | None = None) -> bool:
-        """Remove a proxy subscription; whether it existed. The read position stays (see ``forget_acks``)."""
-        return await self._keyed_call(lambda n: ops.unsubscribe(clientid, topic_filter, n), timeout_s)
-
-    async def subscriptions(
-        self, clientid: str, *, stale_ok: bool = False, timeout_s: float | None = None
-    ) -> dict[str, int]:
-        """The proxy subscriptions of ``clientid``: topic filter -> QoS, the filters sorted."""
-        return await self._keyed_call(lambda n: ops.subscriptions(clientid, n, stale_ok), timeout_s)
-
-    async def retain(self, message: Message, timeout_s: float | None = None) -> Message | None:
-        """Keep ``message`` as its topic's retained message; an empty payload deletes it.
-
-        Returns the retained message as stored (``timestamp_us`` and ``shard``
-        set, ``retain`` true), or None when it deleted. Retained messages are
-        kept in the shard of their topic, apart from the message store.
-        """
-        return await self._keyed_call(lambda n: ops.retain(message, n), timeout_s)
-
-    async def retained(
-        self, topic_filter: str, *, stale_ok: bool = False, timeout_s: float | None = None
-    ) -> list[Message]:
-        """The retained message of every topic matching ``topic_filter``, sorted by topic."""
-        return await self._fanout_call(ops.retained(topic_filter, stale_ok), timeout_s)
-
-    async def fetch_offline(
-        self,
-        clientid: str,
-        topic_filter: str,
-        mode: str = "pubsub",
-        max_count: int = 500,
-        time_range_s: float | None = None,
-        *,
-        include_qos0: bool = False,
-        start: str = "earliest",
-        timeout_s: float | None = None,
-    ) -> list[Message]:
-        """Stored messages for a subscriber that was offline: oldest first, at most ``max_count``.
-
-        ``mode="pubsub"`` (one-to-many): the messages matching ``topic_filter``
-        after this (clientid, filter)'s read position, which ``ack`` moves;
-        every subscriber has its own. ``mode="queue"`` (one-to-one): the
-        matching messages no queue reader has acknowledged yet; an
-        unacknowledged one comes again. Only QoS 1 and 2 messages unless
-        ``include_qos0``; with ``time_range_s``, only messages newer than that
-        many seconds. Each message has ``shard`` and ``timestamp_us`` set: its
-        position, which ``ack`` takes.
-
-        ``start`` says where a pubsub pair without a read position begins:
-        ``"earliest"``, the whole stored history (it gets no position until it
-        acknowledges); ``"now"``, what is stored from now on, as MQTT has it for
-        a new subscription (the pair's read position is started now, see
-        ``start_read_position``; a pair that has one reads on from it).
-        """
-        fetch = ops.FetchOffline.check(clientid, topic_filter, mode, max_count, time_range_s, include_qos0, start)
-        deadline = self._deadline(timeout_s)
-        position: ReadPosition | None = None
-        if fetch.pubsub:
-            read = self.start_read_position if fetch.start_now else self.read_position
-            position = await read(clientid, topic_filter, timeout_s=timeout_s)
-        remaining = max(0.1, deadline - time.monotonic())
-        return fetch.cut(await self._fanout_call(fetch.messages(position), remaining))
-
-    async def read_position(self, clientid: str, topic_filter: str, *, timeout_s: float | None = None) -> ReadPosition:
-        """How far the (clientid, filter) pair has read in pubsub mode (``found`` False: it has no position)."""
-        return await self._keyed_call(lambda n: ops.read_position(clientid, topic_filter, n), timeout_s)
-
-    async def start_read_position(
-        self, clientid: str, topic_filter: str, *, timeout_s: float | None = None
-    ) -> ReadPosition:
-        """Start the pair's read position now, unless it has one; the pair's position either way.
-
-        A started position reads only what is stored after it: a new MQTT
-        subscription's offline delivery begins at its SUBSCRIBE. Message
-        timestamps come from each shard leader's clock, so "after" holds to
-        within the nodes' clock skew (NTP keeps it to milliseconds).
-        """
-        return await self._keyed_call(lambda n: ops.start_read_position(clientid, topic_filter, n), timeout_s)
-
-    async def ack(
-        self, clientid: str, topic_filter: str, message: Message, mode: str = "pubsub", timeout_s: float | None = None
-    ) -> None:
-        """Acknowledge a message delivered to ``clientid`` through ``topic_filter``.
-
-        ``pubsub``: moves this (clientid, filter)'s read position in the
-        message's shard up to the message (acknowledging a message also
-        acknowledges the earlier ones of its shard: brokers deliver in order).
-        ``queue``: removes the message for every queue reader. ``message``
-        must carry its position (``shard``, ``timestamp_us``), as
-        ``fetch_offline`` and ``store_batch`` return it.
-        """
-        await self._keyed_call(lambda n: ops.ack(clientid, topic_filter, message, mode, n), timeout_s)
-
-    async def forget_acks(self, clientid: str, topic_filter: str, timeout_s: float | None = None) -> bool:
-        """Delete the (clientid, filter) read position (the seed backends' ``on_acked_delete``); whether it existed."""
-        return await self._keyed_call(lambda n: ops.forget_acks(clientid, topic_filter, n), timeout_s)
-
-    async def forget_session(self, clientid: str, timeout_s: float | None = None) -> tuple[int, int]:
-        """Delete every proxy subscription and read position of ``clientid`` (an MQTT clean session discards
-        the previous session); (subscriptions, read positions) deleted. Its client state stays."""
-        return await self._keyed_call(lambda n: ops.forget_session(clientid, n), timeout_s)
 
     # -- generations ---------------------------------------------------------
 

@@ -18,7 +18,7 @@ import grpc
 from mqds.client import operations as ops
 from mqds.client.broker_state import BrokerStateCalls
 from mqds.client.connection import DEFAULT_MAX_MESSAGE_BYTES, ConnectionSettings, parse_endpoints, resolve_settings
-from mqds.client.follow import FollowPosition
+from mqds.client.follow import FollowCore, FollowPosition
 from mqds.client.follow_sync import FollowMux, Subscription
 from mqds.client.model import Fence, Generation, Iterator, Message, NextResult, Rank, Stream
 from mqds.client.operations import FanoutCall, ShardCall
@@ -414,23 +414,13 @@ class Client(BrokerStateCalls):
         """
         deadline = self._deadline(timeout_s)
         view = self._router.ensure_map(max(0.1, deadline - time.monotonic()))
-        if isinstance(position, (bytes, bytearray, memoryview)):
-            position = FollowPosition.from_bytes(position)
+        options = {"start_time_us": start_time_us, "window": window, "any_replica": any_replica}
+        core = FollowCore.of(self._router.table, view, topic_filter, position, shards, **options)
         with self._pipeline_lock:
             if self._follows is None:
                 self._follows = FollowMux(self._router)
             mux = self._follows
-        return Subscription(
-            mux,
-            view.cluster_id,
-            view.n_shards,
-            topic_filter,
-            start_time_us=start_time_us,
-            position=position,
-            window=window,
-            any_replica=any_replica,
-            shards=None if shards is None else list(shards),
-        )
+        return Subscription(mux, core)
 
     def replay(
         self, topic_filter: str, start_time_us: int = 0, batch_size: int = 1000, *, stale_ok: bool = False

@@ -17,16 +17,25 @@ cluster's id, the filter, and each shard's position, with a checksum.
 
 from __future__ import annotations
 
+import itertools
 import struct
+import time
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 from mqds.client.model import Message
+from mqds.client.routing_table import RoutingTable
 from mqds.protocol import errors
+from mqds.protocol.cluster_view import ClusterView
 from mqds.protocol.errors import MqdsError, Reason
+from mqds.protocol.topics import TopicError, validate_filter
+from mqds.v1 import storage_pb2 as pb
 
-__all__ = ["FollowBatch", "FollowPosition", "ShardPart"]
+__all__ = ["FollowBatch", "FollowCore", "FollowPosition", "FollowRoutes", "ShardPart"]
+
+_RETRY_MAX_S = 2.0
 
 _MAGIC = b"mqf1"
 _HEAD = struct.Struct(">4sHH")  # magic, len(cluster_id), len(topic_filter)... lengths in bytes
@@ -145,3 +154,203 @@ class ShardPart:
     hint: str | None = None
     """Where a NOT_LEADER answer said to go next."""
     history: list[str] = field(default_factory=list)
+
+
+S = TypeVar("S")
+C = TypeVar("C")
+
+
+class FollowRoutes(Generic[S, C]):
+    """Which subscription and shard part each Follow subscription id belongs to, and on which call (``C``).
+
+    The transports' shared bookkeeping; not thread-safe (the sync client holds a lock around it).
+    """
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._routes: dict[int, tuple[S, ShardPart, C]] = {}
+
+    def add(self, sub: S, part: ShardPart, call: C, address: str, request: pb.FollowStart) -> None:
+        """``part`` starts on ``call`` under a new id (set in ``request`` too)."""
+        part.sub_id = request.id = next(self._ids)
+        part.address = address
+        self._routes[part.sub_id] = (sub, part, call)
+
+    def call_of(self, part: ShardPart) -> C | None:
+        route = self._routes.get(part.sub_id)
+        return None if route is None else route[2]
+
+    def answered(self, answer: pb.FollowResponse) -> tuple[S, ShardPart] | None:
+        """Whose answer this is (None: a subscription that ended); a failure ends the route."""
+        route = self._routes.get(answer.id)
+        if route is None:
+            return None
+        if answer.HasField("failure"):
+            del self._routes[answer.id]
+        return route[0], route[1]
+
+    def ended(self, call: C) -> list[tuple[int, S, ShardPart]]:
+        """``call`` ended: the subscriptions that were on it (their routes removed)."""
+        lost = [(sid, sub, part) for sid, (sub, part, c) in self._routes.items() if c is call]
+        for sid, _, _ in lost:
+            del self._routes[sid]
+        return lost
+
+    def remove(self, part: ShardPart) -> tuple[C, bool] | None:
+        """End ``part``'s route: its call, and whether no other subscription is left on it."""
+        route = self._routes.pop(part.sub_id, None)
+        if route is None:
+            return None
+        call = route[2]
+        return call, not any(r[2] is call for r in self._routes.values())
+
+    def clear(self) -> None:
+        self._routes.clear()
+
+
+class FollowCore:
+    """A subscription's decisions, shared by the sync and asyncio clients (which do the I/O).
+
+    Where each shard part starts and from where, what an answer means (a
+    batch, progress, a failure to retry elsewhere or to raise), when a part
+    is due to start again, and how much credit the application freed.
+    """
+
+    def __init__(
+        self,
+        table: RoutingTable,
+        cluster_id: str,
+        n_shards: int,
+        topic_filter: str,
+        *,
+        start_time_us: int = 0,
+        position: FollowPosition | None = None,
+        window: int = 1000,
+        any_replica: bool = False,
+        shards: list[int] | None = None,
+    ) -> None:
+        try:
+            validate_filter(topic_filter)
+        except TopicError as err:
+            raise errors.error(Reason.INVALID_TOPIC_FILTER, str(err)) from None
+        if window < 1:
+            raise errors.error(Reason.INVALID_REQUEST, f"window must be at least 1 message, got {window}")
+        if position is not None:
+            position.check(cluster_id, topic_filter, n_shards)
+        self.table = table
+        self.cluster_id = cluster_id
+        self.topic_filter = topic_filter
+        self.start_time_us = start_time_us
+        self.window = window
+        self.any_replica = any_replica
+        chosen = list(range(n_shards)) if shards is None else sorted(set(shards))
+        self.parts = {s: ShardPart(s, position.shard_after(s) if position else 0) for s in chosen}
+        self.restarts = 0
+        self._last: ShardPart | None = None
+        self._taken = 0
+
+    @classmethod
+    def of(
+        cls,
+        table: RoutingTable,
+        view: ClusterView,
+        topic_filter: str,
+        position: FollowPosition | bytes | None,
+        shards: Iterable[int] | None,
+        **options: Any,
+    ) -> FollowCore:
+        """A subscription's core for ``Client.follow``'s arguments (a position may be its saved bytes)."""
+        if isinstance(position, (bytes, bytearray, memoryview)):
+            position = FollowPosition.from_bytes(bytes(position))
+        chosen = None if shards is None else list(shards)
+        return cls(table, view.cluster_id, view.n_shards, topic_filter, position=position, shards=chosen, **options)
+
+    @property
+    def position(self) -> FollowPosition:
+        return FollowPosition.of(self.cluster_id, self.topic_filter, {s: p.after_us for s, p in self.parts.items()})
+
+    def start(self, part: ShardPart) -> tuple[str, pb.FollowStart]:
+        """Where to start ``part`` now, and the request (its id left for the transport to set)."""
+        address = part.hint or self._address(part)
+        part.hint = None
+        part.retry_at = 0.0
+        part.granted = self.window
+        part.history.append(address)
+        del part.history[:-8]
+        request = pb.FollowStart(
+            topic_filter=self.topic_filter,
+            shard=part.shard,
+            after_us=part.after_us,
+            start_time_us=self.start_time_us,
+            credit=self.window,
+            stale_ok=self.any_replica,
+        )
+        return address, request
+
+    def _address(self, part: ShardPart) -> str:
+        if not self.any_replica:
+            leader = self.table.leader_of(part.shard)
+            if leader is not None and (part.attempt == 0 or leader not in part.history[-1:]):
+                return leader
+        return self.table.address_for(part.shard, any_replica=True, attempt=part.attempt)
+
+    def answer(
+        self, part: ShardPart, sub_id: int, answer: pb.FollowResponse | None, err: MqdsError | None
+    ) -> FollowBatch | bool | None:
+        """What came for ``part``: a batch; True when the part ended and must start again (``lost`` was called);
+        None for nothing (an answer of a subscription the part left, or progress only). Raises what cannot be
+        retried.
+        """
+        if part.sub_id != sub_id:
+            return None
+        if err is None and answer is not None and answer.HasField("failure"):
+            err = errors.from_failure(answer.failure)
+        if err is not None:
+            self.lost(part, err)
+            return True
+        assert answer is not None
+        part.after_us = max(part.after_us, answer.position_us)
+        part.attempt, part.last_error = 0, None
+        if not answer.messages:
+            return None
+        part.granted -= len(answer.messages)
+        self._last, self._taken = part, len(answer.messages)
+        return FollowBatch(part.shard, [Message.from_pb(m) for m in answer.messages], self.position)
+
+    def lost(self, part: ShardPart, err: MqdsError) -> None:
+        """``part``'s subscription ended with ``err``: start again later (elsewhere), or raise ``err``."""
+        part.sub_id = 0
+        if not err.retriable:
+            raise err
+        if err.reason in (Reason.NOT_LEADER, Reason.NOT_HOSTED) and self.table.learn(err, part.shard):
+            part.hint = err.metadata.get("leader_address") or None
+        elif err.reason is not Reason.REPLICA_BEHIND:
+            self.table.forget_leader(part.shard)
+        part.attempt += 1
+        part.last_error = err
+        self.restarts += 1
+        delay = 0.0 if part.hint else min(_RETRY_MAX_S, 0.05 * 2 ** min(part.attempt, 6))
+        part.retry_at = time.monotonic() + delay
+
+    def wants_refresh(self, part: ShardPart) -> bool:
+        """Whether to ask for a new cluster map before starting ``part`` again (every fourth attempt)."""
+        return part.attempt > 0 and part.attempt % 4 == 0
+
+    def due(self) -> list[ShardPart]:
+        now = time.monotonic()
+        return [p for p in self.parts.values() if p.retry_at and p.retry_at <= now]
+
+    def wait_s(self, deadline: float | None) -> float | None:
+        waits = [p.retry_at - time.monotonic() for p in self.parts.values() if p.retry_at]
+        if deadline is not None:
+            waits.append(deadline - time.monotonic())
+        return max(0.0, min(waits)) if waits else None
+
+    def taken(self) -> tuple[ShardPart, int] | None:
+        """The credit the application freed by taking the last batch: (part, messages), or None."""
+        part, taken = self._last, self._taken
+        self._last, self._taken = None, 0
+        if part is None or not taken or part.retry_at or not part.sub_id:
+            return None
+        part.granted += taken
+        return part, taken
