@@ -58,6 +58,13 @@ def test_a_short_mixed_chaos_run_passes(tmp_path: Path) -> None:
     for c in consumers.values():
         assert c.drained and c.missing == 0 and c.delivered >= c.distinct > 0, c
     assert consumers["chaos-sub-1"].expected == counts["acked"]
+    # Every push subscriber was sent every acknowledged message exactly once, through every fault.
+    followers = {f.name: f for f in report.result.followers}
+    assert sorted(followers) == ["follower0", "follower1"] and followers["follower1"].any_replica
+    for f in followers.values():
+        assert f.complete and f.missing == f.duplicates == f.errors == 0 and f.distinct == counts["acked"], f
+    assert sum(f.restarts for f in followers.values()) > 0  # the faults moved some of their shard parts
+    assert "push subscribers" in report.text
     assert all(c.converged for c in report.result.convergence) and len(report.result.convergence) == opts.shards
     # The wiped node came back by snapshot: its journal had been compacted away.
     wipe = next(f for f in report.faults if f.nemesis == "wipe-node")

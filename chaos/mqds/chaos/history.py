@@ -196,6 +196,23 @@ class HostileLog:
         return dict(sorted(out.items()))
 
 
+@dataclass
+class FollowerLog:
+    """What one push subscriber (``Client.follow``) was sent: each message's count, in order of first arrival.
+
+    Written under the history's lock; ``restarts`` and ``errors`` by the follower's own thread only.
+    """
+
+    name: str
+    any_replica: bool
+    counts: dict[MessageKey, int] = field(default_factory=dict)
+    order: list[ReadMessage] = field(default_factory=list)
+    restarts: int = 0
+    errors: int = 0
+    complete: bool = False
+    """It had every acknowledged message once the workload ended."""
+
+
 class History:
     """Everything the workload recorded. Keys are recorded as attempted before they are sent."""
 
@@ -211,6 +228,7 @@ class History:
         self.reads_observed = 0
         self.faults: list[FaultRecord] = []
         self.consumers: dict[str, ConsumerLog] = {}
+        self.followers: dict[str, FollowerLog] = {}
         self.workload_ended: float | None = None
         # The hostile clients' answers (None when the run had none).
         self.hostile: HostileLog | None = None
@@ -278,6 +296,27 @@ class History:
         with self._lock:
             return list(self.consumers[name].deliveries)
 
+    def add_follower(self, name: str, any_replica: bool) -> FollowerLog:
+        with self._lock:
+            log = self.followers[name] = FollowerLog(name, any_replica)
+            return log
+
+    def record_followed(self, name: str, messages: list[ReadMessage]) -> None:
+        """One batch, as follower ``name`` got it (in order)."""
+        with self._lock:
+            log = self.followers[name]
+            for m in messages:
+                count = log.counts.get(m.key, 0)
+                log.counts[m.key] = count + 1
+                if not count:
+                    log.order.append(m)
+
+    def follower_missing(self, name: str) -> int:
+        """Acknowledged messages follower ``name`` has not been sent (yet)."""
+        with self._lock:
+            counts = self.followers[name].counts
+            return sum(1 for key in self.acked if key not in counts)
+
     def add_hostile(self, must_refuse: set[str]) -> HostileLog:
         """Register the hostile clients; ``must_refuse``: request kinds an OK answer to is a violation."""
         with self._lock:
@@ -319,4 +358,5 @@ class History:
                 **{f"calls_{k}": v for k, v in outcomes.items()},
                 "reads_observed": self.reads_observed,
                 "consumer_deliveries": sum(len(c.deliveries) for c in self.consumers.values()),
+                "follower_deliveries": sum(sum(f.counts.values()) for f in self.followers.values()),
             }

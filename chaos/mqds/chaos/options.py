@@ -30,6 +30,7 @@ class Options:
     pipelined_publishers: int = 2
     pipeline_in_flight: int = 32
     readers: int = 2
+    followers: int = 2
     pubsub_consumers: int = 2
     queue_consumers: int = 2
     consumer_poll_s: float = 2.0
@@ -153,6 +154,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--readers", type=int, default=2, metavar="N", help="readers tailing with iterators; odd ones stale_ok (2)"
     )
     parser.add_argument(
+        "--followers",
+        type=int,
+        default=2,
+        metavar="N",
+        help="push subscribers (Client.follow) on chaos/#, each of which must be sent every acknowledged message "
+        "exactly once; odd ones let any replica serve them (2)",
+    )
+    parser.add_argument(
         "--pubsub-consumers",
         type=int,
         default=2,
@@ -260,11 +269,18 @@ def parse_options(argv: Sequence[str] | None, prog: str = PROG) -> tuple[Options
     ns = parser.parse_args(argv)
     if ns.nodes < 3:
         parser.error("--nodes must be 3 or more (a majority must survive a minority failing)")
-    counts = (ns.readers, ns.multi_publishers, ns.pipelined_publishers, ns.pubsub_consumers, ns.queue_consumers)
+    counts = (
+        ns.readers,
+        ns.followers,
+        ns.multi_publishers,
+        ns.pipelined_publishers,
+        ns.pubsub_consumers,
+        ns.queue_consumers,
+    )
     if ns.shards < 1 or ns.batch < 1 or ns.pipeline_in_flight < 1 or min(counts) < 0:
         parser.error(
-            "--shards, --batch and --pipeline-in-flight must be 1 or more; --readers, --multi-publishers, "
-            "--pipelined-publishers, --pubsub-consumers and --queue-consumers 0 or more"
+            "--shards, --batch and --pipeline-in-flight must be 1 or more; --readers, --followers, "
+            "--multi-publishers, --pipelined-publishers, --pubsub-consumers and --queue-consumers 0 or more"
         )
     if ns.consumer_poll <= 0:
         parser.error("--consumer-poll must be greater than 0")
@@ -283,6 +299,7 @@ def parse_options(argv: Sequence[str] | None, prog: str = PROG) -> tuple[Options
         pipelined_publishers=ns.pipelined_publishers,
         pipeline_in_flight=ns.pipeline_in_flight,
         readers=ns.readers,
+        followers=ns.followers,
         pubsub_consumers=ns.pubsub_consumers,
         queue_consumers=ns.queue_consumers,
         consumer_poll_s=ns.consumer_poll,

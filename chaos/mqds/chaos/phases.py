@@ -30,6 +30,7 @@ from mqds.chaos.workload import (
     QUEUE_BATCH,
     QUEUE_INTERVAL_S,
     QUEUE_SENDER,
+    Follower,
     PipelinedPublisher,
     Publisher,
     PublisherThread,
@@ -65,6 +66,7 @@ class ChaosRun:
         self.current = "starting"
         self.publishers: list[PublisherThread] = []
         self.readers: list[Reader] = []
+        self.followers: list[Follower] = []
         self.consumers: list[SessionConsumer] = []
         self.hostile: HostileClients | None = None
         self.pause = WorkloadPause(self.history)
@@ -85,7 +87,7 @@ class ChaosRun:
             self.say(
                 f"acked {c['acked']:,}/{c['attempted']:,} msgs, calls unknown {c['calls_unknown']:,} "
                 f"partial {c['calls_partial']:,} failed {c['calls_failed']:,} | read {reads:,} | "
-                f"delivered {c['consumer_deliveries']:,} | "
+                f"followed {c['follower_deliveries']:,} | delivered {c['consumer_deliveries']:,} | "
                 + (f"hostile {hostile.sent:,}{bad} | " if hostile else "")
                 + f"faults {len(self.history.faults)} | {self.current}"
             )
@@ -167,6 +169,8 @@ class ChaosRun:
             )
         for i in range(opts.readers):
             self.readers.append(Reader(f"reader{i}", self.client, self.history, stale_ok=i % 2 == 1))
+        for i in range(opts.followers):
+            self.followers.append(Follower(f"follower{i}", self.client, self.history, any_replica=i % 2 == 1))
         self._make_consumers()
         if opts.hostile:
             assert self.cluster is not None
@@ -179,6 +183,8 @@ class ChaosRun:
             publisher.start()
         for reader in self.readers:
             reader.start()
+        for follower in self.followers:
+            follower.start()
         for consumer in self.consumers:
             self.pause.add(consumer.name, consumer.gate)
             consumer.start()
@@ -409,7 +415,20 @@ class ChaosRun:
             reader.stop()
         for r in self.readers:
             r.thread.join(15)
+        self._drain_followers()
         self._drain_consumers()
+
+    def _drain_followers(self) -> None:
+        """Wait (``--drain-timeout`` at most) until every follower was sent every acknowledged message."""
+        self.current = "draining the followers"
+        deadline = time.monotonic() + self.opts.drain_timeout_s
+        for f in self.followers:
+            if not f.finish(deadline):
+                self.say(f"follower {f.name} had not got everything {self.opts.drain_timeout_s:g}s into the drain")
+        for f in self.followers:
+            f.thread.join(self.opts.call_timeout_s + 10)
+            if f.thread.is_alive():
+                self.harness_findings.append(Finding("fault-error", f"follower {f.name} did not stop"))
 
     def _drain_consumers(self) -> None:
         """Wait (``--drain-timeout`` at most) for every consumer to fetch nothing new, then stop them."""
@@ -440,6 +459,8 @@ class ChaosRun:
             p.abandon.set()
         for r in self.readers:
             r.stop()
+        for f in self.followers:
+            f.stop()
         for consumer in self.consumers:
             consumer.stop()
         if self.cluster is not None:

@@ -22,6 +22,13 @@ DESCRIPTIONS = {
     "consumer-vanished": "delivered to a consumer during the run, gone at the end",
     "consumer-error": "a consumer's fetch or ack failed with a non-retriable error",
     "consumer-crashed": "a consumer thread died",
+    "follower-lost": "acknowledged, never sent to a push subscriber",
+    "follower-duplicate": "sent to a push subscriber more than once",
+    "follower-unexpected": "sent to a push subscriber, never attempted (or topic and payload disagree)",
+    "follower-vanished": "sent to a push subscriber during the run, gone at the end",
+    "follower-order": "a sender's sequences not increasing in what a push subscriber was sent",
+    "follower-error": "a push subscription ended with a non-retriable error",
+    "follower-crashed": "a follower thread died",
     "hostile-internal": "a hostile request got INTERNAL or UNKNOWN: the node failed instead of refusing it clearly",
     "hostile-accepted": (
         "a request that must be refused succeeded (an admin call without credentials, or naming nothing)"
@@ -46,6 +53,8 @@ def text_report(run: dict[str, Any], result: CheckResult, faults: list[FaultReco
     violations = result.violation_counts()
     if result.passed:
         delivered = ", every consumer got everything" if result.consumers else ""
+        if result.followers:
+            delivered += ", every follower was sent everything once"
         lines.append(
             f"RESULT: PASS (nothing lost, nothing unexpected, no duplicates, in order, replicas converged{delivered})"
         )
@@ -69,6 +78,7 @@ def text_report(run: dict[str, Any], result: CheckResult, faults: list[FaultReco
         f"  read while running    {c.get('reads_observed', 0):>10,}   by {run['readers']} readers",
         f"  replicas              {converged:>10} of {len(result.convergence)} vnodes converged "
         "(same applied index and digest)",
+        *_follower_table(result),
         *_consumer_table(result),
         *_hostile_table(result),
         "",
@@ -113,6 +123,9 @@ def text_report(run: dict[str, Any], result: CheckResult, faults: list[FaultReco
     if result.loss_classes:
         lines += ["", "lost messages by where they fall"]
         lines += [f"  {count:>8,}  {where}" for where, count in result.loss_classes.items()]
+    if result.follower_loss_classes:
+        lines += ["", "messages followers were never sent, by where their write was acknowledged"]
+        lines += [f"  {count:>8,}  {where}" for where, count in result.follower_loss_classes.items()]
     if result.consumer_loss_classes:
         lines += ["", "messages consumers never got, by where their write was acknowledged"]
         lines += [f"  {count:>8,}  {where}" for where, count in result.consumer_loss_classes.items()]
@@ -132,6 +145,26 @@ def text_report(run: dict[str, Any], result: CheckResult, faults: list[FaultReco
                 states = ", ".join(f"{r.node}@{r.applied_index}:{r.sha256[:10]}" for r in conv.replicas)
                 lines.append(f"  not-converged: shard {conv.shard}: {states} {conv.detail}")
     return "\n".join(lines) + "\n"
+
+
+def _follower_table(result: CheckResult) -> list[str]:
+    """One row per push subscriber (no lines when the run had none)."""
+    if not result.followers:
+        return []
+    lines = [
+        "",
+        "push subscribers (Client.follow on chaos/#: every acknowledged message exactly once; restarts = shard",
+        "parts moved to another replica after a fault)",
+        f"  {'follower':<12} {'served by':<12} {'sent':>10} {'distinct':>9} {'duplicates':>10} {'missing':>8} "
+        f"{'restarts':>8} {'errors':>6}  complete",
+    ]
+    for f in result.followers:
+        served = "any replica" if f.any_replica else "leaders"
+        lines.append(
+            f"  {f.name:<12} {served:<12} {f.sent:>10,} {f.distinct:>9,} {f.duplicates:>10,} {f.missing:>8,} "
+            f"{f.restarts:>8,} {f.errors:>6,}  {'yes' if f.complete else 'NO'}"
+        )
+    return lines
 
 
 def _consumer_table(result: CheckResult) -> list[str]:

@@ -135,6 +135,7 @@ def verify(chaos: ChaosRun, began: float, network_kind: str, work: Path) -> Repo
         "network": network_kind,
         "publishers": len(chaos.publishers),
         "readers": len(chaos.readers),
+        "followers": len(chaos.followers),
         "session_consumers": len(chaos.consumers),
         "consumer_poll_s": opts.consumer_poll_s,
         "batch": opts.batch,

@@ -27,6 +27,11 @@ digests after healing, :func:`check` reports:
   (``consumer-vanished``). Redeliveries (a message delivered again to the
   same consumer, or to both queue consumers) are allowed by at-least-once
   delivery: they are counted per consumer, not violations;
+- **push subscribers** (:func:`check_followers`): each must have been sent
+  every acknowledged message exactly once (``follower-lost``,
+  ``follower-duplicate``), nothing never attempted (``follower-unexpected``)
+  or missing from the final read (``follower-vanished``); a sender's messages
+  out of order are an anomaly it recorded (``follower-order``);
 - **hostile clients** (:func:`check_hostile`): no hostile request may get
   INTERNAL or UNKNOWN from any node (``hostile-internal``: a handler failed
   instead of refusing the request clearly), and no request that must be
@@ -40,7 +45,7 @@ digests after healing, :func:`check` reports:
   paused the workload (the idle-restart nemeses) is measured from when the
   workload resumed: the idle spell is the fault's, not an outage.
 
-Only the first six kinds, anomalies, the consumer checks, the hostile clients'
+Only the first six kinds, anomalies, the consumer and follower checks, the hostile clients'
 checks and convergence are violations; availability and redeliveries are
 measurements.
 
@@ -53,6 +58,7 @@ the anomalies), :mod:`~mqds.chaos.checker.consumers`,
 
 from mqds.chaos.checker.availability import SETTLE_S, ack_times_by_shard, longest_gap, write_outages
 from mqds.chaos.checker.consumers import check_consumers
+from mqds.chaos.checker.followers import check_followers
 from mqds.chaos.checker.hostile import INTERNAL_CODES, check_hostile
 from mqds.chaos.checker.reads import check_reads, where_acked
 from mqds.chaos.checker.result import (
@@ -61,6 +67,7 @@ from mqds.chaos.checker.result import (
     ConsumerStats,
     Convergence,
     Finding,
+    FollowerStats,
     Outage,
     ReplicaState,
 )
@@ -74,11 +81,13 @@ __all__ = [
     "ConsumerStats",
     "Convergence",
     "Finding",
+    "FollowerStats",
     "Outage",
     "ReplicaState",
     "ack_times_by_shard",
     "check",
     "check_consumers",
+    "check_followers",
     "check_hostile",
     "check_reads",
     "longest_gap",

@@ -90,6 +90,26 @@ class ConsumerStats:
 
 
 @dataclass
+class FollowerStats:
+    """What one push subscriber was sent, against what it had to be sent (every acknowledged message once)."""
+
+    name: str
+    any_replica: bool
+    sent: int
+    distinct: int
+    duplicates: int
+    expected: int
+    missing: int
+    restarts: int
+    """Shard parts its subscription moved to another replica."""
+    errors: int
+    complete: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+@dataclass
 class CheckResult:
     counts: dict[str, int]
     findings: list[Finding] = field(default_factory=list)
@@ -98,6 +118,8 @@ class CheckResult:
     loss_classes: dict[str, int] = field(default_factory=dict)
     consumers: list[ConsumerStats] = field(default_factory=list)
     consumer_loss_classes: dict[str, int] = field(default_factory=dict)
+    followers: list[FollowerStats] = field(default_factory=list)
+    follower_loss_classes: dict[str, int] = field(default_factory=dict)
     hostile: dict[str, Any] | None = None
     """The hostile clients' answers (see :func:`check_hostile`); None when the run had none."""
 
@@ -142,6 +164,8 @@ class CheckResult:
             "loss_classes": self.loss_classes,
             "consumers": [c.to_json() for c in self.consumers],
             "consumer_loss_classes": self.consumer_loss_classes,
+            "followers": [f.to_json() for f in self.followers],
+            "follower_loss_classes": self.follower_loss_classes,
             "hostile": self.hostile,
             "findings": [vars(f) for f in self.findings[: EXAMPLES * 20]],
             "convergence": [

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from mqds.chaos.checker.availability import write_outages
 from mqds.chaos.checker.consumers import check_consumers
+from mqds.chaos.checker.followers import check_followers
 from mqds.chaos.checker.hostile import check_hostile
 from mqds.chaos.checker.reads import check_reads
 from mqds.chaos.checker.result import CheckResult, Convergence
@@ -22,7 +23,9 @@ def check(
     """The whole verdict of a run (see :mod:`mqds.chaos.checker`)."""
     # Nothing could be read back: only the counts (the runner records why).
     result = CheckResult(counts=history.counts()) if final is None else check_reads(history, final, unparsable)
-    check_consumers(history, result, None if final is None else {m.key for m in final})
+    final_keys = None if final is None else {m.key for m in final}
+    check_consumers(history, result, final_keys)
+    check_followers(history, result, final_keys)
     if history.hostile is not None:
         check_hostile(history.hostile, result)
     result.convergence = list(convergence)

@@ -1,4 +1,4 @@
-"""The workload of a chaos run: exactly-once publishers, iterator readers, persistent-session consumers.
+"""The workload of a chaos run: exactly-once publishers, readers, push subscribers, persistent-session consumers.
 
 Every worker is a thread with its own :class:`~mqds.client.Client`, and
 records what it did and saw in the run's :class:`~mqds.chaos.history.History`:
@@ -10,6 +10,9 @@ records what it did and saw in the run's :class:`~mqds.chaos.history.History`:
   message per ``store_async`` call with many in flight, as a broker stores;
 - :mod:`~mqds.chaos.workload.reader`: the readers (:class:`Reader`), tailing
   ``chaos/#`` with iterators and checking what they see as they go;
+- :mod:`~mqds.chaos.workload.follower`: the push subscribers
+  (:class:`Follower`), following ``chaos/#`` with ``Client.follow`` through
+  every fault: each must be sent every acknowledged message exactly once;
 - :mod:`~mqds.chaos.workload.consumer`: the persistent-session consumers'
   shared loop (fetch, record, acknowledge) and :class:`SessionConsumer`, what
   the runner needs of one; :mod:`~mqds.chaos.workload.pubsub_consumer`
@@ -25,6 +28,7 @@ records what it did and saw in the run's :class:`~mqds.chaos.history.History`:
 """
 
 from mqds.chaos.workload.consumer import SessionConsumer
+from mqds.chaos.workload.follower import Follower
 from mqds.chaos.workload.pause import PauseGate, WorkloadPause
 from mqds.chaos.workload.pipelined import PipelinedPublisher
 from mqds.chaos.workload.publisher import Publisher, PublisherThread, senders_for_shards
@@ -36,6 +40,7 @@ __all__ = [
     "QUEUE_BATCH",
     "QUEUE_INTERVAL_S",
     "QUEUE_SENDER",
+    "Follower",
     "PauseGate",
     "PipelinedPublisher",
     "Publisher",
