@@ -12,6 +12,7 @@ from mqds.client import errors as E
 from mqds.server.cluster.feed import ShardFeed
 from mqds.server.storage.ordered import dropped_after, ordered
 from mqds.server.storage.shard import ShardStorage
+from mqds.v1 import storage_pb2 as pb
 
 
 def part(first: int, *topics: str) -> tuple[int, list, list[bytes]]:
@@ -19,12 +20,21 @@ def part(first: int, *topics: str) -> tuple[int, list, list[bytes]]:
     return first, messages, [m.SerializeToString() for m in messages]
 
 
-def read(feed: ShardFeed, after: int, topic_filter: str = "#", limit: int = 100, budget: int | None = None):
-    return feed.read_after(after, topic_filter, topic_filter.split("/"), limit, budget)
+def read(
+    feed: ShardFeed, after: int, topic_filter: str = "#", limit: int = 100, budget: int | None = None
+) -> tuple[list[tuple[int, bytes]], int] | None:
+    """What the feed answers, as (timestamp, payload) pairs read back from the encoded answer, and the position."""
+    got = feed.read_after(after, topic_filter, topic_filter.split("/"), limit, budget)
+    if got is None:
+        return None
+    pieces, reached = got
+    messages = pb.FollowResponse.FromString(b"".join(pieces)).messages
+    assert all(m.shard == feed.shard for m in messages)
+    return [(m.timestamp_us, m.payload) for m in messages], reached
 
 
 def test_an_idle_feed_keeps_nothing_and_starts_when_someone_listens() -> None:
-    feed = ShardFeed(1 << 20)
+    feed = ShardFeed(3, 1 << 20)
     feed.append(*part(10, "a", "b"))
     assert feed.size_bytes == 0 and read(feed, 0) is None
     woken: list[int] = []
@@ -38,7 +48,7 @@ def test_an_idle_feed_keeps_nothing_and_starts_when_someone_listens() -> None:
 
 
 def test_the_feed_serves_only_matches_after_a_position_within_credit_and_bytes() -> None:
-    feed = ShardFeed(1 << 20)
+    feed = ShardFeed(3, 1 << 20)
     feed.listen(lambda: None, lambda: 0)
     feed.append(*part(1, "s/1/t", "s/2/t", "x", "s/3/t"))
     feed.append(*part(10, "x", "x"))
@@ -46,7 +56,7 @@ def test_the_feed_serves_only_matches_after_a_position_within_credit_and_bytes()
     assert [ts for ts, _ in entries] == [1, 2, 4] and reached == 11  # the later non-matching ones are read past
     entries, reached = read(feed, 1, "s/+/t", limit=1)
     assert [ts for ts, _ in entries] == [2] and reached == 2
-    one = len(entries[0][1])
+    one = len(feed.read_after(0, "s/+/t", ["s", "+", "t"], 1, None)[0][0])  # type: ignore[index]
     entries, reached = read(feed, 0, "s/+/t", budget=one + 1)
     assert [ts for ts, _ in entries] == [1] and reached == 1  # one at least, then the budget stops it
 
@@ -54,7 +64,7 @@ def test_the_feed_serves_only_matches_after_a_position_within_credit_and_bytes()
 def test_a_feed_over_its_bytes_drops_its_oldest_and_sends_those_readers_to_disk() -> None:
     parts = [part(first, *["a"] * 10) for first in (11, 21, 31)]
     size = max(sum(len(b) for b in p[2]) + 64 for p in parts)
-    feed = ShardFeed(size * 2)
+    feed = ShardFeed(3, size * 2)
     feed.listen(lambda: None, lambda: 10)
     for p in parts:
         feed.append(*p)
@@ -65,7 +75,7 @@ def test_a_feed_over_its_bytes_drops_its_oldest_and_sends_those_readers_to_disk(
 
 
 def test_a_reset_feed_starts_again_after_the_new_data() -> None:
-    feed = ShardFeed(1 << 20)
+    feed = ShardFeed(3, 1 << 20)
     woken: list[int] = []
     feed.listen(lambda: woken.append(1), lambda: 0)
     feed.append(*part(1, "a"))
@@ -75,7 +85,7 @@ def test_a_reset_feed_starts_again_after_the_new_data() -> None:
 
 
 def test_matches_are_found_once_per_batch_and_filter() -> None:
-    feed = ShardFeed(1 << 20)
+    feed = ShardFeed(3, 1 << 20)
     feed.listen(lambda: None, lambda: 0)
 
     class Counting:
@@ -89,15 +99,19 @@ def test_matches_are_found_once_per_batch_and_filter() -> None:
             return self._topic
 
     messages = [Counting("s/1"), Counting("s/2")]
-    feed.append(1, messages, [b"x", b"y"])
+    feed.append(1, messages, [msg("s/1").SerializeToString(), msg("s/2").SerializeToString()])
     for _ in range(50):  # fifty subscribers of one filter
         assert [ts for ts, _ in read(feed, 0, "s/+")[0]] == [1, 2]
     read(feed, 0, "s/1")
     assert [m.reads for m in messages] == [1, 1]
+    # ... and encoded once: every subscriber's answer joins the same bytes.
+    first, second = (feed.read_after(0, "s/+", ["s", "+"], 10, None) for _ in range(2))
+    assert first is not None and second is not None
+    assert len(first[0]) == 2 and all(a is b for a, b in zip(first[0], second[0], strict=True))
 
 
 def test_the_last_listener_gone_drops_the_ring() -> None:
-    feed = ShardFeed(1 << 20)
+    feed = ShardFeed(3, 1 << 20)
     a, b = (lambda: None), (lambda: None)
     feed.listen(a, lambda: 0)
     feed.listen(b, lambda: 0)

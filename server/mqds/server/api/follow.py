@@ -37,13 +37,14 @@ from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.topics import TopicError, validate_filter
 from mqds.server.api.handlers import check_parsed
+from mqds.server.cluster.feed import ANSWER_TAG
 from mqds.server.storage.ordered import dropped_after, ordered
 from mqds.server.wire import encode_messages
 from mqds.v1 import storage_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-_MESSAGES_TAG = b"\x1a"  # FollowResponse.messages, field 3
+_MESSAGES_TAG = ANSWER_TAG  # FollowResponse.messages, field 3
 _PROGRESS_S = 1.0
 """How often a subscription whose position moved without a matching message is told so, at most."""
 _IDLE_WAKE_S = 1.0
@@ -258,22 +259,26 @@ class _Call:
                     self._listen(sub, feed, storage)
                 got = feed.read_after(sub.position, sub.topic_filter, sub.levels, limit, self.max_answer_bytes)
                 if got is None:
-                    got = self._from_disk(sub, storage, limit)
-                    feed.read_from_disk += len(got[0])
+                    entries, reached = self._from_disk(sub, storage, limit)
+                    feed.read_from_disk += len(entries)
+                    got = [encode_messages(_MESSAGES_TAG, entries, sub.shard)] if entries else [], reached
+                    count = len(entries)
+                else:
+                    count = len(got[0])
         except MqdsError as err:
             self._unlisten(sub)
             with self.lock:
                 self.subs.pop(sub.id, None)
             return self._failure(sub, err)
-        found, position = got
+        pieces, position = got
         sub.position = max(sub.position, position)
         now = time.monotonic()
-        if not found and (sub.position == sub.reported or now - sub.reported_at < _PROGRESS_S):
+        if not count and (sub.position == sub.reported or now - sub.reported_at < _PROGRESS_S):
             return None
-        sub.credit -= len(found)
+        sub.credit -= count
         sub.reported, sub.reported_at = sub.position, now
         head = pb.FollowResponse(id=sub.id, shard=sub.shard, position_us=sub.position).SerializeToString()
-        return head + encode_messages(_MESSAGES_TAG, found, sub.shard)
+        return head + b"".join(pieces)
 
     def _from_disk(self, sub: _Sub, storage: Any, limit: int) -> tuple[list[tuple[int, bytes]], int]:
         """Up to ``limit`` messages after the subscription's position, read from RocksDB; the position reached."""

@@ -27,9 +27,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mqds.protocol.topics import matches_levels
+from mqds.server.wire import encode_messages
 
 _CACHED_FILTERS = 64
 """Filters whose matches a batch remembers; past that they are matched again on each read."""
+ANSWER_TAG = b"\x1a"
+"""``FollowResponse.messages`` (field 3): how the feed encodes a message for an answer."""
 
 
 class FeedPart:
@@ -44,16 +47,21 @@ class FeedPart:
         self.encoded = encoded
         self.size = sum(len(e) for e in encoded) + 64
         self._topics: list[list[str]] | None = None
-        self._matches: dict[str, list[int]] = {}
+        self._matches: dict[str, tuple[list[int], list[bytes]]] = {}
 
-    def matching(self, topic_filter: str, levels: list[str]) -> list[int]:
-        """The indexes of the messages whose topic matches the filter (found once per filter)."""
+    def matching(self, topic_filter: str, levels: list[str], shard: int) -> tuple[list[int], list[bytes]]:
+        """The indexes of the messages whose topic matches the filter, and each one as an answer carries it
+        (a ``FollowResponse.messages`` entry, timestamp and shard set): found and encoded once per filter,
+        so every subscriber of the filter only joins bytes.
+        """
         found = self._matches.get(topic_filter)
         if found is not None:
             return found
         if self._topics is None:
             self._topics = [m.topic.split("/") for m in self.messages]
-        found = [i for i, topic in enumerate(self._topics) if matches_levels(levels, topic)]
+        indexes = [i for i, topic in enumerate(self._topics) if matches_levels(levels, topic)]
+        encoded = self.encoded
+        found = indexes, [encode_messages(ANSWER_TAG, [(self.first + i, encoded[i])], shard) for i in indexes]
         if len(self._matches) < _CACHED_FILTERS:
             self._matches[topic_filter] = found
         return found
@@ -62,7 +70,8 @@ class FeedPart:
 class ShardFeed:
     """The recent stores of one shard replica, for its push subscribers."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, shard: int, max_bytes: int) -> None:
+        self.shard = shard
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._parts: deque[FeedPart] = deque()
@@ -131,30 +140,30 @@ class ShardFeed:
 
     def read_after(
         self, position: int, topic_filter: str, levels: list[str], limit: int, max_bytes: int | None
-    ) -> tuple[list[tuple[int, bytes]], int] | None:
+    ) -> tuple[list[bytes], int] | None:
         """Up to ``limit`` messages matching the filter after ``position`` (and within ``max_bytes``, one at
-        least), as (timestamp, stored bytes), and the position after them; None if the ring does not reach
-        back to ``position`` (read from disk instead).
+        least), encoded as a ``FollowResponse`` carries them, and the position after them; None if the ring
+        does not reach back to ``position`` (read from disk instead).
         """
         with self._lock:
             covers = self._covers_after
             if covers is None or position < covers:
                 return None
             parts = [p for p in self._parts if p.last > position]
-        found: list[tuple[int, bytes]] = []
+        found: list[bytes] = []
         size = 0
         reached = position
         for part in parts:
-            for index in part.matching(topic_filter, levels):
+            indexes, pieces = part.matching(topic_filter, levels, self.shard)
+            for index, piece in zip(indexes, pieces, strict=True):
                 ts = part.first + index
                 if ts <= position:
                     continue
-                stored = part.encoded[index]
-                if found and max_bytes is not None and size + len(stored) > max_bytes:
+                if found and max_bytes is not None and size + len(piece) > max_bytes:
                     self.read_from_ring += len(found)
                     return found, reached
-                found.append((ts, stored))
-                size += len(stored)
+                found.append(piece)
+                size += len(piece)
                 reached = ts
                 if len(found) >= limit:
                     self.read_from_ring += len(found)

@@ -67,7 +67,7 @@ class VnodeReplica:
         self._swapping = False
         self.stopping = threading.Event()
         self.storage = self._open()
-        self.feed = ShardFeed(feed_bytes)
+        self.feed = ShardFeed(shard, feed_bytes)
         """What this replica just stored, for push subscriptions (``feed.py``)."""
         # For the metrics, counted per applied batch (never per message) by
         # the group's thread, the only one that applies: plain ints suffice.
