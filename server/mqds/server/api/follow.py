@@ -122,8 +122,13 @@ class _Call:
         self.ended: MqdsError | None = None
         self.closed = False
         self.stopped = threading.Event()
-        self.listened: dict[Any, int] = {}
-        """The feeds this call listens to, with how many of its subscriptions read each (the serving thread's)."""
+        self.by_feed: dict[Any, set[_Sub]] = {}
+        """The feeds this call listens to, with its subscriptions that read each (the serving thread's)."""
+        self.dirty: set[Any] = set()
+        """Feeds that stored something since the last pass (under ``lock``)."""
+        self.touched: set[_Sub] = set()
+        """Subscriptions with news of their own: just started, credit came, more to read (under ``lock``)."""
+        self._wakers: dict[Any, Any] = {}
 
     # -- requests (the reader thread) -------------------------------------------------
 
@@ -174,6 +179,7 @@ class _Call:
                 )
             if known is not None:  # one that just ended is not an error: the client could not know
                 known.credit = min(known.credit + credit.messages, 1 << 32)
+                self.touched.add(known)
         elif kind == "cancel":
             cancelled = self.subs.pop(request.cancel, None)
             if cancelled is not None:
@@ -184,7 +190,7 @@ class _Call:
     # -- answers (the call's thread) --------------------------------------------------
 
     def serve(self) -> Iterator[bytes]:
-        turn = 0
+        full_pass_at = 0.0
         while True:
             self.news.clear()
             failures: list[bytes] = []
@@ -198,28 +204,37 @@ class _Call:
                     if failure is not None:
                         self.subs.pop(sub.id, None)
                         failures.append(failure)
+                    else:
+                        self.touched.add(sub)
                 self.new.clear()
                 gone, self.gone = self.gone, []
-                subs = list(self.subs.values())
+                now = time.monotonic()
+                if now >= full_pass_at:  # every subscription now and then: progress, a lost lead
+                    full_pass_at = now + _IDLE_WAKE_S
+                    due = list(self.subs.values())
+                    self.dirty.clear()
+                else:  # those with news: their shard stored something, credit came, more to read
+                    due = [sub for feed in self.dirty for sub in self.by_feed.get(feed, ())]
+                    due += [sub for sub in self.touched if sub.id in self.subs]
+                    self.dirty.clear()
+                self.touched = set()
             yield from failures
             for sub in gone:
                 self._unlisten(sub)
-            ready = []
-            for sub in subs:
-                if sub.credit > 0:
-                    ready.append(sub)
-                else:  # nothing to send it: no reason to be woken by its shard
-                    self._unlisten(sub)
             sent = False
-            if ready:
-                turn = (turn + 1) % len(ready)
-                for sub in ready[turn:] + ready[:turn]:
-                    answer = self._next(sub)
-                    if answer is not None:
-                        sent = True
-                        yield answer
+            for sub in dict.fromkeys(due):
+                if sub.credit <= 0:  # nothing to send it: no reason to be woken by its shard
+                    self._unlisten(sub)
+                    continue
+                answer = self._next(sub)
+                if answer is not None:
+                    sent = True
+                    yield answer
+                    if sub.credit > 0 and sub.id in self.subs:
+                        with self.lock:
+                            self.touched.add(sub)  # it may have more (a batch's worth, or from disk)
             if not sent:
-                self.news.wait(_IDLE_WAKE_S)
+                self.news.wait(max(0.0, min(_IDLE_WAKE_S, full_pass_at - time.monotonic())))
 
     def _check_start(self, sub: _Sub) -> bytes | None:
         """The failure answer of a subscription that cannot start, or None."""
@@ -315,11 +330,19 @@ class _Call:
         return response.SerializeToString()
 
     def _listen(self, sub: _Sub, feed: Any, storage: Any) -> None:
-        """Have ``feed`` wake this call (once for all its subscriptions on that feed)."""
-        count = self.listened.get(feed, 0)
-        if not count:
-            feed.listen(self.news.set, lambda: storage.last_ts)
-        self.listened[feed] = count + 1
+        """Have ``feed`` wake this call (once for all its subscriptions on that feed), marking the feed dirty."""
+        readers = self.by_feed.get(feed)
+        if readers is None:
+            readers = self.by_feed[feed] = set()
+
+            def wake(feed: Any = feed) -> None:
+                with self.lock:
+                    self.dirty.add(feed)
+                self.news.set()
+
+            self._wakers[feed] = wake
+            feed.listen(wake, lambda: storage.last_ts)
+        readers.add(sub)
         sub.listening = feed
 
     def _unlisten(self, sub: _Sub) -> None:
@@ -327,12 +350,13 @@ class _Call:
         if feed is None:
             return
         sub.listening = None
-        count = self.listened.get(feed, 0) - 1
-        if count > 0:
-            self.listened[feed] = count
+        readers = self.by_feed.get(feed)
+        if readers is None:
             return
-        self.listened.pop(feed, None)
-        feed.unlisten(self.news.set)
+        readers.discard(sub)
+        if not readers:
+            del self.by_feed[feed]
+            feed.unlisten(self._wakers.pop(feed))
 
     def stop(self) -> None:
         self.stopped.set()
