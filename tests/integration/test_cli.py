@@ -293,6 +293,22 @@ def test_bench_small_writes_runs_every_scenario(cli_cluster: CliCluster) -> None
     assert "round 1/1" in run.err  # the progress line
 
 
+def test_bench_fans_out_to_push_subscribers(cli_cluster: CliCluster) -> None:
+    run = cli_cluster.run(
+        *("bench", "--data-dir", str(cli_cluster.data_dir), "--subscribers", "1,4", "--rate", "400"),
+        *("--duration", "2", "--publishers", "1", "--batch", "40", "--subscriber-processes", "2", "--json"),
+        timeout_s=180,
+    )
+    assert run.code == 0, run.err
+    report = json.loads(run.out)
+    assert [r["subscribers"] for r in report["runs"]] == [1, 4]
+    for r in report["runs"]:  # every message stored during the run reached every subscriber
+        assert r["delivered"] == r["expected_deliveries"] > 0 and r["failures"] == 0, r
+        assert 0 < r["delivery_p50_ms"] <= r["delivery_p99_ms"] and r["server_cpu_ms_per_1000_delivered"] > 0
+    keys = ("delivered_msgs_per_s", "delivery_p50_ms", "delivery_p99_ms", "server_cpu_ms_per_1000_delivered")
+    assert all(report[k] == report["runs"][1][k] for k in keys)
+
+
 def test_bench_kills_a_leader_and_reports_the_failover(cli_cluster: CliCluster) -> None:
     run = cli_cluster.run(
         "bench",

@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from mqds.bench import TOPIC_PREFIX, LeaderKill, RunResult, publisher_ids, run_load
-from mqds.cli import bench_mqtt, bench_small, local_cluster
+from mqds.cli import bench_fanout, bench_mqtt, bench_small, local_cluster
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, ProgressLine, bar, connection
 from mqds.client import Client
 from mqds.client.client import parse_endpoints
@@ -41,6 +41,10 @@ def run(opts: argparse.Namespace) -> int:
         raise CommandError("--in-flight calls are not paced: give --rate or --in-flight, not both", EXIT_USAGE)
     if opts.start_cluster and opts.data_dir:
         raise CommandError("give --start-cluster or --data-dir, not both", EXIT_USAGE)
+    if opts.subscribers:
+        if opts.small_writes or opts.in_flight is not None or opts.kill_leader:
+            raise CommandError("--subscribers runs its own load: no --small-writes, --in-flight or --kill-leader")
+        return bench_fanout.run(opts)
     if opts.small_writes:
         return bench_small.run(opts)
     if opts.duration is None:
@@ -160,6 +164,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
             f"how fast '{TOPIC_PREFIX}/#' replays what was written. The messages stay in the cluster. "
             "--in-flight N keeps N pipelined store calls outstanding per publisher instead of one blocking call. "
             "--small-writes runs the small-write scenarios against their targets instead (see its help); "
+            "--subscribers measures push subscribers' fan-out under a steady write load; "
             "--mqtt measures QoS 1 through 'mqds broker'."
         ),
     )
@@ -198,7 +203,29 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         "the pipelined scenario's figures at the top and every scenario under 'scenarios'",
     )
     parser.add_argument(
-        "--rate", type=float, default=0.0, metavar="MSGS", help="pace to MSGS messages/s in total (default: flat out)"
+        "--rate",
+        type=float,
+        default=0.0,
+        metavar="MSGS",
+        help="pace to MSGS messages/s in total (default: flat out; with --subscribers, "
+        f"{bench_fanout.DEFAULT_RATE:,.0f})",
+    )
+    parser.add_argument(
+        "--subscribers",
+        metavar="N[,N...]",
+        help="instead of the write load alone: for each N, N push subscribers (Storage.Follow) of "
+        f"'{TOPIC_PREFIX}/#' from now on while the publishers store --rate msg/s for --duration s; print "
+        "delivered msg/s, delivery p50/p99 (arrival less the leader's timestamp), the nodes' CPU per 1,000 "
+        "delivered messages (--start-cluster or --data-dir) and the nodes' memory. --json keys "
+        "delivered_msgs_per_s, delivery_p50_ms, delivery_p99_ms, server_cpu_ms_per_1000_delivered (largest N) "
+        "and 'runs'",
+    )
+    parser.add_argument(
+        "--subscriber-processes",
+        type=int,
+        default=2,
+        metavar="N",
+        help="processes the --subscribers share (default 2)",
     )
     parser.add_argument("--skip-replay", action="store_true", help="do not measure replay")
     parser.add_argument(

@@ -1,0 +1,153 @@
+"""The subscriber side of ``mqds bench --subscribers``: processes of push subscribers that count what they get.
+
+Each process holds its share of the subscribers on raw ``Storage.Follow``
+calls (one per node, more when a call would carry over ``per_call``
+subscriptions), each subscriber following ``bench/#`` on every shard from
+the run's start, served by the shard's replicas in turn (``stale_ok``). It
+counts the messages it is sent without decoding them into objects (the
+benchmark measures the nodes, not the client's decoding), grants the credit
+back as answers come, and samples the delivery latency of each answer's last
+message: the time it arrived less the timestamp its shard's leader gave it
+(taken just before the commit, so this slightly overstates the time from
+acknowledgement to delivery).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from mqds.bench import TOPIC_PREFIX
+from mqds.client.connection import ConnectionSettings
+from mqds.v1 import storage_pb2 as pb
+
+TOPIC_FILTER = f"{TOPIC_PREFIX}/#"
+FOLLOW_METHOD = "/mqds.v1.Storage/Follow"
+_MAX_SAMPLES = 200_000
+
+
+@dataclass
+class SubscriberSpec:
+    """One subscriber process: which subscribers it holds, and where each shard is served."""
+
+    first: int
+    count: int
+    replicas: dict[int, list[str]]
+    """Shard -> the addresses of its replicas (subscriber i reads shard s from replica i % len)."""
+    start_us: int
+    window: int
+    per_call: int
+    settings: ConnectionSettings | None
+
+
+class _FollowCall:
+    def __init__(self, channel: grpc.Channel, metadata: Any, counter: _Counter) -> None:
+        self.requests: queue.SimpleQueue[pb.FollowRequest | None] = queue.SimpleQueue()
+        method = channel.stream_stream(
+            FOLLOW_METHOD,
+            request_serializer=pb.FollowRequest.SerializeToString,
+            response_deserializer=pb.FollowResponse.FromString,
+        )
+        self.call = method(self._requests(), metadata=metadata)
+        self.counter = counter
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _requests(self) -> Any:
+        while (request := self.requests.get()) is not None:
+            yield request
+
+    def _read(self) -> None:
+        try:
+            for answer in self.call:
+                n = len(answer.messages)
+                if answer.HasField("failure"):
+                    self.counter.failures += 1
+                    continue
+                if not n:
+                    continue
+                self.counter.add(n, answer.messages[n - 1].timestamp_us)
+                self.requests.put(pb.FollowRequest(credit=pb.FollowCredit(id=answer.id, messages=n)))
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.CANCELLED:
+                self.counter.failures += 1
+
+    def close(self) -> None:
+        self.requests.put(None)
+        self.call.cancel()
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.delivered = 0
+        self.latencies: list[float] = []
+        self.failures = 0
+        self.counting = False
+        self.shared: Any = None
+        """The count every subscriber process adds to, which the parent watches."""
+
+    def add(self, n: int, timestamp_us: int) -> None:
+        latency = time.time() - timestamp_us / 1e6
+        with self.lock:
+            if not self.counting:
+                return
+            self.delivered += n
+            if len(self.latencies) < _MAX_SAMPLES:
+                self.latencies.append(latency)
+        if self.shared is not None:
+            with self.shared.get_lock():
+                self.shared.value += n
+
+
+def subscribe(args: tuple[SubscriberSpec, Any]) -> None:
+    """One subscriber process: follow until told to stop, then report (delivered, latencies, failures)."""
+    spec, shared = args
+    settings = spec.settings or ConnectionSettings()
+    counter = _Counter()
+    counter.shared = shared.delivered
+    channels: dict[str, grpc.Channel] = {}
+    calls: dict[str, list[tuple[_FollowCall, int]]] = {}
+    metadata = settings.call_metadata()
+    ids = itertools.count(1)
+    for subscriber in range(spec.first, spec.first + spec.count):
+        for shard, replicas in sorted(spec.replicas.items()):
+            address = replicas[subscriber % len(replicas)]
+            if address not in channels:
+                channels[address] = settings.open_channel(address, settings.channel_credentials(), [])
+            mine = calls.setdefault(address, [])
+            if not mine or mine[-1][1] >= spec.per_call:
+                mine.append((_FollowCall(channels[address], metadata, counter), 0))
+            call, carried = mine[-1]
+            mine[-1] = (call, carried + 1)
+            start = pb.FollowStart(
+                id=next(ids),
+                topic_filter=TOPIC_FILTER,
+                shard=shard,
+                start_time_us=spec.start_us,
+                credit=spec.window,
+                stale_ok=True,
+            )
+            call.requests.put(pb.FollowRequest(start=start))
+    shared.ready.put(1)
+    shared.go.wait(120)
+    with counter.lock:
+        counter.counting = True
+    cpu_before = time.process_time()
+    shared.stop.wait(3600)
+    with counter.lock:
+        counter.counting = False
+        delivered, latencies, failures = counter.delivered, sorted(counter.latencies), counter.failures
+    cpu_s = time.process_time() - cpu_before
+    for mine in calls.values():
+        for call, _ in mine:
+            call.close()
+    for channel in channels.values():
+        channel.close()
+    shared.results.put({"delivered": delivered, "latencies": latencies, "failures": failures, "cpu_s": cpu_s})

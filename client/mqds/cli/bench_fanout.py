@@ -1,0 +1,196 @@
+"""``mqds bench --subscribers N[,N...]``: push subscribers of one filter while the cluster stores a steady load.
+
+For each N in turn: N push subscribers (``Storage.Follow`` on ``bench/#``,
+every shard, from now on, spread over ``--subscriber-processes`` processes
+and over each shard's replicas) while ``--publishers`` processes store
+``--rate`` messages a second in batches of ``--batch`` on topics under it,
+for ``--duration`` seconds. Per N it prints the acknowledged and the
+delivered messages a second, the delivery latency (p50/p99: arrival less the
+leader's timestamp), the nodes' CPU per 1,000 delivered messages (when the
+command controls the nodes: ``--start-cluster`` or ``--data-dir``) and the
+nodes' memory. ``--json``: one object, the largest N's figures at the top
+(``delivered_msgs_per_s``, ``delivery_p50_ms``, ``delivery_p99_ms``,
+``server_cpu_ms_per_1000_delivered``) and every N under ``runs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import queue
+import time
+from pathlib import Path
+from typing import Any
+
+from mqds.bench import pct_ms, run_load
+from mqds.bench_fanout import SubscriberSpec, subscribe
+from mqds.cli import local_cluster
+from mqds.cli.bench_mqtt import _cpu_total
+from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, connection
+from mqds.client import Client
+from mqds.client.client import parse_endpoints
+
+DEFAULT_RATE = 20_000.0
+DEFAULT_DURATION_S = 10.0
+# What one Follow call of the benchmark carries at most (the node's follow_max_subscriptions is 10,000).
+PER_CALL = 5_000
+
+
+def parse_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise CommandError(f"--subscribers takes numbers separated by commas, got {text!r}", EXIT_USAGE) from None
+    if not counts or min(counts) < 1:
+        raise CommandError("--subscribers takes one or more counts of at least 1 (e.g. 1,100,1000)", EXIT_USAGE)
+    return counts
+
+
+def _rss_mib(pids: list[int]) -> float | None:
+    total = 0
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return None
+        total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    return total / 1024
+
+
+def run(opts: argparse.Namespace) -> int:
+    counts = parse_counts(opts.subscribers)
+    if opts.subscriber_processes < 1:
+        raise CommandError("--subscriber-processes must be at least 1", EXIT_USAGE)
+    rate = opts.rate or DEFAULT_RATE
+    duration = opts.duration or DEFAULT_DURATION_S
+    settings = connection(opts, 30.0)
+    runs = []
+    with contextlib.ExitStack() as stack:
+        cluster = local_cluster.for_benchmark(opts, stack, "mqds-bench-fanout-")
+        endpoints = cluster.addresses if cluster is not None else parse_endpoints(opts.endpoints)
+        node_pids = [] if cluster is None else [p.pid for p in cluster.nodes.values() if p.pid is not None]
+        with Client(endpoints, settings=settings) as client:
+            cmap = client.cluster_map()
+        addresses = {n.id: n.address for n in cmap.nodes}
+        replicas = {v.shard: [addresses[r] for r in v.replicas if r in addresses] for v in cmap.vnodes}
+        if not opts.json:
+            print(
+                f"mqds bench --subscribers: {','.join(map(str, counts))} push subscribers of bench/# while "
+                f"{opts.publishers} publishers store {rate:,.0f} msg/s ({opts.batch}-message batches of "
+                f"{opts.size} B), {duration:g} s each, {len(endpoints)} node(s), {cmap.n_shards} vnodes",
+                flush=True,
+            )
+        for n in counts:
+            figures = _one(opts, n, endpoints, replicas, cmap.n_shards, rate, duration, settings, node_pids)
+            runs.append(figures)
+            if not opts.json:
+                cpu = figures["server_cpu_ms_per_1000_delivered"]
+                rss = figures["node_rss_mib"]
+                print(
+                    f"  {n:>6,} subscribers  stored {figures['acked_msgs_per_s']:>9,.0f} msg/s  delivered "
+                    f"{figures['delivered_msgs_per_s']:>11,.0f} msg/s  p50 {figures['delivery_p50_ms']:7.1f} ms  "
+                    f"p99 {figures['delivery_p99_ms']:7.1f} ms  nodes' CPU "
+                    + (f"{cpu:7.2f} ms/1,000 delivered" if cpu is not None else "-")
+                    + (f"  nodes' memory {rss:,.0f} MiB" if rss is not None else "")
+                    + (f"  ({figures['failures']} failures)" if figures["failures"] else ""),
+                    flush=True,
+                )
+    top = max(runs, key=lambda r: r["subscribers"])
+    if opts.json:
+        keys = ("delivered_msgs_per_s", "delivery_p50_ms", "delivery_p99_ms", "server_cpu_ms_per_1000_delivered")
+        print(json.dumps({"mode": "fanout", "rate": rate, **{k: top[k] for k in keys}, "runs": runs}, indent=2))
+    elif len(runs) > 1 and runs[0]["server_cpu_ms_per_1000_delivered"] and top["server_cpu_ms_per_1000_delivered"]:
+        ratio = top["server_cpu_ms_per_1000_delivered"] / runs[0]["server_cpu_ms_per_1000_delivered"]
+        print(
+            f"nodes' CPU per 1,000 delivered at {top['subscribers']:,} subscribers: {ratio:.3f} of the cost at "
+            f"{runs[0]['subscribers']:,}"
+        )
+    return EXIT_OK
+
+
+def _wait_delivered(delivered: Any, expected: int, timeout_s: float = 15.0) -> None:
+    """Until every subscriber has what was stored, or the count stopped growing for 2 s (``timeout_s`` at most)."""
+    deadline = time.monotonic() + timeout_s
+    last, last_change = -1, time.monotonic()
+    while time.monotonic() < deadline and delivered.value < expected:
+        if delivered.value != last:
+            last, last_change = delivered.value, time.monotonic()
+        elif time.monotonic() - last_change > 2.0:
+            return
+        time.sleep(0.1)
+
+
+def _one(
+    opts: argparse.Namespace,
+    n: int,
+    endpoints: list[str],
+    replicas: dict[int, list[str]],
+    n_shards: int,
+    rate: float,
+    duration: float,
+    settings: Any,
+    node_pids: list[int],
+) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    processes = min(n, opts.subscriber_processes)
+    start_us = int(time.time() * 1e6)
+    with ctx.Manager() as manager:
+        shared = argparse.Namespace(
+            ready=manager.Queue(),
+            go=manager.Event(),
+            stop=manager.Event(),
+            results=manager.Queue(),
+            delivered=ctx.Value("q", 0),
+        )
+        specs = []
+        first = 0
+        for i in range(processes):
+            count = n // processes + (1 if i < n % processes else 0)
+            specs.append(SubscriberSpec(first, count, replicas, start_us, 10_000, PER_CALL, settings))
+            first += count
+        procs = [ctx.Process(target=subscribe, args=((spec, shared),), daemon=True) for spec in specs]
+        for p in procs:
+            p.start()
+        try:
+            for _ in procs:
+                try:
+                    shared.ready.get(timeout=300)
+                except queue.Empty:
+                    raise CommandError(f"the subscriber processes did not start for {n} subscribers") from None
+            time.sleep(1.0)  # the nodes start the subscriptions
+            shared.go.set()
+            cpu_before = _cpu_total(node_pids) if node_pids else None
+            result = run_load(
+                endpoints, n_shards, opts.publishers, opts.batch, opts.size, duration, rate, settings=settings
+            )
+            _wait_delivered(shared.delivered, result.acked_msgs * n)
+            cpu_after = _cpu_total(node_pids) if node_pids else None
+            rss = _rss_mib(node_pids) if node_pids else None
+            shared.stop.set()
+            reports = [shared.results.get(timeout=120) for _ in procs]
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    delivered = sum(r["delivered"] for r in reports)
+    latencies = sorted(x for r in reports for x in r["latencies"])
+    cpu = None
+    if cpu_before is not None and cpu_after is not None and delivered:
+        cpu = round((cpu_after - cpu_before) * 1000 / delivered * 1000, 3)
+    return {
+        "subscribers": n,
+        "acked_msgs_per_s": round(result.acked_msgs_per_s, 1),
+        # Messages stored during the run and delivered by the end of it (plus a second): per second of the run.
+        "delivered_msgs_per_s": round(delivered / duration, 1),
+        "expected_deliveries": result.acked_msgs * n,
+        "delivered": delivered,
+        "delivery_p50_ms": round(pct_ms(latencies, 0.50), 2),
+        "delivery_p99_ms": round(pct_ms(latencies, 0.99), 2),
+        "server_cpu_ms_per_1000_delivered": cpu,
+        "node_rss_mib": None if rss is None else round(rss, 1),
+        "subscriber_cpu_s": round(sum(r["cpu_s"] for r in reports), 2),
+        "failures": sum(r["failures"] for r in reports),
+    }
