@@ -90,6 +90,7 @@ class _Counter:
         self.latencies: list[float] = []
         self.failures = 0
         self.counting = False
+        self.last_at = 0.0
         self.shared: Any = None
         """The count every subscriber process adds to, which the parent watches."""
 
@@ -99,6 +100,7 @@ class _Counter:
             if not self.counting:
                 return
             self.delivered += n
+            self.last_at = time.time()
             if len(self.latencies) < _MAX_SAMPLES:
                 self.latencies.append(latency)
         if self.shared is not None:
@@ -144,10 +146,13 @@ def subscribe(args: tuple[SubscriberSpec, Any]) -> None:
     with counter.lock:
         counter.counting = False
         delivered, latencies, failures = counter.delivered, sorted(counter.latencies), counter.failures
+        last_at = counter.last_at
     cpu_s = time.process_time() - cpu_before
     for mine in calls.values():
         for call, _ in mine:
             call.close()
     for channel in channels.values():
         channel.close()
-    shared.results.put({"delivered": delivered, "latencies": latencies, "failures": failures, "cpu_s": cpu_s})
+    shared.results.put(
+        {"delivered": delivered, "latencies": latencies, "failures": failures, "cpu_s": cpu_s, "last_at": last_at}
+    )

@@ -28,6 +28,8 @@ def _replay(client: Client, since_us: int) -> tuple[int, float]:
 
 
 def run(opts: argparse.Namespace) -> int:
+    if opts.batch is None:
+        opts.batch = 100 if opts.subscribers else 1000
     if opts.mqtt and not opts.small_writes:
         return bench_mqtt.run(opts)
     for name in ("publishers", "batch", "nodes", "shards", "replication_factor"):
@@ -169,7 +171,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         ),
     )
     parser.add_argument("--publishers", type=int, default=8, metavar="N", help="publisher processes (default 8)")
-    parser.add_argument("--batch", type=int, default=1000, metavar="N", help="messages per store call (default 1000)")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="messages per store call (default 1000; with --subscribers, 100)",
+    )
     parser.add_argument("--size", type=int, default=100, metavar="BYTES", help="payload bytes (default 100)")
     parser.add_argument(
         "--duration",
