@@ -296,7 +296,7 @@ def test_bench_small_writes_runs_every_scenario(cli_cluster: CliCluster) -> None
 def test_bench_fans_out_to_push_subscribers(cli_cluster: CliCluster) -> None:
     run = cli_cluster.run(
         *("bench", "--data-dir", str(cli_cluster.data_dir), "--subscribers", "1,4", "--rate", "400"),
-        *("--duration", "2", "--publishers", "1", "--batch", "40", "--subscriber-processes", "2", "--json"),
+        *("--duration", "1", "--publishers", "1", "--batch", "40", "--subscriber-processes", "1", "--json"),
         timeout_s=180,
     )
     assert run.code == 0, run.err

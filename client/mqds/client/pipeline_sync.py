@@ -75,7 +75,7 @@ class SyncPipeline:
     ) -> None:
         self.router = router
         self.core = Pipeline(router.table, producer_id, sequences, limits, router.backoff)
-        self._cond = threading.Condition(threading.Lock())
+        self._cond = threading.Condition()
         self._dirty = False
         self._closed = False
         self._refreshing = False
