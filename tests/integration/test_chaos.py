@@ -133,6 +133,9 @@ def test_a_leader_stopped_with_sigterm_hands_leadership_over_at_once(tmp_path: P
             victim = cluster.replicas(0)[0]
             wait_until(f"{victim} leading shard 0", lambda: cluster.leader(0) == victim or None, 20)
             time.sleep(1.0)
+            # Writes must be flowing before the SIGTERM for "resumed" to mean anything (on a loaded
+            # machine the writer's first calls can take a while).
+            wait_until("writes flowing", lambda: len(acked) >= 3 or None, 30)
             stopped_at = time.monotonic()
             cluster.nodes[victim].terminate()
             others = [n for n in cluster.nodes if n != victim]
