@@ -137,20 +137,14 @@ class FollowBatch:
 
 @dataclass(eq=False)
 class ShardPart:
-    """One shard's part of a subscription: where it is, where it is served, what it may still be sent."""
+    """One shard's part of a subscription: where it is, and where and when it starts again after a failure."""
 
     shard: int
     after_us: int
     sub_id: int = 0
-    """The id of its current Follow subscription (a new one at each start)."""
-    address: str | None = None
-    granted: int = 0
-    """Messages the node may still send it."""
-    taken: int = 0
-    """Messages the application took since credit was last granted."""
+    """The id of its current Follow subscription (a new one at each start; 0 while it has none)."""
     attempt: int = 0
     retry_at: float = 0.0
-    last_error: MqdsError | None = None
     hint: str | None = None
     """Where a NOT_LEADER answer said to go next."""
     history: list[str] = field(default_factory=list)
@@ -170,10 +164,9 @@ class FollowRoutes(Generic[S, C]):
         self._ids = itertools.count(1)
         self._routes: dict[int, tuple[S, ShardPart, C]] = {}
 
-    def add(self, sub: S, part: ShardPart, call: C, address: str, request: pb.FollowStart) -> None:
+    def add(self, sub: S, part: ShardPart, call: C, request: pb.FollowStart) -> None:
         """``part`` starts on ``call`` under a new id (set in ``request`` too)."""
         part.sub_id = request.id = next(self._ids)
-        part.address = address
         self._routes[part.sub_id] = (sub, part, call)
 
     def call_of(self, part: ShardPart) -> C | None:
@@ -274,7 +267,6 @@ class FollowCore:
         address = part.hint or self._address(part)
         part.hint = None
         part.retry_at = 0.0
-        part.granted = self.window
         part.history.append(address)
         del part.history[:-8]
         request = pb.FollowStart(
@@ -296,10 +288,12 @@ class FollowCore:
 
     def answer(
         self, part: ShardPart, sub_id: int, answer: pb.FollowResponse | None, err: MqdsError | None
-    ) -> FollowBatch | bool | None:
-        """What came for ``part``: a batch; True when the part ended and must start again (``lost`` was called);
-        None for nothing (an answer of a subscription the part left, or progress only). Raises what cannot be
-        retried.
+    ) -> FollowBatch | None:
+        """What came for ``part``: a batch, or None (progress only, an answer of a subscription the part left,
+        or the end of its subscription: then it starts again later, see ``lost``). Raises what cannot be retried.
+
+        The node's side of an ended subscription is gone already (a failure answer ends it, and so does the
+        end of its call), so there is nothing to cancel.
         """
         if part.sub_id != sub_id:
             return None
@@ -307,13 +301,12 @@ class FollowCore:
             err = errors.from_failure(answer.failure)
         if err is not None:
             self.lost(part, err)
-            return True
+            return None
         assert answer is not None
         part.after_us = max(part.after_us, answer.position_us)
-        part.attempt, part.last_error = 0, None
+        part.attempt = 0
         if not answer.messages:
             return None
-        part.granted -= len(answer.messages)
         self._last, self._taken = part, len(answer.messages)
         return FollowBatch(part.shard, [Message.from_pb(m) for m in answer.messages], self.position)
 
@@ -327,7 +320,6 @@ class FollowCore:
         elif err.reason is not Reason.REPLICA_BEHIND:
             self.table.forget_leader(part.shard)
         part.attempt += 1
-        part.last_error = err
         self.restarts += 1
         delay = 0.0 if part.hint else min(_RETRY_MAX_S, 0.05 * 2 ** min(part.attempt, 6))
         part.retry_at = time.monotonic() + delay
@@ -352,5 +344,4 @@ class FollowCore:
         self._last, self._taken = None, 0
         if part is None or not taken or part.retry_at or not part.sub_id:
             return None
-        part.granted += taken
         return part, taken

@@ -87,7 +87,7 @@ class AsyncFollowMux:
         call = self._calls.get(address)
         if call is None or call.ended:
             call = self._calls[address] = _Call(self, address)
-        self._routes.add(sub, part, call, address, request)
+        self._routes.add(sub, part, call, request)
         await call.send(pb.FollowRequest(start=request))
 
     async def credit(self, part: ShardPart, messages: int) -> None:
@@ -184,9 +184,7 @@ class AsyncSubscription:
             except MqdsError:
                 await self.close()
                 raise
-            if got is True:
-                await self.mux.stop(part)
-            elif got:
+            if got is not None:
                 return got
         return None
 

@@ -91,7 +91,7 @@ class FollowMux:
             call = self._calls.get(address)
             if call is None or call.ended:
                 call = self._calls[address] = _Call(self, address)
-            self._routes.add(sub, part, call, address, request)
+            self._routes.add(sub, part, call, request)
         call.send(pb.FollowRequest(start=request))
 
     def credit(self, part: ShardPart, messages: int) -> None:
@@ -205,9 +205,7 @@ class Subscription:
             except MqdsError:
                 self.close()
                 raise
-            if got is True:
-                self.mux.stop(part)
-            elif got:
+            if got is not None:
                 return got
         return None
 

@@ -44,7 +44,6 @@ from mqds.v1 import storage_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-_MESSAGES_TAG = ANSWER_TAG  # FollowResponse.messages, field 3
 _PROGRESS_S = 1.0
 """How often a subscription whose position moved without a matching message is told so, at most."""
 _IDLE_WAKE_S = 1.0
@@ -276,7 +275,7 @@ class _Call:
                 if got is None:
                     entries, reached = self._from_disk(sub, storage, limit)
                     feed.read_from_disk += len(entries)
-                    got = [encode_messages(_MESSAGES_TAG, entries, sub.shard)] if entries else [], reached
+                    got = [encode_messages(ANSWER_TAG, entries, sub.shard)] if entries else [], reached
                     count = len(entries)
                 else:
                     count = len(got[0])
