@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -88,3 +89,43 @@ def test_a_fence_ahead_of_a_replica_is_refused_as_retriable(cluster: LocalCluste
         stub.Next(request, timeout=10)
     assert behind.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "not yet the fence" in (behind.value.details() or "")
+
+
+def test_replay_reads_to_the_fences_of_its_start_while_writes_go_on(cluster: LocalCluster) -> None:
+    """Replay holds every message acknowledged before it began, ends although writers keep writing, once each."""
+    stop = threading.Event()
+    acknowledged: list[Message] = []
+    with Client(cluster.addresses, timeout_s=30) as client:
+
+        def write() -> None:
+            i = 0
+            while not stop.is_set():
+                batch = [Message(f"replayfence/{s}/x", f"{i}".encode(), sender=f"rf-{s}", qos=1) for s in range(6)]
+                acknowledged.extend(client.store_batch(batch))
+                i += 1
+
+        writer = threading.Thread(target=write, daemon=True)
+        writer.start()
+        try:
+            while len(acknowledged) < 600:
+                time.sleep(0.05)
+            before = list(acknowledged)
+            started = time.monotonic()
+            batches = list(client.replay_batches("replayfence/#", batch_size=50, read_ahead=2))
+            took = time.monotonic() - started
+        finally:
+            stop.set()
+            writer.join(30)
+        assert took < 20, f"replay took {took:.1f} s while writes went on"
+        got = [(m.shard, m.timestamp_us) for b in batches for m in b]
+        assert all(0 < len(b) <= 50 for b in batches)
+        assert len(got) == len(set(got)), "a message came twice"
+        missing = {(m.shard, m.timestamp_us) for m in before} - set(got)
+        assert not missing, f"{len(missing)} messages acknowledged before the replay began are not in it"
+        per_sender: dict[str, list[int]] = {}
+        for b in batches:
+            for m in b:
+                per_sender.setdefault(m.sender, []).append(int(m.payload))
+        assert all(seq == sorted(seq) for seq in per_sender.values()), "a sender's messages out of order"
+        # With the writer stopped, both forms return the same messages.
+        assert [m for b in client.replay_batches("replayfence/#") for m in b] == list(client.replay("replayfence/#"))

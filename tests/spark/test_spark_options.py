@@ -29,6 +29,7 @@ from mqds.spark.snapshot import GenerationRange, Snapshot, VnodeFence
 pytestmark = pytest.mark.spark
 
 BASE = {"endpoints": "10.0.0.1:7101,10.0.0.2:7101"}
+STREAM = {**BASE, "topicFilter": "sensor/#"}
 
 
 @pytest.mark.parametrize("module", [options_module, plan_module], ids=lambda m: m.__name__)
@@ -60,12 +61,13 @@ def test_defaults_and_every_option_parse() -> None:
     assert full.end_us is not None and full.end_us - full.start_us == 3_600_000_000
     assert (full.max_records_per_partition, full.fail_on_data_loss, full.batch_size) == (1000, False, 50)
     assert full.settings.timeout_s == 7.5 and full.settings.auth_token == "s3cret"
-    stream = parse_options({**BASE, "startingOffsets": '{"0": 5, "2": "1970-01-01T00:00:01Z"}'}, streaming=True)
+    stream = parse_options({**STREAM, "startingOffsets": '{"0": 5, "2": "1970-01-01T00:00:01Z"}'}, streaming=True)
     assert stream.starting_offsets.for_vnode(0) == 5
     assert stream.starting_offsets.for_vnode(2) == 1_000_000
     assert stream.starting_offsets.for_vnode(1) == EARLIEST  # not named: earliest, as the Kafka source does
-    assert parse_options(BASE, streaming=True).starting_offsets.default == LATEST
-    assert parse_options({**BASE, "maxMessagesPerTrigger": "10"}, streaming=True).max_messages_per_trigger == 10
+    assert parse_options(STREAM, streaming=True).starting_offsets.default == LATEST
+    assert parse_options({**STREAM, "maxMessagesPerTrigger": "10"}, streaming=True).max_messages_per_trigger == 10
+    assert parse_options({**STREAM, "topicFilter": "#"}, streaming=True).topic_filter == "#"  # everything, if asked
 
 
 @pytest.mark.parametrize(
@@ -81,20 +83,22 @@ def test_defaults_and_every_option_parse() -> None:
             False,
             "option endTime (2026-11-01T00:00:00.000000Z) must be after startTime",
         ),
-        ({**BASE, "startingOffsets": "oldest"}, True, "option startingOffsets: 'oldest' is not known"),
-        ({**BASE, "startingOffsets": '{"x": 1}'}, True, "'x' is not a vnode number"),
-        ({**BASE, "startingOffsets": '{"0": -7}'}, True, "vnode 0: -7 is not a position"),
+        ({**STREAM, "startingOffsets": "oldest"}, True, "option startingOffsets: 'oldest' is not known"),
+        ({**STREAM, "startingOffsets": '{"x": 1}'}, True, "'x' is not a vnode number"),
+        ({**STREAM, "startingOffsets": '{"0": -7}'}, True, "vnode 0: -7 is not a position"),
         ({**BASE, "snapshot": "abc"}, False, "option snapshot: not a snapshot token (not JSON"),
         ({**BASE, "snapshot": '{"vnodes": {}}'}, False, "option snapshot: not a snapshot token"),
         ({**BASE, "maxRecordsPerPartition": "0"}, False, "option maxRecordsPerPartition: must be 1 or more, got 0"),
         ({**BASE, "maxRecordsPerPartition": "many"}, False, "'many' is not a whole number"),
         ({**BASE, "batchSize": "-3"}, False, "option batchSize: must be 1 or more"),
         ({**BASE, "failOnDataLoss": "perhaps"}, False, "option failOnDataLoss: 'perhaps' is not true or false"),
-        ({**BASE, "maxMessagesPerTrigger": "0"}, True, "option maxMessagesPerTrigger: must be 1 or more"),
+        ({**STREAM, "maxMessagesPerTrigger": "0"}, True, "option maxMessagesPerTrigger: must be 1 or more"),
         ({**BASE, "timeout": "0"}, False, "option timeout: must be above 0"),
         ({**BASE, "topicfilterr": "#"}, False, "unknown option topicfilterr for the mqds source; it takes"),
-        ({**BASE, "startTime": "2026-11-01"}, True, "option startTime applies to batch reads (spark.read) only"),
+        ({**STREAM, "startTime": "2026-11-01"}, True, "option startTime applies to batch reads (spark.read) only"),
         ({**BASE, "startingOffsets": "latest"}, False, "applies to streaming reads (spark.readStream) only"),
+        (BASE, True, "option topicFilter is required for a stream (spark.readStream)"),
+        ({**BASE, "topicFilter": " "}, True, "option topicFilter is required for a stream"),
         ({**BASE, "tlsCert": "c.pem"}, False, "tls_client_cert and tls_client_key go together"),
     ],
 )

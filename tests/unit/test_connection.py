@@ -341,3 +341,32 @@ def test_an_overloaded_node_keeps_its_leaderships_and_the_map_is_not_refreshed()
         fan.failed(group, busy)
     assert fan.end_round() is True and fan.refresh_map is False
     assert fan.pending == [0, 1] and table.leader_of(0) == "a:1" and table.leader_of(1) == "b:2"
+
+
+def _placed(replicas: list[str]) -> RoutingTable:
+    table = RoutingTable(["a:1"])
+    table.view.n_shards = 1
+    table.view.addresses.update({"a": "a:1", "b": "b:2", "c": "c:3"})
+    table.view.replicas[0] = replicas
+    table.view.leaders[0] = (1, "b")
+    return table
+
+
+def test_any_replica_reads_start_at_replicas_in_turn() -> None:
+    table = _placed(["a", "b", "c"])
+    firsts = [ShardRetry(table, 0, time.monotonic() + 5, Backoff()).next_attempt()[0] for _ in range(2)]
+    assert firsts == ["b:2", "b:2"]  # leader reads: always the leader
+    spread = [ShardRetry(table, 0, time.monotonic() + 5, Backoff(), any_replica=True) for _ in range(6)]
+    assert sorted(r.next_attempt()[0] for r in spread) == ["a:1", "a:1", "b:2", "b:2", "c:3", "c:3"]
+
+
+def test_an_any_replica_read_moves_on_from_a_node_that_no_longer_hosts_the_shard() -> None:
+    # The client's map still lists "a" after the replica moved; "a" answers NOT_HOSTED naming the
+    # leader. Before: the leader hint was learned and the read went back to "a" until its deadline.
+    table = _placed(["a", "b", "c"])
+    for _ in range(3):
+        retry = ShardRetry(table, 0, time.monotonic() + 5, Backoff(), any_replica=True)
+        first, _ = retry.next_attempt()
+        moved = perrors.error(E.Reason.NOT_HOSTED, "not here", leader="b", leader_address="b:2")
+        assert retry.failed(moved) is True  # refresh the map, back off, then another replica
+        assert retry.next_attempt()[0] != first

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mqds.bench import TOPIC_PREFIX, LeaderKill, RunResult, publisher_ids, run_load
@@ -21,10 +25,54 @@ if TYPE_CHECKING:
 DEFAULT_DURATION_S = 10.0
 
 
-def _replay(client: Client, since_us: int) -> tuple[int, float]:
+def _replay(client: Client, since_us: int, objects: bool) -> tuple[int, float]:
+    """Replay what the run wrote: in batches (``Client.replay_batches``), or a ``Message`` each (``replay``)."""
     started = time.perf_counter()
-    count = sum(1 for _ in client.replay(f"{TOPIC_PREFIX}/#", since_us))
+    if objects:
+        count = sum(1 for _ in client.replay(f"{TOPIC_PREFIX}/#", since_us))
+    else:
+        count = sum(len(batch) for batch in client.replay_batches(f"{TOPIC_PREFIX}/#", since_us))
     return count, time.perf_counter() - started
+
+
+def _storage_replay(messages: int, size: int) -> float | None:
+    """The storage layer's own replay of as many messages (``python -m mqds.server.storage.bench --replay-only``).
+
+    Run as a process of its own, on this machine, so the client never
+    imports the server; None where the server package is not installed.
+    """
+    if importlib.util.find_spec("mqds.server") is None:
+        return None
+    command = [sys.executable, "-m", "mqds.server.storage.bench", "--replay-only", "--json"]
+    command += ["--messages", str(max(messages, 1000)), "--size", str(size)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise CommandError(f"the storage replay baseline failed: {done.stderr.strip()[-500:]}")
+    return float(json.loads(done.stdout.strip().splitlines()[-1])["replay_msgs_per_s"])
+
+
+def _report_replay(
+    client: Client, since_us: int, size: int, report: dict[str, object], say: Callable[[str], None]
+) -> None:
+    count, took_s = _replay(client, since_us, objects=False)
+    rate = count / took_s if took_s > 0 else 0.0
+    report["replayed_msgs"] = count
+    report["replay_msgs_per_s"] = round(rate, 1)
+    say(f"replay        {rate:>12,.0f} msg/s  ({count:,} messages, '{TOPIC_PREFIX}/#' since the run began, in batches)")
+    count, took_s = _replay(client, since_us, objects=True)
+    objects = count / took_s if took_s > 0 else 0.0
+    report["replay_objects_msgs_per_s"] = round(objects, 1)
+    say(f"  as objects  {objects:>12,.0f} msg/s  (a Message each: Client.replay)")
+    storage = _storage_replay(count, size)
+    if storage is None:
+        say("  storage     (not measured: the server package is not installed here)")
+        return
+    report["storage_replay_msgs_per_s"] = round(storage, 1)
+    report["replay_vs_storage"] = round(rate / storage, 3)
+    say(
+        f"  storage     {storage:>12,.0f} msg/s  (one shard's storage layer replaying {max(count, 1000):,} stored "
+        f"messages, this machine): client replay is {rate / storage:.0%} of it"
+    )
 
 
 def run(opts: argparse.Namespace) -> int:
@@ -144,11 +192,7 @@ def _bench(opts: argparse.Namespace, client: Client, endpoints: list[str], clust
             cluster.save()
         say(f"              {kill.victim} restarted")
     if not opts.skip_replay:
-        count, took_s = _replay(client, int(result.start_at * 1_000_000))
-        rate = count / took_s if took_s > 0 else 0.0
-        report["replayed_msgs"] = count
-        report["replay_msgs_per_s"] = round(rate, 1)
-        say(f"replay        {rate:>12,.0f} msg/s  ({count:,} messages, '{TOPIC_PREFIX}/#' since the run began)")
+        _report_replay(client, int(result.start_at * 1_000_000), opts.size, report, say)
     if opts.json:
         print(json.dumps(report, indent=2))
     return EXIT_OK
@@ -235,7 +279,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         metavar="N",
         help="processes the --subscribers share (default 2)",
     )
-    parser.add_argument("--skip-replay", action="store_true", help="do not measure replay")
+    parser.add_argument(
+        "--skip-replay",
+        action="store_true",
+        help="do not measure replay (by default: what the run wrote, replayed in batches and as Message objects, "
+        "against the storage layer's own replay of as many messages on this machine)",
+    )
     parser.add_argument(
         "--start-cluster",
         action="store_true",

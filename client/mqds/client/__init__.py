@@ -8,6 +8,7 @@
 """
 
 from mqds.client import aio, errors
+from mqds.client.batch import MessageBatch
 from mqds.client.client import Client
 from mqds.client.connection import ConnectionSettings
 from mqds.client.follow import FollowBatch, FollowPosition
@@ -24,6 +25,7 @@ __all__ = [
     "Generation",
     "Iterator",
     "Message",
+    "MessageBatch",
     "NextResult",
     "Rank",
     "ReadPosition",

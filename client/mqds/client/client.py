@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import threading
@@ -16,6 +15,7 @@ from typing import Any, TypeVar
 import grpc
 
 from mqds.client import operations as ops
+from mqds.client.batch import MessageBatch
 from mqds.client.broker_state import BrokerStateCalls
 from mqds.client.connection import DEFAULT_MAX_MESSAGE_BYTES, ConnectionSettings, parse_endpoints, resolve_settings
 from mqds.client.follow import FollowCore, FollowPosition
@@ -24,6 +24,8 @@ from mqds.client.model import Fence, Generation, Iterator, Message, NextResult, 
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.pipeline import PipelineLimits, resolve_limits
 from mqds.client.pipeline_sync import SyncPipeline
+from mqds.client.replay import merged
+from mqds.client.replay import read_ahead as read_ahead_batches
 from mqds.client.routing import Backoff, Fanout, Router, ShardFailures
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
@@ -32,6 +34,9 @@ from mqds.v1 import cluster_pb2 as clpb
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Batches each replay reader keeps ready ahead of the caller.
+_READ_AHEAD_DEPTH = 4
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "Client", "ShardFailures", "parse_endpoints"]
 
@@ -378,13 +383,15 @@ class Client(BrokerStateCalls):
         """The read fence of each shard (or of ``shards``), in shard order: see :class:`Fence`."""
         return self._fanout_call(ops.get_fences(None if shards is None else list(shards), stale_ok), timeout_s)
 
-    def _stream_messages(
-        self, stream: Stream, topic_filter: str, start_time_us: int, batch_size: int, stale_ok: bool
-    ) -> AbcIterator[Message]:
+    def _stream_batches(
+        self, stream: Stream, topic_filter: str, start_time_us: int, batch_size: int, stale_ok: bool, fence_us: int
+    ) -> AbcIterator[MessageBatch]:
         iterator = self.make_iterator(stream, topic_filter, start_time_us, stale_ok=stale_ok)
         while True:
-            result = self.next(iterator, batch_size, stale_ok=stale_ok)
-            yield from result.messages
+            # Up to the fence every replica that applied it answers the same: no read-index round per call.
+            result = self.next(iterator, batch_size, stale_ok=True, fence_us=fence_us)
+            if result.messages:
+                yield result.messages
             iterator = result.iterator
             if ops.stream_exhausted(result):
                 return
@@ -429,15 +436,47 @@ class Client(BrokerStateCalls):
 
         Shards come one after the other; within a shard, generations in order,
         and the streams of a generation merged by timestamp, so each sender's
-        messages come back in the order they were stored. Messages stored
-        while the replay runs may or may not be included.
+        messages come back in the order they were stored. Every message
+        acknowledged before the call is included; each shard is read up to
+        its fence, taken when the call starts (see :meth:`get_fences`), so
+        messages stored while the replay runs are not, and the replay ends.
         """
-        key: Callable[[Message], int] = ops.timestamp
-        for streams in ops.replay_order(self.get_streams(topic_filter, start_time_us, stale_ok=stale_ok)):
-            sources = [
-                self._stream_messages(stream, topic_filter, start_time_us, batch_size, stale_ok) for stream in streams
-            ]
-            yield from heapq.merge(*sources, key=key) if len(sources) > 1 else sources[0]
+        for batch in self.replay_batches(topic_filter, start_time_us, batch_size, stale_ok=stale_ok):
+            yield from batch
+
+    def replay_batches(
+        self,
+        topic_filter: str,
+        start_time_us: int = 0,
+        batch_size: int = 1000,
+        *,
+        stale_ok: bool = False,
+        read_ahead: int = 4,
+    ) -> AbcIterator[MessageBatch]:
+        """What :meth:`replay` returns, in :class:`MessageBatch` es: no ``Message`` object unless asked for.
+
+        Up to ``read_ahead`` shards (or generations) are read at once, in
+        threads, each at most 4 batches ahead of the caller; batches come
+        in the same order as :meth:`replay`'s messages, at most
+        ``batch_size`` messages each. Closing the iterator stops the reads.
+        """
+        order = ops.replay_order(self.get_streams(topic_filter, start_time_us, stale_ok=stale_ok))
+        shards = sorted({streams[0].shard for streams in order})
+        # Each shard is read up to its fence, taken now: what was acknowledged before the call is in it.
+        fences = {f.shard: f.timestamp_us for f in self.get_fences(shards, stale_ok=stale_ok)} if shards else {}
+
+        def group(streams: list[Stream]) -> Callable[[], AbcIterator[MessageBatch]]:
+            fence = fences[streams[0].shard]
+
+            def read() -> AbcIterator[MessageBatch]:
+                sources = [
+                    self._stream_batches(s, topic_filter, start_time_us, batch_size, stale_ok, fence) for s in streams
+                ]
+                return merged(sources, batch_size)
+
+            return read
+
+        return read_ahead_batches([group(streams) for streams in order], read_ahead, _READ_AHEAD_DEPTH)
 
     # -- generations ---------------------------------------------------------
 

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from mqds.client.batch import MessageBatch
 from mqds.client.model import Message
 from mqds.client.routing_table import RoutingTable
 from mqds.protocol import errors
@@ -124,7 +125,8 @@ class FollowBatch:
     """Messages of one shard, in the order they were stored, and the subscription's position after them."""
 
     shard: int
-    messages: list[Message]
+    messages: MessageBatch
+    """A :class:`~mqds.client.batch.MessageBatch`: ``Message`` objects as it is read, or columns."""
     position: FollowPosition
     """Save ``position.to_bytes()`` once these are handled: following from it continues after them."""
 
@@ -308,7 +310,7 @@ class FollowCore:
         if not answer.messages:
             return None
         self._last, self._taken = part, len(answer.messages)
-        return FollowBatch(part.shard, [Message.from_pb(m) for m in answer.messages], self.position)
+        return FollowBatch(part.shard, MessageBatch(answer.messages), self.position)
 
     def lost(self, part: ShardPart, err: MqdsError) -> None:
         """``part``'s subscription ended with ``err``: start again later (elsewhere), or raise ``err``."""

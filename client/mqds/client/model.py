@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
+
+if TYPE_CHECKING:
+    from mqds.client.batch import MessageBatch
 
 Properties = tuple[tuple[str, str], ...]
 
@@ -129,10 +132,12 @@ class NextResult:
     """What ``Client.next`` returns.
 
     ``end_of_stream`` is True once the stream's generation is closed and fully
-    read; an empty ``messages`` list without it means "nothing yet".
+    read; an empty ``messages`` without it means "nothing yet". ``messages``
+    is a :class:`~mqds.client.batch.MessageBatch`: a sequence of ``Message``
+    built as it is read, with columns for readers that want no objects.
     """
 
-    messages: list[Message]
+    messages: MessageBatch
     iterator: Iterator
     end_of_stream: bool
 

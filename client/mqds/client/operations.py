@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from mqds.client.batch import MessageBatch
 from mqds.client.model import (
     ClientState,
     Fence,
@@ -100,10 +101,7 @@ def make_iterator(stream: Stream, topic_filter: str, start_time_us: int, stale_o
 
 
 def _next_result(response: pb.NextResponse) -> NextResult:
-    from_pb = Message.from_pb
-    return NextResult(
-        [from_pb(m) for m in response.messages], Iterator.from_pb(response.iterator), response.end_of_stream
-    )
+    return NextResult(MessageBatch(response.messages), Iterator.from_pb(response.iterator), response.end_of_stream)
 
 
 def next_batch(

@@ -138,7 +138,7 @@ class ShardRetry:
         self.any_replica = any_replica
         self.retry_unavailable = retry_unavailable
         self._delays = backoff.delays()
-        self._tried_replicas = 0
+        self._tried_replicas = table.next_turn() if any_replica else 0
         self.refresh_map = True
         """After a failure that backs off: whether to refresh the cluster map first."""
 
@@ -163,6 +163,11 @@ class ShardRetry:
                 self.table.forget_leader(self.shard)
         elif err.reason is Reason.REPLICA_BEHIND:
             self._tried_replicas += 1  # the next replica may have applied further
+        elif err.reason in _REDIRECTS and self.any_replica:
+            # A node the map lists as a replica does not host the shard (moved away): the next replica,
+            # after a map refresh. Going back to the same node on a leader hint would ask it again and again.
+            self.table.learn(err, self.shard)
+            self._tried_replicas += 1
         elif err.reason in _REDIRECTS:
             if self.table.learn(err, self.shard):
                 return False

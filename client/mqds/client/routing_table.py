@@ -16,6 +16,7 @@ the answers to a :class:`MapRefresh`.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -49,6 +50,17 @@ class RoutingTable:
         self.last_failure: MqdsError | None = None
         self.failed_at = 0.0
         self._lock = threading.Lock()
+        self._turns = itertools.count()
+
+    def next_turn(self) -> int:
+        """A new number for each call that may read any replica: calls start at replicas in turn.
+
+        Consecutive reads of one stream (a replay's, a Spark task's) then go
+        to each replica in turn, and many readers spread evenly, whichever
+        shards hold their data. Reads up to a fence return the same from any
+        replica, so nothing depends on which one answers.
+        """
+        return next(self._turns)
 
     def known_addresses(self) -> list[str]:
         with self._lock:
@@ -67,12 +79,16 @@ class RoutingTable:
             return [self.view.addresses[n] for n in self.view.replicas.get(shard, []) if n in self.view.addresses]
 
     def address_for(self, shard: int | None, *, any_replica: bool = False, attempt: int = 0) -> str:
-        """Where to send a request for ``shard``: its leader, or (``any_replica``) its replicas in turn."""
+        """Where to send a request for ``shard``: its leader, or (``any_replica``) its replicas in turn.
+
+        The turn starts at a replica chosen by ``attempt`` and the shard
+        number, so that reads spread over the nodes (see :meth:`next_turn`).
+        """
         if shard is None:
             return self.known_addresses()[0]
         if any_replica:
             candidates = self.replica_addresses(shard) or self.known_addresses()
-            return candidates[attempt % len(candidates)]
+            return candidates[(shard + attempt) % len(candidates)]
         return self.leader_of(shard) or self.known_addresses()[0]
 
     def learn(self, err: MqdsError, shard: int | None) -> bool:

@@ -242,7 +242,15 @@ def parse_options(options: Mapping[str, str], *, streaming: bool | None = False)
     except ValueError as err:
         raise OptionError(f"option endpoints: {err}") from None
 
-    topic_filter = (get("topicFilter") or DEFAULT_TOPIC_FILTER).strip()
+    given_filter = get("topicFilter")
+    if streaming and (given_filter is None or not given_filter.strip()):
+        # A batch read of everything ends; a stream of '#' reads every message the cluster ever takes, on
+        # every trigger, and nobody asked for that by leaving an option out.
+        raise OptionError(
+            "option topicFilter is required for a stream (spark.readStream): the messages to read, e.g. "
+            "'sensor/+/temp'; pass '#' to stream every message"
+        )
+    topic_filter = (given_filter or DEFAULT_TOPIC_FILTER).strip()
     try:
         validate_filter(topic_filter)
     except TopicError as err:

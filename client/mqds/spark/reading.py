@@ -9,15 +9,16 @@ converting Python objects one by one.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pyarrow as pa
 
-from mqds.client import Client, ConnectionSettings, Message, NextResult, Stream
+from mqds.client import Client, ConnectionSettings, MessageBatch, NextResult, Stream
 from mqds.client import Iterator as StreamIterator
 from mqds.client.errors import GenerationDroppedError, NotFoundError
 from mqds.protocol.errors import Reason
@@ -63,7 +64,7 @@ def any_replica_then_leader(call: Callable[[bool], T]) -> T:
         return call(False)
 
 
-def _stream_batches(client: Client, part: Slice, stream: Stream, batch_size: int) -> Iterator[list[Message]]:
+def _stream_batches(client: Client, part: Slice, stream: Stream, batch_size: int) -> Iterator[MessageBatch]:
     def make(stale_ok: bool) -> StreamIterator:
         return client.make_iterator(stream, part.topic_filter, part.start_us, stale_ok=stale_ok)
 
@@ -100,8 +101,8 @@ def first_timestamp(client: Client, part: Slice) -> int | None:
     return first
 
 
-def read_slice(client: Client, part: Slice, batch_size: int, fail_on_data_loss: bool) -> Iterator[list[Message]]:
-    """The slice's messages, stream by stream, in lists as the nodes return them.
+def read_slice(client: Client, part: Slice, batch_size: int, fail_on_data_loss: bool) -> Iterator[MessageBatch]:
+    """The slice's messages, stream by stream, in batches as the nodes return them.
 
     A generation dropped while the read runs raises :class:`DataLossError`,
     or (``fail_on_data_loss`` false) ends the slice with what was read.
@@ -117,23 +118,25 @@ def read_slice(client: Client, part: Slice, batch_size: int, fail_on_data_loss: 
             return
 
 
-def to_record_batch(messages: list[Message], shard: int, generation: int, schema: pa.Schema) -> pa.RecordBatch:
+def to_record_batch(messages: MessageBatch, shard: int, generation: int, schema: pa.Schema) -> pa.RecordBatch:
     """Messages as one Arrow record batch of ``schema`` (the source's schema, see :data:`mqds.spark.SCHEMA`).
 
-    Properties become a map; a property name that repeats keeps its last value.
+    Built column by column from the batch's protobuf messages, with no
+    ``Message`` object per row. Properties become a map; a property name
+    that repeats keeps its last value.
     """
     n = len(messages)
     types = [f.type for f in schema]
     columns = [
-        pa.array([m.topic for m in messages], types[0]),
-        pa.array([m.payload for m in messages], types[1]),
-        pa.array([m.sender for m in messages], types[2]),
-        pa.array([m.qos for m in messages], types[3]),
-        pa.array([m.retain for m in messages], types[4]),
-        pa.array([list(dict(m.properties).items()) if m.properties else [] for m in messages], types[5]),
-        pa.array([m.timestamp_us for m in messages], types[6]),
-        pa.array([shard] * n, types[7]),
-        pa.array([generation] * n, types[8]),
+        pa.array(messages.topics(), types[0]),
+        pa.array(messages.payloads(), types[1]),
+        pa.array(messages.senders(), types[2]),
+        pa.array(messages.qos(), types[3]),
+        pa.array(messages.retain(), types[4]),
+        pa.array([list(dict(p).items()) if p else [] for p in messages.properties()], types[5]),
+        pa.array(messages.timestamps(), types[6]),
+        pa.array(itertools.repeat(shard, n), types[7], size=n),
+        pa.array(itertools.repeat(generation, n), types[8], size=n),
     ]
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
@@ -142,11 +145,11 @@ def record_batches(
     client: Client, part: Slice, batch_size: int, fail_on_data_loss: bool, schema: pa.Schema
 ) -> Iterator[pa.RecordBatch]:
     """The slice as Arrow record batches of about :data:`ARROW_ROWS` rows."""
-    pending: list[Message] = []
+    pending: list[Any] = []  # protobuf messages, as the nodes sent them
     for messages in read_slice(client, part, batch_size, fail_on_data_loss):
-        pending.extend(messages)
+        pending.extend(messages.wire)
         if len(pending) >= ARROW_ROWS:
-            yield to_record_batch(pending, part.shard, part.generation, schema)
+            yield to_record_batch(MessageBatch(pending), part.shard, part.generation, schema)
             pending = []
     if pending:
-        yield to_record_batch(pending, part.shard, part.generation, schema)
+        yield to_record_batch(MessageBatch(pending), part.shard, part.generation, schema)

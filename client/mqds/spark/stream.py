@@ -166,7 +166,7 @@ class MqdsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 return client.next(position, size, stale_ok=stale_ok, fence_us=hi_us)
 
             result = any_replica_then_leader(next_batch)
-            stamps += [m.timestamp_us or 0 for m in result.messages]
+            stamps += result.messages.timestamps()
             if result.end_of_stream:
                 break
             iterator = result.iterator

@@ -1,0 +1,103 @@
+"""MessageBatch: messages as a node sent them, turned into Python objects only when asked.
+
+A ``Next`` or ``Follow`` answer of 1,000 messages is parsed by protobuf's C
+parser in one step; building a :class:`~mqds.client.model.Message` for each
+costs ten times that (eight attribute reads and a dataclass each). A batch
+keeps the parsed protobuf messages and builds objects as they are iterated
+or indexed, so a reader that counts, forwards or wants columns (the Spark
+source, benchmarks, ``mqds replay --count``) pays for the parse only, and a
+reader that wants objects gets them one at a time, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import overload
+
+from mqds.client.model import Message, Properties
+from mqds.v1 import storage_pb2 as pb
+
+
+class MessageBatch(Sequence[Message]):
+    """A read-only sequence of :class:`Message` over protobuf messages: objects are built as they are read.
+
+    Indexing and iteration give ``Message`` objects (a new one each time);
+    the column methods (``topics()``, ``payloads()``, ...) give one list per
+    field without building them. Equal to any sequence of the same messages.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Sequence[pb.Message] = ()) -> None:
+        self._items = items
+
+    @property
+    def wire(self) -> Sequence[pb.Message]:
+        """The protobuf messages themselves (``mqds.v1.Message``), as parsed from the answer."""
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __bool__(self) -> bool:
+        return len(self._items) > 0
+
+    @overload
+    def __getitem__(self, index: int) -> Message: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> MessageBatch: ...
+
+    def __getitem__(self, index: int | slice) -> Message | MessageBatch:
+        if isinstance(index, slice):
+            return MessageBatch(list(self._items[index]))
+        return Message.from_pb(self._items[index])
+
+    def __iter__(self) -> Iterator[Message]:
+        return map(Message.from_pb, self._items)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return len(other) == len(self._items) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # a view, compared by content
+
+    def __add__(self, other: Sequence[Message]) -> list[Message]:
+        """Concatenation, as the lists ``messages`` used to be: a list of ``Message``."""
+        return [*self, *other]
+
+    def __radd__(self, other: Sequence[Message]) -> list[Message]:
+        return [*other, *self]
+
+    def __repr__(self) -> str:
+        return f"MessageBatch({len(self._items)} messages)"
+
+    # -- columns: one list per field, no Message objects -----------------------
+
+    def topics(self) -> list[str]:
+        return [m.topic for m in self._items]
+
+    def payloads(self) -> list[bytes]:
+        return [m.payload for m in self._items]
+
+    def senders(self) -> list[str]:
+        return [m.sender for m in self._items]
+
+    def qos(self) -> list[int]:
+        return [m.qos for m in self._items]
+
+    def retain(self) -> list[bool]:
+        return [m.retain for m in self._items]
+
+    def timestamps(self) -> list[int]:
+        """Each message's storage timestamp (µs since the epoch)."""
+        return [m.timestamp_us for m in self._items]
+
+    def properties(self) -> list[Properties]:
+        """Each message's user properties as ``(name, value)`` pairs, in order."""
+        return [tuple((p.key, p.value) for p in m.properties) if m.properties else () for m in self._items]
+
+    def last_timestamp_us(self) -> int | None:
+        """The last message's timestamp (None when the batch is empty)."""
+        return self._items[-1].timestamp_us if self._items else None

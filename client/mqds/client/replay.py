@@ -1,0 +1,139 @@
+"""Replay's read path: streams read ahead in threads, handed on in rank order as batches.
+
+A replay reads stream after stream; each ``Next`` waits for the node, then
+the caller handles the batch, then the next ``Next`` goes out. Reading ahead
+overlaps the two: up to ``ahead`` rank groups (shards, or generations of one)
+are read at once, each by a thread that keeps at most ``depth`` batches
+waiting, while the caller takes them in rank order. Shards led by different
+nodes are then read by those nodes at once, and the caller's own work on a
+batch hides the next ``Next``'s round trip. Memory stays bounded:
+``ahead * depth`` batches, each bounded by the node's answer limit.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from operator import attrgetter
+from typing import Any, Generic, TypeVar
+
+from mqds.client.batch import MessageBatch
+
+T = TypeVar("T")
+
+# How long a reader thread waits for room before it checks whether the replay was abandoned.
+_PUT_POLL_S = 0.1
+
+
+class _Failed:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_END = object()
+
+
+class _Reader(Generic[T]):
+    """One source read in a thread into a bounded queue, ending with ``_END`` or a ``_Failed``."""
+
+    def __init__(self, source: Callable[[], Iterator[T]], depth: int, stop: threading.Event) -> None:
+        self.queue: queue.Queue[object] = queue.Queue(maxsize=depth)
+        self._stop = stop
+        threading.Thread(target=self._run, args=(source,), name="mqds-replay-reader", daemon=True).start()
+
+    def _run(self, source: Callable[[], Iterator[T]]) -> None:
+        try:
+            items = source()
+            try:
+                for item in items:
+                    if not self._put(item):
+                        return
+            finally:
+                close = getattr(items, "close", None)
+                if close is not None:
+                    close()  # a generator source ends its reads here, not when collected
+            self._put(_END)
+        except BaseException as err:  # handed to the caller, raised where it takes this source's items
+            self._put(_Failed(err))
+
+    def _put(self, item: object) -> bool:
+        while not self._stop.is_set():
+            try:
+                self.queue.put(item, timeout=_PUT_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+
+def read_ahead(sources: Iterable[Callable[[], Iterator[T]]], ahead: int, depth: int) -> Iterator[T]:
+    """Every item of every source, source after source, with up to ``ahead`` sources read at once.
+
+    A source's error is raised when the caller reaches that source (the
+    items before it are all handed on first). Closing the iterator early
+    stops the readers: each ends after its current call.
+    """
+    if ahead < 1 or depth < 1:
+        raise ValueError(f"read-ahead needs ahead and depth of 1 or more, got {ahead} and {depth}")
+    stop = threading.Event()
+    pending = iter(sources)
+    running: deque[_Reader[T]] = deque(_Reader(s, depth, stop) for s in itertools.islice(pending, ahead))
+    try:
+        while running:
+            reader = running[0]
+            while (item := reader.queue.get()) is not _END:
+                if isinstance(item, _Failed):
+                    raise item.error
+                yield item  # type: ignore[misc]  # not a marker: one of the source's items
+            running.popleft()
+            source = next(pending, None)
+            if source is not None:
+                running.append(_Reader(source, depth, stop))
+    finally:
+        stop.set()
+
+
+def merged(sources: list[Iterator[MessageBatch]], batch_size: int) -> Iterator[MessageBatch]:
+    """The batches of several streams of one rank, merged by timestamp (each sender's order kept), re-cut.
+
+    Streams of one generation interleave in time, so a reader that wants one
+    timeline merges them; a rank with one stream skips this. The merge goes
+    a batch at a time, not a message at a time: every message up to the
+    earliest last timestamp of the sources' current batches can be handed
+    on (no later batch of any source goes below it), so those are cut off
+    each source's batch and sorted together by C code (timestamps within a
+    shard are unique). Each source holds one batch at a time.
+    """
+    if len(sources) == 1:
+        yield from sources[0]
+        return
+    stamp = attrgetter("timestamp_us")
+    live = list(sources)
+    heads: dict[int, list[Any]] = {}
+    while True:
+        for source in list(live):
+            key = id(source)
+            while not heads.get(key):
+                batch = next(source, None)
+                if batch is None:
+                    live.remove(source)
+                    heads.pop(key, None)
+                    break
+                heads[key] = list(batch.wire)
+        if not heads:
+            return
+        horizon = min(stamp(items[-1]) for items in heads.values())
+        out: list[Any] = []
+        for key, items in heads.items():
+            upto = bisect.bisect_right(items, horizon, key=stamp)
+            out += items[:upto]
+            heads[key] = items[upto:]
+        out.sort(key=stamp)
+        for start in range(0, len(out), batch_size):
+            yield MessageBatch(out[start : start + batch_size])

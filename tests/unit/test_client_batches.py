@@ -1,0 +1,128 @@
+"""MessageBatch (a view over parsed answers) and the replay's read-ahead: order, bounds, errors, early stop."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from mqds.client import Message, MessageBatch
+from mqds.client.replay import merged, read_ahead
+from mqds.v1 import storage_pb2 as pb
+
+
+def _answer(n: int, first_ts: int = 1, step: int = 1, sender: str = "s") -> pb.NextResponse:
+    answer = pb.NextResponse()
+    for i in range(n):
+        m = answer.messages.add(topic=f"t/{i}", payload=bytes([i % 256]) * 3, sender=sender, qos=1)
+        m.timestamp_us = first_ts + i * step
+        m.shard = 2
+        if i % 2:
+            m.properties.add(key="k", value=str(i))
+    # As a node's answer arrives: bytes, parsed.
+    return pb.NextResponse.FromString(answer.SerializeToString())
+
+
+def test_a_batch_gives_the_same_messages_as_objects_and_as_columns() -> None:
+    answer = _answer(5)
+    batch = MessageBatch(answer.messages)
+    objects = [Message.from_pb(m) for m in answer.messages]
+    assert len(batch) == 5 and bool(batch)
+    assert list(batch) == objects and batch == objects and batch[1] == objects[1] and batch[-1] == objects[-1]
+    assert batch[1:3] == objects[1:3] and isinstance(batch[1:3], MessageBatch)
+    assert batch.topics() == [m.topic for m in objects]
+    assert batch.payloads() == [m.payload for m in objects]
+    assert batch.senders() == ["s"] * 5 and batch.qos() == [1] * 5 and batch.retain() == [False] * 5
+    assert batch.timestamps() == [1, 2, 3, 4, 5] and batch.last_timestamp_us() == 5
+    assert batch.properties() == [m.properties for m in objects]
+    assert batch.properties()[1] == (("k", "1"),)
+    assert batch != objects[:4] and not MessageBatch() and MessageBatch().last_timestamp_us() is None
+
+
+def test_streams_of_one_rank_merge_by_timestamp_in_batches_of_the_size_asked() -> None:
+    even = [MessageBatch(_answer(3, 0, 2, "a").messages), MessageBatch(_answer(3, 6, 2, "a").messages)]
+    odd = [MessageBatch(_answer(6, 1, 2, "b").messages)]
+    out = list(merged([iter(even), iter(odd)], 4))
+    assert all(0 < len(b) <= 4 for b in out)
+    assert [ts for b in out for ts in b.timestamps()] == list(range(12))
+    assert [m.sender for b in out for m in b] == ["a", "b"] * 6
+    # Uneven streams, many batches each, one ending early: everything once, in order.
+    rng = random.Random(7)
+    stamps = sorted(rng.sample(range(100_000), 3000))
+    streams: list[list[int]] = [[], [], []]
+    for ts in stamps:
+        streams[rng.choice([0, 0, 1, 2]) if ts < 60_000 else rng.choice([0, 1])].append(ts)
+
+    def batches(own: list[int]) -> Iterator[MessageBatch]:
+        cut = 0
+        while cut < len(own):
+            size = rng.randint(1, 300)
+            answer = pb.NextResponse()
+            for ts in own[cut : cut + size]:
+                answer.messages.add(topic="t", timestamp_us=ts)
+            yield MessageBatch(answer.messages)
+            cut += size
+
+    out = list(merged([batches(own) for own in streams], 250))
+    assert all(0 < len(b) <= 250 for b in out)
+    assert [ts for b in out for ts in b.timestamps()] == stamps
+    alone = list(merged([iter(even)], 4))
+    assert alone == even  # one stream: its batches as they came
+
+
+def _source(name: str, n: int, taken: list[str] | None = None, fail_at: int | None = None) -> Iterator[str]:
+    for i in range(n):
+        if i == fail_at:
+            raise RuntimeError(f"{name} failed at {i}")
+        if taken is not None:
+            taken.append(f"{name}{i}")
+        yield f"{name}{i}"
+
+
+def test_read_ahead_hands_on_sources_in_order_whatever_finishes_first() -> None:
+    def slow() -> Iterator[str]:
+        time.sleep(0.2)
+        yield from _source("a", 3)
+
+    got = list(read_ahead([slow, lambda: _source("b", 2), lambda: _source("c", 0), lambda: _source("d", 1)], 3, 2))
+    assert got == ["a0", "a1", "a2", "b0", "b1", "d0"]
+
+
+def test_read_ahead_keeps_at_most_depth_items_per_source_and_ahead_sources_running() -> None:
+    taken: dict[str, list[str]] = {name: [] for name in "abc"}
+    items = read_ahead([lambda n=name: _source(n, 100, taken[n]) for name in "abc"], 2, 3)
+    assert next(items) == "a0"
+    time.sleep(0.3)
+    # a: the one taken, 3 queued and 1 waiting for room; b: 3 queued, 1 waiting; c not started.
+    assert len(taken["a"]) <= 5 and len(taken["b"]) <= 4 and not taken["c"]
+    items.close()
+
+
+def test_a_source_error_comes_in_its_place_after_the_items_before_it() -> None:
+    items = read_ahead([lambda: _source("a", 2), lambda: _source("b", 5, fail_at=1)], 2, 2)
+    assert next(items) == "a0" and next(items) == "a1" and next(items) == "b0"
+    with pytest.raises(RuntimeError, match="b failed at 1"):
+        next(items)
+
+
+def test_closing_a_read_ahead_stops_its_readers() -> None:
+    closed = threading.Event()
+
+    def endless() -> Iterator[int]:
+        try:
+            n = 0
+            while True:
+                n += 1
+                yield n
+        finally:
+            closed.set()
+
+    items = read_ahead([endless], 1, 2)
+    assert next(items) == 1
+    items.close()
+    assert closed.wait(2), "the reader kept its source open after the replay was closed"
+    with pytest.raises(ValueError, match="ahead and depth of 1 or more"):
+        next(read_ahead([endless], 0, 1))
