@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from mqds.chaos.history import TOPIC_FILTER, History, MessageKey, ReadMessage, parse_message
 from mqds.client import Client, Message
@@ -110,7 +110,7 @@ class Reader:
             self.iterators[stream] = None if result.end_of_stream else result.iterator
         return got
 
-    def _observe(self, stream: Stream, messages: list[Message]) -> None:
+    def _observe(self, stream: Stream, messages: Sequence[Message]) -> None:
         seen = []
         for m in messages:
             key = parse_message(m.topic, m.payload)
