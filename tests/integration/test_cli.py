@@ -242,6 +242,9 @@ def test_bench_prints_figures(cli_cluster: CliCluster) -> None:
     assert int(acked.group(1).replace(",", "")) > 0
     assert 0 < float(latency.group(1)) <= float(latency.group(2)) <= float(latency.group(3))
     assert int(replay.group(2).replace(",", "")) >= int(acked.group(2).replace(",", ""))
+    # Beside it, the same replay as objects and the storage layer's own, measured in the same run.
+    assert re.search(r"^  as objects\s+[\d,]+ msg/s", text.out, re.MULTILINE), text.out
+    assert re.search(r"^  storage\s+[\d,]+ msg/s .*client replay is \d+% of it", text.out, re.MULTILINE), text.out
     assert "acknowledged" in text.err and "/2 s" in text.err  # the progress line
 
     as_json = cli_cluster.run(

@@ -114,26 +114,29 @@ def merged(sources: list[Iterator[MessageBatch]], batch_size: int) -> Iterator[M
         yield from sources[0]
         return
     stamp = attrgetter("timestamp_us")
-    live = list(sources)
-    heads: dict[int, list[Any]] = {}
+    # Each live source with the rest of its current batch (never empty).
+    heads: list[tuple[Iterator[MessageBatch], list[Any]]] = [(source, []) for source in sources]
     while True:
-        for source in list(live):
-            key = id(source)
-            while not heads.get(key):
-                batch = next(source, None)
-                if batch is None:
-                    live.remove(source)
-                    heads.pop(key, None)
-                    break
-                heads[key] = list(batch.wire)
+        heads = [(source, items or _next_items(source)) for source, items in heads]
+        heads = [(source, items) for source, items in heads if items]  # an exhausted source leaves
         if not heads:
             return
-        horizon = min(stamp(items[-1]) for items in heads.values())
+        horizon = min(stamp(items[-1]) for _, items in heads)
         out: list[Any] = []
-        for key, items in heads.items():
+        rest: list[tuple[Iterator[MessageBatch], list[Any]]] = []
+        for source, items in heads:
             upto = bisect.bisect_right(items, horizon, key=stamp)
             out += items[:upto]
-            heads[key] = items[upto:]
+            rest.append((source, items[upto:]))
+        heads = rest
         out.sort(key=stamp)
         for start in range(0, len(out), batch_size):
             yield MessageBatch(out[start : start + batch_size])
+
+
+def _next_items(source: Iterator[MessageBatch]) -> list[Any]:
+    """The source's next non-empty batch as a list of protobuf messages; empty once it is exhausted."""
+    for batch in source:
+        if batch:
+            return list(batch.wire)
+    return []

@@ -138,7 +138,8 @@ class ShardRetry:
         self.any_replica = any_replica
         self.retry_unavailable = retry_unavailable
         self._delays = backoff.delays()
-        self._tried_replicas = table.next_turn() if any_replica else 0
+        # Which replica an any-replica call asks: its first turn (RoutingTable.next_turn), then the next.
+        self._replica_turn = table.next_turn() if any_replica else 0
         self.refresh_map = True
         """After a failure that backs off: whether to refresh the cluster map first."""
 
@@ -146,7 +147,7 @@ class ShardRetry:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise errors.error(Reason.DEADLINE_EXCEEDED, "the call did not succeed before its deadline")
-        address = self.table.address_for(self.shard, any_replica=self.any_replica, attempt=self._tried_replicas)
+        address = self.table.address_for(self.shard, any_replica=self.any_replica, attempt=self._replica_turn)
         return address, remaining
 
     def failed(self, err: MqdsError) -> bool:
@@ -158,16 +159,16 @@ class ShardRetry:
         elif err.reason in _UNREACHABLE:
             if not self.retry_unavailable:
                 raise err
-            self._tried_replicas += 1
+            self._replica_turn += 1
             if self.shard is not None:
                 self.table.forget_leader(self.shard)
         elif err.reason is Reason.REPLICA_BEHIND:
-            self._tried_replicas += 1  # the next replica may have applied further
+            self._replica_turn += 1  # the next replica may have applied further
         elif err.reason in _REDIRECTS and self.any_replica:
             # A node the map lists as a replica does not host the shard (moved away): the next replica,
             # after a map refresh. Going back to the same node on a leader hint would ask it again and again.
             self.table.learn(err, self.shard)
-            self._tried_replicas += 1
+            self._replica_turn += 1
         elif err.reason in _REDIRECTS:
             if self.table.learn(err, self.shard):
                 return False
