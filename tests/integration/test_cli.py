@@ -312,6 +312,41 @@ def test_bench_fans_out_to_push_subscribers(cli_cluster: CliCluster) -> None:
     assert all(report[k] == report["runs"][1][k] for k in keys)
 
 
+def test_bench_reconnect_storm_against_the_baseline(cli_cluster: CliCluster) -> None:
+    tiny = ("--sessions", "40", "--backlog", "5", "--filters", "4", "--size", "20")
+    # All at once: the sessions' fetches go out together (spread out, a fast call may carry one each).
+    run = cli_cluster.run(
+        "bench", "--data-dir", str(cli_cluster.data_dir), "--reconnect-storm", *tiny, "--window", "0", timeout_s=180
+    )
+    assert run.code == 0, run.err
+    out = run.out
+    assert "40 persistent sessions, a backlog of 5 messages (20 B) each, on 4 filters (10 sessions each)" in out
+    storm = re.search(
+        r"^storm\s+([\d.]+) s until every backlog was delivered  \(200 messages, ([\d,]+) msg/s; "
+        r"the fetches coalesced into ([\d,]+) fetch_offline_many calls?\)",
+        out,
+        re.MULTILINE,
+    )
+    baseline = re.search(
+        r"^baseline\s+([\d.]+) s  \(200 messages, [\d,]+ msg/s; one fetch_offline per session", out, re.MULTILINE
+    )
+    assert storm and baseline, out
+    assert float(storm.group(1)) > 0 and 0 < int(storm.group(3).replace(",", "")) < 10  # fetches went out together
+    assert len(re.findall(r"^  nodes' CPU\s+[\d.]+ ms per 1,000 delivered$", out, re.MULTILINE)) == 2, out
+    assert re.search(r"^shared/baseline: [\d.]+ of the time, [\d.]+ of the nodes' CPU per message$", out, re.MULTILINE)
+    assert "read positions started" in run.err and "40/40 sessions" in run.err  # the progress lines
+
+    as_json = cli_cluster.run(
+        *("bench", "--data-dir", str(cli_cluster.data_dir), "--reconnect-storm", *tiny, "--window", "0.5", "--json"),
+        timeout_s=180,
+    )
+    assert as_json.code == 0, as_json.err
+    report = json.loads(as_json.out)
+    assert report["delivered"] == 200 and report["storm_s"] > 0 and report["storm_baseline_s"] > 0
+    assert report["storm_msgs_per_s"] > 0
+    assert report["server_cpu_ms_per_1000_delivered"] > 0 and report["baseline_server_cpu_ms_per_1000_delivered"] > 0
+
+
 def test_bench_kills_a_leader_and_reports_the_failover(cli_cluster: CliCluster) -> None:
     run = cli_cluster.run(
         "bench",

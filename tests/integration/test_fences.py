@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from mqds.client import Client, Fence, Message
+from mqds.client import Client, Fence, Message, MessageBatch, aio
 from mqds.tools.localproc import LocalCluster
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc
@@ -127,5 +128,15 @@ def test_replay_reads_to_the_fences_of_its_start_while_writes_go_on(cluster: Loc
             for m in b:
                 per_sender.setdefault(m.sender, []).append(int(m.payload))
         assert all(seq == sorted(seq) for seq in per_sender.values()), "a sender's messages out of order"
-        # With the writer stopped, both forms return the same messages.
-        assert [m for b in client.replay_batches("replayfence/#") for m in b] == list(client.replay("replayfence/#"))
+        # With the writer stopped, both forms return the same messages, and so does the asyncio client.
+        everything = list(client.replay("replayfence/#"))
+        assert [m for b in client.replay_batches("replayfence/#") for m in b] == everything
+
+    async def replay_aio() -> tuple[list[MessageBatch], list[Message]]:
+        async with aio.Client(cluster.addresses, timeout_s=30) as aclient:
+            batches = [b async for b in aclient.replay_batches("replayfence/#", batch_size=50, read_ahead=2)]
+            return batches, [m async for m in aclient.replay("replayfence/#")]
+
+    aio_batches, aio_messages = asyncio.run(replay_aio())
+    assert all(0 < len(b) <= 50 for b in aio_batches)
+    assert [m for b in aio_batches for m in b] == everything and aio_messages == everything

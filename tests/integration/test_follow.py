@@ -62,6 +62,11 @@ def check_once_in_order(got: list[Message], expected: int) -> None:
 
 def follow_sent(cluster: LocalCluster, source: str) -> float:
     """mqds_follow_sent_messages_total{source} summed over the nodes."""
+    return metric_total(cluster, "mqds_follow_sent_messages_total", source=source)
+
+
+def metric_total(cluster: LocalCluster, name: str, **labels: str) -> float:
+    """The samples of ``name`` with ``labels`` summed over the live nodes."""
     total = 0.0
     for node_id in cluster.live():
         url = cluster.nodes[node_id].metrics_url
@@ -69,7 +74,7 @@ def follow_sent(cluster: LocalCluster, source: str) -> float:
         with urllib.request.urlopen(url, timeout=5) as response:
             for family in text_string_to_metric_families(response.read().decode()):
                 for sample in family.samples:
-                    if sample.name == "mqds_follow_sent_messages_total" and sample.labels.get("source") == source:
+                    if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                         total += sample.value
     return total
 
@@ -164,6 +169,27 @@ def test_many_subscribers_of_one_filter_each_get_everything_from_the_shared_feed
             check_once_in_order(take(sub, 400), 400)
             sub.close()
     assert follow_sent(cluster, "feed") - from_feed >= 20 * 400 * 0.9
+
+
+def test_subscribers_catching_up_together_share_the_disk_reads(cluster: LocalCluster) -> None:
+    """A backlog read by 20 subscribers from the start: each gets all of it, the nodes read it about once."""
+    names = senders("convoy")
+    backlog = 3000
+    with Client(cluster.addresses, timeout_s=30) as client:
+        for start in range(0, backlog, 500):
+            client.store_batch(
+                [Message("convoy/t", str(i).encode(), names[i % 8], 1) for i in range(start, start + 500)]
+            )
+        read_before = metric_total(cluster, "mqds_follow_disk_read_messages_total")
+        sent_before = follow_sent(cluster, "disk")
+        subs = [client.follow("convoy/#") for _ in range(20)]
+        for sub in subs:
+            check_once_in_order(take(sub, backlog), backlog)
+            sub.close()
+    sent = follow_sent(cluster, "disk") - sent_before
+    read = metric_total(cluster, "mqds_follow_disk_read_messages_total") - read_before
+    assert sent >= 20 * backlog * 0.9  # behind the feed from the start: read from disk
+    assert read <= 3 * backlog, f"{read:,.0f} messages read from disk to send {sent:,.0f}: not shared"
 
 
 def raw_follow(cluster: LocalCluster, requests: list[pb.FollowRequest], answers: int) -> list[pb.FollowResponse]:

@@ -217,7 +217,7 @@ def test_a_dropped_generation_fails_the_read_or_is_skipped(
         reader = MqdsBatchReader(
             parse_options({"endpoints": endpoints, "topicFilter": f"{prefix}/#", "snapshot": token}), arrow_schema()
         )
-        planned = [p for p in reader.partitions() if p.value.shard == victim_shard]
+        planned = [p for p in reader.partitions() if p.value[0].shard == victim_shard]
         client.drop_generation(victim_shard, old[victim_shard])
     # Followers apply the drop a moment after the leader; reads may go to any of them.
     deadline = time.monotonic() + 15

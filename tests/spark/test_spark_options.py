@@ -23,7 +23,7 @@ from mqds.spark.options import (
     parse_time_us,
     prefix_as_filter,
 )
-from mqds.spark.plan import data_loss, dropped_ranges, plan_slices
+from mqds.spark.plan import data_loss, dropped_ranges, pack_slices, plan_slices
 from mqds.spark.snapshot import GenerationRange, Snapshot, VnodeFence
 
 pytestmark = pytest.mark.spark
@@ -165,6 +165,21 @@ def test_a_large_generation_is_cut_into_consecutive_time_ranges() -> None:
     probed = plan_slices({0: (0, 1_999)}, _fences(), streams, "#", 300, first_timestamp=lambda part: 1_600)
     assert probed[0].start_us == 0 and probed[1].start_us > 1_600
     assert plan_slices({0: (0, 1_999)}, _fences(), streams, "#", 300, first_timestamp=lambda part: None) == []
+
+
+def test_a_micro_batch_of_small_slices_runs_as_few_tasks_and_large_slices_keep_their_own() -> None:
+    """A few new messages on many vnodes: one task, not one per vnode (each task costs tens of ms in Spark)."""
+    fences = {s: Fence(s, 3_000, 10, (Generation(s, 1, 0, None, 1_000),), (10,)) for s in range(16)}
+    streams = [pair for s in range(16) for pair in _streams(s, 1)]
+    small = plan_slices({s: (2_990, 3_000) for s in range(16)}, fences, streams, "#", max_rows=1_000_000)
+    assert len(small) == 16 and all(part.estimated_rows < 1 for part in small)
+    assert pack_slices(small) == [tuple(small)]
+    # Slices each estimated at 10,000 rows (a catch-up) keep one task each: the read stays parallel.
+    big = {s: Fence(s, 3_000, 10, (Generation(s, 1, 0, None, 0),), (30_000,)) for s in range(4)}
+    large = plan_slices({s: (1, 1_000) for s in range(4)}, big, streams, "#", max_rows=1_000_000)
+    assert [len(group) for group in pack_slices(large)] == [1, 1, 1, 1]
+    # Nothing is lost or repeated, in order.
+    assert [part for group in pack_slices(small + large + small) for part in group] == small + large + small
 
 
 def test_dropped_generations_are_found_from_a_snapshot_or_from_gaps() -> None:

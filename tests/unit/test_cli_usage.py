@@ -161,6 +161,11 @@ def test_a_progress_line_on_a_terminal_is_redrawn_in_place_and_ends_its_line() -
         (["bench", "--in-flight", "4", "--rate", "100"], "give --rate or --in-flight, not both"),
         (["bench", "--small-writes", "--kill-leader"], "--small-writes runs its own scenarios"),
         (["bench", "--small-writes", "--rounds", "0"], "--rounds must be at least 1"),
+        (["bench", "--reconnect-storm", "--sessions", "0"], "--sessions must be at least 1"),
+        (["bench", "--reconnect-storm", "--backlog", "0"], "--backlog must be at least 1"),
+        (["bench", "--reconnect-storm", "--sessions", "2", "--filters", "3"], "--filters must be at most --sessions"),
+        (["bench", "--reconnect-storm", "--window", "-1"], "--window must be 0 or more"),
+        (["bench", "--reconnect-storm", "--kill-leader"], "--reconnect-storm runs its own scenario"),
         (["generations", "drop", "-1", "1"], "SHARD and GENERATION must be 0 or more"),
     ],
 )

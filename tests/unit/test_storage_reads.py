@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rocksdict import WriteBatch
+from rocksdict import Options, Rdict, WriteBatch
 from storage_support import TOPIC_LEVELS, Read, drain, msg, random_message, replay, stamped
 
 from mqds.protocol.topics import matches
-from mqds.server.storage import keys
+from mqds.server.storage import keys, reads
+from mqds.server.storage.iterators import IteratorState
 from mqds.server.storage.shard import (
     Engine,
     ShardStorage,
@@ -26,6 +27,7 @@ from mqds.server.storage.shard import (
     repeated_field,
     varint,
 )
+from mqds.server.wire import encode_rows
 from mqds.v1 import storage_pb2 as pb
 
 # -- replay --------------------------------------------------------------------
@@ -152,6 +154,47 @@ def test_decode_message_and_wire_encodings(shard_no: int) -> None:
     response = pb.NextResponse.FromString(body)
     assert list(response.messages) == [expected, stamped(small, ts + 1, shard_no)]
     assert response.iterator == token
+
+
+@pytest.mark.parametrize("shard_no", [0, 1, 127, 128, 2**32 - 1])
+def test_rows_encode_to_the_same_answer_as_timestamped_entries(shard_no: int) -> None:
+    """A Next answer built from the engine's rows (key, stored) is the one built from (timestamp, stored)."""
+    stamps = [0, 1, 255, 256, 1_700_000_000_123_456, 2**64 - 1]
+    sizes = [0, 1, 115, 116, 4_094, 4_095, 4_096, 20_000]
+    entries = [(ts, msg("a/b", b"\x07" * size).SerializeToString()) for ts in stamps for size in sizes]
+    rows = [(keys.data_key(9, ts), stored) for ts, stored in entries]
+    body = encode_rows(b"\x0a", rows, shard_no)
+    assert body == encode_messages(b"\x0a", entries, shard_no)
+    got = pb.NextResponse.FromString(body).messages
+    assert [(m.timestamp_us, m.shard, len(m.payload)) for m in got] == [
+        (ts, shard_no, size) for ts in stamps for size in sizes
+    ]
+
+
+@pytest.mark.parametrize("stream", [0, 7, 2**32 - 1])
+def test_a_stream_scan_stops_at_its_own_keys_and_at_the_fence(tmp_path: Path, stream: int) -> None:
+    """The scan's bounded iterator: never the next stream's keys (or the next key kind), nothing after the fence."""
+    db = Rdict(str(tmp_path / "db"), Options(raw_mode=True))
+    try:
+        for ts in (5, 6, 9, 2**64 - 1):
+            db[keys.data_key(stream, ts)] = msg("a", b"in").SerializeToString()
+        if stream < 2**32 - 1:
+            db[keys.data_key(stream + 1, 0)] = msg("a", b"next stream").SerializeToString()
+        db[b"E"] = b"a key of the next kind"
+        state = IteratorState(0, 1, stream, "#", 0)
+
+        def scan(fence: int, batch: int = 10) -> tuple[list[int], int, bool]:
+            rows, next_ts, exhausted = reads.scan_stream(db, state, batch, None, fence, None, reads.ReadCost())
+            return [keys.data_key_ts(key) for key, _ in rows], next_ts, exhausted
+
+        assert scan(reads.NO_FENCE) == ([5, 6, 9, 2**64 - 1], 2**64, True)
+        assert scan(2**64 - 1) == ([5, 6, 9, 2**64 - 1], 2**64, True)
+        assert scan(8) == ([5, 6], 7, True)
+        assert scan(9) == ([5, 6, 9], 10, True)
+        assert scan(4) == ([], 0, True)
+        assert scan(reads.NO_FENCE, batch=2) == ([5, 6], 7, False)
+    finally:
+        db.close()
 
 
 @pytest.mark.parametrize("value", [1, 127, 128, 300, 16_383, 16_384, 2**21, 2**32 - 1, 2**63])

@@ -54,9 +54,11 @@ from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from mqds.broker.hooks import HOOKS, HookConfig, Mode, Rule
+from mqds.broker.offline import DEFAULT_WINDOW_S, OfflineFetches
 from mqds.broker.subscriptions import Delivery, check_clientid, check_qos, real_filter
 from mqds.client import aio
 from mqds.client.model import Message
+from mqds.client.offline import OfflineFetch
 from mqds.protocol.errors import PartialBatchError
 from mqds.protocol.topics import matches, validate_filter, validate_topic
 
@@ -73,6 +75,9 @@ class BrokerHooks:
     it, the configuration's ``node``, then the node the event names (ExHook
     passes EMQX's), then this host's name. ``stats`` counts what was done, by
     name (``stored``, ``retained``, ``fetched_offline``, ``acked``, ...).
+    Offline fetches of concurrent events go out together (``offline``, an
+    :class:`~mqds.broker.offline.OfflineFetches`: those within
+    ``offline_window_s`` of each other, or arriving while one is in flight).
     """
 
     def __init__(
@@ -82,10 +87,12 @@ class BrokerHooks:
         node: str | None = None,
         *,
         max_clients: int = DEFAULT_MAX_CLIENTS,
+        offline_window_s: float = DEFAULT_WINDOW_S,
     ) -> None:
         if max_clients < 1:
             raise ValueError("max_clients must be at least 1")
         self.client = client
+        self.offline = OfflineFetches(client, window_s=offline_window_s)
         self.config = config
         self.node = node or config.node
         self.max_clients = max_clients
@@ -334,15 +341,10 @@ class BrokerHooks:
         opts = rule.offline_opts
         assert opts is not None and rule.mode is not None  # every fetch rule has both
         include_qos0 = self.config.stores_qos0 if opts.include_qos0 is None else opts.include_qos0
-        return await self.client.fetch_offline(
-            clientid,
-            topic_filter,
-            mode=rule.mode,
-            max_count=opts.max_returned_count,
-            time_range_s=opts.time_range_s,
-            include_qos0=include_qos0,
-            start="now",
+        request = OfflineFetch(
+            clientid, topic_filter, rule.mode, opts.max_returned_count, opts.time_range_s, include_qos0, "now"
         )
+        return await self.offline.fetch(request)
 
     async def session_unsubscribed(self, clientid: str, topic_filter: str) -> None:
         """Run the ``session.unsubscribed`` rules: forget the read position, delete the stored subscription."""

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mqds.bench import TOPIC_PREFIX, LeaderKill, RunResult, publisher_ids, run_load
-from mqds.cli import bench_fanout, bench_mqtt, bench_small, local_cluster
+from mqds.cli import bench_fanout, bench_mqtt, bench_small, bench_storm, local_cluster
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, ProgressLine, bar, connection
 from mqds.client import Client
 from mqds.client.client import parse_endpoints
@@ -79,6 +79,10 @@ def _report_replay(
 def run(opts: argparse.Namespace) -> int:
     if opts.batch is None:
         opts.batch = 100 if opts.subscribers else 1000
+    if opts.reconnect_storm:
+        if opts.start_cluster and opts.data_dir:
+            raise CommandError("give --start-cluster or --data-dir, not both", EXIT_USAGE)
+        return bench_storm.run(opts)
     if opts.mqtt and not opts.small_writes:
         return bench_mqtt.run(opts)
     for name in ("publishers", "batch", "nodes", "shards", "replication_factor"):
@@ -212,7 +216,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
             "--in-flight N keeps N pipelined store calls outstanding per publisher instead of one blocking call. "
             "--small-writes runs the small-write scenarios against their targets instead (see its help); "
             "--subscribers measures push subscribers' fan-out under a steady write load; "
-            "--mqtt measures QoS 1 through 'mqds broker'."
+            "--mqtt measures QoS 1 through 'mqds broker'; "
+            "--reconnect-storm measures persistent sessions fetching their backlogs all at once."
         ),
     )
     parser.add_argument("--publishers", type=int, default=8, metavar="N", help="publisher processes (default 8)")
@@ -314,4 +319,5 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object with the figures instead")
     bench_mqtt.register_options(parser)
+    bench_storm.register_options(parser)
     parser.set_defaults(run=run)

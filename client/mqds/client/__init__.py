@@ -14,6 +14,7 @@ from mqds.client.connection import ConnectionSettings
 from mqds.client.follow import FollowBatch, FollowPosition
 from mqds.client.follow_sync import Subscription
 from mqds.client.model import ClientState, Fence, Generation, Iterator, Message, NextResult, Rank, ReadPosition, Stream
+from mqds.client.offline import OfflineFetch
 
 __all__ = [
     "Client",
@@ -27,6 +28,7 @@ __all__ = [
     "Message",
     "MessageBatch",
     "NextResult",
+    "OfflineFetch",
     "Rank",
     "ReadPosition",
     "Stream",

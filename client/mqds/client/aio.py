@@ -20,7 +20,6 @@ to the event loop it is first used in: its channels are opened there.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import time
 import uuid
@@ -32,6 +31,7 @@ import grpc
 from mqds.client import operations as ops
 from mqds.client.aio_broker_state import AsyncBrokerStateCalls
 from mqds.client.aio_routing import AsyncRouter
+from mqds.client.batch import MessageBatch
 from mqds.client.connection import ConnectionSettings, parse_endpoints, resolve_settings
 from mqds.client.follow import FollowCore, FollowPosition
 from mqds.client.follow_aio import AsyncFollowMux, AsyncSubscription
@@ -39,6 +39,8 @@ from mqds.client.model import Fence, Generation, Iterator, Message, NextResult, 
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.pipeline import PipelineLimits, resolve_limits
 from mqds.client.pipeline_aio import AsyncPipeline
+from mqds.client.replay_aio import merged as merged_batches
+from mqds.client.replay_aio import read_ahead as read_ahead_batches
 from mqds.client.retry import Backoff
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
@@ -47,6 +49,9 @@ from mqds.v1 import cluster_pb2 as clpb
 __all__ = ["AsyncRouter", "Client"]
 
 T = TypeVar("T")
+
+_READ_AHEAD_DEPTH = 4
+"""Batches a replay's reading task keeps waiting for the caller, per rank group."""
 
 
 class Client(AsyncBrokerStateCalls):
@@ -295,14 +300,15 @@ class Client(AsyncBrokerStateCalls):
         """The read fence of each shard (or of ``shards``), in shard order: see :class:`Fence`."""
         return await self._fanout_call(ops.get_fences(None if shards is None else list(shards), stale_ok), timeout_s)
 
-    async def _stream_messages(
-        self, stream: Stream, topic_filter: str, start_time_us: int, batch_size: int, stale_ok: bool
-    ) -> AsyncIterator[Message]:
+    async def _stream_batches(
+        self, stream: Stream, topic_filter: str, start_time_us: int, batch_size: int, stale_ok: bool, fence_us: int
+    ) -> AsyncIterator[MessageBatch]:
         iterator = await self.make_iterator(stream, topic_filter, start_time_us, stale_ok=stale_ok)
         while True:
-            result = await self.next(iterator, batch_size, stale_ok=stale_ok)
-            for message in result.messages:
-                yield message
+            # Up to the fence every replica that applied it answers the same: no read-index round per call.
+            result = await self.next(iterator, batch_size, stale_ok=True, fence_us=fence_us)
+            if result.messages:
+                yield result.messages
             iterator = result.iterator
             if ops.stream_exhausted(result):
                 return
@@ -328,20 +334,52 @@ class Client(AsyncBrokerStateCalls):
         return AsyncSubscription(self._follows, core)
 
     async def replay(
-        self, topic_filter: str, start_time_us: int = 0, batch_size: int = 1000, *, stale_ok: bool = False
+        self, topic_filter: str, start_time_us: int = 0, batch_size: int = 5000, *, stale_ok: bool = False
     ) -> AsyncIterator[Message]:
         """Every stored message matching ``topic_filter``, in rank order (``async for m in client.replay(...)``).
 
         Shards come one after the other; within a shard, generations in order,
         and the streams of a generation merged by timestamp, so each sender's
-        messages come back in the order they were stored.
+        messages come back in the order they were stored. Every message
+        acknowledged before the call is included; each shard is read up to
+        its fence, taken when the call starts, so the replay ends.
         """
-        for streams in ops.replay_order(await self.get_streams(topic_filter, start_time_us, stale_ok=stale_ok)):
-            sources = [
-                self._stream_messages(stream, topic_filter, start_time_us, batch_size, stale_ok) for stream in streams
-            ]
-            async for message in _merge(sources, ops.timestamp):
+        async for batch in self.replay_batches(topic_filter, start_time_us, batch_size, stale_ok=stale_ok):
+            for message in batch:
                 yield message
+
+    async def replay_batches(
+        self,
+        topic_filter: str,
+        start_time_us: int = 0,
+        batch_size: int = 5000,
+        *,
+        stale_ok: bool = False,
+        read_ahead: int = 4,
+    ) -> AsyncIterator[MessageBatch]:
+        """What :meth:`replay` returns, in :class:`MessageBatch` es (see the sync ``Client.replay_batches``).
+
+        Up to ``read_ahead`` shards (or generations) are read at once, in
+        tasks, each at most 4 batches ahead of the caller.
+        """
+        order = ops.replay_order(await self.get_streams(topic_filter, start_time_us, stale_ok=stale_ok))
+        shards = sorted({streams[0].shard for streams in order})
+        # Each shard is read up to its fence, taken now: what was acknowledged before the call is in it.
+        fences = {f.shard: f.timestamp_us for f in await self.get_fences(shards, stale_ok=stale_ok)} if shards else {}
+
+        def group(streams: list[Stream]) -> Callable[[], AsyncIterator[MessageBatch]]:
+            fence = fences[streams[0].shard]
+
+            def read() -> AsyncIterator[MessageBatch]:
+                sources = [
+                    self._stream_batches(s, topic_filter, start_time_us, batch_size, stale_ok, fence) for s in streams
+                ]
+                return merged_batches(sources, batch_size)
+
+            return read
+
+        async for batch in read_ahead_batches([group(streams) for streams in order], read_ahead, _READ_AHEAD_DEPTH):
+            yield batch
 
     # -- generations ---------------------------------------------------------
 
@@ -358,21 +396,3 @@ class Client(AsyncBrokerStateCalls):
     async def drop_generation(self, shard: int, generation: int, timeout_s: float | None = None) -> Generation:
         """Drop a closed generation of a shard and free its disk; return it as it was."""
         return await self._shard_call(ops.drop_generation(shard, generation), timeout_s)
-
-
-async def _merge(sources: list[AsyncIterator[Message]], key: Callable[[Message], int]) -> AsyncIterator[Message]:
-    """The messages of sorted async iterators, merged in ``key`` order (``heapq.merge`` for async iterators)."""
-    heap: list[tuple[int, int, Message]] = []
-    for index, source in enumerate(sources):
-        first = await anext(source, None)
-        if first is not None:
-            heap.append((key(first), index, first))
-    heapq.heapify(heap)
-    while heap:
-        _, index, message = heap[0]
-        yield message
-        following = await anext(sources[index], None)
-        if following is None:
-            heapq.heappop(heap)
-        else:
-            heapq.heapreplace(heap, (key(following), index, following))

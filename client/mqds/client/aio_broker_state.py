@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from mqds.client import operations as ops
 from mqds.client.model import ClientState, Message, ReadPosition
+from mqds.client.offline import OfflineFetch, SharedFetch
 from mqds.client.operations import FanoutCall, ShardCall
 
 T = TypeVar("T")
@@ -35,6 +36,10 @@ class AsyncBrokerStateCalls(abc.ABC):
     @abc.abstractmethod
     async def _fanout_call(self, call: FanoutCall[T], timeout_s: float | None) -> list[T]:
         """A call to every shard's leader, merged."""
+
+    @abc.abstractmethod
+    async def _n_shards(self, deadline: float) -> int:
+        """The cluster's shard count (waiting for a first map until ``deadline``)."""
 
     async def client_connected(self, clientid: str, node: str, timeout_s: float | None = None) -> ClientState:
         """Record that ``clientid`` connected to broker ``node`` (online, node, online time) and return that."""
@@ -130,6 +135,51 @@ class AsyncBrokerStateCalls(abc.ABC):
         remaining = max(0.1, deadline - time.monotonic())
         return fetch.cut(await self._fanout_call(fetch.messages(position), remaining))
 
+    async def fetch_offline_many(
+        self,
+        requests: Iterable[OfflineFetch | tuple[str, str]],
+        mode: str = "pubsub",
+        max_count: int = 500,
+        time_range_s: float | None = None,
+        *,
+        include_qos0: bool = False,
+        start: str = "earliest",
+        timeout_s: float | None = None,
+    ) -> list[list[Message]]:
+        """``fetch_offline`` for many sessions at once, in shared calls: each request's messages, in order.
+
+        ``requests`` are ``(clientid, topic_filter)`` pairs, which take this
+        call's other arguments, or :class:`mqds.client.OfflineFetch` values
+        with options of their own (a broker's rules differ by filter). Each
+        request gets exactly the list ``fetch_offline`` would return for it
+        (read position, ``mode``, ``max_count``, ``time_range_s``,
+        ``include_qos0`` and ``start`` alike); a pair that two requests name,
+        one with ``start="now"`` and one with ``"earliest"``, is read by the
+        second as if the first came after it.
+
+        What it costs: the read positions in one call per node for all the
+        pairs whose shards it leads, then one ``FetchMessagesShared`` call
+        per node for all the sessions, in which each shard is scanned once
+        per topic filter (not once per session) and a message several
+        sessions need travels once; both in chunks of 1,000 sessions
+        (``MAX_SESSIONS_PER_CALL``). A session a node's answer bound cut
+        short is asked for the rest at once. A message that several sessions
+        get is one ``Message`` object in their lists: do not modify it.
+        One failure (after the call's retries) fails the whole call.
+        """
+        requests = list(requests)
+        if not requests:
+            return []
+        deadline = self._deadline(timeout_s)
+        defaults = OfflineFetch("", "", mode, max_count, time_range_s, include_qos0, start)
+        plan = SharedFetch(requests, defaults, await self._n_shards(deadline))
+        for positions in plan.position_calls():
+            plan.record_positions(await self._fanout_call(positions, _left(deadline)))
+        while rounds := plan.fetch_rounds():
+            for shared in rounds:
+                shared.record(await self._fanout_call(shared.call, _left(deadline)))
+        return plan.results()
+
     async def read_position(self, clientid: str, topic_filter: str, *, timeout_s: float | None = None) -> ReadPosition:
         """How far the (clientid, filter) pair has read in pubsub mode (``found`` False: it has no position)."""
         return await self._keyed_call(lambda n: ops.read_position(clientid, topic_filter, n), timeout_s)
@@ -168,3 +218,8 @@ class AsyncBrokerStateCalls(abc.ABC):
         """Delete every proxy subscription and read position of ``clientid`` (an MQTT clean session discards
         the previous session); (subscriptions, read positions) deleted. Its client state stays."""
         return await self._keyed_call(lambda n: ops.forget_session(clientid, n), timeout_s)
+
+
+def _left(deadline: float) -> float:
+    """What is left of a call's deadline, 0.1 s at least (the call's parts still get a try)."""
+    return max(0.1, deadline - time.monotonic())

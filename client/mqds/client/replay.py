@@ -104,16 +104,12 @@ def merged(sources: list[Iterator[MessageBatch]], batch_size: int) -> Iterator[M
 
     Streams of one generation interleave in time, so a reader that wants one
     timeline merges them; a rank with one stream skips this. The merge goes
-    a batch at a time, not a message at a time: every message up to the
-    earliest last timestamp of the sources' current batches can be handed
-    on (no later batch of any source goes below it), so those are cut off
-    each source's batch and sorted together by C code (timestamps within a
-    shard are unique). Each source holds one batch at a time.
+    a batch at a time, not a message at a time (``cut_at_horizon``). Each
+    source holds one batch at a time.
     """
     if len(sources) == 1:
         yield from sources[0]
         return
-    stamp = attrgetter("timestamp_us")
     # Each live source with the rest of its current batch (never empty).
     heads: list[tuple[Iterator[MessageBatch], list[Any]]] = [(source, []) for source in sources]
     while True:
@@ -121,17 +117,37 @@ def merged(sources: list[Iterator[MessageBatch]], batch_size: int) -> Iterator[M
         heads = [(source, items) for source, items in heads if items]  # an exhausted source leaves
         if not heads:
             return
-        horizon = min(stamp(items[-1]) for _, items in heads)
-        out: list[Any] = []
-        rest: list[tuple[Iterator[MessageBatch], list[Any]]] = []
-        for source, items in heads:
-            upto = bisect.bisect_right(items, horizon, key=stamp)
-            out += items[:upto]
-            rest.append((source, items[upto:]))
-        heads = rest
-        out.sort(key=stamp)
-        for start in range(0, len(out), batch_size):
-            yield MessageBatch(out[start : start + batch_size])
+        out, rests = cut_at_horizon([items for _, items in heads])
+        heads = [(source, rest) for (source, _), rest in zip(heads, rests, strict=True)]
+        yield from rebatch(out, batch_size)
+
+
+_stamp = attrgetter("timestamp_us")
+
+
+def cut_at_horizon(batches: list[list[Any]]) -> tuple[list[Any], list[list[Any]]]:
+    """What of the sources' current batches can be handed on, in timestamp order, and what each keeps.
+
+    Every message up to the earliest last timestamp of the batches can go (no
+    later batch of any source goes below it), so those are cut off each
+    batch and sorted together by C code (timestamps within a shard are
+    unique). ``batches`` are non-empty and each in timestamp order.
+    """
+    horizon = min(_stamp(items[-1]) for items in batches)
+    out: list[Any] = []
+    rests: list[list[Any]] = []
+    for items in batches:
+        upto = bisect.bisect_right(items, horizon, key=_stamp)
+        out += items[:upto]
+        rests.append(items[upto:])
+    out.sort(key=_stamp)
+    return out, rests
+
+
+def rebatch(items: list[Any], batch_size: int) -> Iterator[MessageBatch]:
+    """``items`` (parsed protobuf messages) as batches of at most ``batch_size``."""
+    for start in range(0, len(items), batch_size):
+        yield MessageBatch(items[start : start + batch_size])
 
 
 def _next_items(source: Iterator[MessageBatch]) -> list[Any]:

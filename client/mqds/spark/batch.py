@@ -43,10 +43,10 @@ _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 
 
 class SlicePartition(InputPartition):
-    """A Spark input partition carrying one :class:`~mqds.spark.plan.Slice`."""
+    """A Spark input partition carrying :class:`~mqds.spark.plan.Slice` s, read one after the other."""
 
-    def __init__(self, part: Slice) -> None:
-        super().__init__(part)
+    def __init__(self, parts: tuple[Slice, ...]) -> None:
+        super().__init__(parts)
 
 
 def read_partition(options: SourceOptions, partition: InputPartition, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
@@ -55,11 +55,12 @@ def read_partition(options: SourceOptions, partition: InputPartition, schema: pa
     A read with nothing to plan still gets one task from Spark, with the
     value None: it returns no rows.
     """
-    part: Slice | None = partition.value
-    if part is None:
+    parts: tuple[Slice, ...] | None = partition.value
+    if parts is None:
         return
     client = client_for(options.endpoints, options.settings)
-    yield from record_batches(client, part, options.batch_size, options.fail_on_data_loss, schema)
+    for part in parts:
+        yield from record_batches(client, part, options.batch_size, options.fail_on_data_loss, schema)
 
 
 class MqdsBatchReader(DataSourceReader):
@@ -123,7 +124,7 @@ class MqdsBatchReader(DataSourceReader):
             self.generations,
             lambda part: first_timestamp(client, part),
         )
-        return [SlicePartition(s) for s in slices]
+        return [SlicePartition((s,)) for s in slices]
 
     def _selected_shards(self, n_shards: int) -> set[int] | None:
         chosen = None if self.shards is None else set(self.shards)

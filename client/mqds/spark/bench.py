@@ -9,7 +9,10 @@ then in the same run:
   per sender (count, payload bytes, first and last timestamp), each timed,
   after a warm-up read of 20,000 other messages (a session's first read
   starts the Python workers and has the JVM compile its Arrow paths);
-- ``Client.replay`` of the same filter in this one process, counted.
+- ``Client.replay`` of the same filter in this one process, counted;
+- a streaming micro-batch's fixed cost (``--stream-seconds``): the median
+  micro-batch of a stream of a few new messages at a time, next to Spark's
+  own ``rate`` source in the same session (``mqds.spark.bench_stream``).
 
 It prints rows/s of each and the ratio Spark / replay. Both read every
 message from the nodes and decode it; Spark spreads the vnodes over its
@@ -38,6 +41,7 @@ from mqds.cli.console import ProgressLine, bar, table
 from mqds.client import Client, Message
 from mqds.client.connection import parse_endpoints
 from mqds.spark import FORMAT, register
+from mqds.spark.bench_stream import micro_batch_s, rate_source_micro_batch_s
 from mqds.spark.job import session
 from mqds.spark.snapshot import pin_snapshot
 
@@ -92,8 +96,20 @@ def store(endpoints: list[str], prefix: str, messages: int, senders: int, size: 
     return took
 
 
-def measure(endpoints: list[str], prefix: str, master: str | None) -> tuple[list[Figure], Figure, float, int]:
-    """The timed reads; also the warm-up read, the Spark start-up time and the number of Spark partitions."""
+@dataclass
+class StreamFigures:
+    """A streaming micro-batch's fixed cost: the mqds source's and Spark's rate source's, in seconds."""
+
+    mqds_s: float
+    rate_s: float
+    batches: int
+
+
+def measure(
+    endpoints: list[str], prefix: str, master: str | None, stream_s: float
+) -> tuple[list[Figure], Figure, float, int, StreamFigures | None]:
+    """The timed reads; also the warm-up read, the Spark start-up time, the number of Spark partitions and
+    the micro-batch figures (None with ``stream_s`` 0)."""
     endpoint_text = ",".join(endpoints)
     topic_filter = f"{prefix}/data/#"
     started = time.monotonic()
@@ -140,13 +156,19 @@ def measure(endpoints: list[str], prefix: str, master: str | None) -> tuple[list
         )
         rows = sum(int(r["messages"]) for r in grouped)
         figures.append(Figure(f"Spark group-by sender ({len(grouped)} groups)", rows, time.monotonic() - t0))
+        streaming = None
+        if stream_s > 0:
+            print(f"timing streaming micro-batches for {2 * stream_s:.0f} s ...", flush=True)
+            mqds_s, batches = micro_batch_s(spark, endpoints, f"{prefix}/stream", stream_s)
+            rate_s, _ = rate_source_micro_batch_s(spark, stream_s)
+            streaming = StreamFigures(mqds_s, rate_s, batches)
     finally:
         spark.stop()
     with Client(endpoints, timeout_s=60) as client:
         t0 = time.monotonic()
         replayed = sum(1 for _ in client.replay(topic_filter))
         figures.append(Figure("Client.replay, one process", replayed, time.monotonic() - t0))
-    return figures, warmup, startup_s, partitions
+    return figures, warmup, startup_s, partitions, streaming
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,6 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--shards", type=int, default=16, help="vnodes of the local cluster (16)")
     parser.add_argument("--master", help="Spark master (default local[*])")
+    parser.add_argument(
+        "--stream-seconds",
+        type=float,
+        default=20,
+        help="how long each stream runs to time micro-batches of a few new messages, the mqds source and then "
+        "Spark's rate source for comparison (20; 0 skips them)",
+    )
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
     opts = parser.parse_args(argv)
     if min(opts.messages, opts.senders, opts.batch, opts.threads, opts.shards) < 1 or opts.size < 0:
@@ -183,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             endpoints = cluster.addresses
         store(endpoints, f"{prefix}/warmup", WARMUP_MESSAGES, opts.senders, opts.size, opts.batch, opts.threads)
         store_s = store(endpoints, f"{prefix}/data", opts.messages, opts.senders, opts.size, opts.batch, opts.threads)
-        figures, warmup, startup_s, partitions = measure(endpoints, prefix, opts.master)
+        figures, warmup, startup_s, partitions, streaming = measure(endpoints, prefix, opts.master, opts.stream_seconds)
     replay = figures[-1]
     rows = [[f.what, f"{f.rows:,}", f"{f.seconds:.1f}", f"{f.rows_per_s:,.0f}"] for f in figures]
     print(
@@ -193,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     print(table(["READ", "ROWS", "SECONDS", "ROWS/S"], rows, right=(1, 2, 3)))
     for f in figures[:-1]:
         print(f"{f.what}: {f.rows_per_s / replay.rows_per_s:.2f}x the single-process replay")
+    if streaming is not None:
+        print(
+            f"streaming micro-batch of a few new messages: {streaming.mqds_s:.2f} s (median of {streaming.batches}; "
+            f"target < 0.5 s); Spark's rate source, same session and trigger: {streaming.rate_s:.2f} s"
+        )
     wrong = [f.what for f in figures if f.rows != opts.messages]
     if opts.json:
         print(
@@ -204,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                     "warmup_s": round(warmup.seconds, 2),
                     "partitions": partitions,
                     "reads": [{"what": f.what, "rows": f.rows, "seconds": round(f.seconds, 3)} for f in figures],
+                    "micro_batch_s": round(streaming.mqds_s, 3) if streaming else None,
+                    "rate_source_micro_batch_s": round(streaming.rate_s, 3) if streaming else None,
                 }
             )
         )

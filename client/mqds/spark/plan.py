@@ -1,7 +1,8 @@
 """Planning a read: which (vnode, generation, time range) slices the Spark partitions read, and what was lost.
 
-A slice is what one Spark task reads: the matching messages of some streams
-of one generation of one vnode, with timestamps in ``[start_us, fence_us]``.
+A slice is what a Spark task reads: the matching messages of some streams
+of one generation of one vnode, with timestamps in ``[start_us, fence_us]``;
+a streaming micro-batch packs small slices into one task (``pack_slices``).
 The upper bound is a read fence (see :mod:`mqds.spark.snapshot`), so a task
 retried on another executor gets the same rows from any replica. Slices that
 would be too large are cut into consecutive time ranges. Nothing here needs
@@ -39,6 +40,8 @@ class Slice:
     """First timestamp to return (inclusive)."""
     fence_us: int
     """Last timestamp to return (inclusive): the read fence, so any replica answers the same."""
+    estimated_rows: float = 0.0
+    """Rows the slice is expected to hold (RocksDB's key estimate spread over time; errs large)."""
 
 
 def estimated_rows(generation: Generation, keys: int, lo_us: int, hi_us: int, fence_us: int) -> float:
@@ -141,10 +144,9 @@ def plan_slices(
             hi = min(hi, gen.until_us - 1)
         if lo > hi:
             continue
-        whole = Slice(shard, number, tuple(sorted(by_rank[rank], key=lambda s: s.id)), topic_filter, lo, hi)
-        pieces = min(
-            MAX_SPLITS, math.ceil(estimated_rows(gen, keys_of.get(number, 0), lo, hi, fence.timestamp_us) / max_rows)
-        )
+        rows = estimated_rows(gen, keys_of.get(number, 0), lo, hi, fence.timestamp_us)
+        whole = Slice(shard, number, tuple(sorted(by_rank[rank], key=lambda s: s.id)), topic_filter, lo, hi, rows)
+        pieces = min(MAX_SPLITS, math.ceil(rows / max_rows))
         if pieces <= 1:
             slices.append(whole)
             continue
@@ -152,8 +154,38 @@ def plan_slices(
         if first_timestamp is not None and first is None:
             continue  # nothing matches in the range
         for start, end in time_pieces(gen, lo, hi, pieces, first):
-            slices.append(Slice(shard, number, whole.streams, topic_filter, start, end))
+            slices.append(Slice(shard, number, whole.streams, topic_filter, start, end, rows / pieces))
     return slices
+
+
+PACKED_ROWS = 10_000
+"""Slices are packed into one task up to this many estimated rows (see ``pack_slices``)."""
+
+
+def pack_slices(slices: Sequence[Slice], rows: float = PACKED_ROWS) -> list[tuple[Slice, ...]]:
+    """Group consecutive small slices so that one task reads them, up to ``rows`` estimated rows a group.
+
+    A Spark task costs tens of milliseconds before it reads a row (scheduling,
+    a Python worker, a client); a streaming micro-batch of a few new messages
+    spread over many vnodes would pay that once per vnode. A slice estimated
+    at ``rows`` or more keeps a task of its own, so large reads stay parallel.
+
+    >>> small = [Slice(s, 1, (), "#", 0, 9, 10.0) for s in range(3)]
+    >>> [len(group) for group in pack_slices(small + [Slice(3, 1, (), "#", 0, 9, 50_000.0)] + small, 25)]
+    [2, 1, 1, 2, 1]
+    """
+    groups: list[tuple[Slice, ...]] = []
+    group: list[Slice] = []
+    total = 0.0
+    for part in slices:
+        if group and total + part.estimated_rows > rows:
+            groups.append(tuple(group))
+            group, total = [], 0.0
+        group.append(part)
+        total += part.estimated_rows
+    if group:
+        groups.append(tuple(group))
+    return groups
 
 
 def dropped_ranges(

@@ -26,7 +26,7 @@ from mqds.client.errors import GenerationDroppedError
 from mqds.client.operations import replay_order
 from mqds.spark.batch import SlicePartition, read_partition
 from mqds.spark.options import EARLIEST, LATEST, SourceOptions
-from mqds.spark.plan import data_loss, dropped_ranges, loss_error, plan_slices
+from mqds.spark.plan import data_loss, dropped_ranges, loss_error, pack_slices, plan_slices
 from mqds.spark.reading import any_replica_then_leader, client_for, first_timestamp
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,8 @@ class MqdsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self.options.max_records_per_partition,
             first_timestamp=lambda part: first_timestamp(client, part),
         )
-        return [SlicePartition(s) for s in slices]
+        # A micro-batch of a few messages over many vnodes runs as one task, not one per vnode.
+        return [SlicePartition(group) for group in pack_slices(slices)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return read_partition(self.options, partition, self.arrow_schema)

@@ -188,6 +188,42 @@ class GetReadPositionResponse(_message.Message):
     position: ReadPosition
     def __init__(self, found: _Optional[bool] = ..., position: _Optional[_Union[ReadPosition, _Mapping]] = ...) -> None: ...
 
+class ReadPositionPair(_message.Message):
+    __slots__ = ("clientid", "topic_filter")
+    CLIENTID_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    clientid: str
+    topic_filter: str
+    def __init__(self, clientid: _Optional[str] = ..., topic_filter: _Optional[str] = ...) -> None: ...
+
+class ReadPositionsRequest(_message.Message):
+    __slots__ = ("pairs", "stale_ok")
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
+    STALE_OK_FIELD_NUMBER: _ClassVar[int]
+    pairs: _containers.RepeatedCompositeFieldContainer[ReadPositionPair]
+    stale_ok: bool
+    def __init__(self, pairs: _Optional[_Iterable[_Union[ReadPositionPair, _Mapping]]] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
+
+class PairReadPosition(_message.Message):
+    __slots__ = ("clientid", "topic_filter", "found", "started", "position")
+    CLIENTID_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    clientid: str
+    topic_filter: str
+    found: bool
+    started: bool
+    position: ReadPosition
+    def __init__(self, clientid: _Optional[str] = ..., topic_filter: _Optional[str] = ..., found: _Optional[bool] = ..., started: _Optional[bool] = ..., position: _Optional[_Union[ReadPosition, _Mapping]] = ...) -> None: ...
+
+class ReadPositionsResponse(_message.Message):
+    __slots__ = ("positions",)
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    positions: _containers.RepeatedCompositeFieldContainer[PairReadPosition]
+    def __init__(self, positions: _Optional[_Iterable[_Union[PairReadPosition, _Mapping]]] = ...) -> None: ...
+
 class FetchMessagesRequest(_message.Message):
     __slots__ = ("topic_filter", "shards", "after_us", "time_range_us", "max_count", "include_qos0", "skip_acked", "stale_ok", "after_all_us")
     class AfterUsEntry(_message.Message):
@@ -222,6 +258,61 @@ class FetchMessagesResponse(_message.Message):
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[_storage_pb2.Message]
     def __init__(self, messages: _Optional[_Iterable[_Union[_storage_pb2.Message, _Mapping]]] = ...) -> None: ...
+
+class SharedFetchSession(_message.Message):
+    __slots__ = ("topic_filter", "after_us", "after_all_us", "time_range_us", "max_count", "include_qos0", "skip_acked", "shards")
+    class AfterUsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    AFTER_US_FIELD_NUMBER: _ClassVar[int]
+    AFTER_ALL_US_FIELD_NUMBER: _ClassVar[int]
+    TIME_RANGE_US_FIELD_NUMBER: _ClassVar[int]
+    MAX_COUNT_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_QOS0_FIELD_NUMBER: _ClassVar[int]
+    SKIP_ACKED_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    topic_filter: str
+    after_us: _containers.ScalarMap[int, int]
+    after_all_us: int
+    time_range_us: int
+    max_count: int
+    include_qos0: bool
+    skip_acked: bool
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, topic_filter: _Optional[str] = ..., after_us: _Optional[_Mapping[int, int]] = ..., after_all_us: _Optional[int] = ..., time_range_us: _Optional[int] = ..., max_count: _Optional[int] = ..., include_qos0: _Optional[bool] = ..., skip_acked: _Optional[bool] = ..., shards: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FetchMessagesSharedRequest(_message.Message):
+    __slots__ = ("shards", "sessions", "stale_ok")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    STALE_OK_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SharedFetchSession]
+    stale_ok: bool
+    def __init__(self, shards: _Optional[_Iterable[int]] = ..., sessions: _Optional[_Iterable[_Union[SharedFetchSession, _Mapping]]] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
+
+class SharedFetchResult(_message.Message):
+    __slots__ = ("indexes", "more")
+    INDEXES_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    indexes: _containers.RepeatedScalarFieldContainer[int]
+    more: bool
+    def __init__(self, indexes: _Optional[_Iterable[int]] = ..., more: _Optional[bool] = ...) -> None: ...
+
+class FetchMessagesSharedResponse(_message.Message):
+    __slots__ = ("messages", "sessions", "shards")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[_storage_pb2.Message]
+    sessions: _containers.RepeatedCompositeFieldContainer[SharedFetchResult]
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, messages: _Optional[_Iterable[_Union[_storage_pb2.Message, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SharedFetchResult, _Mapping]]] = ..., shards: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("clientid", "topic_filter", "mode", "shard", "timestamp_us")

@@ -84,10 +84,25 @@ class SessionsStub:
                 request_serializer=mqds_dot_v1_dot_sessions__pb2.GetReadPositionRequest.SerializeToString,
                 response_deserializer=mqds_dot_v1_dot_sessions__pb2.GetReadPositionResponse.FromString,
                 _registered_method=True)
+        self.GetReadPositions = channel.unary_unary(
+                '/mqds.v1.Sessions/GetReadPositions',
+                request_serializer=mqds_dot_v1_dot_sessions__pb2.ReadPositionsRequest.SerializeToString,
+                response_deserializer=mqds_dot_v1_dot_sessions__pb2.ReadPositionsResponse.FromString,
+                _registered_method=True)
+        self.StartReadPositions = channel.unary_unary(
+                '/mqds.v1.Sessions/StartReadPositions',
+                request_serializer=mqds_dot_v1_dot_sessions__pb2.ReadPositionsRequest.SerializeToString,
+                response_deserializer=mqds_dot_v1_dot_sessions__pb2.ReadPositionsResponse.FromString,
+                _registered_method=True)
         self.FetchMessages = channel.unary_unary(
                 '/mqds.v1.Sessions/FetchMessages',
                 request_serializer=mqds_dot_v1_dot_sessions__pb2.FetchMessagesRequest.SerializeToString,
                 response_deserializer=mqds_dot_v1_dot_sessions__pb2.FetchMessagesResponse.FromString,
+                _registered_method=True)
+        self.FetchMessagesShared = channel.unary_unary(
+                '/mqds.v1.Sessions/FetchMessagesShared',
+                request_serializer=mqds_dot_v1_dot_sessions__pb2.FetchMessagesSharedRequest.SerializeToString,
+                response_deserializer=mqds_dot_v1_dot_sessions__pb2.FetchMessagesSharedResponse.FromString,
                 _registered_method=True)
         self.Ack = channel.unary_unary(
                 '/mqds.v1.Sessions/Ack',
@@ -186,9 +201,45 @@ class SessionsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetReadPositions(self, request, context):
+        """The read positions of many pairs at once (a broker's reconnecting
+        sessions): each pair is read in its clientid's shard, which this node
+        must lead (NOT_LEADER otherwise, as for GetReadPosition), so a client
+        sends one call per node for all the pairs whose shards it leads. At most
+        1,000 pairs per call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartReadPositions(self, request, context):
+        """StartReadPosition for many pairs at once: each pair without a position
+        gets one started at its shard leader's clock (one Raft entry each, the
+        entries of a call proposed together); a pair that has one keeps it and
+        costs no log write. At most 1,000 pairs per call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def FetchMessages(self, request, context):
         """Stored messages matching a filter after per-shard positions, in the given
         shards, oldest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchMessagesShared(self, request, context):
+        """FetchMessages for many sessions at once, in the given shards: sessions
+        with the same topic filter are served by one scan of each shard, from
+        the lowest of their positions, which stops once every one of them has
+        its max_count or the data ends; each filter has its own scan. A message
+        several sessions need is sent once, and each session's answer lists
+        which messages are its own. At most 1,000 sessions per call; the answer
+        stays within the node's max_answer_bytes, and a session cut short by it
+        says so (`more`) and continues with another call (see
+        SharedFetchResult).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -283,10 +334,25 @@ def add_SessionsServicer_to_server(servicer, server):
                     request_deserializer=mqds_dot_v1_dot_sessions__pb2.GetReadPositionRequest.FromString,
                     response_serializer=mqds_dot_v1_dot_sessions__pb2.GetReadPositionResponse.SerializeToString,
             ),
+            'GetReadPositions': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetReadPositions,
+                    request_deserializer=mqds_dot_v1_dot_sessions__pb2.ReadPositionsRequest.FromString,
+                    response_serializer=mqds_dot_v1_dot_sessions__pb2.ReadPositionsResponse.SerializeToString,
+            ),
+            'StartReadPositions': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartReadPositions,
+                    request_deserializer=mqds_dot_v1_dot_sessions__pb2.ReadPositionsRequest.FromString,
+                    response_serializer=mqds_dot_v1_dot_sessions__pb2.ReadPositionsResponse.SerializeToString,
+            ),
             'FetchMessages': grpc.unary_unary_rpc_method_handler(
                     servicer.FetchMessages,
                     request_deserializer=mqds_dot_v1_dot_sessions__pb2.FetchMessagesRequest.FromString,
                     response_serializer=mqds_dot_v1_dot_sessions__pb2.FetchMessagesResponse.SerializeToString,
+            ),
+            'FetchMessagesShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchMessagesShared,
+                    request_deserializer=mqds_dot_v1_dot_sessions__pb2.FetchMessagesSharedRequest.FromString,
+                    response_serializer=mqds_dot_v1_dot_sessions__pb2.FetchMessagesSharedResponse.SerializeToString,
             ),
             'Ack': grpc.unary_unary_rpc_method_handler(
                     servicer.Ack,
@@ -590,6 +656,60 @@ class Sessions:
             _registered_method=True)
 
     @staticmethod
+    def GetReadPositions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mqds.v1.Sessions/GetReadPositions',
+            mqds_dot_v1_dot_sessions__pb2.ReadPositionsRequest.SerializeToString,
+            mqds_dot_v1_dot_sessions__pb2.ReadPositionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartReadPositions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mqds.v1.Sessions/StartReadPositions',
+            mqds_dot_v1_dot_sessions__pb2.ReadPositionsRequest.SerializeToString,
+            mqds_dot_v1_dot_sessions__pb2.ReadPositionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def FetchMessages(request,
             target,
             options=(),
@@ -606,6 +726,33 @@ class Sessions:
             '/mqds.v1.Sessions/FetchMessages',
             mqds_dot_v1_dot_sessions__pb2.FetchMessagesRequest.SerializeToString,
             mqds_dot_v1_dot_sessions__pb2.FetchMessagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchMessagesShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mqds.v1.Sessions/FetchMessagesShared',
+            mqds_dot_v1_dot_sessions__pb2.FetchMessagesSharedRequest.SerializeToString,
+            mqds_dot_v1_dot_sessions__pb2.FetchMessagesSharedResponse.FromString,
             options,
             channel_credentials,
             insecure,

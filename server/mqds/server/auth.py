@@ -74,7 +74,9 @@ METHOD_ROLES: dict[str, str] = {
             "GetSubscriptions",
             "GetRetained",
             "GetReadPosition",
+            "GetReadPositions",
             "FetchMessages",
+            "FetchMessagesShared",
         )
     },
     **{
@@ -88,6 +90,7 @@ METHOD_ROLES: dict[str, str] = {
             "Ack",
             "ForgetReadPosition",
             "StartReadPosition",
+            "StartReadPositions",
             "ForgetSession",
         )
     },

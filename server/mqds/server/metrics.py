@@ -423,11 +423,33 @@ class _NodeCollector(Collector):
             CounterMetricFamily,
             "mqds_follow_sent_messages",
             "Messages push subscriptions (Follow) were sent, by where they were read: the replica's feed of what it "
-            "just stored (shared by every subscriber) or disk",
+            "just stored (shared by every subscriber) or disk (through shared catch-up reads)",
             "source",
         )
         feed_bytes = family(
             GaugeMetricFamily, "mqds_follow_feed_bytes", "Bytes of recent stores kept for push subscribers"
+        )
+        catchup_read = family(
+            CounterMetricFamily,
+            "mqds_follow_disk_read_messages",
+            "Messages push subscribers' catch-up reads took from disk; subscribers of a filter at nearby positions "
+            "share a read, so this grows slower than the messages sent from disk",
+        )
+        catchup_bytes = family(
+            GaugeMetricFamily,
+            "mqds_follow_catchup_bytes",
+            "Bytes of recent catch-up reads kept for push subscribers at nearby positions",
+        )
+        fetch_scans = family(
+            CounterMetricFamily,
+            "mqds_offline_fetch_scans",
+            "Scans of the shard for offline fetches (FetchMessages, FetchMessagesShared: one per topic filter "
+            "however many sessions share it), since the replica opened its storage",
+        )
+        fetch_scanned = family(
+            CounterMetricFamily,
+            "mqds_offline_fetch_scanned_messages",
+            "Stored messages the offline fetches' scans read, since the replica opened its storage",
         )
         for shard, vnode in node.hosted_vnodes():
             label = str(shard)
@@ -437,9 +459,12 @@ class _NodeCollector(Collector):
             follow_sent.add_metric([label, "feed"], replica.feed.read_from_ring)
             follow_sent.add_metric([label, "disk"], replica.feed.read_from_disk)
             feed_bytes.add_metric([label], replica.feed.size_bytes)
+            catchup_read.add_metric([label], replica.catchup.read_from_disk)
+            catchup_bytes.add_metric([label], replica.catchup.size_bytes)
             try:
                 with replica.reading() as storage:
                     usage = storage.disk_usage()
+                    scans, scanned = storage.sessions.fetch_scans, storage.sessions.fetch_scanned
             except MqdsError:  # closing
                 continue
             generations.add_metric([label], len(usage.generation_bytes))
@@ -447,8 +472,10 @@ class _NodeCollector(Collector):
                 generation_bytes.add_metric([label, str(number)], size)
             metadata_bytes.add_metric([label], usage.metadata_bytes)
             memtable_bytes.add_metric([label], usage.memtable_bytes)
+            fetch_scans.add_metric([label], scans)
+            fetch_scanned.add_metric([label], scanned)
         yield from (stored, stored_bytes, generations, generation_bytes, metadata_bytes, memtable_bytes)
-        yield from (follow_sent, feed_bytes)
+        yield from (follow_sent, feed_bytes, catchup_read, catchup_bytes, fetch_scans, fetch_scanned)
 
 
 def _wal_bytes(directory: str) -> int:

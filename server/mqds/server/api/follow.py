@@ -12,7 +12,9 @@ replica, continues exactly: nothing lost, nothing repeated.
 
 Where the messages come from: the replica's feed (``cluster/feed.py``) when
 the position is within what the feed holds, else RocksDB (``storage/ordered.py``)
-up to the shard's last timestamp, after which the feed takes over. A
+up to the shard's last timestamp, after which the feed takes over. Disk reads
+go through the replica's shared catch-up reads (``cluster/catchup.py``), so
+subscribers of one filter at nearby positions share one read. A
 subscription without credit is skipped and holds nothing; when credit comes
 it goes on from its position, from disk if the feed moved past it.
 
@@ -37,9 +39,7 @@ from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.topics import TopicError, validate_filter
 from mqds.server.api.handlers import check_parsed
-from mqds.server.cluster.feed import ANSWER_TAG
 from mqds.server.storage.ordered import dropped_after, ordered
-from mqds.server.wire import encode_messages
 from mqds.v1 import storage_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -273,10 +273,9 @@ class _Call:
                     self._listen(sub, feed, storage)
                 got = feed.read_after(sub.position, sub.topic_filter, sub.levels, limit, self.max_answer_bytes)
                 if got is None:
-                    entries, reached = self._from_disk(sub, storage, limit)
-                    feed.read_from_disk += len(entries)
-                    got = [encode_messages(ANSWER_TAG, entries, sub.shard)] if entries else [], reached
-                    count = len(entries)
+                    got = self._from_disk(sub, storage, replica.catchup, limit)
+                    count = len(got[0])
+                    feed.read_from_disk += count
                 else:
                     count = len(got[0])
         except MqdsError as err:
@@ -294,8 +293,12 @@ class _Call:
         head = pb.FollowResponse(id=sub.id, shard=sub.shard, position_us=sub.position).SerializeToString()
         return head + b"".join(pieces)
 
-    def _from_disk(self, sub: _Sub, storage: Any, limit: int) -> tuple[list[tuple[int, bytes]], int]:
-        """Up to ``limit`` messages after the subscription's position, read from RocksDB; the position reached."""
+    def _from_disk(self, sub: _Sub, storage: Any, catchup: Any, limit: int) -> tuple[list[bytes], int]:
+        """Up to ``limit`` messages after the subscription's position from disk, encoded; the position reached.
+
+        Through the replica's shared catch-up reads (``cluster/catchup.py``):
+        subscribers of the filter at nearby positions share one read.
+        """
         if sub.position > 0:
             dropped = dropped_after(storage, sub.position)
             if dropped is not None:
@@ -308,17 +311,24 @@ class _Call:
         fence = storage.last_ts
         if fence <= sub.position:
             return [], sub.position
+        after = max(sub.position, sub.start_us - 1)
+        if after >= fence:
+            return [], fence
         budget = self.max_answer_bytes
-        found: list[tuple[int, bytes]] = []
-        size = 0
-        for ts, stored in ordered(storage, sub.topic_filter, max(sub.position + 1, sub.start_us), fence):
-            if found and budget is not None and size + len(stored) > budget:
-                return found, found[-1][0]
-            found.append((ts, stored))
-            size += len(stored)
-            if len(found) >= limit:
-                return found, ts
-        return found, fence
+
+        def load(after_us: int, count: int) -> tuple[list[tuple[int, bytes]], int]:
+            found: list[tuple[int, bytes]] = []
+            size = 0
+            for ts, stored in ordered(storage, sub.topic_filter, after_us + 1, fence):
+                if found and budget is not None and size + len(stored) > budget:
+                    return found, found[-1][0]
+                found.append((ts, stored))
+                size += len(stored)
+                if len(found) >= count:
+                    return found, ts
+            return found, fence
+
+        return catchup.read(sub.topic_filter, after, limit, budget, load, self.limits.max_batch)
 
     def _failure(self, sub: _Sub, err: MqdsError) -> bytes:
         response = pb.FollowResponse(id=sub.id, shard=sub.shard, position_us=sub.position)

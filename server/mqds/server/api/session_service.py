@@ -14,9 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from mqds.protocol import errors
-from mqds.protocol.errors import Reason
+from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_topic
+from mqds.server.api import shared_fetch
 from mqds.server.api.storage_service import Shards, ShardsAPI, check_properties, now_us
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.storage.sessions import FetchFilter
@@ -192,6 +193,68 @@ class SessionService(ShardsAPI):
         if position is None:
             return spb.GetReadPositionResponse()
         return spb.GetReadPositionResponse(found=True, position=position)
+
+    def GetReadPositions(self, request: spb.ReadPositionsRequest) -> spb.ReadPositionsResponse:
+        return self._positions(request, start=False)
+
+    def StartReadPositions(self, request: spb.ReadPositionsRequest) -> spb.ReadPositionsResponse:
+        return self._positions(request, start=True)
+
+    def _positions(self, request: spb.ReadPositionsRequest, *, start: bool) -> spb.ReadPositionsResponse:
+        """The read positions of many pairs, each read in its clientid's shard; ``start``: start the missing ones."""
+        pairs = request.pairs
+        shared_fetch.check_count(len(pairs), "pairs")
+        homes: list[int] = []
+        for i, pair in enumerate(pairs):
+            try:
+                homes.append(self._client_shard(pair.clientid))
+            except MqdsError as err:
+                raise errors.error(err.reason, f"pairs[{i}]: {err.message}") from None
+            shared_fetch.check_filter(pair.topic_filter, f"pairs[{i}]")
+        by_shard: dict[int, list[int]] = {}
+        for i, shard in enumerate(homes):
+            by_shard.setdefault(shard, []).append(i)
+        positions: list[spb.ReadPosition | None] = [None] * len(pairs)
+        for vnode in self._read(sorted(by_shard), request.stale_ok and not start):
+            with vnode.replica.reading() as storage:
+                for i in by_shard[vnode.shard]:
+                    positions[i] = storage.sessions.read_position(pairs[i].clientid, pairs[i].topic_filter)
+        started = [False] * len(pairs)
+        if start:
+            missing = [i for i, position in enumerate(positions) if position is None]
+            now = self.clock()
+            commands = [
+                (
+                    homes[i],
+                    cpb.VnodeCommand(
+                        session=cpb.SessionCommand(
+                            now_us=now,
+                            start_position=spb.StartReadPositionRequest(
+                                clientid=pairs[i].clientid, topic_filter=pairs[i].topic_filter
+                            ),
+                        )
+                    ).SerializeToString(),
+                )
+                for i in missing
+            ]
+            # One entry per new pair, proposed together: the groups log what arrives in a cycle at once.
+            for i, (was_started, position) in zip(missing, self._propose_all(commands), strict=True):
+                started[i], positions[i] = was_started, position
+        response = spb.ReadPositionsResponse()
+        for i, pair in enumerate(pairs):
+            position = positions[i]
+            entry = response.positions.add(
+                clientid=pair.clientid, topic_filter=pair.topic_filter, found=position is not None, started=started[i]
+            )
+            if position is not None:
+                entry.position.CopyFrom(position)
+        self._check_answer(
+            response.ByteSize(), f"the read positions of {len(pairs):,} pairs", "ask for fewer pairs at a time"
+        )
+        return response
+
+    def FetchMessagesShared(self, request: spb.FetchMessagesSharedRequest) -> bytes:
+        return shared_fetch.serve(self, request)
 
     def FetchMessages(self, request: spb.FetchMessagesRequest) -> bytes:
         self._filter(request.topic_filter)

@@ -28,7 +28,7 @@ from mqds.server.api.handlers import takes_raw_request
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.group import PendingRead, Proposal
 from mqds.server.storage import GenerationInfo, IteratorDecodeError, IteratorState
-from mqds.server.wire import encode_messages, positions_bytes, repeated_field, store_command
+from mqds.server.wire import encode_rows, positions_bytes, repeated_field, store_command
 from mqds.v1 import storage_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -490,7 +490,7 @@ class StorageService(ShardsAPI):
         with vnode.replica.reading() as storage:
             result = storage.next(state, batch, fence, budget)
             shard = storage.shard
-            body = encode_messages(_MESSAGES_TAG, result.entries, shard)
+            body = encode_rows(_MESSAGES_TAG, result.rows, shard)
         token_bytes = pb.IteratorToken(
             shard=shard, generation=state.generation, state=result.state.encode()
         ).SerializeToString()

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
-from mqds.server.cluster.feed import ShardFeed
+from mqds.server.cluster.catchup import CatchUp
+from mqds.server.cluster.feed import ANSWER_TAG, ShardFeed
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.journal import fsync_dir
 from mqds.server.storage import Engine, GenerationInfo, ShardStorage, StorePart
@@ -69,6 +70,8 @@ class VnodeReplica:
         self.storage = self._open()
         self.feed = ShardFeed(shard, feed_bytes)
         """What this replica just stored, for push subscriptions (``feed.py``)."""
+        self.catchup = CatchUp(shard, feed_bytes, ANSWER_TAG)
+        """Push subscribers' recent disk reads, shared by those at nearby positions (``catchup.py``)."""
         # For the metrics, counted per applied batch (never per message) by
         # the group's thread, the only one that applies: plain ints suffice.
         self.stored_messages = 0
@@ -221,7 +224,9 @@ class VnodeReplica:
             return storage.add_generation(add.now_us, applied_index=index)
         if kind == "drop_generation":
             try:
-                return storage.drop_generation(cmd.drop_generation.generation, applied_index=index)
+                dropped = storage.drop_generation(cmd.drop_generation.generation, applied_index=index)
+                self.catchup.reset()
+                return dropped
             except MqdsError as err:
                 if err.reason is Reason.STORAGE_ERROR:
                     raise
@@ -314,6 +319,7 @@ class VnodeReplica:
                 fsync_dir(os.path.dirname(self.path))
                 self.storage = self._open()
                 self.feed.reset(self.storage.last_ts)
+                self.catchup.reset()
             finally:
                 self._swapping = False
                 self._cond.notify_all()

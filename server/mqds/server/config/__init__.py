@@ -185,7 +185,8 @@ class NodeConfig:
     follow_feed_bytes: int = _opt(
         4 * 1024 * 1024,
         "per shard replica with push subscribers (Follow): the recent stores kept in memory for them, in bytes; "
-        "a subscriber further behind reads from disk",
+        "a subscriber further behind reads from disk, and as many bytes again keep recent disk reads for "
+        "subscribers at nearby positions",
     )
     follow_max_subscriptions: int = _opt(
         10_000, "push subscriptions one Follow call may carry; one more ends the call with INVALID_ARGUMENT"

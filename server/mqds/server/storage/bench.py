@@ -190,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
             state = storage.make_iterator(ref.generation, ref.stream, f"bench/dev-{device}/#", 0)
             while True:
                 result = storage.next(state, 1000)
-                selected += len(result.entries)
+                selected += len(result.rows)
                 state = result.state
-                if not result.entries:
+                if not result.rows:
                     break
         figures["selective_messages"] = selected
         figures["selective_keys_read"] = storage.keys_read
@@ -237,9 +237,9 @@ def replay_rate(storage: ShardStorage, expected: int, decode: bool = False) -> f
                 if decode:
                     for ts, value in result.entries:
                         decode_message(value, ts, 0)
-                count += len(result.entries)
+                count += len(result.rows)
                 state = result.state
-                if not result.entries:
+                if not result.rows:
                     break
             progress("replay (decoded)" if decode else "replay", count, expected)
         return count

@@ -124,6 +124,8 @@ _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 _STREAM_TS = struct.Struct(">IQ")
+_MAX_U64 = (1 << 64) - 1
+_MAX_U32 = (1 << 32) - 1
 _TWO_U32 = struct.Struct(">II")
 
 
@@ -191,6 +193,20 @@ def data_prefix(stream: int) -> bytes:
 
 def data_key(stream: int, timestamp_us: int) -> bytes:
     return DATA_TAG + _STREAM_TS.pack(stream, timestamp_us)
+
+
+def data_key_ts(key: bytes) -> int:
+    """The timestamp of a data key."""
+    return int.from_bytes(key[5:DATA_KEY_LEN], "big")
+
+
+def data_upper_bound(stream: int, limit: int) -> bytes:
+    """The first key after the stream's data keys up to timestamp ``limit`` (an iterator's exclusive bound)."""
+    if limit < _MAX_U64:
+        return data_key(stream, limit + 1)
+    if stream < _MAX_U32:
+        return data_prefix(stream + 1)
+    return bytes([DATA_TAG[0] + 1])
 
 
 def parse_data_key(key: bytes) -> tuple[int, int]:

@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from rocksdict import Rdict
+from rocksdict import Rdict, ReadOptions
 
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
@@ -35,11 +35,21 @@ BUDGET_CHUNK = 32
 
 @dataclass(frozen=True)
 class ReadResult:
-    """What ``next`` read: (timestamp, stored message bytes) pairs, oldest first."""
+    """What ``next`` read: (data key, stored message bytes) rows as the engine gave them, oldest first.
 
-    entries: list[tuple[int, bytes]]
+    The rows stay as read (no timestamp is decoded per message): an answer is
+    encoded from them directly (``wire.encode_rows``); ``entries`` gives
+    (timestamp, stored bytes) pairs for code that wants the numbers.
+    """
+
+    rows: list[tuple[bytes, bytes]]
     state: IteratorState
     end_of_stream: bool
+
+    @property
+    def entries(self) -> list[tuple[int, bytes]]:
+        """(timestamp, stored message bytes) pairs, oldest first."""
+        return [(keys.data_key_ts(key), value) for key, value in self.rows]
 
 
 @dataclass(frozen=True)
@@ -104,13 +114,13 @@ def read(
         return ReadResult([], state, closed or fenced)
     indexed = {level: value for level, value in constraints.items() if level < keys.MAX_INDEXED_LEVELS}
     if indexed:
-        entries, next_ts, exhausted = scan_index(cf, state, indexed, filter_levels, batch_size, limit, max_bytes, cost)
+        rows, next_ts, exhausted = scan_index(cf, state, indexed, filter_levels, batch_size, limit, max_bytes, cost)
     else:
         # Constraints only on levels too deep to be indexed: scan the
         # stream and check each topic.
         check = filter_levels if constraints else None
-        entries, next_ts, exhausted = scan_stream(cf, state, batch_size, check, limit, max_bytes, cost)
-    return ReadResult(entries, state.advanced(next_ts), (closed or fenced) and exhausted)
+        rows, next_ts, exhausted = scan_stream(cf, state, batch_size, check, limit, max_bytes, cost)
+    return ReadResult(rows, state.advanced(next_ts), (closed or fenced) and exhausted)
 
 
 def scan_stream(
@@ -121,31 +131,36 @@ def scan_stream(
     limit: int,
     max_bytes: int | None,
     cost: ReadCost,
-) -> tuple[list[tuple[int, bytes]], int, bool]:
-    """Scan the stream's data keys; keep those whose topic matches ``check`` (all if None)."""
+) -> tuple[list[tuple[bytes, bytes]], int, bool]:
+    """Scan the stream's data keys; keep those whose topic matches ``check`` (all if None).
+
+    The engine's iterator is bounded to the stream's keys up to ``limit``, so
+    the loop only counts and keeps rows: this is the replay's inner loop, a
+    few bytecodes a message.
+    """
     prefix = keys.data_prefix(state.stream)
-    entries: list[tuple[int, bytes]] = []
+    bounded = ReadOptions()
+    bounded.set_iterate_upper_bound(keys.data_upper_bound(state.stream, limit))
+    rows: list[tuple[bytes, bytes]] = []
+    keep = rows.append
     exhausted = True
-    next_ts = state.next_ts
     scanned = 0
+    last: tuple[bytes, bytes] | None = None
     budget = NO_FENCE if max_bytes is None else max_bytes
     parse = pb.Message.FromString
-    for key, value in cf.items(from_key=prefix + keys.u64(state.next_ts)):
-        if not key.startswith(prefix):
-            break
-        ts = int.from_bytes(key[5:13], "big")
-        if ts > limit:
-            break
-        if len(entries) == batch_size or (entries and len(value) > budget):
+    for row in cf.items(from_key=prefix + keys.u64(state.next_ts), read_opt=bounded):
+        size = len(row[1])
+        if len(rows) == batch_size or (size > budget and rows):
             exhausted = False
             break
         scanned += 1
-        next_ts = ts + 1
-        if check is None or matches_levels(check, parse(value).topic.split("/")):
-            entries.append((ts, value))
-            budget -= len(value)
+        last = row
+        if check is None or matches_levels(check, parse(row[1]).topic.split("/")):
+            keep(row)
+            budget -= size
     cost.keys += scanned + (0 if exhausted else 1)
-    return entries, next_ts, exhausted
+    next_ts = state.next_ts if last is None else keys.data_key_ts(last[0]) + 1
+    return rows, next_ts, exhausted
 
 
 def scan_index(
@@ -157,12 +172,12 @@ def scan_index(
     limit: int,
     max_bytes: int | None,
     cost: ReadCost,
-) -> tuple[list[tuple[int, bytes]], int, bool]:
+) -> tuple[list[tuple[bytes, bytes]], int, bool]:
     """Read the messages the index lists for the first constrained level; keep those that match the filter."""
     level = min(constraints)
     prefix = keys.index_prefix(state.stream, level, constraints[level])
     candidates = postings(cf, prefix, state.next_ts, limit, cost)
-    entries: list[tuple[int, bytes]] = []
+    rows: list[tuple[bytes, bytes]] = []
     next_ts = state.next_ts
     exhausted = False
     parse = pb.Message.FromString
@@ -171,28 +186,29 @@ def scan_index(
     chunk = batch_size if max_bytes is None else BUDGET_CHUNK
     budget = NO_FENCE if max_bytes is None else max_bytes
     full = False
-    while len(entries) < batch_size and not full:
-        stamps = list(itertools.islice(candidates, min(chunk, batch_size - len(entries))))
+    while len(rows) < batch_size and not full:
+        stamps = list(itertools.islice(candidates, min(chunk, batch_size - len(rows))))
         if not stamps:
             exhausted = True
             break
-        values = cf.get([keys.data_key(state.stream, ts) for ts in stamps])
+        data_keys = [keys.data_key(state.stream, ts) for ts in stamps]
+        values = cf.get(data_keys)
         cost.keys += len(stamps)
-        for ts, value in zip(stamps, values, strict=True):
-            if entries and value is not None and len(value) > budget:
+        for ts, key, value in zip(stamps, data_keys, values, strict=True):
+            if rows and value is not None and len(value) > budget:
                 full = True
                 break
             next_ts = ts + 1
             # The hash may collide and other constrained levels are not
             # indexed: check the topic itself.
             if value is not None and matches_levels(filter_levels, parse(value).topic.split("/")):
-                entries.append((ts, value))
+                rows.append((key, value))
                 budget -= len(value)
     if full:
-        return entries, next_ts, False
+        return rows, next_ts, False
     if not exhausted:
         exhausted = next(candidates, None) is None
-    return entries, next_ts, exhausted
+    return rows, next_ts, exhausted
 
 
 def postings(cf: Rdict, prefix: bytes, start: int, limit: int, cost: ReadCost) -> Iterator[int]:

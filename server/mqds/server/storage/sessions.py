@@ -15,7 +15,8 @@ message it removes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,11 +52,29 @@ class FetchFilter:
     """Stop before the message that would take the stored bytes found past this (one message at least)."""
 
 
+@dataclass(frozen=True)
+class SharedScan:
+    """What one scan of a topic filter found for several fetches (``SessionState.fetch_shared``)."""
+
+    found: list[tuple[int, bytes]]
+    """Every message some fetch takes, once, oldest first: (timestamp, stored bytes)."""
+    taken: list[list[int]]
+    """Per fetch, in the order given: the indexes in ``found`` of its messages, oldest first."""
+    cut: bool
+    """The scan stopped at its byte budget, with some fetch short of its ``max_count``: the fetches that are
+    short may have more messages after ``found[-1]``."""
+
+
 class SessionState:
     """The broker state of one shard, on top of its ``ShardStorage``."""
 
     def __init__(self, storage: ShardStorage) -> None:
         self._storage = storage
+        self._counted = threading.Lock()
+        self.fetch_scans = 0
+        """Scans offline fetches made of this shard since it was opened (one per filter per shared fetch)."""
+        self.fetch_scanned = 0
+        """Stored messages those scans read (matching the filter, before the other conditions)."""
 
     # -- writes -----------------------------------------------------------------
 
@@ -251,23 +270,96 @@ class SessionState:
         Each is (timestamp, stored bytes). A queue fetch starts after the filter's queue floor, so acknowledged
         messages at the head of a queue are not scanned again and again.
         """
-        after = wanted.after_us
-        if wanted.skip_acked:
-            after = max(after, self.queue_floor(wanted.topic_filter))
+        return self.fetch_shared([wanted], wanted.max_bytes).found
+
+    def fetch_shared(
+        self, wanted: Sequence[FetchFilter], max_bytes: int | None = None, *, ref_bytes: int = 0
+    ) -> SharedScan:
+        """``fetch`` for several fetches of one topic filter at once, in one scan of the shard.
+
+        The scan starts at the lowest position (``after_us``, ``since_us``, the queue floor for queue fetches)
+        and each message goes to every fetch it passes that is not full yet, so fetch *i* gets exactly what
+        ``fetch(wanted[i])`` returns without a byte budget. It stops when every fetch has its ``max_count``,
+        at the end of the data, or before the message that would take the bytes found past ``max_bytes``
+        (one message at least): each message counts its stored bytes plus ``ref_bytes`` per fetch that takes
+        it (what an answer spends to say whose it is). ``max_bytes`` of the fetches themselves is not used.
+        """
+        if not wanted:
+            return SharedScan([], [], False)
+        topic_filter = wanted[0].topic_filter
+        if any(w.topic_filter != topic_filter for w in wanted):
+            raise ValueError("a shared fetch reads one topic filter")
+        floor = self.queue_floor(topic_filter) if any(w.skip_acked for w in wanted) else 0
+        starts = sorted(
+            (max((max(w.after_us, floor) if w.skip_acked else w.after_us) + 1, w.since_us), i)
+            for i, w in enumerate(wanted)
+            if w.max_count > 0
+        )
+        taken: list[list[int]] = [[] for _ in wanted]
         found: list[tuple[int, bytes]] = []
+        if not starts:
+            return SharedScan(found, taken, False)
+        cut = False
+        scanned = 0
+        # The fetches that started and are not full, by kind (include_qos0, skip_acked): a message's QoS and
+        # queue mark are looked at once, whatever the number of fetches it goes to.
+        by_kind: dict[tuple[bool, bool], list[int]] = {}
+        kinds: list[tuple[bool, bool, list[int]]] = []
+        following = 0  # starts[following:] have not begun
+        open_fetches = len(starts)
         size = 0
-        for ts, stored in self._ordered(wanted.topic_filter, max(after + 1, wanted.since_us)):
-            if not wanted.include_qos0 and _qos(stored) == 0:
+        for ts, stored in self._ordered(topic_filter, starts[0][0]):
+            scanned += 1
+            while following < len(starts) and starts[following][0] <= ts:
+                index = starts[following][1]
+                kind = (wanted[index].include_qos0, wanted[index].skip_acked)
+                members = by_kind.get(kind)
+                if members is None:
+                    members = by_kind[kind] = []
+                    kinds.append((*kind, members))
+                members.append(index)
+                following += 1
+            takers: list[list[int]] = []
+            qos0: bool | None = None
+            acked: bool | None = None
+            for include_qos0, skip_acked, members in kinds:
+                if not members:
+                    continue
+                if not include_qos0:
+                    if qos0 is None:
+                        qos0 = _qos(stored) == 0
+                    if qos0:
+                        continue
+                if skip_acked:
+                    if acked is None:
+                        acked = self._get(keys.queue_ack_key(ts)) is not None
+                    if acked:
+                        continue
+                takers.append(members)
+            if not takers:
                 continue
-            if wanted.skip_acked and self._get(keys.queue_ack_key(ts)) is not None:
-                continue
-            size += len(stored)
-            if wanted.max_bytes is not None and found and size > wanted.max_bytes:
+            size += len(stored) + ref_bytes * sum(len(members) for members in takers)
+            if max_bytes is not None and found and size > max_bytes:
+                cut = True
                 break
+            position = len(found)
             found.append((ts, stored))
-            if len(found) == wanted.max_count:
+            for members in takers:
+                full = False
+                for index in members:
+                    mine = taken[index]
+                    mine.append(position)
+                    if len(mine) == wanted[index].max_count:
+                        full = True
+                        open_fetches -= 1
+                if full:
+                    members[:] = [i for i in members if len(taken[i]) < wanted[i].max_count]
+            if open_fetches == 0:
                 break
-        return found
+        with self._counted:
+            self.fetch_scans += 1
+            self.fetch_scanned += scanned
+        return SharedScan(found, taken, cut)
 
     def _ordered(self, topic_filter: str, start_us: int) -> Iterator[tuple[int, bytes]]:
         return ordered(self._storage, topic_filter, start_us)
