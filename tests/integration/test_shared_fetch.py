@@ -41,6 +41,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     base = tmp_path_factory.mktemp("shared-fetch") / "c"
     with LocalCluster(base, 3, n_shards=N_SHARDS, metrics=True, args=[f"--max-answer-bytes={ANSWER_BYTES}"]) as c:
         c.start()
+        c.wait_leaders_settled()  # the raw calls below go to a shard's leader, so leaders must stay put
         yield c
 
 
