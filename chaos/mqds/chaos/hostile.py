@@ -126,6 +126,28 @@ REQUESTS: tuple[Request, ...] = (
             topic_filter="#", max_count=5, shards=[0], after_us={i: 1 for i in range(2000)}
         ).SerializeToString(),
     ),
+    Request(
+        "fetch-shared-1000-sessions-200-after-us",
+        "Sessions",
+        "FetchMessagesShared",
+        lambda h: spb.FetchMessagesSharedRequest(
+            shards=[0],
+            sessions=[
+                spb.SharedFetchSession(topic_filter="#", max_count=5, after_us={i: 1 for i in range(200)})
+                for _ in range(1000)
+            ],
+        ).SerializeToString(),
+    ),
+    Request(
+        "get-read-positions-1001-pairs",
+        "Sessions",
+        "GetReadPositions",
+        lambda h: spb.ReadPositionsRequest(
+            pairs=[spb.ReadPositionPair(clientid=f"c{i}", topic_filter="#") for i in range(1001)]
+        ).SerializeToString(),
+        must_refuse=True,
+    ),
+    Request("garbage:Sessions/FetchMessagesShared", "Sessions", "FetchMessagesShared", _garbage(2)),
     Request("garbage:Storage/StoreBatch", "Storage", "StoreBatch", _garbage(0)),
     Request("garbage:Storage/Next", "Storage", "Next", _garbage(1)),
     Request("garbage:Storage/GetStreams", "Storage", "GetStreams", _garbage(2)),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import base64
 import collections
-import heapq
 import json
 import sys
 from collections.abc import Iterable
@@ -13,8 +12,10 @@ from collections.abc import Iterator as AbcIterator
 from concurrent import futures
 
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, TIME_HELP, CommandError, connection, format_time_us, parse_time
-from mqds.client import Client, Iterator, Message, Stream
+from mqds.client import Client, Message, MessageBatch, Stream
 from mqds.client.errors import GenerationDroppedError
+from mqds.client.operations import replay_order
+from mqds.client.replay import merged
 from mqds.protocol.topics import validate_filter, validate_topic
 
 DEFAULT_SENDER = "mqds-cli"
@@ -116,12 +117,12 @@ def run_pub(opts: argparse.Namespace) -> int:
 
 
 class Tail:
-    """Every message matching a filter from a start time, as stored now (``mqds replay`` without ``--follow``).
+    """Every message matching a filter from a start time, as stored when it starts (``mqds replay`` without
+    ``--follow``).
 
-    One iterator per stream: :meth:`poll` lists the streams, then reads each
-    to its end, rank by rank (shard, generation), the streams of a rank
-    merged by timestamp, so each sender's messages come in the order they
-    were stored. A generation dropped meanwhile is reported and skipped.
+    What ``Client.replay_batches`` reads, the same way (each shard up to its fence taken at the start,
+    answers kept as batches, the streams of a rank merged a batch at a time), except that a generation
+    dropped while it is read is reported and skipped instead of ending the replay.
     """
 
     def __init__(self, client: Client, topic_filter: str, start_us: int, batch: int, stale_ok: bool) -> None:
@@ -130,46 +131,33 @@ class Tail:
         self.start_us = start_us
         self.batch = batch
         self.stale_ok = stale_ok
-        self.iterators: dict[tuple[int, int, int], Iterator] = {}
-        self.finished: set[tuple[int, int, int]] = set()
 
-    def _discover(self) -> None:
-        for _rank, stream in self.client.get_streams(self.topic_filter, self.start_us, stale_ok=self.stale_ok):
-            key = (stream.shard, stream.generation, stream.id)
-            if key not in self.iterators and key not in self.finished:
-                self.iterators[key] = self._make_iterator(stream)
-
-    def _make_iterator(self, stream: Stream) -> Iterator:
-        return self.client.make_iterator(stream, self.topic_filter, self.start_us, stale_ok=self.stale_ok)
-
-    def _drain(self, key: tuple[int, int, int]) -> AbcIterator[Message]:
-        while key in self.iterators:
-            try:
-                result = self.client.next(self.iterators[key], self.batch, stale_ok=self.stale_ok)
-            except GenerationDroppedError:
-                print(f"mqds replay: generation {key[1]} of shard {key[0]} was dropped meanwhile", file=sys.stderr)
-                self._finish(key)
-                return
-            self.iterators[key] = result.iterator
-            yield from result.messages
-            if result.end_of_stream:
-                self._finish(key)
-            if not result.messages:
-                return
-
-    def _finish(self, key: tuple[int, int, int]) -> None:
-        self.iterators.pop(key, None)
-        self.finished.add(key)
+    def _drain(self, stream: Stream, fence_us: int) -> AbcIterator[MessageBatch]:
+        try:
+            iterator = self.client.make_iterator(stream, self.topic_filter, self.start_us, stale_ok=self.stale_ok)
+            while True:
+                # Up to the fence every replica that applied it answers the same.
+                result = self.client.next(iterator, self.batch, stale_ok=True, fence_us=fence_us)
+                if result.messages:
+                    yield result.messages
+                if result.end_of_stream or not result.messages:
+                    return
+                iterator = result.iterator
+        except GenerationDroppedError:
+            print(
+                f"mqds replay: generation {stream.generation} of shard {stream.shard} was dropped meanwhile",
+                file=sys.stderr,
+            )
 
     def poll(self) -> AbcIterator[Message]:
-        """Everything available now that was not returned before."""
-        self._discover()
-        by_rank: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-        for key in sorted(self.iterators):
-            by_rank.setdefault(key[:2], []).append(key)
-        for rank in sorted(by_rank):
-            sources = [self._drain(key) for key in by_rank[rank]]
-            yield from heapq.merge(*sources, key=lambda m: m.timestamp_us or 0) if len(sources) > 1 else sources[0]
+        """Every message stored before the call, rank by rank."""
+        order = replay_order(self.client.get_streams(self.topic_filter, self.start_us, stale_ok=self.stale_ok))
+        shards = sorted({streams[0].shard for streams in order})
+        fences = {f.shard: f.timestamp_us for f in self.client.get_fences(shards)} if shards else {}
+        for streams in order:
+            fence = fences[streams[0].shard]
+            for batch in merged([self._drain(stream, fence) for stream in streams], self.batch):
+                yield from batch
 
 
 def _payload_text(payload: bytes) -> str | None:
@@ -314,7 +302,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         help="read stored messages matching a topic filter",
         description=(
             "Print every stored message matching FILTER (MQTT wildcards: + one level, # the rest), shard by "
-            "shard, each publisher's messages in the order they were stored. With --follow, keep printing "
+            "shard, each publisher's messages in the order they were stored: what was stored when it starts, "
+            "so it ends while writers go on (a generation that retention drops meanwhile is reported on stderr "
+            "and skipped). With --follow, keep printing "
             "messages as they are stored until Ctrl-C: a push subscription, which rides out a node's failure "
             "with nothing lost or repeated."
         ),
