@@ -11,6 +11,7 @@ tests receive is the retained lookup or amqtt's live routing alone).
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import subprocess
 import threading
@@ -520,6 +521,7 @@ def test_offline_subscriber_gets_everything_after_broker_restart_and_node_kill(
 
     stopped = broker.stop()  # the clean stop stores what amqtt acknowledged before it exits
     assert "mqds broker: stopped after" in stopped and "messages stored" in stopped, stopped
+    assert re.search(r"\d+ offline fetches in \d+ shared calls", stopped), stopped  # the subscription fetched
     assert_stored(cluster.client, "e2e/stopburst/#", expected_burst, timeout_s=5)
     harness = cluster.harness()
     victim = harness.leader(shard_of("e2e-offline-pub", N_SHARDS))  # the leader holding the messages

@@ -399,6 +399,9 @@ class MqdsPlugin(BaseTopicPlugin):
             f"{s['delivered_live']} live to persistent sessions",
             f"{s['acked']} acknowledged" + (f" ({s['ack_failed']} failed)" if s["ack_failed"] else ""),
         ]
+        offline = self.hooks.offline
+        if offline.fetches:
+            parts.append(f"{offline.fetches} offline fetches in {offline.calls} shared calls")
         if s["handed_on_after_disconnect"]:
             parts.append(
                 f"{s['handed_on_after_disconnect']} acknowledged publishes routed after their connection ended"

@@ -200,9 +200,9 @@ class NodeConfig:
     )
     max_answer_bytes: int = _opt(
         16 * 1024 * 1024,
-        "largest answer the public API builds, in bytes: Next and FetchMessages stop at it (always returning at "
-        "least one message, so a reader continues), other calls whose answer would be larger are refused with "
-        "INVALID_ARGUMENT; at most max_request_bytes",
+        "largest answer the public API builds, in bytes: Next, FetchMessages and FetchMessagesShared stop at it "
+        "(always returning at least one message, so a reader continues), other calls whose answer would be "
+        "larger are refused with INVALID_ARGUMENT; at most max_request_bytes",
     )
     grpc_workers: int = _opt(
         64,
