@@ -223,9 +223,11 @@ def test_next_and_fetch_answers_are_bounded_and_continue(
     stays_well.rebase()
     # Reading 24 MiB three ways fills the block caches (64 MiB a node) and
     # gRPC's buffers: the three nodes grew by 210-280 MiB in all over
-    # 2026-11-26's runs (the file's earlier tests leave their own share). A
-    # 24 MiB answer built whole took as much again, well over this bound.
-    stays_well.allow(320 * MiB)
+    # 2026-11-26's runs, and by 236-312 MiB alone and 320 MiB once in the
+    # whole suite on 2026-11-27 (the code of the day before and the new alike:
+    # the allocator's spread, and the file's earlier tests leave their share).
+    # A 24 MiB answer built whole took as much again, well over this bound.
+    stays_well.allow(384 * MiB)
     shard = shard_of("large", N_SHARDS)
     want = [m.timestamp_us for m in stored]
 
