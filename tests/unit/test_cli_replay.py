@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from mqds.cli.messages import Tail
-from mqds.client import Fence, MessageBatch, NextResult, Rank, Stream
+from mqds.client import Client, Fence, MessageBatch, NextResult, Rank, Stream
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.v1 import storage_pb2 as pb
@@ -17,24 +17,27 @@ STREAMS = {1: (0, [1, 4, 6, 9]), 2: (0, [2, 3, 7, 8, 12]), 3: (1, [5, 10])}
 FENCES = {0: 9, 1: 10}
 
 
-class FakeClient:
-    """The calls Tail makes, over ``STREAMS``; stream 3's generation is dropped once it is first read."""
+class FakeClient(Client):
+    """A client whose reads answer from ``STREAMS`` (no node); stream 3's generation is dropped once it is read."""
 
     def __init__(self) -> None:
+        super().__init__(["127.0.0.1:1"])
         self.fences_asked: list[int] = []
         self.read_fences: set[int] = set()
 
-    def get_streams(self, topic_filter: str, start_us: int, *, stale_ok: bool = False) -> list[tuple[Rank, Stream]]:
+    def get_streams(self, topic_filter: str, start_time_us: int = 0, **_: Any) -> list[tuple[Rank, Stream]]:
         return [(Rank(shard, 1), Stream(shard, 1, sid, "t/+")) for sid, (shard, _) in STREAMS.items()]
 
-    def get_fences(self, shards: list[int]) -> list[Fence]:
+    def get_fences(self, shards: Any = None, **_: Any) -> list[Fence]:
         self.fences_asked += shards
         return [Fence(shard, FENCES[shard], 1, ()) for shard in shards]
 
-    def make_iterator(self, stream: Stream, topic_filter: str, start_us: int, *, stale_ok: bool = False) -> Any:
+    def make_iterator(self, stream: Stream, topic_filter: str, start_time_us: int = 0, **_: Any) -> Any:
         return (stream.id, 0)
 
-    def next(self, iterator: Any, batch: int, *, stale_ok: bool = False, fence_us: int = 0) -> NextResult:
+    def next(self, iterator: Any, batch_size: int = 100, *, fence_us: int | None = None, **_: Any) -> NextResult:
+        batch = batch_size
+        assert fence_us is not None
         sid, at = iterator
         self.read_fences.add(fence_us)
         if sid == 3:
@@ -52,7 +55,7 @@ def test_replay_reads_to_the_fences_merges_streams_and_skips_a_dropped_generatio
     batch: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
     client = FakeClient()
-    got = [(m.shard, m.timestamp_us) for m in Tail(client, "t/#", 0, batch, False).poll()]  # type: ignore[arg-type]
+    got = [(m.shard, m.timestamp_us) for m in Tail(client, "t/#", 0, batch, False).poll()]
     assert got == [(0, ts) for ts in (1, 2, 3, 4, 6, 7, 8, 9)]  # one timeline; nothing after the fence
     assert client.fences_asked == [0, 1] and client.read_fences == {9, 10}
     assert "generation 1 of shard 1 was dropped meanwhile" in capsys.readouterr().err

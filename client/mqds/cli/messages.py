@@ -12,10 +12,7 @@ from collections.abc import Iterator as AbcIterator
 from concurrent import futures
 
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, TIME_HELP, CommandError, connection, format_time_us, parse_time
-from mqds.client import Client, Message, MessageBatch, Stream
-from mqds.client.errors import GenerationDroppedError
-from mqds.client.operations import replay_order
-from mqds.client.replay import merged
+from mqds.client import Client, Message, Stream
 from mqds.protocol.topics import validate_filter, validate_topic
 
 DEFAULT_SENDER = "mqds-cli"
@@ -118,11 +115,8 @@ def run_pub(opts: argparse.Namespace) -> int:
 
 class Tail:
     """Every message matching a filter from a start time, as stored when it starts (``mqds replay`` without
-    ``--follow``).
-
-    What ``Client.replay_batches`` reads, the same way (each shard up to its fence taken at the start,
-    answers kept as batches, the streams of a rank merged a batch at a time), except that a generation
-    dropped while it is read is reported and skipped instead of ending the replay.
+    ``--follow``): ``Client.replay_batches``, except that a generation dropped while it is read is reported and
+    skipped instead of ending the replay.
     """
 
     def __init__(self, client: Client, topic_filter: str, start_us: int, batch: int, stale_ok: bool) -> None:
@@ -132,32 +126,17 @@ class Tail:
         self.batch = batch
         self.stale_ok = stale_ok
 
-    def _drain(self, stream: Stream, fence_us: int) -> AbcIterator[MessageBatch]:
-        try:
-            iterator = self.client.make_iterator(stream, self.topic_filter, self.start_us, stale_ok=self.stale_ok)
-            while True:
-                # Up to the fence every replica that applied it answers the same.
-                result = self.client.next(iterator, self.batch, stale_ok=True, fence_us=fence_us)
-                if result.messages:
-                    yield result.messages
-                if result.end_of_stream or not result.messages:
-                    return
-                iterator = result.iterator
-        except GenerationDroppedError:
-            print(
-                f"mqds replay: generation {stream.generation} of shard {stream.shard} was dropped meanwhile",
-                file=sys.stderr,
-            )
-
     def poll(self) -> AbcIterator[Message]:
         """Every message stored before the call, rank by rank."""
-        order = replay_order(self.client.get_streams(self.topic_filter, self.start_us, stale_ok=self.stale_ok))
-        shards = sorted({streams[0].shard for streams in order})
-        fences = {f.shard: f.timestamp_us for f in self.client.get_fences(shards)} if shards else {}
-        for streams in order:
-            fence = fences[streams[0].shard]
-            for batch in merged([self._drain(stream, fence) for stream in streams], self.batch):
-                yield from batch
+        batches = self.client.replay_batches(
+            self.topic_filter, self.start_us, self.batch, stale_ok=self.stale_ok, on_dropped=_report_dropped
+        )
+        for batch in batches:
+            yield from batch
+
+
+def _report_dropped(stream: Stream) -> None:
+    print(f"mqds replay: generation {stream.generation} of shard {stream.shard} was dropped meanwhile", file=sys.stderr)
 
 
 def _payload_text(payload: bytes) -> str | None:

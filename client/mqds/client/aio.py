@@ -41,9 +41,9 @@ from mqds.client.pipeline import PipelineLimits, resolve_limits
 from mqds.client.pipeline_aio import AsyncPipeline
 from mqds.client.replay_aio import merged as merged_batches
 from mqds.client.replay_aio import read_ahead as read_ahead_batches
-from mqds.client.retry import Backoff
+from mqds.client.retry import Backoff, time_left
 from mqds.protocol import errors
-from mqds.protocol.errors import MqdsError, Reason
+from mqds.protocol.errors import GenerationDroppedError, MqdsError, Reason
 from mqds.v1 import cluster_pb2 as clpb
 
 __all__ = ["AsyncRouter", "Client"]
@@ -104,11 +104,11 @@ class Client(AsyncBrokerStateCalls):
             raise self.settings.call_error(err) from None
 
     async def _n_shards(self, deadline: float) -> int:
-        return (await self._router.ensure_map(max(0.1, deadline - time.monotonic()))).n_shards
+        return (await self._router.ensure_map(time_left(deadline))).n_shards
 
     async def _shard_call(self, call: ShardCall[T], timeout_s: float | None, deadline: float | None = None) -> T:
         deadline = self._deadline(timeout_s) if deadline is None else deadline
-        await self._router.ensure_map(max(0.1, deadline - time.monotonic()))
+        await self._router.ensure_map(time_left(deadline))
 
         async def attempt(address: str, remaining: float) -> Any:
             return await self._rpc(address, call.method, call.request, remaining, call.service)
@@ -301,17 +301,29 @@ class Client(AsyncBrokerStateCalls):
         return await self._fanout_call(ops.get_fences(None if shards is None else list(shards), stale_ok), timeout_s)
 
     async def _stream_batches(
-        self, stream: Stream, topic_filter: str, start_time_us: int, batch_size: int, stale_ok: bool, fence_us: int
+        self,
+        stream: Stream,
+        topic_filter: str,
+        start_time_us: int,
+        batch_size: int,
+        stale_ok: bool,
+        fence_us: int,
+        on_dropped: Callable[[Stream], None] | None = None,
     ) -> AsyncIterator[MessageBatch]:
-        iterator = await self.make_iterator(stream, topic_filter, start_time_us, stale_ok=stale_ok)
-        while True:
-            # Up to the fence every replica that applied it answers the same: no read-index round per call.
-            result = await self.next(iterator, batch_size, stale_ok=True, fence_us=fence_us)
-            if result.messages:
-                yield result.messages
-            iterator = result.iterator
-            if ops.stream_exhausted(result):
-                return
+        try:
+            iterator = await self.make_iterator(stream, topic_filter, start_time_us, stale_ok=stale_ok)
+            while True:
+                # Up to the fence every replica that applied it answers the same: no read-index round per call.
+                result = await self.next(iterator, batch_size, stale_ok=True, fence_us=fence_us)
+                if result.messages:
+                    yield result.messages
+                iterator = result.iterator
+                if ops.stream_exhausted(result):
+                    return
+        except GenerationDroppedError:
+            if on_dropped is None:
+                raise
+            on_dropped(stream)  # and the stream ends here
 
     async def follow(
         self,
@@ -326,7 +338,7 @@ class Client(AsyncBrokerStateCalls):
     ) -> AsyncSubscription:
         """A push subscription (``async for batch in await client.follow(...)``); see the sync ``Client.follow``."""
         deadline = self._deadline(timeout_s)
-        view = await self._router.ensure_map(max(0.1, deadline - time.monotonic()))
+        view = await self._router.ensure_map(time_left(deadline))
         options = {"start_time_us": start_time_us, "window": window, "any_replica": any_replica}
         core = FollowCore.of(self._router.table, view, topic_filter, position, shards, **options)
         if self._follows is None:
@@ -356,11 +368,13 @@ class Client(AsyncBrokerStateCalls):
         *,
         stale_ok: bool = False,
         read_ahead: int = 4,
+        on_dropped: Callable[[Stream], None] | None = None,
     ) -> AsyncIterator[MessageBatch]:
         """What :meth:`replay` returns, in :class:`MessageBatch` es (see the sync ``Client.replay_batches``).
 
         Up to ``read_ahead`` shards (or generations) are read at once, in
-        tasks, each at most 4 batches ahead of the caller.
+        tasks, each at most 4 batches ahead of the caller; ``on_dropped`` as
+        in the sync client.
         """
         order = ops.replay_order(await self.get_streams(topic_filter, start_time_us, stale_ok=stale_ok))
         shards = sorted({streams[0].shard for streams in order})
@@ -372,7 +386,8 @@ class Client(AsyncBrokerStateCalls):
 
             def read() -> AsyncIterator[MessageBatch]:
                 sources = [
-                    self._stream_batches(s, topic_filter, start_time_us, batch_size, stale_ok, fence) for s in streams
+                    self._stream_batches(s, topic_filter, start_time_us, batch_size, stale_ok, fence, on_dropped)
+                    for s in streams
                 ]
                 return merged_batches(sources, batch_size)
 

@@ -10,7 +10,6 @@ answers).
 from __future__ import annotations
 
 import abc
-import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -18,6 +17,7 @@ from mqds.client import operations as ops
 from mqds.client.model import ClientState, Message, ReadPosition
 from mqds.client.offline import OfflineFetch, SharedFetch
 from mqds.client.operations import FanoutCall, ShardCall
+from mqds.client.retry import time_left
 
 T = TypeVar("T")
 
@@ -132,7 +132,7 @@ class AsyncBrokerStateCalls(abc.ABC):
         if fetch.pubsub:
             read = self.start_read_position if fetch.start_now else self.read_position
             position = await read(clientid, topic_filter, timeout_s=timeout_s)
-        remaining = max(0.1, deadline - time.monotonic())
+        remaining = time_left(deadline)
         return fetch.cut(await self._fanout_call(fetch.messages(position), remaining))
 
     async def fetch_offline_many(
@@ -174,10 +174,10 @@ class AsyncBrokerStateCalls(abc.ABC):
         defaults = OfflineFetch("", "", mode, max_count, time_range_s, include_qos0, start)
         plan = SharedFetch(requests, defaults, await self._n_shards(deadline))
         for positions in plan.position_calls():
-            plan.record_positions(await self._fanout_call(positions, _left(deadline)))
+            plan.record_positions(await self._fanout_call(positions, time_left(deadline)))
         while rounds := plan.fetch_rounds():
             for shared in rounds:
-                shared.record(await self._fanout_call(shared.call, _left(deadline)))
+                shared.record(await self._fanout_call(shared.call, time_left(deadline)))
         return plan.results()
 
     async def read_position(self, clientid: str, topic_filter: str, *, timeout_s: float | None = None) -> ReadPosition:
@@ -218,8 +218,3 @@ class AsyncBrokerStateCalls(abc.ABC):
         """Delete every proxy subscription and read position of ``clientid`` (an MQTT clean session discards
         the previous session); (subscriptions, read positions) deleted. Its client state stays."""
         return await self._keyed_call(lambda n: ops.forget_session(clientid, n), timeout_s)
-
-
-def _left(deadline: float) -> float:
-    """What is left of a call's deadline, 0.1 s at least (the call's parts still get a try)."""
-    return max(0.1, deadline - time.monotonic())

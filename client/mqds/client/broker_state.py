@@ -9,7 +9,6 @@ requests and parses the answers).
 from __future__ import annotations
 
 import abc
-import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -17,6 +16,7 @@ from mqds.client import operations as ops
 from mqds.client.model import ClientState, Message, ReadPosition
 from mqds.client.offline import OfflineFetch, SharedFetch
 from mqds.client.operations import FanoutCall, ShardCall
+from mqds.client.retry import time_left
 
 T = TypeVar("T")
 
@@ -127,7 +127,7 @@ class BrokerStateCalls(abc.ABC):
         if fetch.pubsub:
             read = self.start_read_position if fetch.start_now else self.read_position
             position = read(clientid, topic_filter, timeout_s=timeout_s)
-        remaining = max(0.1, deadline - time.monotonic())
+        remaining = time_left(deadline)
         return fetch.cut(self._fanout_call(fetch.messages(position), remaining))
 
     def fetch_offline_many(
@@ -169,10 +169,10 @@ class BrokerStateCalls(abc.ABC):
         defaults = OfflineFetch("", "", mode, max_count, time_range_s, include_qos0, start)
         plan = SharedFetch(requests, defaults, self._n_shards(deadline))
         for positions in plan.position_calls():
-            plan.record_positions(self._fanout_call(positions, _left(deadline)))
+            plan.record_positions(self._fanout_call(positions, time_left(deadline)))
         while rounds := plan.fetch_rounds():
             for shared in rounds:
-                shared.record(self._fanout_call(shared.call, _left(deadline)))
+                shared.record(self._fanout_call(shared.call, time_left(deadline)))
         return plan.results()
 
     def read_position(self, clientid: str, topic_filter: str, *, timeout_s: float | None = None) -> ReadPosition:
@@ -211,8 +211,3 @@ class BrokerStateCalls(abc.ABC):
         """Delete every proxy subscription and read position of ``clientid`` (an MQTT clean session discards
         the previous session); (subscriptions, read positions) deleted. Its client state stays."""
         return self._keyed_call(lambda n: ops.forget_session(clientid, n), timeout_s)
-
-
-def _left(deadline: float) -> float:
-    """What is left of a call's deadline, 0.1 s at least (the call's parts still get a try)."""
-    return max(0.1, deadline - time.monotonic())

@@ -26,9 +26,10 @@ from mqds.client.pipeline import PipelineLimits, resolve_limits
 from mqds.client.pipeline_sync import SyncPipeline
 from mqds.client.replay import merged
 from mqds.client.replay import read_ahead as read_ahead_batches
+from mqds.client.retry import time_left
 from mqds.client.routing import Backoff, Fanout, Router, ShardFailures
 from mqds.protocol import errors
-from mqds.protocol.errors import MqdsError, Reason
+from mqds.protocol.errors import GenerationDroppedError, MqdsError, Reason
 from mqds.v1 import cluster_pb2 as clpb
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class Client(BrokerStateCalls):
         stale_ok: bool = False,
         service: str = "Storage",
     ) -> Any:
-        self._router.ensure_map(max(0.1, deadline - time.monotonic()))
+        self._router.ensure_map(time_left(deadline))
         return self._router.call(
             shard,
             lambda address, remaining: self._rpc(address, method, request, remaining, service),
@@ -126,7 +127,7 @@ class Client(BrokerStateCalls):
         )
 
     def _n_shards(self, deadline: float) -> int:
-        return self._router.ensure_map(max(0.1, deadline - time.monotonic())).n_shards
+        return self._router.ensure_map(time_left(deadline)).n_shards
 
     def _shard_call(self, call: ShardCall[T], timeout_s: float | None, deadline: float | None = None) -> T:
         deadline = self._deadline(timeout_s) if deadline is None else deadline
@@ -384,17 +385,29 @@ class Client(BrokerStateCalls):
         return self._fanout_call(ops.get_fences(None if shards is None else list(shards), stale_ok), timeout_s)
 
     def _stream_batches(
-        self, stream: Stream, topic_filter: str, start_time_us: int, batch_size: int, stale_ok: bool, fence_us: int
+        self,
+        stream: Stream,
+        topic_filter: str,
+        start_time_us: int,
+        batch_size: int,
+        stale_ok: bool,
+        fence_us: int,
+        on_dropped: Callable[[Stream], None] | None = None,
     ) -> AbcIterator[MessageBatch]:
-        iterator = self.make_iterator(stream, topic_filter, start_time_us, stale_ok=stale_ok)
-        while True:
-            # Up to the fence every replica that applied it answers the same: no read-index round per call.
-            result = self.next(iterator, batch_size, stale_ok=True, fence_us=fence_us)
-            if result.messages:
-                yield result.messages
-            iterator = result.iterator
-            if ops.stream_exhausted(result):
-                return
+        try:
+            iterator = self.make_iterator(stream, topic_filter, start_time_us, stale_ok=stale_ok)
+            while True:
+                # Up to the fence every replica that applied it answers the same: no read-index round per call.
+                result = self.next(iterator, batch_size, stale_ok=True, fence_us=fence_us)
+                if result.messages:
+                    yield result.messages
+                iterator = result.iterator
+                if ops.stream_exhausted(result):
+                    return
+        except GenerationDroppedError:
+            if on_dropped is None:
+                raise
+            on_dropped(stream)  # and the stream ends here
 
     def follow(
         self,
@@ -420,7 +433,7 @@ class Client(BrokerStateCalls):
         ``docs/client.md``, "Push subscriptions".
         """
         deadline = self._deadline(timeout_s)
-        view = self._router.ensure_map(max(0.1, deadline - time.monotonic()))
+        view = self._router.ensure_map(time_left(deadline))
         options = {"start_time_us": start_time_us, "window": window, "any_replica": any_replica}
         core = FollowCore.of(self._router.table, view, topic_filter, position, shards, **options)
         with self._pipeline_lock:
@@ -452,6 +465,7 @@ class Client(BrokerStateCalls):
         *,
         stale_ok: bool = False,
         read_ahead: int = 4,
+        on_dropped: Callable[[Stream], None] | None = None,
     ) -> AbcIterator[MessageBatch]:
         """What :meth:`replay` returns, in :class:`MessageBatch` es: no ``Message`` object unless asked for.
 
@@ -459,6 +473,10 @@ class Client(BrokerStateCalls):
         threads, each at most 4 batches ahead of the caller; batches come
         in the same order as :meth:`replay`'s messages, at most
         ``batch_size`` messages each. Closing the iterator stops the reads.
+
+        A generation that retention drops while it is read raises
+        ``GenerationDroppedError``; with ``on_dropped``, each of its streams
+        is handed to it instead and skipped, and the replay goes on.
         """
         order = ops.replay_order(self.get_streams(topic_filter, start_time_us, stale_ok=stale_ok))
         shards = sorted({streams[0].shard for streams in order})
@@ -470,7 +488,8 @@ class Client(BrokerStateCalls):
 
             def read() -> AbcIterator[MessageBatch]:
                 sources = [
-                    self._stream_batches(s, topic_filter, start_time_us, batch_size, stale_ok, fence) for s in streams
+                    self._stream_batches(s, topic_filter, start_time_us, batch_size, stale_ok, fence, on_dropped)
+                    for s in streams
                 ]
                 return merged(sources, batch_size)
 

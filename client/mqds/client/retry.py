@@ -24,7 +24,7 @@ from mqds.client.routing_table import RoutingTable
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 
-__all__ = ["Backoff", "MapWait", "ShardRetry"]
+__all__ = ["Backoff", "MapWait", "ShardRetry", "time_left"]
 
 # While waiting for a first map, a refresh is not started with less time than this.
 _MIN_MAP_WAIT_TRY_S = 0.1
@@ -32,6 +32,11 @@ _MIN_MAP_WAIT_TRY_S = 0.1
 # Errors after which the node asked may be down: try another replica, refresh.
 _UNREACHABLE = (Reason.UNAVAILABLE, Reason.SHUTTING_DOWN, Reason.DEADLINE_EXCEEDED)
 _REDIRECTS = (Reason.NOT_LEADER, Reason.NOT_HOSTED)
+
+
+def time_left(deadline: float) -> float:
+    """What is left of a call's deadline, 0.1 s at least (the call's next part still gets a try)."""
+    return max(0.1, deadline - time.monotonic())
 
 
 @dataclass
