@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from mqds.client import Message, MessageBatch
+from mqds.client.batch import wire_times
 from mqds.client.replay import merged, read_ahead
 from mqds.v1 import storage_pb2 as pb
 
@@ -71,6 +72,42 @@ def test_streams_of_one_rank_merge_by_timestamp_in_batches_of_the_size_asked() -
     assert [ts for b in out for ts in b.timestamps()] == stamps
     alone = list(merged([iter(even)], 4))
     assert alone == even  # one stream: its batches as they came
+
+
+def test_the_merge_orders_by_the_timestamps_the_node_sent_beside_the_messages() -> None:
+    """With ``NextResponse.timestamps`` the merge reads those, not the messages; the merged batch is a view."""
+    rng = random.Random(11)
+    stamps = sorted(rng.sample(range(1, 10**9), 2000))
+    owners = [rng.randrange(3) for _ in stamps]
+
+    def node_batches(k: int) -> Iterator[MessageBatch]:
+        own = [ts for ts, o in zip(stamps, owners, strict=True) if o == k]
+        cut = 0
+        while cut < len(own):
+            size = rng.randint(1, 400)
+            answer = pb.NextResponse(timestamps=b"".join(ts.to_bytes(8, "little") for ts in own[cut : cut + size]))
+            for ts in own[cut : cut + size]:
+                answer.messages.add(topic=f"s{k}/{ts}", sender=f"s{k}", timestamp_us=ts)
+            answer = pb.NextResponse.FromString(answer.SerializeToString())
+            yield MessageBatch(answer.messages, wire_times(answer.timestamps))
+            cut += size
+
+    out = list(merged([node_batches(k) for k in range(3)], 300))
+    assert all(0 < len(b) <= 300 for b in out) and sum(map(len, out)) == len(stamps)
+    assert [ts for b in out for ts in b.times] == stamps
+    assert [ts for b in out for ts in b.timestamps()] == stamps
+    assert [m.timestamp_us for b in out for m in b] == stamps  # the messages themselves, in the same order
+    assert [t for b in out for t in b.topics()] == [f"s{o}/{ts}" for ts, o in zip(stamps, owners, strict=True)]
+    first = out[0]
+    assert first[-1].timestamp_us == first.last_timestamp_us() == stamps[len(first) - 1]
+    assert first[2:5].timestamps() == stamps[2:5] and [m.timestamp_us for m in first.wire[2:5]] == stamps[2:5]
+    # The times decide: messages whose own timestamp_us says otherwise still come in the order of the times.
+    late = pb.NextResponse(timestamps=(3).to_bytes(8, "little"))
+    late.messages.add(topic="late", timestamp_us=0)
+    early = pb.NextResponse(timestamps=(1).to_bytes(8, "little"))
+    early.messages.add(topic="early", timestamp_us=9)
+    sources = [iter([MessageBatch(a.messages, wire_times(a.timestamps))]) for a in (late, early)]
+    assert [m.topic for b in merged(sources, 10) for m in b] == ["early", "late"]
 
 
 def _source(name: str, n: int, taken: list[str] | None = None, fail_at: int | None = None) -> Iterator[str]:

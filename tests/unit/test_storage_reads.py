@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from rocksdict import Options, Rdict, WriteBatch
 from storage_support import TOPIC_LEVELS, Read, drain, msg, random_message, replay, stamped
 
+from mqds.client.batch import wire_times
 from mqds.protocol.topics import matches
 from mqds.server.storage import keys, reads
 from mqds.server.storage.iterators import IteratorState
@@ -27,7 +28,7 @@ from mqds.server.storage.shard import (
     repeated_field,
     varint,
 )
-from mqds.server.wire import encode_rows
+from mqds.server.wire import encode_rows, times_field
 from mqds.v1 import storage_pb2 as pb
 
 # -- replay --------------------------------------------------------------------
@@ -163,12 +164,17 @@ def test_rows_encode_to_the_same_answer_as_timestamped_entries(shard_no: int) ->
     sizes = [0, 1, 115, 116, 4_094, 4_095, 4_096, 20_000]
     entries = [(ts, msg("a/b", b"\x07" * size).SerializeToString()) for ts in stamps for size in sizes]
     rows = [(keys.data_key(9, ts), stored) for ts, stored in entries]
-    body = encode_rows(b"\x0a", rows, shard_no)
+    times: list[bytes] = []
+    body = encode_rows(b"\x0a", rows, shard_no, times)
     assert body == encode_messages(b"\x0a", entries, shard_no)
-    got = pb.NextResponse.FromString(body).messages
+    answer = pb.NextResponse.FromString(body + times_field(b"\x22", times))
+    got = answer.messages
     assert [(m.timestamp_us, m.shard, len(m.payload)) for m in got] == [
         (ts, shard_no, size) for ts in stamps for size in sizes
     ]
+    # NextResponse.timestamps: the same timestamps, 8 bytes little-endian each, as the client reads them.
+    assert list(wire_times(answer.timestamps)) == [m.timestamp_us for m in got]
+    assert times_field(b"\x22", []) == b""
 
 
 @pytest.mark.parametrize("stream", [0, 7, 2**32 - 1])
@@ -462,3 +468,34 @@ def test_posting_lists_round_trip_and_damage_is_named() -> None:
         keys.decode_postings(1, b"\x02" + bytes(8))
     with pytest.raises(ValueError, match="not a posting list"):
         keys.decode_postings(1, keys.encode_postings([1, 2])[:-1])
+
+
+def _reference_take(rows: list[tuple[bytes, bytes]], batch: int, max_bytes: int | None) -> tuple[list[bytes], bool]:
+    """The replay loop as it was, a row at a time: what the chunked scan must keep, and whether it ended."""
+    kept: list[bytes] = []
+    budget = reads.NO_FENCE if max_bytes is None else max_bytes
+    for key, value in rows:
+        if len(kept) == batch or (len(value) > budget and kept):
+            return kept, False
+        kept.append(key)
+        budget -= len(value)
+    return kept, True
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 300), max_size=300),
+    batch=st.integers(1, 150),
+    max_bytes=st.one_of(st.none(), st.integers(0, 20_000)),
+)
+def test_a_chunked_scan_keeps_what_the_row_loop_kept_and_reads_a_bounded_amount_past_it(
+    sizes: list[int], batch: int, max_bytes: int | None
+) -> None:
+    """Batch size, byte budget (one row at least), end of stream: as before; past the cut, at most a chunk read."""
+    rows = [(keys.data_key(3, 1000 + i), b"x" * size) for i, size in enumerate(sizes)]
+    cost = reads.ReadCost()
+    got, next_ts, exhausted = reads._take_rows(iter(rows), 1000, batch, max_bytes, cost)
+    want, want_exhausted = _reference_take(rows, batch, max_bytes)
+    assert [key for key, _ in got] == want and exhausted == want_exhausted
+    assert next_ts == (1000 + len(want) if want else 1000)
+    assert cost.keys <= len(want) + (1 if max_bytes is None else reads._CHUNK_ROWS)

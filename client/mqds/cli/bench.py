@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from mqds.bench import TOPIC_PREFIX, LeaderKill, RunResult, publisher_ids, run_load
 from mqds.cli import bench_fanout, bench_mqtt, bench_small, bench_storm, local_cluster
+from mqds.cli.bench_mqtt import _cpu_total
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, ProgressLine, bar, connection
 from mqds.client import Client
 from mqds.client.client import parse_endpoints
@@ -25,14 +26,30 @@ if TYPE_CHECKING:
 DEFAULT_DURATION_S = 10.0
 
 
-def _replay(client: Client, since_us: int, objects: bool) -> tuple[int, float]:
-    """Replay what the run wrote: in batches (``Client.replay_batches``), or a ``Message`` each (``replay``)."""
+def _replay(client: Client, since_us: int, objects: bool, node_pids: list[int]) -> tuple[int, float, dict[str, float]]:
+    """Replay what the run wrote: in batches (``Client.replay_batches``), or a ``Message`` each (``replay``).
+
+    The count, the seconds, and the CPU milliseconds per 1,000 messages of
+    this process (``client``) and, given their process ids, of the nodes
+    (``nodes``).
+    """
     started = time.perf_counter()
+    cpu_before, nodes_before = time.process_time(), _cpu_total(node_pids)
     if objects:
         count = sum(1 for _ in client.replay(f"{TOPIC_PREFIX}/#", since_us))
     else:
         count = sum(len(batch) for batch in client.replay_batches(f"{TOPIC_PREFIX}/#", since_us))
-    return count, time.perf_counter() - started
+    took_s = time.perf_counter() - started
+    per_1k = 1_000_000.0 / max(count, 1)  # seconds to ms, per 1,000 messages
+    cpu = {"client": round((time.process_time() - cpu_before) * per_1k, 2)}
+    nodes_after = _cpu_total(node_pids)
+    if nodes_before is not None and nodes_after is not None:
+        cpu["nodes"] = round((nodes_after - nodes_before) * per_1k, 2)
+    return count, took_s, cpu
+
+
+def _cpu_words(cpu: dict[str, float]) -> str:
+    return "CPU per 1,000 messages: " + ", ".join(f"{who} {ms:.2f} ms" for who, ms in cpu.items())
 
 
 def _storage_replay(messages: int, size: int) -> float | None:
@@ -52,17 +69,25 @@ def _storage_replay(messages: int, size: int) -> float | None:
 
 
 def _report_replay(
-    client: Client, since_us: int, size: int, report: dict[str, object], say: Callable[[str], None]
+    client: Client,
+    since_us: int,
+    size: int,
+    node_pids: list[int],
+    report: dict[str, object],
+    say: Callable[[str], None],
 ) -> None:
-    count, took_s = _replay(client, since_us, objects=False)
+    count, took_s, cpu = _replay(client, since_us, False, node_pids)
     rate = count / took_s if took_s > 0 else 0.0
     report["replayed_msgs"] = count
     report["replay_msgs_per_s"] = round(rate, 1)
+    for who, ms in cpu.items():
+        report[f"replay_{who}_cpu_ms_per_1000"] = ms
     say(f"replay        {rate:>12,.0f} msg/s  ({count:,} messages, '{TOPIC_PREFIX}/#' since the run began, in batches)")
-    count, took_s = _replay(client, since_us, objects=True)
+    say(f"              {_cpu_words(cpu)}")
+    count, took_s, cpu = _replay(client, since_us, True, node_pids)
     objects = count / took_s if took_s > 0 else 0.0
     report["replay_objects_msgs_per_s"] = round(objects, 1)
-    say(f"  as objects  {objects:>12,.0f} msg/s  (a Message each: Client.replay)")
+    say(f"  as objects  {objects:>12,.0f} msg/s  (a Message each: Client.replay; {_cpu_words(cpu)})")
     baseline_msgs = max(count, 1000)  # a run too short to measure still gets a baseline
     storage = _storage_replay(baseline_msgs, size)
     if storage is None:
@@ -197,7 +222,8 @@ def _bench(opts: argparse.Namespace, client: Client, endpoints: list[str], clust
             cluster.save()
         say(f"              {kill.victim} restarted")
     if not opts.skip_replay:
-        _report_replay(client, int(result.start_at * 1_000_000), opts.size, report, say)
+        node_pids = [] if cluster is None else [p.pid for p in cluster.nodes.values() if p.pid is not None]
+        _report_replay(client, int(result.start_at * 1_000_000), opts.size, node_pids, report, say)
     if opts.json:
         print(json.dumps(report, indent=2))
     return EXIT_OK

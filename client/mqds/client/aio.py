@@ -346,7 +346,7 @@ class Client(AsyncBrokerStateCalls):
         return AsyncSubscription(self._follows, core)
 
     async def replay(
-        self, topic_filter: str, start_time_us: int = 0, batch_size: int = 5000, *, stale_ok: bool = False
+        self, topic_filter: str, start_time_us: int = 0, batch_size: int = 10_000, *, stale_ok: bool = False
     ) -> AsyncIterator[Message]:
         """Every stored message matching ``topic_filter``, in rank order (``async for m in client.replay(...)``).
 
@@ -364,7 +364,7 @@ class Client(AsyncBrokerStateCalls):
         self,
         topic_filter: str,
         start_time_us: int = 0,
-        batch_size: int = 5000,
+        batch_size: int = 10_000,
         *,
         stale_ok: bool = False,
         read_ahead: int = 4,

@@ -11,6 +11,8 @@ reader that wants objects gets them one at a time, as before.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Iterator, Sequence
 from typing import overload
 
@@ -26,15 +28,23 @@ class MessageBatch(Sequence[Message]):
     field without building them. Equal to any sequence of the same messages.
     """
 
-    __slots__ = ("_items",)
+    __slots__ = ("_items", "_times")
 
-    def __init__(self, items: Sequence[pb.Message] = ()) -> None:
+    def __init__(self, items: Sequence[pb.Message] = (), times: Sequence[int] | None = None) -> None:
         self._items = items
+        self._times = times
 
     @property
     def wire(self) -> Sequence[pb.Message]:
         """The protobuf messages themselves (``mqds.v1.Message``), as parsed from the answer."""
         return self._items
+
+    @property
+    def times(self) -> Sequence[int]:
+        """Each message's storage timestamp (µs), without reading the messages when the node sent them apart."""
+        if self._times is None:
+            self._times = [m.timestamp_us for m in self._items]
+        return self._times
 
     def __len__(self) -> int:
         return len(self._items)
@@ -50,7 +60,7 @@ class MessageBatch(Sequence[Message]):
 
     def __getitem__(self, index: int | slice) -> Message | MessageBatch:
         if isinstance(index, slice):
-            return MessageBatch(list(self._items[index]))
+            return MessageBatch(list(self._items[index]), None if self._times is None else self._times[index])
         return Message.from_pb(self._items[index])
 
     def __iter__(self) -> Iterator[Message]:
@@ -92,7 +102,7 @@ class MessageBatch(Sequence[Message]):
 
     def timestamps(self) -> list[int]:
         """Each message's storage timestamp (µs since the epoch)."""
-        return [m.timestamp_us for m in self._items]
+        return list(self.times)
 
     def properties(self) -> list[Properties]:
         """Each message's user properties as ``(name, value)`` pairs, in order."""
@@ -100,4 +110,19 @@ class MessageBatch(Sequence[Message]):
 
     def last_timestamp_us(self) -> int | None:
         """The last message's timestamp (None when the batch is empty)."""
-        return self._items[-1].timestamp_us if self._items else None
+        if not self._items:
+            return None
+        return self._items[-1].timestamp_us if self._times is None else self._times[-1]
+
+
+def wire_times(data: bytes) -> Sequence[int]:
+    """A node's packed timestamps (8 bytes little-endian each, ``NextResponse.timestamps``) as integers.
+
+    A memory view over the bytes where the machine is little-endian (no
+    integer objects made until one is read); a byte-swapped array elsewhere.
+    """
+    if sys.byteorder == "little":
+        return memoryview(data).cast("Q")
+    swapped = array("Q", data)
+    swapped.byteswap()
+    return swapped

@@ -443,7 +443,7 @@ class Client(BrokerStateCalls):
         return Subscription(mux, core)
 
     def replay(
-        self, topic_filter: str, start_time_us: int = 0, batch_size: int = 5000, *, stale_ok: bool = False
+        self, topic_filter: str, start_time_us: int = 0, batch_size: int = 10_000, *, stale_ok: bool = False
     ) -> AbcIterator[Message]:
         """Every stored message matching ``topic_filter``, in rank order.
 
@@ -461,7 +461,7 @@ class Client(BrokerStateCalls):
         self,
         topic_filter: str,
         start_time_us: int = 0,
-        batch_size: int = 5000,
+        batch_size: int = 10_000,
         *,
         stale_ok: bool = False,
         read_ahead: int = 4,

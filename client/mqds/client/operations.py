@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from mqds.client.batch import MessageBatch
+from mqds.client.batch import MessageBatch, wire_times
 from mqds.client.model import (
     ClientState,
     Fence,
@@ -101,7 +101,14 @@ def make_iterator(stream: Stream, topic_filter: str, start_time_us: int, stale_o
 
 
 def _next_result(response: pb.NextResponse) -> NextResult:
-    return NextResult(MessageBatch(response.messages), Iterator.from_pb(response.iterator), response.end_of_stream)
+    return NextResult(_batch_of(response), Iterator.from_pb(response.iterator), response.end_of_stream)
+
+
+def _batch_of(response: pb.NextResponse) -> MessageBatch:
+    """A ``Next`` answer's messages, with the timestamps the node sent beside them when it did."""
+    stamps = response.timestamps
+    times = wire_times(stamps) if len(stamps) == 8 * len(response.messages) and stamps else None
+    return MessageBatch(response.messages, times)
 
 
 def next_batch(

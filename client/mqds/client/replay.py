@@ -12,16 +12,15 @@ batch hides the next ``Next``'s round trip. Memory stays bounded:
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from operator import attrgetter
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from mqds.client.batch import MessageBatch
+from mqds.client.merge import Rest, cut
 
 T = TypeVar("T")
 
@@ -102,57 +101,22 @@ def read_ahead(sources: Iterable[Callable[[], Iterator[T]]], ahead: int, depth: 
 def merged(sources: list[Iterator[MessageBatch]], batch_size: int) -> Iterator[MessageBatch]:
     """The batches of several streams of one rank, merged by timestamp (each sender's order kept), re-cut.
 
-    Streams of one generation interleave in time, so a reader that wants one
-    timeline merges them; a rank with one stream skips this. The merge goes
-    a batch at a time, not a message at a time (``cut_at_horizon``). Each
-    source holds one batch at a time.
+    A rank with one stream skips this. The merge goes a batch at a time
+    (:func:`mqds.client.merge.cut`); each source holds one batch at a time.
     """
     if len(sources) == 1:
         yield from sources[0]
         return
-    # Each live source with the rest of its current batch (never empty).
-    heads: list[tuple[Iterator[MessageBatch], list[Any]]] = [(source, []) for source in sources]
-    while True:
-        heads = [(source, items or _next_items(source)) for source, items in heads]
-        heads = [(source, items) for source, items in heads if items]  # an exhausted source leaves
-        if not heads:
-            return
-        out, rests = cut_at_horizon([items for _, items in heads])
-        heads = [(source, rest) for (source, _), rest in zip(heads, rests, strict=True)]
-        yield from rebatch(out, batch_size)
+    # Each live source with the rest of its current batch (never empty); an exhausted source leaves.
+    live = [(source, rest) for source in sources if (rest := _next_rest(source)) is not None]
+    while live:
+        yield from cut([rest for _, rest in live], batch_size)
+        live = [(source, rest) for source, head in live if (rest := head if head else _next_rest(source)) is not None]
 
 
-_stamp = attrgetter("timestamp_us")
-
-
-def cut_at_horizon(batches: list[list[Any]]) -> tuple[list[Any], list[list[Any]]]:
-    """What of the sources' current batches can be handed on, in timestamp order, and what each keeps.
-
-    Every message up to the earliest last timestamp of the batches can go (no
-    later batch of any source goes below it), so those are cut off each
-    batch and sorted together by C code (timestamps within a shard are
-    unique). ``batches`` are non-empty and each in timestamp order.
-    """
-    horizon = min(_stamp(items[-1]) for items in batches)
-    out: list[Any] = []
-    rests: list[list[Any]] = []
-    for items in batches:
-        upto = bisect.bisect_right(items, horizon, key=_stamp)
-        out += items[:upto]
-        rests.append(items[upto:])
-    out.sort(key=_stamp)
-    return out, rests
-
-
-def rebatch(items: list[Any], batch_size: int) -> Iterator[MessageBatch]:
-    """``items`` (parsed protobuf messages) as batches of at most ``batch_size``."""
-    for start in range(0, len(items), batch_size):
-        yield MessageBatch(items[start : start + batch_size])
-
-
-def _next_items(source: Iterator[MessageBatch]) -> list[Any]:
-    """The source's next non-empty batch as a list of protobuf messages; empty once it is exhausted."""
+def _next_rest(source: Iterator[MessageBatch]) -> Rest | None:
+    """The source's next non-empty batch; None once it is exhausted."""
     for batch in source:
         if batch:
-            return list(batch.wire)
-    return []
+            return Rest(batch)
+    return None

@@ -4,7 +4,7 @@ The asyncio twin of ``replay.py``: up to ``ahead`` rank groups (shards, or
 generations of one) are read at once, each by a task that keeps at most
 ``depth`` batches waiting in its queue, while the caller takes them in rank
 order; a group's streams are merged with the same batch-at-a-time step
-(``replay.cut_at_horizon``). A group's error is raised where the caller
+(``merge.cut``). A group's error is raised where the caller
 reaches it; closing the iterator early cancels the tasks.
 """
 
@@ -15,10 +15,10 @@ import contextlib
 import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from mqds.client.batch import MessageBatch
-from mqds.client.replay import cut_at_horizon, rebatch
+from mqds.client.merge import Rest, cut
 
 T = TypeVar("T")
 
@@ -81,20 +81,17 @@ async def merged(sources: list[AsyncIterator[MessageBatch]], batch_size: int) ->
         async for batch in sources[0]:
             yield batch
         return
-    heads: list[tuple[AsyncIterator[MessageBatch], list[Any]]] = [(source, []) for source in sources]
-    while True:
-        heads = [(source, items or await _next_items(source)) for source, items in heads]
-        heads = [(source, items) for source, items in heads if items]
-        if not heads:
-            return
-        out, rests = cut_at_horizon([items for _, items in heads])
-        heads = [(source, rest) for (source, _), rest in zip(heads, rests, strict=True)]
-        for batch in rebatch(out, batch_size):
+    live = [(source, rest) for source in sources if (rest := await _next_rest(source)) is not None]
+    while live:
+        for batch in cut([rest for _, rest in live], batch_size):
             yield batch
+        live = [
+            (source, rest) for source, head in live if (rest := head if head else await _next_rest(source)) is not None
+        ]
 
 
-async def _next_items(source: AsyncIterator[MessageBatch]) -> list[Any]:
+async def _next_rest(source: AsyncIterator[MessageBatch]) -> Rest | None:
     async for batch in source:
         if batch:
-            return list(batch.wire)
-    return []
+            return Rest(batch)
+    return None

@@ -182,14 +182,16 @@ class NextRequest(_message.Message):
     def __init__(self, iterator: _Optional[_Union[IteratorToken, _Mapping]] = ..., batch_size: _Optional[int] = ..., stale_ok: _Optional[bool] = ..., fence_us: _Optional[int] = ...) -> None: ...
 
 class NextResponse(_message.Message):
-    __slots__ = ("messages", "iterator", "end_of_stream")
+    __slots__ = ("messages", "iterator", "end_of_stream", "timestamps")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ITERATOR_FIELD_NUMBER: _ClassVar[int]
     END_OF_STREAM_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMPS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     iterator: IteratorToken
     end_of_stream: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., iterator: _Optional[_Union[IteratorToken, _Mapping]] = ..., end_of_stream: _Optional[bool] = ...) -> None: ...
+    timestamps: bytes
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., iterator: _Optional[_Union[IteratorToken, _Mapping]] = ..., end_of_stream: _Optional[bool] = ..., timestamps: _Optional[bytes] = ...) -> None: ...
 
 class Generation(_message.Message):
     __slots__ = ("shard", "generation", "since_us", "until_us", "created_at_us", "current")

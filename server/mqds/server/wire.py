@@ -48,14 +48,15 @@ _HEADS: dict[tuple[bytes, int], list[bytes]] = {}
 _HEAD_SIZES = 4096
 
 
-def encode_rows(tag: bytes, rows: list[tuple[bytes, bytes]], shard: int) -> bytes:
+def encode_rows(tag: bytes, rows: list[tuple[bytes, bytes]], shard: int, times: list[bytes] | None = None) -> bytes:
     """Stored rows (data key, stored bytes) as a repeated mqds.v1.Message field with number ``tag``.
 
     The same bytes as ``encode_messages``, built without decoding a timestamp:
     a data key ends with it big-endian, and fixed64 is the same eight bytes
     reversed. Each message is five parts joined once at the end (no copy of
     a message per field appended); the field's tag and length come from a
-    table by stored size.
+    table by stored size. With ``times``, each message's timestamp (8 bytes
+    little-endian, as fixed64 has it) is appended to it too.
     """
     tail = shard_field(shard)
     extra = 1 + 8 + len(tail)
@@ -64,12 +65,26 @@ def encode_rows(tag: bytes, rows: list[tuple[bytes, bytes]], shard: int) -> byte
         heads = _HEADS.setdefault((tag, extra), [tag + varint(size + extra) for size in range(_HEAD_SIZES)])
     parts: list[bytes] = []
     add = parts.extend
+    stamp = ([] if times is None else times).append
     for key, stored in rows:
         size = len(stored)
         head = heads[size] if size < _HEAD_SIZES else tag + varint(size + extra)
         # key[12:4:-1]: the key's timestamp bytes (5..12), reversed.
-        add((head, stored, _TS_TAG, key[12:4:-1], tail))
+        ts = key[12:4:-1]
+        add((head, stored, _TS_TAG, ts, tail))
+        stamp(ts)
     return b"".join(parts)
+
+
+def times_field(tag: bytes, times: list[bytes]) -> bytes:
+    """Timestamps that :func:`encode_rows` collected (8 bytes little-endian each) as one field ``tag``.
+
+    ``NextResponse.timestamps``; nothing when there are none.
+    """
+    if not times:
+        return b""
+    stamps = b"".join(times)
+    return tag + varint(len(stamps)) + stamps
 
 
 def repeated_field(tag: bytes, items: list[bytes]) -> bytes:

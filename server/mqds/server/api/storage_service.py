@@ -28,7 +28,7 @@ from mqds.server.api.handlers import takes_raw_request
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.group import PendingRead, Proposal
 from mqds.server.storage import GenerationInfo, IteratorDecodeError, IteratorState
-from mqds.server.wire import encode_rows, positions_bytes, repeated_field, store_command
+from mqds.server.wire import encode_rows, positions_bytes, repeated_field, store_command, times_field
 from mqds.v1 import storage_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 _MESSAGES_TAG = b"\x0a"  # NextResponse.messages, field 1, length-delimited
 _ITERATOR_TAG = b"\x12"  # NextResponse.iterator, field 2, length-delimited
 _END_OF_STREAM = b"\x18\x01"  # NextResponse.end_of_stream = true
+_TIMESTAMPS_TAG = b"\x22"  # NextResponse.timestamps, field 4, length-delimited
 
 
 MAX_PRODUCER_ID_BYTES = 128
@@ -490,14 +491,15 @@ class StorageService(ShardsAPI):
         with vnode.replica.reading() as storage:
             result = storage.next(state, batch, fence, budget)
             shard = storage.shard
-            body = encode_rows(_MESSAGES_TAG, result.rows, shard)
+            times: list[bytes] = []
+            body = encode_rows(_MESSAGES_TAG, result.rows, shard, times)
         token_bytes = pb.IteratorToken(
             shard=shard, generation=state.generation, state=result.state.encode()
         ).SerializeToString()
         body += repeated_field(_ITERATOR_TAG, [token_bytes])
         if result.end_of_stream:
             body += _END_OF_STREAM
-        return body
+        return body + times_field(_TIMESTAMPS_TAG, times)
 
     def AddGeneration(self, request: pb.AddGenerationRequest) -> pb.AddGenerationResponse:
         numbers = self._shard_numbers(request.shard, request.all_shards, request.shards)

@@ -1,0 +1,107 @@
+"""Merging one rank's streams by timestamp, a batch at a time, without a Python object per message.
+
+The streams of one generation of a shard interleave in time, so a reader
+that wants one timeline (each sender's order kept across its topics) merges
+them. Every message up to the earliest last timestamp of the sources'
+current batches can be handed on (no later batch of any source goes below
+it); those are cut off each batch and put in timestamp order together.
+
+The cut works on each batch's timestamps alone: a node sends them beside
+the messages as one packed field (``NextResponse.timestamps``), which the
+client reads as a memory view of integers, so no protobuf message is
+wrapped in a Python object to be merged. The merged batch is a view: its
+``i``-th message is looked up in the source batches when (and if) it is
+read. Counting, forwarding or cutting a replay thus costs a sort of
+integers, not an object per message.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+from operator import itemgetter
+from typing import Any, overload
+
+from mqds.client.batch import MessageBatch
+
+
+class Rest:
+    """What a source has not yet handed on of its current batch: ``wire[start:]``, ``times[start:]``."""
+
+    __slots__ = ("start", "times", "wire")
+
+    def __init__(self, batch: MessageBatch) -> None:
+        self.wire: Sequence[Any] = batch.wire
+        self.times: Sequence[int] = batch.times
+        self.start = 0
+
+    def __bool__(self) -> bool:
+        return self.start < len(self.times)
+
+
+class Gathered(Sequence[Any]):
+    """Protobuf messages picked from several batches' parts in a given order, looked up as they are read.
+
+    ``parts[p]`` is a batch's wire sequence and the index its part starts at;
+    ``bases[p]`` is where that part starts in the flat numbering the
+    ``order`` refers to.
+    """
+
+    __slots__ = ("_bases", "_order", "_parts")
+
+    def __init__(self, parts: list[tuple[Sequence[Any], int]], bases: list[int], order: Sequence[int]) -> None:
+        self._parts = parts
+        self._bases = bases
+        self._order = order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def _at(self, flat: int) -> Any:
+        p = bisect.bisect_right(self._bases, flat) - 1
+        wire, start = self._parts[p]
+        return wire[start + flat - self._bases[p]]
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Any]: ...
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return [self._at(flat) for flat in self._order[index]]
+        return self._at(self._order[index])
+
+    def __iter__(self) -> Iterator[Any]:
+        return map(self._at, self._order)
+
+
+def cut(rests: list[Rest], batch_size: int) -> list[MessageBatch]:
+    """Hand on what the sources' rests hold up to their horizon, in timestamp order, as batches of ``batch_size``.
+
+    ``rests`` are non-empty, each in timestamp order (timestamps within a
+    shard are unique); each is advanced past what was handed on, and at
+    least one of them is then empty (the one that set the horizon).
+    """
+    horizon = min(rest.times[-1] for rest in rests)
+    parts: list[tuple[Sequence[Any], int]] = []
+    bases: list[int] = []
+    stamps: list[int] = []
+    for rest in rests:
+        upto = bisect.bisect_right(rest.times, horizon, rest.start)
+        if upto > rest.start:
+            parts.append((rest.wire, rest.start))
+            bases.append(len(stamps))
+            stamps.extend(rest.times[rest.start : upto])
+            rest.start = upto
+    if len(parts) == 1:
+        order: Sequence[int] = range(len(stamps))
+    else:
+        order = sorted(range(len(stamps)), key=stamps.__getitem__)
+    out = []
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        times = itemgetter(*chunk)(stamps) if len(chunk) > 1 else (stamps[chunk[0]],)
+        out.append(MessageBatch(Gathered(parts, bases, chunk), times))
+    return out
