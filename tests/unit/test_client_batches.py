@@ -94,6 +94,10 @@ def test_the_merge_orders_by_the_timestamps_the_node_sent_beside_the_messages() 
 
     out = list(merged([node_batches(k) for k in range(3)], 300))
     assert all(0 < len(b) <= 300 for b in out) and sum(map(len, out)) == len(stamps)
+    # Read by index before anything was iterated (each message looked up in its source batch), then iterated.
+    offset = len(out[0])
+    assert [out[1][i].timestamp_us for i in range(len(out[1]))] == stamps[offset : offset + len(out[1])]
+    assert [m.timestamp_us for m in out[1].wire[::-1]] == stamps[offset : offset + len(out[1])][::-1]
     assert [ts for b in out for ts in b.times] == stamps
     assert [ts for b in out for ts in b.timestamps()] == stamps
     assert [m.timestamp_us for b in out for m in b] == stamps  # the messages themselves, in the same order

@@ -39,28 +39,58 @@ class Rest:
         return self.start < len(self.times)
 
 
-class Gathered(Sequence[Any]):
-    """Protobuf messages picked from several batches' parts in a given order, looked up as they are read.
+class Parts:
+    """The parts of several batches that one cut hands on, numbered one after another.
 
     ``parts[p]`` is a batch's wire sequence and the index its part starts at;
-    ``bases[p]`` is where that part starts in the flat numbering the
-    ``order`` refers to.
+    ``bases[p]`` is where that part starts in the flat numbering. The
+    protobuf messages are wrapped as Python objects only when a reader asks
+    for them, all of the cut's at once (``flat``), shared by its batches.
     """
 
-    __slots__ = ("_bases", "_order", "_parts")
+    __slots__ = ("_flat", "bases", "parts", "total")
 
-    def __init__(self, parts: list[tuple[Sequence[Any], int]], bases: list[int], order: Sequence[int]) -> None:
+    def __init__(self) -> None:
+        self.parts: list[tuple[Sequence[Any], int]] = []
+        self.bases: list[int] = []
+        self.total = 0
+        self._flat: list[Any] | None = None
+
+    def add(self, wire: Sequence[Any], start: int, count: int) -> None:
+        self.parts.append((wire, start))
+        self.bases.append(self.total)
+        self.total += count
+
+    def flat(self) -> list[Any]:
+        """Every message of the parts, in flat numbering."""
+        if self._flat is None:
+            flat: list[Any] = []
+            ends = [*self.bases[1:], self.total]
+            for (wire, start), base, end in zip(self.parts, self.bases, ends, strict=True):
+                flat += wire[start : start + end - base]
+            self._flat = flat
+        return self._flat
+
+    def at(self, index: int) -> Any:
+        """One message by its flat number."""
+        if self._flat is not None:
+            return self._flat[index]
+        p = bisect.bisect_right(self.bases, index) - 1
+        wire, start = self.parts[p]
+        return wire[start + index - self.bases[p]]
+
+
+class Gathered(Sequence[Any]):
+    """Protobuf messages picked from a cut's :class:`Parts` in a given order, looked up as they are read."""
+
+    __slots__ = ("_order", "_parts")
+
+    def __init__(self, parts: Parts, order: Sequence[int]) -> None:
         self._parts = parts
-        self._bases = bases
         self._order = order
 
     def __len__(self) -> int:
         return len(self._order)
-
-    def _at(self, flat: int) -> Any:
-        p = bisect.bisect_right(self._bases, flat) - 1
-        wire, start = self._parts[p]
-        return wire[start + flat - self._bases[p]]
 
     @overload
     def __getitem__(self, index: int) -> Any: ...
@@ -70,11 +100,11 @@ class Gathered(Sequence[Any]):
 
     def __getitem__(self, index: int | slice) -> Any:
         if isinstance(index, slice):
-            return [self._at(flat) for flat in self._order[index]]
-        return self._at(self._order[index])
+            return [self._parts.at(flat) for flat in self._order[index]]
+        return self._parts.at(self._order[index])
 
     def __iter__(self) -> Iterator[Any]:
-        return map(self._at, self._order)
+        return map(self._parts.flat().__getitem__, self._order)
 
 
 def cut(rests: list[Rest], batch_size: int) -> list[MessageBatch]:
@@ -85,17 +115,15 @@ def cut(rests: list[Rest], batch_size: int) -> list[MessageBatch]:
     least one of them is then empty (the one that set the horizon).
     """
     horizon = min(rest.times[-1] for rest in rests)
-    parts: list[tuple[Sequence[Any], int]] = []
-    bases: list[int] = []
+    parts = Parts()
     stamps: list[int] = []
     for rest in rests:
         upto = bisect.bisect_right(rest.times, horizon, rest.start)
         if upto > rest.start:
-            parts.append((rest.wire, rest.start))
-            bases.append(len(stamps))
+            parts.add(rest.wire, rest.start, upto - rest.start)
             stamps.extend(rest.times[rest.start : upto])
             rest.start = upto
-    if len(parts) == 1:
+    if len(parts.parts) == 1:
         order: Sequence[int] = range(len(stamps))
     else:
         order = sorted(range(len(stamps)), key=stamps.__getitem__)
@@ -103,5 +131,5 @@ def cut(rests: list[Rest], batch_size: int) -> list[MessageBatch]:
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
         times = itemgetter(*chunk)(stamps) if len(chunk) > 1 else (stamps[chunk[0]],)
-        out.append(MessageBatch(Gathered(parts, bases, chunk), times))
+        out.append(MessageBatch(Gathered(parts, chunk), times))
     return out
