@@ -4,7 +4,7 @@ Every import counts, those under ``TYPE_CHECKING`` too: a layer that names a
 higher one's types depends on it all the same. The parts of the node above
 the API (the composition root and what it wires: hosting, health,
 maintenance, snapshots) may import every layer; a few base modules
-(settings, TLS, authentication, the shared wire encoding) may be imported
+(settings, TLS, authentication, durable files, the shared wire encoding) may be imported
 from anywhere and import no layer themselves.
 """
 
@@ -21,7 +21,14 @@ PACKAGES = {"server": ROOT / "server", "client": ROOT / "client", "chaos": ROOT 
 # Inside mqds.server: a module may import its own layer and the ones below, never one above.
 LAYERS = {"mqds.server.storage": 0, "mqds.server.raft": 1, "mqds.server.cluster": 2, "mqds.server.api": 3}
 # Imported from anywhere in the server; they import no layer.
-BASE = {"mqds.server.config", "mqds.server.tls", "mqds.server.auth", "mqds.server.startup", "mqds.server.wire"}
+BASE = {
+    "mqds.server.config",
+    "mqds.server.tls",
+    "mqds.server.auth",
+    "mqds.server.startup",
+    "mqds.server.durable",
+    "mqds.server.wire",
+}
 # Observes the layers below the API and is used by it: the API's level.
 LEVEL = {"mqds.server.metrics": 3}
 TOP = 4

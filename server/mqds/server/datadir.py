@@ -22,6 +22,7 @@ import os
 import shutil
 
 from mqds.server.config import NodeConfig
+from mqds.server.durable import make_dirs, write_atomically
 from mqds.server.startup import StartupError
 
 NODE_FILE_VERSION = 2
@@ -40,14 +41,15 @@ def _lock_data_dir(config: NodeConfig) -> int:
 
 def _check_data_dir(config: NodeConfig) -> int:
     try:
-        os.makedirs(config.data_dir, exist_ok=True)
+        make_dirs(config.data_dir)
     except OSError as err:
         raise StartupError(f"cannot create data directory {config.data_dir}: {err.strerror}") from None
     if not os.access(config.data_dir, os.W_OK | os.X_OK):
         raise StartupError(f"data directory {config.data_dir} is not writable by this user")
     lock = _lock_data_dir(config)
+    # Made durable (their names synced into the data directory), or a power loss could take them and all below.
     for sub in ("shards", "raft", "meta", "tmp"):
-        os.makedirs(os.path.join(config.data_dir, sub), exist_ok=True)
+        make_dirs(os.path.join(config.data_dir, sub))
     path = os.path.join(config.data_dir, "node.json")
     if os.path.exists(path):
         with open(path) as fh:
@@ -61,12 +63,7 @@ def _check_data_dir(config: NodeConfig) -> int:
                 f"data directory {config.data_dir} belongs to node {meta['node_id']!r}, not {config.node_id!r}"
             )
         return lock
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump({"version": NODE_FILE_VERSION, "node_id": config.node_id}, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps({"version": NODE_FILE_VERSION, "node_id": config.node_id}).encode())
     return lock
 
 

@@ -24,6 +24,7 @@ import grpc
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.server.api.server import CHUNK_BYTES
+from mqds.server.durable import fsync_dir
 from mqds.server.hosting import Vnode
 from mqds.server.metrics import NodeMetrics
 from mqds.server.peers import Peers
@@ -82,6 +83,10 @@ class Snapshots:
                         Reason.INVALID_REQUEST, f"snapshot file {f.name} is {fh.tell()} bytes, not {f.size}"
                     )
                 os.fsync(fh.fileno())
+            # The files' names too: the directory is renamed into place whole, and a rename makes
+            # the directory's own name durable, not the names inside it.
+            for directory in {os.path.dirname(fh.name) for fh in handles.values()} | {dest}:
+                fsync_dir(directory)
         except grpc.RpcError as err:
             raise errors.from_rpc_error(err) from None
         finally:

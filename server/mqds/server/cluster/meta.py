@@ -23,7 +23,7 @@ from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.server.cluster import placement
 from mqds.server.cluster.v1 import commands_pb2 as cpb
-from mqds.server.raft.journal import write_atomically
+from mqds.server.durable import make_dirs, write_atomically
 from mqds.v1 import cluster_pb2 as clpb
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class MetaMachine:
         self.path = path
         self._lock = threading.Lock()
         self._listeners: list[Callable[[], None]] = []
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        make_dirs(os.path.dirname(path))
         if os.path.exists(path):
             with open(path, "rb") as fh:
                 state = cpb.ClusterState.FromString(fh.read())

@@ -46,6 +46,7 @@ from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf
 
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
+from mqds.server.durable import make_dirs
 from mqds.server.raft import batching, codec
 from mqds.server.raft.futures import PendingRead as PendingRead  # "X as X": moved out, re-exported
 from mqds.server.raft.futures import Proposal
@@ -156,7 +157,7 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         self._seen_term = -1
         self._init_apply_progress()
         self._role = ROLE_FOLLOWER
-        os.makedirs(directory, exist_ok=True)
+        make_dirs(directory)
         self.journal = journal
         recorded = self.journal.members
         initial = recorded if recorded is not None else sorted(set(members) | {node_id})

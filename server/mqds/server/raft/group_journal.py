@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pysyncobj.journal import Journal
 
-from mqds.server.raft.durable import fsync_dir
+from mqds.server.durable import fsync_dir
 from mqds.server.raft.recovery import Recovered
 from mqds.server.raft.segments import (
     CLEAR,

@@ -54,7 +54,7 @@ import logging
 import os
 import threading
 
-from mqds.server.raft.durable import fsync_dir, write_atomically
+from mqds.server.durable import fsync_dir, make_dirs, write_atomically
 from mqds.server.raft.group_journal import NO_FLOOR, RaftJournal
 from mqds.server.raft.reaper import DEAD_DIR, Reaper
 from mqds.server.raft.reaper import REAP_PAUSE_S as _REAP_PAUSE_S
@@ -115,7 +115,7 @@ class NodeLog:
         self.segment_bytes = segment_bytes
         self.copy_bytes = COPY_BYTES if copy_bytes is None else copy_bytes
         """A group with at most this many bytes of entries has them copied into a new segment."""
-        os.makedirs(directory, exist_ok=True)
+        make_dirs(directory)
         self._cond = threading.Condition()
         self._queue: list[bytes] = []
         self._queued_round = 1

@@ -21,6 +21,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from mqds.server.durable import sync_file
 from mqds.server.raft import codec
 from mqds.server.raft.journal import RaftJournal, write_atomically
 from mqds.server.raft.machine import StateMachine
@@ -127,6 +128,10 @@ class ManifestFiles:
         log.debug("%s: snapshot at index %d", self.name, last[1])
 
     def _read_manifest(self, file_name: str) -> tuple[Any, Any, list[PeerNode]]:
+        # A manifest received from the leader was written and renamed into place
+        # by pysyncobj without an fsync, and pysyncobj drops the entries it covers
+        # from the log once this returns: it must be on disk before that drop is.
+        sync_file(file_name)
         with open(file_name, "rb") as fh:
             manifest = decode_manifest(fh.read())
         index = manifest.last[1]

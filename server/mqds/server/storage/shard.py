@@ -30,6 +30,7 @@ from rocksdict import Checkpoint, Rdict, WriteBatch
 
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
+from mqds.server.durable import make_dirs
 from mqds.server.storage import dedup as dedups
 from mqds.server.storage import keys, reads, writes
 from mqds.server.storage.dedup import DEDUP_PRUNE_PERIOD_US, DEDUP_WINDOW_US
@@ -117,7 +118,7 @@ class ShardStorage:
         self.keys_read = 0
         """Keys read by ``next`` since the shard was opened (a cost measure)."""
 
-        os.makedirs(path, exist_ok=True)
+        make_dirs(path)  # RocksDB syncs what it writes in the directory, not the directory's own name
         existing = Rdict.list_cf(path) if os.path.exists(os.path.join(path, "CURRENT")) else ["default"]
         cf_opts = {name: engine.cf_options() for name in existing if name != "default"}
         self._db = Rdict(path, engine.db_options(), column_families=cf_opts or None)
