@@ -110,9 +110,12 @@ def test_a_failed_log_write_fails_every_sync_after_it_and_hangs_none(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log = NodeLog(str(tmp_path))
+    told: list[BaseException] = []
+    log.on_failure = told.append  # the node's disk guard
     a, b = log.journal(1), log.journal(2)
     a.add(b"\x00kept", 1, 1)
     a.sync()
+    assert told == [] and log.failure is None
 
     def broken(fd: int) -> None:
         raise OSError(5, "Input/output error")
@@ -122,6 +125,9 @@ def test_a_failed_log_write_fails_every_sync_after_it_and_hangs_none(
     with pytest.raises(OSError, match="Input/output error"):
         a.sync()
     monkeypatch.undo()
+    assert [str(err) for err in told] == ["[Errno 5] Input/output error"] and log.failure is told[0]
+    log.fail(OSError(28, "No space left on device"))  # a later failure elsewhere: told once only
+    assert len(told) == 1
     # The disk's state is unknown from here on: nothing is promised durable again.
     b.add(b"\x00later", 1, 1)
     with pytest.raises(OSError, match="writing the Raft log failed"):
@@ -977,6 +983,8 @@ def test_a_failing_disk_is_retried_not_skipped_and_the_group_reports_it_stalled(
         machine.applied_index = index
 
     machine.apply = apply_unless_disk_fails  # type: ignore[method-assign]
+    told: list[BaseException] = []
+    group.on_disk_failure = told.append  # the node's disk guard
     group.deliver(
         "n1",
         {
@@ -991,6 +999,9 @@ def test_a_failing_disk_is_retried_not_skipped_and_the_group_reports_it_stalled(
     )
     with pytest.raises(MqdsError, match="IO error"):
         group._cycle()
+    assert [str(err) for err in told] == [
+        "STORAGE_ERROR: write failed: IO error"
+    ]  # told, and not recorded as the entry's failure
     group._note_apply_progress()
     assert group.raftLastApplied == 1 and machine.skipped == []
     group._applied_moved_at -= 30  # thirty seconds later, still failing

@@ -124,6 +124,7 @@ class Hosting:
             self.timing,
             on_role_change=self._role_changed,
             joining=joining,
+            on_disk_failure=self.raft_log.fail,
         )
         self._groups[group_id] = group
         for member in group.members:
@@ -312,7 +313,19 @@ class Hosting:
             )
         return vnode
 
+    def _check_disk(self, shard: int) -> None:
+        """Refuse what needs this node's log while its disk has failed (the guard restarts it once it is back)."""
+        failure = self.raft_log.failure
+        if failure is not None:
+            raise errors.error(
+                Reason.UNAVAILABLE,
+                f"node {self.node_id}'s disk failed ({failure}): it left its Raft groups and restarts once the disk "
+                "takes writes again; another replica takes over",
+                shard=str(shard),
+            )
+
     def leader_vnode(self, shard: int) -> Vnode:
+        self._check_disk(shard)
         vnode = self.vnode(shard)
         if not vnode.group.is_leader:
             err = vnode.group.not_leader_error()
@@ -324,6 +337,7 @@ class Hosting:
         vnode = self.vnode(shard)
         if stale_ok:
             return vnode, None
+        self._check_disk(shard)
         try:
             return vnode, vnode.group.begin_read()
         except MqdsError as err:

@@ -43,6 +43,7 @@ from mqds.server.cluster.membership import Membership
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.config import NodeConfig
 from mqds.server.datadir import DataDir
+from mqds.server.diskguard import DiskGuard
 from mqds.server.health import Health
 from mqds.server.hosting import Hosting, Vnode
 from mqds.server.maintenance import Maintenance
@@ -126,6 +127,8 @@ class Node:
             transport=config.raft_transport,
             tls_client=self.tls.raft_client_context() if self.tls else None,
         )
+        self.disk_guard = DiskGuard(self.data_dir.tmp, isolate=self.router.isolate)
+        self.raft_log.on_failure = self.disk_guard.failed
         self.peers = Peers(self.router)
         self.snapshots = Snapshots(self.peers, self.auth, self.metrics, self.data_dir.tmp)
         self.hosting = Hosting(
@@ -305,6 +308,7 @@ class Node:
             return
         self._stopping.set()
         self._changed.set()
+        self.disk_guard.stop()
         self.health.enter_graceful_shutdown()
         # New calls are refused from here on; in-flight ones (and the peers'
         # Raft streams) go on during the grace period. Hand leadership over

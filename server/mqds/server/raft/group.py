@@ -117,6 +117,7 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         timing: RaftTiming | None = None,
         on_role_change: Callable[[RaftGroup, int, int], None] | None = None,
         joining: bool = False,
+        on_disk_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.group = group
         self.name = group_name(group)
@@ -126,6 +127,7 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         self.directory = directory
         self._outbox = outbox
         self._on_role_change = on_role_change
+        self.on_disk_failure = on_disk_failure
         self._init_reads()
         self.proposals = (
             batching.ProposalQueue(self.timing.max_entry_bytes) if hasattr(machine, "apply_batch") else None

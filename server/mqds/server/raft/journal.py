@@ -53,6 +53,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 from mqds.server.durable import fsync_dir, make_dirs, write_atomically
 from mqds.server.raft.group_journal import NO_FLOOR, RaftJournal
@@ -121,6 +122,8 @@ class NodeLog:
         self._queued_round = 1
         self._durable_round = 0
         self._error: BaseException | None = None
+        self.on_failure: Callable[[BaseException], None] | None = None
+        """Told once, when the log is fenced (a write or sync failed, or ``fail``): the node's disk guard."""
         self._closed = False
         self._journals: dict[int, RaftJournal] = {}
         self.flushes = 0
@@ -256,8 +259,27 @@ class NodeLog:
         if failure is None:
             self._durable_round = round_
         else:
-            self._error = failure
+            self._fence(failure)
         self._cond.notify_all()
+
+    def fail(self, err: BaseException) -> None:
+        """Fence the log because the node's disk failed elsewhere (a replica's storage could not write)."""
+        with self._cond:
+            self._fence(err)
+            self._cond.notify_all()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the log was fenced (None while it takes writes)."""
+        return self._error
+
+    def _fence(self, err: BaseException) -> None:
+        """Refuse every later write: what a failed write or fsync left on disk is unknown (never retried)."""
+        if self._error is not None:
+            return
+        self._error = err
+        if self.on_failure is not None:
+            self.on_failure(err)
 
     def _write(self, batch: list[bytes], marks: list[tuple[int, int, int, bool]]) -> None:
         """Append ``batch`` to the active segment and flush it; then roll over and delete what is dead."""

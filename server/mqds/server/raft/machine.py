@@ -14,6 +14,7 @@ not moved (``apply_stalled_s``, which readiness reads).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from pysyncobj import SyncObj
@@ -74,6 +75,14 @@ class CommandApplier(SyncObj):
     name: str
     machine: StateMachine
     apply_failures: int
+    on_disk_failure: Callable[[BaseException], None] | None
+    """Told of a failure of this replica's storage (its disk): the node fences its log and restarts from disk."""
+
+    def _disk_failed(self, err: BaseException) -> None:
+        # RocksDB refuses every write after one failed ("Writer has previous error"): retrying
+        # cannot help, reopening from what is durable can.
+        if self.on_disk_failure is not None:
+            self.on_disk_failure(err)
 
     def _init_apply_progress(self) -> None:
         self._applied_seen = 0
@@ -148,9 +157,13 @@ class CommandApplier(SyncObj):
                 result = self.machine.apply(body, index)
         except errors.MqdsError as err:
             if err.reason is Reason.STORAGE_ERROR:
+                self._disk_failed(err)
                 raise
             failure: BaseException = err
-        except (OSError, MemoryError):
+        except OSError as err:
+            self._disk_failed(err)
+            raise
+        except MemoryError:
             raise
         except Exception as err:  # any other failure is the entry's own
             failure = err

@@ -317,6 +317,7 @@ class PeerRouter:
         self._addresses: dict[str, str] = {}
         self._lock = threading.Lock()
         self._blocked: frozenset[str] = frozenset()
+        self._isolated = False
         self._listeners: list[Callable[[str, bool], None]] = []
         # Dropped incoming traffic, by cause (metrics and node status).
         self.dropped_frames = 0
@@ -382,7 +383,7 @@ class PeerRouter:
 
     def is_connected(self, node_id: str) -> bool:
         link = self._links.get(node_id)
-        return link is not None and link.connected and node_id not in self._blocked
+        return link is not None and link.connected and node_id not in self._blocked and not self._isolated
 
     def close(self) -> None:
         with self._lock:
@@ -412,11 +413,22 @@ class PeerRouter:
         return self._listener.refused if self._listener is not None else 0
 
     def _receive_tcp(self, sender: str, address: str, raw: bytes) -> None:
-        if sender in self._blocked:
+        if sender in self._blocked or self._isolated:
             return
         if address and sender != self.node_id and self._addresses.get(sender) != address:
             self.set_address(sender, address)
         self._receive_frame(sender, raw)
+
+    def isolate(self) -> None:
+        """Drop all Raft traffic to and from every peer from now on: a node whose disk failed leaves its groups.
+
+        Its groups can no longer log or vote, but a leader's heartbeats need
+        no log write: without this they would go on, and no follower would
+        elect a leader that can write.
+        """
+        self._isolated = True
+        for node_id in list(self._links):
+            self.link_changed(node_id, False)
 
     # -- faults (tests) --------------------------------------------------------
 
@@ -439,6 +451,8 @@ class PeerRouter:
             if not lazy:
                 urgent.add(node_id)
         blocked = self._blocked
+        if self._isolated:
+            return
         for node_id, items in by_peer.items():
             link = self._links.get(node_id)
             if link is not None and node_id not in blocked:
@@ -453,7 +467,7 @@ class PeerRouter:
         if address and sender != self.node_id:
             self.set_address(sender, address)
         for raw in frames:
-            if sender in self._blocked:
+            if sender in self._blocked or self._isolated:
                 continue
             self._receive_frame(sender, raw)
         return rpb.StreamClosed()
