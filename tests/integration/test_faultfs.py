@@ -74,6 +74,36 @@ def test_a_file_written_without_fsync_is_gone_after_a_power_loss(fs: FaultFs) ->
     assert fs.status()["files_with_unsynced_data"] == 0
 
 
+def test_the_status_names_the_entries_no_directory_sync_made_durable(fs: FaultFs) -> None:
+    mnt = fs.mountpoint
+    (mnt / "sub").mkdir()
+    put(mnt / "sub" / "f", b"f", sync=True)
+    assert fs.status()["unsynced_entries"] == {
+        ".": {"not_durable": ["sub"], "durable_but_gone": []},
+        "sub": {"not_durable": ["f"], "durable_but_gone": []},
+    }
+    sync_dir(mnt / "sub")
+    sync_dir(mnt)
+    os.unlink(mnt / "sub" / "f")
+    assert fs.status()["unsynced_entries"] == {"sub": {"not_durable": [], "durable_but_gone": ["f"]}}
+
+
+def test_with_journal_metadata_any_sync_makes_every_earlier_name_durable(tmp_path: Path) -> None:
+    with FaultFs(tmp_path / "backing", tmp_path / "mnt", metadata="journal") as fs:
+        mnt = fs.mountpoint
+        (mnt / "db").mkdir()
+        put(mnt / "db" / "CURRENT", b"MANIFEST-1", sync=False)
+        put(mnt / "other", b"synced", sync=True)  # syncs no directory, but the journal commits every name
+        put(mnt / "late", b"after the last sync", sync=False)
+        assert fs.status()["metadata"] == "journal"
+
+        fs.power_loss()
+
+        assert sorted(os.listdir(mnt)) == ["db", "other"]
+        assert (mnt / "db" / "CURRENT").read_bytes() == b""  # its name is durable, its data never was
+        assert (mnt / "other").read_bytes() == b"synced"
+
+
 def test_the_same_file_written_with_fsync_survives(fs: FaultFs) -> None:
     mnt = fs.mountpoint
     (mnt / "dir").mkdir()

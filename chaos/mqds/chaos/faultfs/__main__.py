@@ -21,15 +21,21 @@ def main(argv: list[str] | None = None) -> int:
         help="where the undo of unsynced writes and the unlinked files still durably named are kept (default: "
         "BACKING.faultfs beside it; it must be on the backing directory's filesystem)",
     )
+    parser.add_argument(
+        "--metadata",
+        choices=("posix", "journal"),
+        default="posix",
+        help="posix (the default): a directory's entries are durable once it is synced; journal: any sync makes "
+        "every directory change before it durable, as ext4's and XFS's journal do",
+    )
     parser.add_argument("--debug", action="store_true", help="libfuse's debug output, every request")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from mqds.chaos.faultfs.daemon import serve  # imports mfusepy, which needs libfuse
     from mqds.chaos.faultfs.mount import default_state_dir
 
-    serve(
-        args.backing, args.mountpoint, args.control, args.state_dir or default_state_dir(args.backing), debug=args.debug
-    )
+    state_dir = args.state_dir or default_state_dir(args.backing)
+    serve(args.backing, args.mountpoint, args.control, state_dir, metadata=args.metadata, debug=args.debug)
     return 0
 
 

@@ -43,7 +43,7 @@ def dispatch(ops: FaultOperations, request: dict[str, Any]) -> dict[str, Any]:
     if command == "ping":
         return {"pid": os.getpid()}
     if command == "status":
-        return ops.status()
+        return {**ops.status(), "metadata": ops.metadata}
     if command == "power_loss":
         return ops.power_loss(
             torn=bool(request.get("torn", False)),
@@ -85,10 +85,12 @@ def dispatch(ops: FaultOperations, request: dict[str, Any]) -> dict[str, Any]:
     raise ValueError(f"unknown command {command!r}")
 
 
-def serve(backing: str, mountpoint: str, control: str, state_dir: str, *, debug: bool = False) -> None:
+def serve(
+    backing: str, mountpoint: str, control: str, state_dir: str, *, metadata: str = "posix", debug: bool = False
+) -> None:
     """Mount ``backing`` at ``mountpoint`` and serve until unmounted."""
     os.makedirs(state_dir, exist_ok=True)
-    ops = FaultOperations(backing, state_dir)
+    ops = FaultOperations(backing, state_dir, metadata=metadata)
     server = ControlServer(control, lambda request: dispatch(ops, request)).start()
     log.info("faultfs: %s on %s (control %s, pid %d)", backing, mountpoint, control, os.getpid())
     try:

@@ -82,7 +82,9 @@ class FaultFs(ControlClient):
     """A fault filesystem showing ``backing`` at ``mountpoint``, run as a process of its own.
 
     ``with FaultFs(backing, mountpoint) as fs:`` mounts it and unmounts it at
-    the end; the commands (``fs.power_loss()``, ``fs.disk_full(...)``,
+    the end. ``metadata`` is ``"posix"`` (a directory's entries are durable
+    once it is synced) or ``"journal"`` (any sync makes every directory change
+    before it durable, as ext4's and XFS's journal do). The commands (``fs.power_loss()``, ``fs.disk_full(...)``,
     ``fs.fail(...)``, ``fs.slow(...)``, ``fs.heal()``, ``fs.status()``) are
     those of :class:`~mqds.chaos.faultfs.control.ControlClient`.
     """
@@ -94,7 +96,9 @@ class FaultFs(ControlClient):
         *,
         state_dir: str | Path | None = None,
         log_path: str | Path | None = None,
+        metadata: str = "posix",
     ) -> None:
+        self.metadata = metadata
         self.backing = Path(backing).absolute()
         self.mountpoint = Path(mountpoint).absolute()
         self.state_dir = Path(state_dir or default_state_dir(self.backing)).absolute()
@@ -134,6 +138,7 @@ class FaultFs(ControlClient):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "mqds.chaos.faultfs", "--backing", str(self.backing)]
         command += ["--mountpoint", str(self.mountpoint), "--control", self.path, "--state-dir", str(self.state_dir)]
+        command += ["--metadata", self.metadata]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s

@@ -144,22 +144,20 @@ class Namespace:
         inos.append(st.st_ino)
         return inos
 
-    def unsynced_entries(self) -> int:
-        """How many names differ between the live tree and the durable one (at most: a guide for status)."""
-        count = 0
-        for ino, record in self.dirs.items():
-            path = self._find_dir(ino)
-            live = listing(path) if path else {}
-            count += sum(1 for name, i in live.items() if record.durable.get(name) != i)
-            count += sum(1 for name, i in record.durable.items() if live.get(name) != i)
-        return count
-
-    def _find_dir(self, ino: int) -> str | None:
-        for top in (self.root, self.graveyard):
-            for dirpath, _, _ in os.walk(top):
-                if os.lstat(dirpath).st_ino == ino:
-                    return dirpath
-        return None
+    def unsynced(self) -> dict[str, dict[str, list[str]]]:
+        """The live directories whose entries differ from their durable ones (path from the root -> names a power
+        loss would take away, and names it would bring back): what a program forgot to sync, for the status."""
+        out: dict[str, dict[str, list[str]]] = {}
+        for dirpath, _, _ in os.walk(self.root):
+            record = self.dirs.get(os.lstat(dirpath).st_ino)
+            if record is None:
+                continue
+            live = listing(dirpath)
+            added = sorted(name for name, ino in live.items() if record.durable.get(name) != ino)
+            removed = sorted(name for name, ino in record.durable.items() if live.get(name) != ino)
+            if added or removed:
+                out[os.path.relpath(dirpath, self.root)] = {"not_durable": added, "durable_but_gone": removed}
+        return out
 
     # --- power loss ---------------------------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ first let the file's :class:`~mqds.chaos.faultfs.files.FileRecord` save the
 durable bytes they change; creates, unlinks, renames and mkdirs first let the
 :class:`~mqds.chaos.faultfs.namespace.Namespace` record the directory's
 durable entries. fsync and fdatasync make a file durable, fsync of a
-directory its entries; neither syncs the backing disk (the real machine does
+directory its entries (with ``metadata="journal"``, any sync makes every
+directory's entries durable, as ext4's and XFS's journal do); neither syncs the backing disk (the real machine does
 not lose power, and the runs go faster for it). O_SYNC and O_DSYNC writes
 are synced as they return.
 
@@ -45,6 +46,9 @@ log = logging.getLogger(__name__)
 # Flags the backing file is never opened with: the filesystem keeps its own offsets (pwrite on an O_APPEND
 # descriptor would ignore them), does its own truncation and syncing, and writes from unaligned buffers.
 _STRIPPED = os.O_ACCMODE | os.O_CREAT | os.O_EXCL | os.O_TRUNC | os.O_APPEND | os.O_DIRECT | os.O_SYNC | os.O_DSYNC
+# posix: a directory's entries are durable once that directory is synced. journal: any sync that succeeds makes
+# every directory change made before it durable, as the metadata journal of ext4 or XFS does.
+METADATA_MODES = ("posix", "journal")
 _STAT_FIELDS = ("st_mode", "st_nlink", "st_size", "st_uid", "st_gid", "st_ino", "st_blocks", "st_rdev")
 
 
@@ -70,7 +74,10 @@ class FaultOperations(mfusepy.Operations):
 
     use_ns = True
 
-    def __init__(self, backing: str, state_dir: str, faults: Faults | None = None) -> None:
+    def __init__(self, backing: str, state_dir: str, faults: Faults | None = None, metadata: str = "posix") -> None:
+        if metadata not in METADATA_MODES:
+            raise ValueError(f"metadata must be one of {', '.join(METADATA_MODES)}; got {metadata!r}")
+        self.metadata = metadata
         self.backing = os.path.realpath(backing)
         self.state_dir = os.path.realpath(state_dir)
         if os.lstat(self.backing).st_dev != os.lstat(self.state_dir).st_dev:
@@ -185,6 +192,18 @@ class FaultOperations(mfusepy.Operations):
         record = self.files.get(h.ino)
         if record is not None and record.commit(os.fstat(h.fd).st_size):
             self._forget([h.ino])
+        if self.metadata == "journal":
+            self._commit_names(None)
+
+    def _commit_names(self, ino: int | None) -> None:
+        """Directory ``ino``'s entries (every directory's, with the journal's metadata: ``ino`` None) are durable."""
+        if self.metadata == "journal" or ino is None:
+            changed = bool(self.names.dirs)
+            self.names.dirs.clear()
+        else:
+            changed = self.names.commit(ino)
+        if changed:
+            self._forget(self.names.collect(self._busy()))
 
     def _inject_sync(self, h: Handle) -> None:
         code = self.faults.error("fsync", h.path)
@@ -252,8 +271,7 @@ class FaultOperations(mfusepy.Operations):
         with self.mutex:
             h = self._handle(fh)
             self._inject_sync(h)
-            if self.names.commit(h.ino):
-                self._forget(self.names.collect(self._busy()))
+            self._commit_names(h.ino)
         return 0
 
     def mkdir(self, path: str, mode: int) -> int:
@@ -538,6 +556,7 @@ class FaultOperations(mfusepy.Operations):
                 "bytes_written_since_sync": sum(r.written.total() for r in self.files.values()),
                 "bytes_lost_to_failed_syncs": sum(r.lost.total() for r in self.files.values()),
                 "dirs_with_unsynced_entries": len(self.names.dirs),
+                "unsynced_entries": self.names.unsynced(),
                 "graveyard": len(self.names.buried),
                 "open_files": sum(1 for h in self.handles.values() if not h.dead),
                 "power_losses": self.power_losses,
