@@ -186,6 +186,28 @@ def test_an_unlink_without_a_directory_fsync_is_undone(fs: FaultFs) -> None:
     assert fs.status()["graveyard"] == 0
 
 
+def test_hard_links_are_names_like_any_other(fs: FaultFs) -> None:
+    mnt = fs.mountpoint
+    (mnt / "db").mkdir()
+    (mnt / "checkpoint").mkdir()
+    put(mnt / "db" / "000011.sst", b"table", sync=True)
+    for directory in (mnt, mnt / "db"):
+        sync_dir(directory)
+    # A checkpoint as RocksDB makes one: the table linked into another directory, synced there.
+    os.link(mnt / "db" / "000011.sst", mnt / "checkpoint" / "000011.sst")
+    os.link(mnt / "db" / "000011.sst", mnt / "db" / "unsynced-link")
+    sync_dir(mnt / "checkpoint")
+    os.unlink(mnt / "db" / "000011.sst")  # compacted away, the directory not synced yet
+    put(mnt / "db" / "unsynced-link", b" and more", sync=False, append=True)
+
+    fs.power_loss()
+
+    assert sorted(os.listdir(mnt / "db")) == ["000011.sst"]
+    assert (mnt / "db" / "000011.sst").read_bytes() == b"table"
+    assert (mnt / "db" / "000011.sst").stat().st_ino == (mnt / "checkpoint" / "000011.sst").stat().st_ino
+    assert (mnt / "db" / "000011.sst").stat().st_nlink == 2
+
+
 def test_overwrites_and_truncates_are_undone_and_new_directories_vanish(fs: FaultFs) -> None:
     mnt = fs.mountpoint
     original = bytes(range(256)) * 64

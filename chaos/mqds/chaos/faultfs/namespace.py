@@ -131,7 +131,7 @@ class Namespace:
                 self.buried.discard(ino)
 
     def _remove_tree(self, path: str) -> list[int]:
-        """Delete a node and everything under it; their inodes (their records are dropped)."""
+        """Delete a node and everything under it; the inodes gone (a file linked elsewhere too is not)."""
         inos = []
         st = os.lstat(path)
         if stat.S_ISDIR(st.st_mode):
@@ -141,7 +141,8 @@ class Namespace:
             self.dirs.pop(st.st_ino, None)
         else:
             os.unlink(path)
-        inos.append(st.st_ino)
+        if stat.S_ISDIR(st.st_mode) or st.st_nlink <= 1:
+            inos.append(st.st_ino)
         return inos
 
     def unsynced(self) -> dict[str, dict[str, list[str]]]:

@@ -364,8 +364,18 @@ class FaultOperations(mfusepy.Operations):
         return os.readlink(self._real(path))
 
     def link(self, target: str, source: str) -> int:
-        # Hard links would make the space and durability bookkeeping per name; mqds and RocksDB do not make any.
-        raise _fail(errno.EPERM)
+        # RocksDB's checkpoints (mqds's snapshots) link table files. A link is a name like any other; the node's
+        # data and undo stay one, and the space is counted per name, as du does.
+        self._check_caller()
+        with self.mutex:
+            self._reserve_name()
+            real = self._real(source)
+            st = os.lstat(real)
+            self.names.touch(self._parent(target))
+            os.link(real, self._real(target), follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode):
+                self._grow(st.st_ino, st.st_size)
+        return 0
 
     def chmod(self, path: str, mode: int) -> int:
         with self.mutex:
