@@ -8,7 +8,8 @@ STAMP  := $(VENV)/.installed-stamp
 # Tests that start processes use loopback ports; PYTEST_ARGS narrows a run.
 PYTEST_ARGS ?=
 # The long fault-injection run; override with CHAOS_ARGS="--duration 600 --seed 7".
-CHAOS_ARGS ?= --duration 1800 --nodes 5 --nemesis mix --report-json chaos-report.json
+# --disk journal: every node's data directory on a fault filesystem (root and FUSE), so the mix has the disk nemeses.
+CHAOS_ARGS ?= --duration 1800 --nodes 5 --nemesis mix --disk journal --report-json chaos-report.json
 
 .PHONY: help install fuse-libs lint test test-unit test-integration test-spark chaos proto bench-storage bench-cluster bench-spark demo server cluster clean
 
@@ -23,7 +24,7 @@ help:
 	@echo "make server          run one node in the foreground on 127.0.0.1:7101 (data in ./data/n1)"
 	@echo "make cluster         start a local 3-node cluster in the background on 127.0.0.1:7101-7103 (data in ./data/cluster)"
 	@echo "make proto           regenerate client/mqds/v1 from proto/"
-	@echo "make chaos           the long fault-injection run: 30 min, 5 nodes, every nemesis (CHAOS_ARGS=...)"
+	@echo "make chaos           the long fault-injection run: 30 min, 5 nodes, every nemesis, disk faults too (CHAOS_ARGS=...)"
 	@echo "make test-deploy     the deployment tests: Dockerfile, compose and k8s/ manifests, run and validated offline"
 	@echo "make image           docker build -f deploy/Dockerfile -t mqds:0.1.0 . (needs a Docker engine)"
 	@echo "make clean           remove .venv and caches"
