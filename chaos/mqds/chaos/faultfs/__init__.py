@@ -29,7 +29,8 @@ survives (a torn write). The other faults are in
 
 Modules: :mod:`~mqds.chaos.faultfs.extents` (byte range sets),
 :mod:`~mqds.chaos.faultfs.files`, :mod:`~mqds.chaos.faultfs.namespace`,
-:mod:`~mqds.chaos.faultfs.faults`, :mod:`~mqds.chaos.faultfs.operations`
+:mod:`~mqds.chaos.faultfs.faults`, :mod:`~mqds.chaos.faultfs.handles`,
+:mod:`~mqds.chaos.faultfs.powerloss`, :mod:`~mqds.chaos.faultfs.operations`
 (the FUSE operations), :mod:`~mqds.chaos.faultfs.daemon` (the filesystem's
 process), :mod:`~mqds.chaos.faultfs.control` (the control socket and its
 client), :mod:`~mqds.chaos.faultfs.mount` (:class:`FaultFs`: mount,

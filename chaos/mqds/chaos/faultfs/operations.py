@@ -25,21 +25,20 @@ control socket's thread (:mod:`~mqds.chaos.faultfs.control`).
 from __future__ import annotations
 
 import errno
-import fnmatch
 import logging
 import os
-import random
 import stat
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import mfusepy
 
 from mqds.chaos.faultfs.faults import Faults
 from mqds.chaos.faultfs.files import FileRecord
+from mqds.chaos.faultfs.handles import Handle, HandleTable
 from mqds.chaos.faultfs.namespace import Namespace, clear_dir
+from mqds.chaos.faultfs.powerloss import lose_power
 
 log = logging.getLogger(__name__)
 
@@ -50,19 +49,6 @@ _STRIPPED = os.O_ACCMODE | os.O_CREAT | os.O_EXCL | os.O_TRUNC | os.O_APPEND | o
 # every directory change made before it durable, as the metadata journal of ext4 or XFS does.
 METADATA_MODES = ("posix", "journal")
 _STAT_FIELDS = ("st_mode", "st_nlink", "st_size", "st_uid", "st_gid", "st_ino", "st_blocks", "st_rdev")
-
-
-@dataclass
-class Handle:
-    """An open file or directory: the backing descriptor and what the error patterns match."""
-
-    fd: int
-    ino: int
-    path: str
-    is_dir: bool
-    sync_writes: bool = False
-    dead: bool = False
-    """The power was lost while it was open: every call on it fails."""
 
 
 def _fail(code: int) -> mfusepy.FuseOSError:
@@ -90,8 +76,7 @@ class FaultOperations(mfusepy.Operations):
         self.faults = faults or Faults()
         self.names = Namespace(self.backing, graveyard)
         self.files: dict[int, FileRecord] = {}
-        self.handles: dict[int, Handle] = {}
-        self._next_fh = 1
+        self.handles = HandleTable()
         self.detached: set[int] = set()
         """Inodes out of the live tree that open files still hold: their growth uses no space."""
         self.used_bytes = self._measure()
@@ -127,21 +112,10 @@ class FaultOperations(mfusepy.Operations):
             pass
 
     def _handle(self, fh: int | None) -> Handle:
-        h = self.handles.get(fh or 0)
-        if h is None:
-            raise _fail(errno.EBADF)
-        if h.dead:
-            raise _fail(errno.EIO)
-        return h
-
-    def _add_handle(self, fd: int, path: str, is_dir: bool, sync_writes: bool = False) -> int:
-        fh = self._next_fh
-        self._next_fh += 1
-        self.handles[fh] = Handle(fd, os.fstat(fd).st_ino, path, is_dir, sync_writes)
-        return fh
+        return self.handles.get(fh)
 
     def _busy(self) -> set[int]:
-        return {h.ino for h in self.handles.values() if not h.dead}
+        return self.handles.busy()
 
     def _inject(self, op: str, path: str | None) -> None:
         code = self.faults.error(op, path)
@@ -244,7 +218,7 @@ class FaultOperations(mfusepy.Operations):
     def opendir(self, path: str) -> int:
         with self.mutex:
             fd = os.open(self._real(path), os.O_RDONLY | os.O_DIRECTORY)
-            return self._add_handle(fd, path, is_dir=True)
+            return self.handles.add(fd, path, is_dir=True)
 
     def readdir(self, path: str, fh: int) -> list[tuple[str, dict[str, int], int]]:
         # With use_ino the kernel is given each entry's inode number, and skips an entry numbered 0.
@@ -347,9 +321,7 @@ class FaultOperations(mfusepy.Operations):
             if target is not None:
                 self._remove_name(dst, target)
             os.rename(src, dst)
-            for h in self.handles.values():
-                if h.path == old or h.path.startswith(old + "/"):
-                    h.path = new + h.path[len(old) :]
+            self.handles.renamed(old, new)
         return 0
 
     def symlink(self, target: str, source: str) -> int:
@@ -421,7 +393,7 @@ class FaultOperations(mfusepy.Operations):
                 self._record(ino, 0)
             elif flags & os.O_TRUNC:
                 self._truncate_fd(fd, ino, 0)
-            return self._add_handle(fd, path, is_dir=False, sync_writes=bool(flags & (os.O_SYNC | os.O_DSYNC)))
+            return self.handles.add(fd, path, is_dir=False, sync_writes=bool(flags & (os.O_SYNC | os.O_DSYNC)))
 
     def open(self, path: str, flags: int) -> int:
         with self.mutex:
@@ -435,7 +407,7 @@ class FaultOperations(mfusepy.Operations):
             except BaseException:
                 os.close(fd)
                 raise
-            return self._add_handle(fd, path, is_dir=False, sync_writes=bool(flags & (os.O_SYNC | os.O_DSYNC)))
+            return self.handles.add(fd, path, is_dir=False, sync_writes=bool(flags & (os.O_SYNC | os.O_DSYNC)))
 
     def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
         with self.mutex:
@@ -489,7 +461,7 @@ class FaultOperations(mfusepy.Operations):
 
     def release(self, path: str, fh: int) -> int:
         with self.mutex:
-            h = self.handles.pop(fh, None)
+            h = self.handles.pop(fh)
             if h is None or h.dead:
                 return 0
             nlink = os.fstat(h.fd).st_nlink
@@ -506,10 +478,7 @@ class FaultOperations(mfusepy.Operations):
     def destroy(self, path: str) -> None:
         """Unmounted: the live tree is what stays; the undo and the graveyard go."""
         with self.mutex:
-            for h in self.handles.values():
-                if not h.dead:
-                    os.close(h.fd)
-                    h.dead = True
+            self.handles.close_all()
             self._forget(list(self.files))
             clear_dir(self.undo_dir)
             clear_dir(self.names.graveyard)
@@ -521,42 +490,18 @@ class FaultOperations(mfusepy.Operations):
     def power_loss(self, torn: bool = False, torn_pattern: str = "*", seed: int = 0) -> dict[str, Any]:
         """Lose everything not synced (the caller killed the processes using the mount first).
 
-        With ``torn``, the last unsynced write of each file whose path matches
-        ``torn_pattern`` leaves a prefix behind (at least one byte, never all
-        of it; its length drawn from ``seed``).
+        With ``torn``, the last unsynced writes of each file whose path matches
+        ``torn_pattern`` leave a prefix behind (at least one byte, never all
+        of it; its length drawn from ``seed``). See :mod:`~mqds.chaos.faultfs.powerloss`.
         """
-        rng = random.Random(seed)
         with self.mutex:
-            for h in self.handles.values():
-                if not h.dead:
-                    os.close(h.fd)
-                    h.dead = True
             self.detached.clear()
-            placed, deleted, counts = self.names.restore()
-            self._forget(deleted)
-            reverted, bytes_changed, torn_files = 0, 0, []
-            for ino, record in sorted(self.files.items()):
-                path = placed.get(ino)
-                if path is None or not stat.S_ISREG(os.lstat(path).st_mode):
-                    continue
-                fd = os.open(path, os.O_RDWR)
-                try:
-                    relative = os.path.relpath(path, self.backing)
-                    tear = None
-                    if torn and fnmatch.fnmatchcase(relative, torn_pattern):
-                        tear = record.torn_bytes(fd, os.fstat(fd).st_size, rng.random())
-                    changed = record.restore(fd)
-                    if tear is not None:
-                        os.pwrite(fd, tear[1], tear[0])
-                        torn_files.append({"path": relative, "offset": tear[0], "kept_bytes": len(tear[1])})
-                finally:
-                    os.close(fd)
-                reverted += 1 if changed else 0
-                bytes_changed += changed
-            self._forget(list(self.files))
+            report = lose_power(
+                self.backing, self.names, self.files, self.handles, torn=torn, torn_pattern=torn_pattern, seed=seed
+            )
             self.used_bytes = self._measure()
             self.power_losses += 1
-            return {**counts, "files_reverted": reverted, "bytes_reverted": bytes_changed, "torn": torn_files}
+            return report
 
     def status(self) -> dict[str, Any]:
         with self.mutex:
@@ -568,7 +513,7 @@ class FaultOperations(mfusepy.Operations):
                 "dirs_with_unsynced_entries": len(self.names.dirs),
                 "unsynced_entries": self.names.unsynced(),
                 "graveyard": len(self.names.buried),
-                "open_files": sum(1 for h in self.handles.values() if not h.dead),
+                "open_files": self.handles.open_count(),
                 "power_losses": self.power_losses,
                 "faults": self.faults.to_json(),
             }
