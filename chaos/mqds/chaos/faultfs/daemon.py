@@ -21,6 +21,7 @@ import mfusepy
 
 from mqds.chaos.faultfs.control import ControlServer
 from mqds.chaos.faultfs.faults import ErrorRule
+from mqds.chaos.faultfs.mount import is_mount_point
 from mqds.chaos.faultfs.operations import FaultOperations
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,12 @@ def serve(
     log.info("faultfs: %s on %s (control %s, pid %d)", backing, mountpoint, control, os.getpid())
     try:
         mfusepy.FUSE(ops, mountpoint, foreground=True, debug=debug, **MOUNT_OPTIONS)
+    except RuntimeError as err:
+        # libfuse's loop ended on a signal (FaultFs.unmount sends SIGTERM when another mount namespace still holds
+        # a copy of the mount): an end like any other once the mount is gone from here.
+        if is_mount_point(mountpoint):
+            raise
+        log.info("faultfs: %s: libfuse ended with %s after the unmount", mountpoint, err)
     finally:
         server.stop()
     log.info("faultfs: %s unmounted", mountpoint)

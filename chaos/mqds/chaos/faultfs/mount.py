@@ -10,7 +10,6 @@ before one is tried.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes.util
 import importlib.util
 import os
@@ -26,6 +25,8 @@ from mqds.chaos.faultfs.control import ControlClient, FaultFsError
 
 MOUNT_TIMEOUT_S = 20.0
 UNMOUNT_TIMEOUT_S = 20.0
+# How long the process may take to end once unmounted here, before it is told to (see FaultFs.unmount).
+EXIT_GRACE_S = 2.0
 
 
 def default_state_dir(backing: str | Path) -> str:
@@ -178,21 +179,24 @@ class FaultFs(ControlClient):
             # Busy past the deadline, or the filesystem died: detach it, or the mount point stays broken.
             subprocess.run([*lazy, str(self.mountpoint)], capture_output=True, check=False)
         try:
-            self.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            self.proc.wait(timeout=EXIT_GRACE_S)
         except subprocess.TimeoutExpired:
+            # Gone from this mount namespace, but still in another one: a process started meanwhile under
+            # `ip netns exec` (a chaos node, another test's) got a copy of the mount table, and where mounts are
+            # private (containers) no unmount reaches it, so libfuse waits for it. SIGTERM ends its loop (the
+            # copies are left dead, and no process uses them).
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-            last = last or "the filesystem process did not exit after the unmount"
         self.proc = None
         self._forget_control()
         if self.mounted():
             raise FaultFsError(f"{self.mountpoint} is still mounted: {last}")
-        with contextlib.suppress(OSError):
-            self.state_dir.rmdir()  # empty once the filesystem let go of its undo and graveyard
+        # What the filesystem kept of the durable state (it clears it when it ends well): the live state stays.
+        shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def _forget_control(self) -> None:
         if self._control_dir is not None:
