@@ -8,9 +8,9 @@ durable bytes they change; creates, unlinks, renames and mkdirs first let the
 :class:`~mqds.chaos.faultfs.namespace.Namespace` record the directory's
 durable entries. fsync and fdatasync make a file durable, fsync of a
 directory its entries (with ``metadata="journal"``, any sync makes every
-directory's entries durable, as ext4's and XFS's journal do); neither syncs the backing disk (the real machine does
-not lose power, and the runs go faster for it). O_SYNC and O_DSYNC writes
-are synced as they return.
+directory's entries durable, as ext4's and XFS's journal do); neither syncs
+the backing disk (the real machine does not lose power, and the runs go
+faster for it). O_SYNC and O_DSYNC writes are synced as they return.
 
 The operations that act on an open file use the file descriptor the open
 call made (the file may have been renamed or unlinked since). An operation
