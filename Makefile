@@ -8,9 +8,10 @@ STAMP  := $(VENV)/.installed-stamp
 # Tests that start processes use loopback ports; PYTEST_ARGS narrows a run.
 PYTEST_ARGS ?=
 # The long fault-injection run; override with CHAOS_ARGS="--duration 600 --seed 7".
-CHAOS_ARGS ?= --duration 1800 --nodes 5 --nemesis mix --report-json chaos-report.json
+# --disk journal: every node's data directory on a fault filesystem (root and FUSE), so the mix has the disk nemeses.
+CHAOS_ARGS ?= --duration 1800 --nodes 5 --nemesis mix --disk journal --report-json chaos-report.json
 
-.PHONY: help install lint test test-unit test-integration test-spark chaos proto bench-storage bench-cluster bench-spark demo server cluster clean
+.PHONY: help install fuse-libs lint test test-unit test-integration test-spark chaos proto bench-storage bench-cluster bench-spark demo server cluster clean
 
 help:
 	@echo "make demo            set up, start a local 3-node cluster, publish, kill a leader, replay, check, stop"
@@ -23,18 +24,34 @@ help:
 	@echo "make server          run one node in the foreground on 127.0.0.1:7101 (data in ./data/n1)"
 	@echo "make cluster         start a local 3-node cluster in the background on 127.0.0.1:7101-7103 (data in ./data/cluster)"
 	@echo "make proto           regenerate client/mqds/v1 from proto/"
-	@echo "make chaos           the long fault-injection run: 30 min, 5 nodes, every nemesis (CHAOS_ARGS=...)"
+	@echo "make chaos           the long fault-injection run: 30 min, 5 nodes, every nemesis, disk faults too (CHAOS_ARGS=...)"
 	@echo "make test-deploy     the deployment tests: Dockerfile, compose and k8s/ manifests, run and validated offline"
 	@echo "make image           docker build -f deploy/Dockerfile -t mqds:0.1.0 . (needs a Docker engine)"
 	@echo "make clean           remove .venv and caches"
 
-$(STAMP): pyproject.toml client/pyproject.toml
+$(STAMP): pyproject.toml client/pyproject.toml | fuse-libs
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ./client -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The chaos suite's fault filesystem (mqds.chaos.faultfs) needs libfuse 3 and fusermount3 from Debian's
+# fuse3 and libfuse3-3: installed here when missing and make runs as root with apt-get. Anywhere else this
+# only says so, and the fault filesystem's tests are skipped with the reason.
+fuse-libs:
+	@if $(PYTHON) -c "import ctypes.util, sys; sys.exit(not ctypes.util.find_library('fuse3'))" \
+	    && command -v fusermount3 >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing fuse3 and libfuse3-3 (the chaos suite's fault filesystem)"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    { apt-get install -y -q fuse3 libfuse3-3 >/dev/null 2>&1 \
+	      || { apt-get update -q >/dev/null && apt-get install -y -q fuse3 libfuse3-3 >/dev/null; }; } \
+	    || echo "could not install fuse3 and libfuse3-3: the fault filesystem's tests will be skipped"; \
+	else \
+	    echo "libfuse 3 is missing (apt-get install fuse3 libfuse3-3): the fault filesystem's tests will be skipped"; \
+	fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check client server tests proto chaos tools

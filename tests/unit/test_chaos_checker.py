@@ -33,7 +33,7 @@ from mqds.chaos.history import (
     payload_of,
     topic_of,
 )
-from mqds.chaos.nemesis import NEMESES, Schedule, cut_off
+from mqds.chaos.nemesis import DISK_NEMESES, NEMESES, Schedule, cut_off
 from mqds.chaos.report import json_report, text_report
 from mqds.chaos.workload import PubsubConsumer, QueueConsumer, SessionConsumer
 from mqds.client import Client, Message
@@ -453,6 +453,22 @@ def test_options_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         assert name in help_text
     opts, _ = runner.parse_options(["--nemesis", "wipe-node,partition", "--seed", "3", "--hold", "1-2"])
     assert opts.nemeses == ["wipe-node", "partition"] and opts.seed == 3 and opts.hold_s == (1.0, 2.0)
+    assert opts.disk_mode == "off"
+
+
+def test_the_disk_nemeses_run_on_fault_filesystems_only(capsys: pytest.CaptureFixture[str]) -> None:
+    disk = {"power-loss-node", "power-loss-minority", "power-loss-all", "disk-full", "disk-error", "disk-slow"}
+    assert disk == DISK_NEMESES and disk <= set(NEMESES)
+    # mix: the disk nemeses only on fault filesystems; naming one puts the nodes on them (posix by default).
+    opts, _ = runner.parse_options([])
+    assert set(opts.nemeses) == set(NEMESES) - disk and opts.disk_mode == "off"
+    assert runner.Options().nemeses == opts.nemeses
+    opts, _ = runner.parse_options(["--disk", "journal"])
+    assert opts.nemeses == list(NEMESES) and opts.disk_mode == "journal"
+    opts, _ = runner.parse_options(["--nemesis", "power-loss-all,kill-node"])
+    assert opts.disk_mode == "posix"
+    assert runner.main(["--nemesis", "disk-full", "--disk", "off"]) == runner.EXIT_USAGE
+    assert "need a disk" in capsys.readouterr().err
 
 
 def test_the_clock_offset_is_for_fault_injection_only() -> None:

@@ -7,6 +7,7 @@ from types import ModuleType
 
 import pytest
 
+from mqds.chaos.faultfs import extents
 from mqds.client import retry, routing_table
 from mqds.protocol import sharding, topics
 from mqds.server import config
@@ -15,7 +16,21 @@ from mqds.server.config import units
 from mqds.server.raft import codec, journal
 from mqds.server.storage import iterators, keys, trie
 
-MODULES = [topics, sharding, keys, trie, iterators, placement, codec, journal, config, units, retry, routing_table]
+MODULES = [
+    topics,
+    sharding,
+    keys,
+    trie,
+    iterators,
+    placement,
+    codec,
+    journal,
+    config,
+    units,
+    retry,
+    routing_table,
+    extents,
+]
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

@@ -1,6 +1,9 @@
 """The cluster a chaos run drives: :class:`LocalCluster` with nodes in their own network namespaces.
 
-With a :class:`~mqds.chaos.network.NetnsNetwork` each node runs under
+With ``disk`` ("posix" or "journal") each node's data directory is a
+:class:`~mqds.chaos.faultfs.FaultFs` (backing directory ``<base>/<node>.disk``),
+mounted when the node's process is made, for the disk nemeses; :meth:`ChaosCluster.close_disks`
+unmounts them. With a :class:`~mqds.chaos.network.NetnsNetwork` each node runs under
 ``ip netns exec`` (which execs, so the process id is the server's and
 ``kill -9``/``SIGSTOP`` reach it) and listens on its namespace's address; with
 a :class:`~mqds.chaos.network.HookNetwork` the nodes are plain loopback
@@ -10,6 +13,8 @@ processes. Everything else (kill, restart, wipe, add_node, digests) is
 
 from __future__ import annotations
 
+import logging
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from mqds.chaos.faultfs import FaultFs, FaultFsError
 from mqds.chaos.network import HookNetwork, NetnsNetwork
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError
@@ -26,6 +32,8 @@ from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
 from mqds.tools.localproc import LocalCluster, NodeProcess
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
+
+log = logging.getLogger(__name__)
 
 
 class NetnsNodeProcess(NodeProcess):
@@ -56,15 +64,27 @@ class ChaosCluster(LocalCluster):
         n_shards: int,
         replication_factor: int = 3,
         args: Sequence[str] = (),
+        disk: str = "off",
     ) -> None:
         # Set before LocalCluster.__init__, which creates the founders' processes.
         self.network = network
         self.paused: set[str] = set()
+        self.disk = disk
+        self.disks: dict[str, FaultFs] = {}
         for i in range(1, n_nodes + 1):
             network.add_host(f"n{i}")
-        super().__init__(
-            base_dir, n_nodes, n_shards=n_shards, replication_factor=replication_factor, args=args, fault_injection=True
-        )
+        try:
+            super().__init__(
+                base_dir,
+                n_nodes,
+                n_shards=n_shards,
+                replication_factor=replication_factor,
+                args=args,
+                fault_injection=True,
+            )
+        except BaseException:
+            self.close_disks()
+            raise
         if isinstance(network, HookNetwork):
             network.inject = self.inject_fault
 
@@ -73,6 +93,8 @@ class ChaosCluster(LocalCluster):
 
     def _process(self, node_id: str, port: int) -> NodeProcess:
         base = super()._process(node_id, port)
+        if self.disk != "off" and node_id not in self.disks:
+            self.disks[node_id] = self._disk(node_id, base.data_dir).mount()
         if not isinstance(self.network, NetnsNetwork):
             return base
         self.network.add_host(node_id)
@@ -85,6 +107,29 @@ class ChaosCluster(LocalCluster):
             host=self.network.host(node_id),
             netns=self.network.netns(node_id) or "",
         )
+
+    def _disk(self, node_id: str, data_dir: Path) -> FaultFs:
+        backing = self.base_dir / f"{node_id}.disk"
+        return FaultFs(backing, data_dir, log_path=self.base_dir / f"{node_id}.disk.log", metadata=self.disk)
+
+    def wipe(self, node_id: str) -> None:
+        """kill -9 a node and give it an empty disk (on a fault filesystem: a new one, nothing to come back)."""
+        disk = self.disks.get(node_id)
+        if disk is None:
+            super().wipe(node_id)
+            return
+        self.nodes[node_id].kill()
+        disk.unmount()
+        shutil.rmtree(disk.backing, ignore_errors=True)
+        disk.mount()
+
+    def close_disks(self) -> None:
+        """Unmount every fault filesystem (the nodes are stopped first); the backing directories stay."""
+        for node_id, disk in sorted(self.disks.items()):
+            try:
+                disk.unmount()
+            except FaultFsError as err:
+                log.warning("chaos: unmounting %s's disk: %s", node_id, err)
 
     def live(self) -> list[str]:
         """Running nodes that are not paused (a paused node answers nothing; asking it only waits)."""

@@ -21,7 +21,7 @@ PROG = "python -m mqds.chaos"
 @dataclass
 class Options:
     duration_s: float = 120.0
-    nemeses: list[str] = field(default_factory=lambda: list(nem.NEMESES))
+    nemeses: list[str] = field(default_factory=lambda: nem.mix(disks=False))
     nodes: int = 5
     shards: int = 8
     seed: int = 0
@@ -50,6 +50,15 @@ class Options:
     keep: bool = False
     report_json: Path | None = None
     progress_s: float = 5.0
+    disk: str = "auto"
+    """off, posix, journal, or auto: posix when a disk nemesis is chosen (see ``--disk``)."""
+
+    @property
+    def disk_mode(self) -> str:
+        """The nodes' disks: "off", or the fault filesystems' metadata mode ("posix", "journal")."""
+        if self.disk != "auto":
+            return self.disk
+        return "posix" if set(self.nemeses) & nem.DISK_NEMESES else "off"
 
     @property
     def idle_s(self) -> float:
@@ -71,7 +80,7 @@ def _range(text: str) -> tuple[float, float]:
 
 def _nemeses(text: str) -> list[str]:
     if text == "mix":
-        return list(nem.NEMESES)
+        return ["mix"]  # resolved with --disk (parse_options)
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in nem.NEMESES]
     if unknown or not names:
@@ -107,7 +116,18 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         type=_nemeses,
         default="mix",
         metavar="LIST",
-        help="'mix' (all, in a seeded order, each once per cycle), one nemesis, or a comma list. " + nemesis_help,
+        help="'mix' (all, in a seeded order, each once per cycle; the disk nemeses only with --disk posix or "
+        "journal), one nemesis, or a comma list. " + nemesis_help,
+    )
+    parser.add_argument(
+        "--disk",
+        choices=("auto", "off", "posix", "journal"),
+        default="auto",
+        help="put each node's data directory on a fault filesystem (mqds.chaos.faultfs; needs root and FUSE: exit "
+        "code 3 where it cannot) that the disk nemeses (power-loss-*, disk-*) make lose power, fill up, fail or slow "
+        "down. posix: a directory's entries are durable once that directory is fsynced; journal: any fsync makes "
+        "every earlier directory change durable, as ext4's journal does; off: plain directories; auto: posix when "
+        "a disk nemesis is chosen, else off (default auto)",
     )
     parser.add_argument("--nodes", type=int, default=5, metavar="N", help="nodes in the cluster, 3 or more (default 5)")
     parser.add_argument("--shards", type=int, default=8, metavar="N", help="vnodes, 3 replicas each (default 8)")
@@ -288,9 +308,14 @@ def parse_options(argv: Sequence[str] | None, prog: str = PROG) -> tuple[Options
         parser.error("--duration, --call-timeout and --drain-timeout must be greater than 0")
     if ns.raft_compaction_interval_s <= 0 or ns.hostile_interval <= 0:
         parser.error("--raft-compaction-interval-s and --hostile-interval must be greater than 0")
+    nemeses = ns.nemesis if isinstance(ns.nemesis, list) else _nemeses(ns.nemesis)
+    if nemeses == ["mix"]:
+        nemeses = nem.mix(disks=ns.disk in ("posix", "journal"))
+    if ns.disk == "off" and set(nemeses) & nem.DISK_NEMESES:
+        parser.error(f"--disk off: the nemeses {', '.join(sorted(set(nemeses) & nem.DISK_NEMESES))} need a disk")
     opts = Options(
         duration_s=ns.duration,
-        nemeses=ns.nemesis if isinstance(ns.nemesis, list) else _nemeses(ns.nemesis),
+        nemeses=nemeses,
         nodes=ns.nodes,
         shards=ns.shards,
         seed=ns.seed if ns.seed is not None else random.SystemRandom().randrange(1, 2**31),
@@ -319,5 +344,6 @@ def parse_options(argv: Sequence[str] | None, prog: str = PROG) -> tuple[Options
         keep=ns.keep,
         report_json=ns.report_json,
         progress_s=ns.progress,
+        disk=ns.disk,
     )
     return opts, ns

@@ -22,6 +22,7 @@ import grpc
 from mqds.chaos import nemesis as nem
 from mqds.chaos.checker import Finding
 from mqds.chaos.cluster import ChaosCluster
+from mqds.chaos.faultfs import unavailable_reason
 from mqds.chaos.history import TOPIC_ROOT, FaultRecord, History
 from mqds.chaos.hostile import HostileClients
 from mqds.chaos.network import HookNetwork, NetnsNetwork, NetworkError
@@ -101,10 +102,13 @@ class ChaosRun:
     def start_cluster(self, work: Path, network: HookNetwork | NetnsNetwork) -> nem.Env:
         """Start the nodes (raises HarnessError when they do not start); the nemeses' environment."""
         opts = self.opts
+        disk = opts.disk_mode
         self.say(
-            f"seed {opts.seed}: {opts.nodes} nodes, {opts.shards} shards, network {network.kind}, "
+            f"seed {opts.seed}: {opts.nodes} nodes, {opts.shards} shards, network {network.kind}, disk {disk}, "
             f"nemeses {','.join(opts.nemeses)}; work dir {work}"
         )
+        if disk != "off" and (reason := unavailable_reason()) is not None:
+            raise HarnessError(f"the disk nemeses need a fault filesystem (FUSE), and there is none: {reason}")
         args = [
             f"--raft-log-max-bytes={opts.raft_log_max_bytes}",
             f"--raft-segment-bytes={opts.raft_segment_bytes}",
@@ -112,7 +116,9 @@ class ChaosRun:
             f"--raft-compaction-interval-s={opts.raft_compaction_interval_s}",
         ]
         try:
-            self.cluster = ChaosCluster(work / "cluster", opts.nodes, network=network, n_shards=opts.shards, args=args)
+            self.cluster = ChaosCluster(
+                work / "cluster", opts.nodes, network=network, n_shards=opts.shards, args=args, disk=disk
+            )
             self.cluster.start(READY_TIMEOUT_S)
         except (RuntimeError, TimeoutError, OSError, NetworkError) as err:
             raise HarnessError(f"the cluster did not start: {err}") from None
@@ -465,6 +471,7 @@ class ChaosRun:
             consumer.stop()
         if self.cluster is not None:
             self.cluster.kill_all()
+            self.cluster.close_disks()
         network.close()
         if failed or opts.keep:
             self.say(f"work dir kept: {work}")

@@ -48,7 +48,7 @@ def text_report(run: dict[str, Any], result: CheckResult, faults: list[FaultReco
     lines = [
         f"mqds chaos run: seed {run['seed']}, {run['nodes']} nodes, {run['shards']} shards, "
         f"nemeses {','.join(run['nemeses'])}, {run['elapsed_s']:.0f}s (asked {run['duration_s']:.0f}s), "
-        f"network {run['network']}",
+        f"network {run['network']}, disk {run.get('disk', 'off')}",
     ]
     violations = result.violation_counts()
     if result.passed:

@@ -133,6 +133,7 @@ def verify(chaos: ChaosRun, began: float, network_kind: str, work: Path) -> Repo
         "duration_s": opts.duration_s,
         "elapsed_s": round((chaos.history.workload_ended or chaos.history.clock()) - began, 1),
         "network": network_kind,
+        "disk": opts.disk_mode,
         "publishers": len(chaos.publishers),
         "readers": len(chaos.readers),
         "followers": len(chaos.followers),

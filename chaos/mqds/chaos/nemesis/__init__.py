@@ -12,7 +12,9 @@ outage belongs to one fault.
 - the fault kinds: :mod:`~mqds.chaos.nemesis.process` (kill, pause, wipe,
   clock skew), :mod:`~mqds.chaos.nemesis.cuts` (partition, bridge),
   :mod:`~mqds.chaos.nemesis.membership` (join and leave),
-  :mod:`~mqds.chaos.nemesis.idle` (restarts after an idle spell);
+  :mod:`~mqds.chaos.nemesis.idle` (restarts after an idle spell),
+  :mod:`~mqds.chaos.nemesis.disk` (power loss, a full, failing or slow disk:
+  the nodes' data directories on fault filesystems);
 - :mod:`~mqds.chaos.nemesis.schedule`: :data:`NEMESES` by name and the seeded
   :class:`Schedule`.
 """
@@ -27,19 +29,24 @@ from mqds.chaos.nemesis.base import (
     led_by,
 )
 from mqds.chaos.nemesis.cuts import Bridge, Partition, cut_off
+from mqds.chaos.nemesis.disk import DiskError, DiskFull, DiskSlow, PowerLossAll, PowerLossMinority, PowerLossNode
 from mqds.chaos.nemesis.idle import IDLE_MAX_HOLD_S, IDLE_READY_TIMEOUT_S, IdleRestart, IdleRestartAll
 from mqds.chaos.nemesis.membership import Membership
 from mqds.chaos.nemesis.process import ClockSkew, KillLeader, KillMinority, KillNode, PauseLeader, WipeNode
-from mqds.chaos.nemesis.schedule import NEMESES, Planned, Schedule
+from mqds.chaos.nemesis.schedule import DISK_NEMESES, NEMESES, Planned, Schedule, mix
 
 __all__ = [
     "ADMIN_TIMEOUT_S",
+    "DISK_NEMESES",
     "IDLE_MAX_HOLD_S",
     "IDLE_READY_TIMEOUT_S",
     "NEMESES",
     "START_TIMEOUT_S",
     "Bridge",
     "ClockSkew",
+    "DiskError",
+    "DiskFull",
+    "DiskSlow",
     "Env",
     "IdleRestart",
     "IdleRestartAll",
@@ -53,8 +60,12 @@ __all__ = [
     "Partition",
     "PauseLeader",
     "Planned",
+    "PowerLossAll",
+    "PowerLossMinority",
+    "PowerLossNode",
     "Schedule",
     "WipeNode",
     "cut_off",
     "led_by",
+    "mix",
 ]

@@ -1,4 +1,5 @@
-"""Every nemesis by name (:data:`NEMESES`), and the seeded :class:`Schedule` that picks them.
+"""Every nemesis by name (:data:`NEMESES`; :data:`DISK_NEMESES` need fault filesystems), and the seeded
+:class:`Schedule` that picks them.
 
 :class:`Schedule` derives everything random from the run's seed: the order of
 the nemeses (a new shuffle of all selected ones per cycle, so every nemesis
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from mqds.chaos.nemesis.base import Nemesis
 from mqds.chaos.nemesis.cuts import Bridge, Partition
+from mqds.chaos.nemesis.disk import DiskError, DiskFull, DiskSlow, PowerLossAll, PowerLossMinority, PowerLossNode
 from mqds.chaos.nemesis.idle import IdleRestart, IdleRestartAll
 from mqds.chaos.nemesis.membership import Membership
 from mqds.chaos.nemesis.process import ClockSkew, KillLeader, KillMinority, KillNode, PauseLeader, WipeNode
@@ -33,8 +35,23 @@ NEMESES: dict[str, type[Nemesis]] = {
         Membership,
         IdleRestart,
         IdleRestartAll,
+        PowerLossNode,
+        PowerLossMinority,
+        PowerLossAll,
+        DiskFull,
+        DiskError,
+        DiskSlow,
     )
 }
+# Those that need the nodes' data directories on fault filesystems (--disk).
+DISK_NEMESES = frozenset(
+    cls.name for cls in (PowerLossNode, PowerLossMinority, PowerLossAll, DiskFull, DiskError, DiskSlow)
+)
+
+
+def mix(disks: bool) -> list[str]:
+    """What ``--nemesis mix`` runs: every nemesis, the disk ones only on fault filesystems."""
+    return [name for name in NEMESES if disks or name not in DISK_NEMESES]
 
 
 @dataclass
