@@ -35,6 +35,7 @@ pytestmark = [
     pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no fault filesystem here: {UNAVAILABLE}"),
 ]
 
+
 @pytest.mark.parametrize("metadata", ["journal", "posix"])
 def test_a_single_node_loses_nothing_acknowledged_to_a_power_loss(tmp_path: Path, metadata: str) -> None:
     with FaultFs(tmp_path / "n1.disk", tmp_path / "n1", metadata=metadata) as disk:
