@@ -37,9 +37,20 @@ class Run:
 
 
 def mqds(*args: str, stdin: str | None = None, timeout_s: float = 120) -> Run:
-    result = subprocess.run([MQDS, *args], input=stdin, capture_output=True, text=True, timeout=timeout_s)
-    assert "Traceback" not in result.stderr, result.stderr
-    return Run(result.returncode, result.stdout, result.stderr)
+    with subprocess.Popen(
+        [MQDS, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            out, err = proc.communicate(stdin, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            # A command that hangs: its threads' stacks (the CLI dumps them on SIGUSR1), then kill it.
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError(f"mqds {' '.join(args)} still running after {timeout_s} s:\n{out}\n{err}") from None
+    assert "Traceback" not in err, err
+    return Run(proc.returncode, out, err)
 
 
 @dataclass
@@ -481,3 +492,26 @@ def test_cluster_down_then_up_restarts_the_same_cluster(cli_cluster: CliCluster)
     down_again = mqds("cluster", "down", "--data-dir", str(cli_cluster.data_dir))
     assert down_again.code == 0
     assert mqds("cluster", "down", "--data-dir", str(cli_cluster.data_dir)).out.startswith("no node of the cluster")
+
+
+def test_a_command_that_waits_prints_its_threads_stacks_on_sigusr1() -> None:
+    """What an operator (or a test whose command hangs) uses to see what a command waits for."""
+    with subprocess.Popen(
+        [MQDS, "--endpoints", f"127.0.0.1:{_closed_port()}", "--timeout", "30", "status"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        time.sleep(2)  # retrying an endpoint that refuses connections
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        assert proc.poll() is None  # it goes on
+        proc.kill()
+        _, err = proc.communicate()
+    assert "most recent call first" in err and "Thread 0x" in err, err
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

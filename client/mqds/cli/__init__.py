@@ -11,8 +11,11 @@ Exit codes: 0 done; 1 failed (e.g. no node answered; the message says why);
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from mqds.cli import admin, bench, broker, exhook, generations, local_cluster, messages, spark_job, status
@@ -101,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+        # kill -USR1 <pid> prints every thread's Python stack to stderr: what a command that hangs waits for.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = list(sys.argv[1:] if argv is None else argv)
     opts = build_parser().parse_args(args)
     name = " ".join(["mqds", opts.command, *([opts.action] if getattr(opts, "action", None) else [])])
