@@ -11,6 +11,7 @@ Exit codes: 0 done; 1 failed (e.g. no node answered; the message says why);
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import os
 import signal
@@ -106,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
         # kill -USR1 <pid> prints every thread's Python stack to stderr: what a command that hangs waits for.
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        # (Not where stderr is no file, as when a test calls main() under output capture.)
+        with contextlib.suppress(ValueError, OSError):
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = list(sys.argv[1:] if argv is None else argv)
     opts = build_parser().parse_args(args)
     name = " ".join(["mqds", opts.command, *([opts.action] if getattr(opts, "action", None) else [])])
