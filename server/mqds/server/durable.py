@@ -13,12 +13,17 @@ import contextlib
 import os
 
 
-def fsync_dir(path: str) -> None:
+def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make the names in directory ``path`` durable (what was created, renamed or removed in it)."""
+    _fsync(path)
 
 
 def make_dirs(path: str) -> None:
@@ -47,11 +52,7 @@ def make_dirs(path: str) -> None:
 
 def sync_file(path: str) -> None:
     """Make a file that someone else wrote (and renamed into place) durable: its data, then its name."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(path)
     fsync_dir(os.path.dirname(path) or ".")
 
 

@@ -48,15 +48,15 @@ _HEADS: dict[tuple[bytes, int], list[bytes]] = {}
 _HEAD_SIZES = 4096
 
 
-def encode_rows(tag: bytes, rows: list[tuple[bytes, bytes]], shard: int, times: list[bytes] | None = None) -> bytes:
+def encode_rows(tag: bytes, rows: list[tuple[bytes, bytes]], shard: int, times: list[bytes]) -> bytes:
     """Stored rows (data key, stored bytes) as a repeated mqds.v1.Message field with number ``tag``.
 
     The same bytes as ``encode_messages``, built without decoding a timestamp:
     a data key ends with it big-endian, and fixed64 is the same eight bytes
     reversed. Each message is five parts joined once at the end (no copy of
     a message per field appended); the field's tag and length come from a
-    table by stored size. With ``times``, each message's timestamp (8 bytes
-    little-endian, as fixed64 has it) is appended to it too.
+    table by stored size. Each message's timestamp (8 bytes little-endian, as
+    fixed64 has it) is appended to ``times`` too (``NextResponse.timestamps``).
     """
     tail = shard_field(shard)
     extra = 1 + 8 + len(tail)
@@ -65,7 +65,7 @@ def encode_rows(tag: bytes, rows: list[tuple[bytes, bytes]], shard: int, times: 
         heads = _HEADS.setdefault((tag, extra), [tag + varint(size + extra) for size in range(_HEAD_SIZES)])
     parts: list[bytes] = []
     add = parts.extend
-    stamp = ([] if times is None else times).append
+    stamp = times.append
     for key, stored in rows:
         size = len(stored)
         head = heads[size] if size < _HEAD_SIZES else tag + varint(size + extra)
