@@ -24,7 +24,7 @@ ONE_US = datetime.timedelta(microseconds=1)
 
 DEFAULT_TOPIC_FILTER = "#"
 DEFAULT_MAX_RECORDS_PER_PARTITION = 500_000
-DEFAULT_BATCH_SIZE = 2_000
+DEFAULT_BATCH_SIZE = 10_000  # the nodes' max_next_batch: fewer calls, same answer bound
 DEFAULT_TIMEOUT_S = 30.0
 
 # Option names as documented (Spark lower-cases them; these spellings are for messages).

@@ -12,8 +12,11 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import struct
+import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from operator import attrgetter
 from typing import Any, TypeVar
 
 import pyarrow as pa
@@ -118,38 +121,75 @@ def read_slice(client: Client, part: Slice, batch_size: int, fail_on_data_loss: 
             return
 
 
-def to_record_batch(messages: MessageBatch, shard: int, generation: int, schema: pa.Schema) -> pa.RecordBatch:
-    """Messages as one Arrow record batch of ``schema`` (the source's schema, see :data:`mqds.spark.SCHEMA`).
+def _properties_column(items: list[Any], n: int, map_type: pa.DataType) -> pa.Array:
+    """The messages' user properties as one Arrow map array (a name that repeats keeps its last value).
 
-    Built column by column from the batch's protobuf messages, with no
-    ``Message`` object per row. Properties become a map; a property name
-    that repeats keeps its last value.
+    Most messages have none: their lengths are counted by C code, and a
+    batch without any gets an array of empty maps from offsets alone.
     """
-    n = len(messages)
+    props = list(map(attrgetter("properties"), items))
+    lengths = list(map(len, props))
+    if not any(lengths):
+        offsets = pa.array(itertools.repeat(0, n + 1), pa.int32(), size=n + 1)
+        empty = pa.array([], pa.string())
+        return pa.MapArray.from_arrays(offsets, empty, empty, type=map_type)
+    pairs = [list({q.key: q.value for q in p}.items()) if size else [] for p, size in zip(props, lengths, strict=True)]
+    return pa.array(pairs, map_type)
+
+
+def to_record_batch(batches: Sequence[MessageBatch], shard: int, generation: int, schema: pa.Schema) -> pa.RecordBatch:
+    """Messages of one or more batches as one Arrow record batch of ``schema`` (:data:`mqds.spark.SCHEMA`).
+
+    Built column by column from the batches' protobuf messages, with no
+    ``Message`` object per row: each column is one C-level pass over them
+    (``attrgetter``), and the timestamps are the node's packed field itself
+    (``MessageBatch.times``), not read message by message. Properties become
+    a map; a property name that repeats keeps its last value.
+    """
+    items: list[Any] = []
+    stamps = bytearray()
+    for batch in batches:
+        items.extend(batch.wire)
+        stamps += _packed_times(batch)
+    n = len(items)
     types = [f.type for f in schema]
     columns = [
-        pa.array(messages.topics(), types[0]),
-        pa.array(messages.payloads(), types[1]),
-        pa.array(messages.senders(), types[2]),
-        pa.array(messages.qos(), types[3]),
-        pa.array(messages.retain(), types[4]),
-        pa.array([list(dict(p).items()) if p else [] for p in messages.properties()], types[5]),
-        pa.array(messages.timestamps(), types[6]),
+        pa.array(list(map(attrgetter("topic"), items)), types[0]),
+        pa.array(list(map(attrgetter("payload"), items)), types[1]),
+        pa.array(list(map(attrgetter("sender"), items)), types[2]),
+        pa.array(list(map(attrgetter("qos"), items)), types[3]),
+        pa.array(list(map(attrgetter("retain"), items)), types[4]),
+        _properties_column(items, n, types[5]),
+        pa.Array.from_buffers(types[6], n, [None, pa.py_buffer(stamps)]),
         pa.array(itertools.repeat(shard, n), types[7], size=n),
         pa.array(itertools.repeat(generation, n), types[8], size=n),
     ]
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
+def _packed_times(batch: MessageBatch) -> bytes:
+    """The batch's timestamps as 8-byte little-endian integers (Arrow's layout on little-endian machines)."""
+    times = batch.times
+    if isinstance(times, memoryview) and sys.byteorder == "little":
+        return times.tobytes()
+    return struct.pack(f"<{len(times)}q", *times)
+
+
 def record_batches(
     client: Client, part: Slice, batch_size: int, fail_on_data_loss: bool, schema: pa.Schema
 ) -> Iterator[pa.RecordBatch]:
-    """The slice as Arrow record batches of about :data:`ARROW_ROWS` rows."""
-    pending: list[Any] = []  # protobuf messages, as the nodes sent them
+    """The slice as Arrow record batches of at least :data:`ARROW_ROWS` rows (the last one may have fewer).
+
+    A batch the node sent is converted whole; smaller ones (a stream's
+    last) are gathered until they make :data:`ARROW_ROWS` rows.
+    """
+    pending: list[MessageBatch] = []
+    rows = 0
     for messages in read_slice(client, part, batch_size, fail_on_data_loss):
-        pending.extend(messages.wire)
-        if len(pending) >= ARROW_ROWS:
-            yield to_record_batch(MessageBatch(pending), part.shard, part.generation, schema)
-            pending = []
+        pending.append(messages)
+        rows += len(messages)
+        if rows >= ARROW_ROWS:
+            yield to_record_batch(pending, part.shard, part.generation, schema)
+            pending, rows = [], 0
     if pending:
-        yield to_record_batch(MessageBatch(pending), part.shard, part.generation, schema)
+        yield to_record_batch(pending, part.shard, part.generation, schema)
