@@ -202,11 +202,18 @@ def test_status_is_readable_at_a_glance(cli_cluster: CliCluster) -> None:
     assert status.code == 0, status.err
     out = status.out
     assert re.search(rf"3 nodes \(3 up\), {N_SHARDS} vnodes \({N_SHARDS} with a leader\), 3 replicas each", out)
-    assert re.search(r"^NODE\s+ADDRESS\s+STATE\s+READY\s+LEADS\s+REPLICAS$", out, re.MULTILINE)
-    assert re.search(r"^VNODE\s+LEADER\s+TERM\s+APPLIED\s+GENS\s+REPLICAS$", out, re.MULTILINE)
-    rows = re.findall(r"^\s+(\d+)\s+(n\d)\s+(\d+)\s+(\d+)\s+(\d+)\s+(.+)$", out, re.MULTILINE)
+    assert re.search(r"^NODE\s+ADDRESS\s+STATE\s+READY\s+LEADS\s+REPLICAS\s+DATA\s+FREE\s+WRITES$", out, re.MULTILINE)
+    # Each node: its data directory's size on disk, its disk's free space and size, new messages taken.
+    nodes = re.findall(
+        r"^n\d\s+\S+\s+up\s+yes\s+\d+\s+\d+\s+([\d.]+ \w+)\s+([\d.]+ \w+) / ([\d.]+ \w+)\s+yes$", out, re.MULTILINE
+    )
+    assert len(nodes) == 3, out
+    assert re.search(r"^VNODE\s+LEADER\s+TERM\s+APPLIED\s+GENS\s+DISK\s+REPLICAS$", out, re.MULTILINE)
+    rows = re.findall(
+        r"^\s+(\d+)\s+(n\d)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+ (?:B|KiB|MiB|GiB))\s+(.+)$", out, re.MULTILINE
+    )
     assert [int(r[0]) for r in rows] == list(range(N_SHARDS))
-    for _, leader, _, applied, gens, replicas in rows:
+    for _, leader, _, applied, gens, _, replicas in rows:
         assert f"{leader}*" in replicas.split() and int(applied) > 0 and int(gens) >= 1
         assert all(re.fullmatch(r"n\d(\*|:\d+)", part) for part in replicas.split()), replicas
     assert "OK: every node is up and every vnode has a leader" in out

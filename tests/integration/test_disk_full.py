@@ -36,7 +36,9 @@ def test_a_node_whose_disk_fills_refuses_writes_clearly_and_recovers_by_itself_w
     tmp_path: Path,
 ) -> None:
     with FaultFs(tmp_path / "n1.disk", tmp_path / "n1", metadata="journal") as disk:
-        node = NodeProcess(tmp_path / "n1", args=["--n-shards", "2"])
+        # No free-space floor: this is the disk guard's test (a write that fails), not admission control's
+        # (test_disk_quota.py), which would otherwise refuse the writes before they reach the full disk.
+        node = NodeProcess(tmp_path / "n1", args=["--n-shards", "2", "--disk-min-free-bytes", "0"])
         try:
             node.start(60)
             pid = node.pid

@@ -27,6 +27,7 @@ BASE = {
     "mqds.server.auth",
     "mqds.server.startup",
     "mqds.server.durable",
+    "mqds.server.diskusage",
     "mqds.server.wire",
 }
 # Observes the layers below the API and is used by it: the API's level.

@@ -6,6 +6,7 @@ import itertools
 import os
 import random
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -231,15 +232,21 @@ def test_expired_generations(shard: ShardStorage) -> None:
     assert shard.expired_generations(10**15, 0) == []
 
 
-def test_dropping_a_generation_frees_its_disk(tmp_path: Path, engine: Engine) -> None:
-    path = str(tmp_path / "s")
-    storage = ShardStorage(path, 0, engine)
+def _big_first_generation(storage: ShardStorage) -> int:
+    """4 MiB of random payloads in generation 1, then generation 2 with one small message; the payload bytes."""
     storage.initialize(1)
     payload_bytes = 4 * 1024 * 1024
     for i in range(64):
         storage.store([msg(f"big/{i % 4}", os.urandom(payload_bytes // 64))], 10 + i)
     storage.add_generation(1_000)
     storage.store([msg("small", b"kept")], 1_001)
+    return payload_bytes
+
+
+def test_dropping_a_generation_frees_its_disk(tmp_path: Path, engine: Engine) -> None:
+    path = str(tmp_path / "s")
+    storage = ShardStorage(path, 0, engine)
+    payload_bytes = _big_first_generation(storage)
     storage.close()  # flushes the memtables into SST files
     storage = ShardStorage(path, 0, engine)
     try:
@@ -254,6 +261,30 @@ def test_dropping_a_generation_frees_its_disk(tmp_path: Path, engine: Engine) ->
         reopened = dir_size(path)
         assert after < before - payload_bytes * 0.9, (before, after)
         assert reopened < before - payload_bytes * 0.9, (before, reopened)
+        assert [r.message.payload for r in replay(storage, "#")] == [b"kept"]
+    finally:
+        storage.close()
+
+
+def test_dropping_a_generation_still_in_memtables_frees_its_write_ahead_log(tmp_path: Path, engine: Engine) -> None:
+    """A generation dropped before anything was flushed: its writes sit in RocksDB's WAL only.
+
+    The WAL files are deleted once every column family with writes in them
+    has flushed, and the metadata family takes a write with every batch; so
+    without a flush of the other families a drop freed nothing until 64 MiB
+    of WAL forced one (a node past its disk quota stayed past it).
+    """
+    path = str(tmp_path / "s")
+    storage = ShardStorage(path, 0, engine)
+    try:
+        payload_bytes = _big_first_generation(storage)
+        before = dir_size(path)
+        assert before > payload_bytes
+        storage.drop_generation(1)
+        deadline = time.monotonic() + 10
+        while dir_size(path) > before - payload_bytes * 0.9 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert dir_size(path) < before - payload_bytes * 0.9, (before, dir_size(path))
         assert [r.message.payload for r in replay(storage, "#")] == [b"kept"]
     finally:
         storage.close()

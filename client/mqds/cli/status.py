@@ -30,6 +30,8 @@ class VnodeView:
     generations: int | None
     # Follower -> entries behind the leader's last log index (from the leader).
     lag: dict[str, int] = field(default_factory=dict)
+    # Bytes the largest replica takes on disk (None: no node reported it).
+    disk_bytes: int | None = None
 
 
 @dataclass
@@ -49,8 +51,13 @@ class ClusterReport:
         return [v.shard for v in self.vnodes if v.leader is None]
 
     @property
+    def refusing(self) -> dict[str, str]:
+        """Nodes that refuse new messages for their disk's usage, and why."""
+        return {node_id: s.writes_refused for node_id, s in self.statuses.items() if s and s.writes_refused}
+
+    @property
     def healthy(self) -> bool:
-        return not self.down and not self.leaderless
+        return not self.down and not self.leaderless and not self.refusing
 
 
 def _node_status(settings: ConnectionSettings, address: str, timeout_s: float) -> clpb.NodeStatus | None:
@@ -95,6 +102,7 @@ def gather(client: Client, timeout_s: float = NODE_STATUS_TIMEOUT_S) -> ClusterR
                 # 0 is "not reported" (a node from before the field existed).
                 generations=gens or None,
                 lag=dict(seen[leader].follower_lag) if leader else {},
+                disk_bytes=max((r.disk_bytes for r in seen.values()), default=0) or None,
             )
         )
     return ClusterReport(cmap, statuses, vnodes)
@@ -116,13 +124,26 @@ def render(report: ClusterReport) -> str:
         status = statuses.get(node.id)
         leaving = " (leaving)" if node.state == clpb.NODE_STATE_LEAVING else ""
         if status is None:
-            node_rows.append([node.id + leaving, node.address, "DOWN", "-", "-", "-"])
+            node_rows.append([node.id + leaving, node.address, "DOWN", "-", "-", "-", "-", "-", "-"])
             continue
         vnodes = [r for r in status.replicas if r.group != META_GROUP]
         leads = sum(1 for r in vnodes if r.role == clpb.RAFT_ROLE_LEADER)
         ready = "yes" if status.ready else "no"
-        node_rows.append([node.id + leaving, node.address, "up", ready, leads, len(vnodes)])
-    lines.append(table(["NODE", "ADDRESS", "STATE", "READY", "LEADS", "REPLICAS"], node_rows, right=(4, 5)))
+        writes = "REFUSED" if status.writes_refused else "yes"
+        node_rows.append(
+            [node.id + leaving, node.address, "up", ready, leads, len(vnodes), *_disk_cells(status), writes]
+        )
+    lines.append(
+        table(
+            ["NODE", "ADDRESS", "STATE", "READY", "LEADS", "REPLICAS", "DATA", "FREE", "WRITES"],
+            node_rows,
+            right=(4, 5, 6, 7),
+        )
+    )
+    lines.append(
+        "  (DATA: the data directory on disk, / its disk_quota_bytes; FREE: free on its disk, / of its size; "
+        "WRITES: REFUSED past a limit)"
+    )
     lines.append("")
     vnode_rows = []
     for v in report.vnodes:
@@ -143,10 +164,13 @@ def render(report: ClusterReport) -> str:
                 "-" if v.term is None else v.term,
                 "-" if v.applied is None else v.applied,
                 "?" if v.generations is None else v.generations,
+                "?" if v.disk_bytes is None else human_bytes(v.disk_bytes),
                 "  ".join(parts),
             ]
         )
-    lines.append(table(["VNODE", "LEADER", "TERM", "APPLIED", "GENS", "REPLICAS"], vnode_rows, right=(0, 2, 3, 4)))
+    lines.append(
+        table(["VNODE", "LEADER", "TERM", "APPLIED", "GENS", "DISK", "REPLICAS"], vnode_rows, right=(0, 2, 3, 4, 5))
+    )
     lines.append("  (REPLICAS: * the leader; node:N a follower N log entries behind it; node:down not answering)")
     lines.append("")
     lags = [lag for v in report.vnodes for lag in v.lag.values()]
@@ -160,8 +184,29 @@ def render(report: ClusterReport) -> str:
         if report.leaderless:
             shards = ", ".join(map(str, report.leaderless))
             problems.append(f"vnode{'s' if len(report.leaderless) > 1 else ''} {shards} without a leader")
+        problems.extend(f"new messages refused: {why}" for why in report.refusing.values())
         lines.append("DEGRADED: " + "; ".join(problems))
     return "\n".join(lines)
+
+
+def human_bytes(n: int) -> str:
+    """A size for people: ``812 KiB``, ``1.5 GiB``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" or value >= 100 else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _disk_cells(status: clpb.NodeStatus) -> list[str]:
+    """The DATA and FREE cells of a node's row ("?" from a node that does not report them)."""
+    if not status.disk_total_bytes:
+        return ["?", "?"]
+    data = human_bytes(status.data_dir_bytes)
+    if status.disk_quota_bytes:
+        data += f" / {human_bytes(status.disk_quota_bytes)}"
+    return [data, f"{human_bytes(status.disk_free_bytes)} / {human_bytes(status.disk_total_bytes)}"]
 
 
 def run(opts: argparse.Namespace) -> int:
@@ -177,10 +222,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         parents=[connection],
         help="nodes, vnodes, leaders, follower lag and generations at a glance",
         description=(
-            "Show the cluster: every node (up or not answering, ready, how many vnodes it leads and holds) "
-            "and every vnode (leader, Raft term, applied log index, number of generations, and how many log "
-            "entries each follower is behind its leader). Exits 0 when every node is up and every vnode has a "
-            "leader, 3 when the cluster answers but is degraded, 1 when no node answers."
+            "Show the cluster: every node (up or not answering, ready, how many vnodes it leads and holds, its "
+            "data directory's size on disk against its quota, its disk's free space, whether it takes new "
+            "messages) and every vnode (leader, Raft term, applied log index, number of generations, the size "
+            "of its largest replica on disk, and how many log entries each follower is behind its leader). "
+            "Exits 0 when every node is up, takes new messages and every vnode has a leader, 3 when the "
+            "cluster answers but is degraded, 1 when no node answers."
         ),
     )
     parser.set_defaults(run=run)

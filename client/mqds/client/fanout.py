@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from mqds.client.retry import Backoff
 from mqds.client.routing_table import RoutingTable
 from mqds.protocol import errors
-from mqds.protocol.errors import MqdsError, Reason
+from mqds.protocol.errors import BUSY, MqdsError, Reason
 
 __all__ = ["Fanout", "ShardFailures"]
 
@@ -102,7 +102,7 @@ class Fanout:
                 self.failures.update((shard, problem) for shard in shards)
                 continue
             retry.extend(shards)
-            if problem.reason is Reason.OVERLOADED:
+            if problem.reason in BUSY:
                 busy = True
                 continue
             shard_hint = problem.metadata.get("shard")

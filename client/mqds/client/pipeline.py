@@ -33,7 +33,7 @@ from mqds.client.pipeline_calls import PendingCall, PipelineLimits, check_messag
 from mqds.client.retry import Backoff
 from mqds.client.routing_table import RoutingTable
 from mqds.protocol import errors
-from mqds.protocol.errors import MqdsError, Reason
+from mqds.protocol.errors import BUSY, MqdsError, Reason
 from mqds.protocol.wire import encode_message, store_stream_frame
 from mqds.v1 import storage_pb2 as pb
 
@@ -349,7 +349,7 @@ class Pipeline:
         state = self.shards[shard]
         if err.reason in _REDIRECTS and self.table.learn(err, shard):
             return  # the hinted leader, at once
-        if err.reason is not Reason.OVERLOADED and err.reason is not Reason.STREAM_IDLE:
+        if err.reason not in BUSY and err.reason is not Reason.STREAM_IDLE:
             self.table.forget_leader(shard)
             self._refresh = True
         if err.reason is not Reason.STREAM_IDLE:

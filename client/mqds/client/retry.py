@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from mqds.client.routing_table import RoutingTable
 from mqds.protocol import errors
-from mqds.protocol.errors import MqdsError, Reason
+from mqds.protocol.errors import BUSY, MqdsError, Reason
 
 __all__ = ["Backoff", "MapWait", "ShardRetry", "time_left"]
 
@@ -158,8 +158,8 @@ class ShardRetry:
     def failed(self, err: MqdsError) -> bool:
         if not err.retriable:
             raise err
-        self.refresh_map = err.reason is not Reason.OVERLOADED
-        if err.reason is Reason.OVERLOADED:
+        self.refresh_map = err.reason not in BUSY
+        if err.reason in BUSY:
             pass  # the same node, after a pause: forgetting it made a busy cluster refresh its map again and again
         elif err.reason in _UNREACHABLE:
             if not self.retry_unavailable:

@@ -189,6 +189,11 @@ class Reason(enum.Enum):
     REPLICA_BEHIND = "REPLICA_BEHIND"
     # Too much is waiting to be committed; back off and retry.
     OVERLOADED = "OVERLOADED"
+    # The leader's data directory reached its disk quota, or its disk's free
+    # space fell below the node's floor: it takes no new messages until space
+    # returns (retention or a drop of generations frees it; reads, deletes
+    # and broker state go on). Retried with backoff within the deadline.
+    STORAGE_FULL = "STORAGE_FULL"
     # Another membership change of the group is not committed yet.
     MEMBERSHIP_CHANGE_IN_PROGRESS = "MEMBERSHIP_CHANGE_IN_PROGRESS"
     # A node id that is not a member of the cluster.
@@ -255,6 +260,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.NOT_HOSTED: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, True, NotLeaderError),
     Reason.REPLICA_BEHIND: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, False, UnavailableError),
     Reason.OVERLOADED: ReasonInfo(grpc.StatusCode.RESOURCE_EXHAUSTED, True, False, UnavailableError),
+    Reason.STORAGE_FULL: ReasonInfo(grpc.StatusCode.RESOURCE_EXHAUSTED, True, False, UnavailableError),
     Reason.MEMBERSHIP_CHANGE_IN_PROGRESS: ReasonInfo(grpc.StatusCode.ABORTED, True, False, FailedPreconditionError),
     Reason.UNKNOWN_NODE: ReasonInfo(_NF, False, False, NotFoundError),
     Reason.MEMBERSHIP_REFUSED: ReasonInfo(grpc.StatusCode.FAILED_PRECONDITION, False, False, FailedPreconditionError),
@@ -268,6 +274,10 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.STORAGE_ERROR: ReasonInfo(grpc.StatusCode.INTERNAL, False, False, InternalError),
     Reason.INTERNAL: ReasonInfo(grpc.StatusCode.INTERNAL, False, False, InternalError),
 }
+
+# The node is there and still leads, but takes no more now: the client asks
+# the same node again after a pause, without refreshing its cluster map.
+BUSY: frozenset[Reason] = frozenset({Reason.OVERLOADED, Reason.STORAGE_FULL})
 
 # A failed call without ErrorInfo (from gRPC itself, a proxy, or another
 # server) is classified by its status code alone.

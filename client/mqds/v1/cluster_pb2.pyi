@@ -78,7 +78,7 @@ class GetNodeStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("group", "role", "term", "leader", "commit_index", "applied_index", "last_log_index", "log_entries", "log_bytes", "members", "follower_lag", "snapshots_installed", "last_applied", "match_index", "generations")
+    __slots__ = ("group", "role", "term", "leader", "commit_index", "applied_index", "last_log_index", "log_entries", "log_bytes", "members", "follower_lag", "snapshots_installed", "last_applied", "match_index", "generations", "disk_bytes")
     class FollowerLagEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class ReplicaStatus(_message.Message):
     LAST_APPLIED_FIELD_NUMBER: _ClassVar[int]
     MATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     group: int
     role: RaftRole
     term: int
@@ -123,21 +124,36 @@ class ReplicaStatus(_message.Message):
     last_applied: int
     match_index: _containers.ScalarMap[str, int]
     generations: int
-    def __init__(self, group: _Optional[int] = ..., role: _Optional[_Union[RaftRole, str]] = ..., term: _Optional[int] = ..., leader: _Optional[str] = ..., commit_index: _Optional[int] = ..., applied_index: _Optional[int] = ..., last_log_index: _Optional[int] = ..., log_entries: _Optional[int] = ..., log_bytes: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., follower_lag: _Optional[_Mapping[str, int]] = ..., snapshots_installed: _Optional[int] = ..., last_applied: _Optional[int] = ..., match_index: _Optional[_Mapping[str, int]] = ..., generations: _Optional[int] = ...) -> None: ...
+    disk_bytes: int
+    def __init__(self, group: _Optional[int] = ..., role: _Optional[_Union[RaftRole, str]] = ..., term: _Optional[int] = ..., leader: _Optional[str] = ..., commit_index: _Optional[int] = ..., applied_index: _Optional[int] = ..., last_log_index: _Optional[int] = ..., log_entries: _Optional[int] = ..., log_bytes: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., follower_lag: _Optional[_Mapping[str, int]] = ..., snapshots_installed: _Optional[int] = ..., last_applied: _Optional[int] = ..., match_index: _Optional[_Mapping[str, int]] = ..., generations: _Optional[int] = ..., disk_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "address", "replicas", "dropped_raft_messages", "ready")
+    __slots__ = ("node_id", "address", "replicas", "dropped_raft_messages", "ready", "data_dir_bytes", "disk_free_bytes", "disk_total_bytes", "disk_quota_bytes", "disk_min_free_bytes", "writes_refused", "raft_wal_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_RAFT_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    DATA_DIR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_MIN_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITES_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    RAFT_WAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     dropped_raft_messages: int
     ready: bool
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., dropped_raft_messages: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
+    data_dir_bytes: int
+    disk_free_bytes: int
+    disk_total_bytes: int
+    disk_quota_bytes: int
+    disk_min_free_bytes: int
+    writes_refused: str
+    raft_wal_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., dropped_raft_messages: _Optional[int] = ..., ready: _Optional[bool] = ..., data_dir_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., disk_total_bytes: _Optional[int] = ..., disk_quota_bytes: _Optional[int] = ..., disk_min_free_bytes: _Optional[int] = ..., writes_refused: _Optional[str] = ..., raft_wal_bytes: _Optional[int] = ...) -> None: ...
 
 class JoinNodeRequest(_message.Message):
     __slots__ = ("node_id", "address")

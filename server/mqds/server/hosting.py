@@ -32,6 +32,7 @@ from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.cluster.vnode import Vnode, VnodeReplica
 from mqds.server.config import NodeConfig
 from mqds.server.datadir import DataDir
+from mqds.server.diskusage import DiskUsage
 from mqds.server.peers import Peers
 from mqds.server.raft.group import META_GROUP, ROLE_LEADER, PendingRead, RaftGroup, RaftTiming
 from mqds.server.raft.journal import NodeLog
@@ -69,8 +70,11 @@ class Hosting:
         fetch_snapshot: FetchSnapshot,
         stopping: threading.Event,
         changed: threading.Event,
+        disk_usage: DiskUsage | None = None,
     ) -> None:
         self.config = config
+        self.disk_usage = disk_usage
+        """Admission control (``diskusage.py``): None takes every message."""
         self.node_id = config.node_id
         self.data_dir = data_dir
         self.engine = engine
@@ -321,6 +325,17 @@ class Hosting:
                 Reason.UNAVAILABLE,
                 f"node {self.node_id}'s disk failed ({failure}): it left its Raft groups and restarts once the disk "
                 "takes writes again; another replica takes over",
+                shard=str(shard),
+            )
+
+    def admit_messages(self, shard: int) -> None:
+        """Refuse new messages for ``shard`` with STORAGE_FULL while this node's disk is past a limit."""
+        refusal = self.disk_usage.refusal if self.disk_usage is not None else None
+        if refusal is not None:
+            raise errors.error(
+                Reason.STORAGE_FULL,
+                f"{refusal}: the vnodes it leads take no new messages until space returns (retention, or "
+                "dropping generations, frees it; reads, deletes and broker state go on)",
                 shard=str(shard),
             )
 

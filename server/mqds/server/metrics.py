@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from mqds.server.auth import ApiGuard
     from mqds.server.cluster.vnode import Vnode
     from mqds.server.config import NodeConfig
+    from mqds.server.diskusage import DiskUsage
     from mqds.server.raft.group import RaftGroup
     from mqds.server.raft.journal import NodeLog
     from mqds.server.raft.transport import PeerRouter
@@ -86,6 +87,9 @@ class ObservedNode(Protocol):
     def dropped_by_closed_groups(self) -> int:
         """Raft messages from non-members that groups since closed had dropped."""
         ...
+
+    @property
+    def disk_usage(self) -> DiskUsage: ...
 
     def ready(self) -> bool: ...
 
@@ -286,6 +290,7 @@ class _NodeCollector(Collector):
         yield rejected
         yield from self._raft(node)
         yield from self._storage(node)
+        yield from node.disk_usage.metrics()
 
     def _raft(self, node: ObservedNode) -> Iterator[Metric]:
         def gauge(name: str, doc: str, *labels: str) -> GaugeMetricFamily:

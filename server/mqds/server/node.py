@@ -44,6 +44,7 @@ from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.config import NodeConfig
 from mqds.server.datadir import DataDir
 from mqds.server.diskguard import DiskGuard
+from mqds.server.diskusage import DiskUsage
 from mqds.server.health import Health
 from mqds.server.hosting import Hosting, Vnode
 from mqds.server.maintenance import Maintenance
@@ -129,6 +130,13 @@ class Node:
         )
         self.disk_guard = DiskGuard(self.data_dir.tmp, isolate=self.router.isolate)
         self.raft_log.on_failure = self.disk_guard.failed
+        self.disk_usage = DiskUsage(
+            config.node_id,
+            config.data_dir,
+            config.disk_quota_bytes,
+            config.disk_min_free_bytes,
+            config.disk_check_interval_s,
+        )
         self.peers = Peers(self.router)
         self.snapshots = Snapshots(self.peers, self.auth, self.metrics, self.data_dir.tmp)
         self.hosting = Hosting(
@@ -143,6 +151,7 @@ class Node:
             clock=self.clock,
             fetch_snapshot=self.snapshots.fetch,
             stopping=self._stopping,
+            disk_usage=self.disk_usage,
             changed=self._changed,
         )
         self.router.on_link_change(self.hosting.link_changed)
@@ -277,6 +286,7 @@ class Node:
             )
 
     def start(self) -> None:
+        self.disk_usage.start()
         self.server.start()
         # Alive (liveness SERVING) from here on, and not ready until the
         # replicas below are open, led and caught up.
@@ -309,6 +319,7 @@ class Node:
         self._stopping.set()
         self._changed.set()
         self.disk_guard.stop()
+        self.disk_usage.stop()
         self.health.enter_graceful_shutdown()
         # New calls are refused from here on; in-flight ones (and the peers'
         # Raft streams) go on during the grace period. Hand leadership over

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from mqds.server.cluster.membership import Membership
     from mqds.server.cluster.vnode import Vnode
     from mqds.server.config import NodeConfig
+    from mqds.server.diskusage import DiskUsage
     from mqds.server.raft.group import RaftGroup
     from mqds.server.raft.transport import PeerRouter
 
@@ -51,10 +52,16 @@ class ClusterNode(Protocol):
 
     def ready(self) -> bool: ...
 
+    @property
+    def disk_usage(self) -> DiskUsage: ...
+
 
 def node_status(node: ClusterNode) -> clpb.NodeStatus:
     """This node's replicas, their Raft state, and whether the node is ready."""
     status = clpb.NodeStatus(node_id=node.node_id, address=node.config.advertised)
+    disk = node.disk_usage
+    usage = disk.usage
+    group_bytes = usage.group_bytes if usage is not None else {}
     for group_id, group in node.groups():
         st = group.status()
         vnode = node.vnodes.get(group_id)
@@ -78,7 +85,16 @@ def node_status(node: ClusterNode) -> clpb.NodeStatus:
             last_applied=st["last_applied"],
             snapshots_installed=group.snapshots_installed,
             generations=generations,
+            disk_bytes=group_bytes.get(group_id, 0),
         )
+    if usage is not None:
+        status.data_dir_bytes = usage.data_bytes
+        status.disk_free_bytes = usage.free_bytes
+        status.disk_total_bytes = usage.total_bytes
+        status.raft_wal_bytes = usage.wal_bytes
+    status.disk_quota_bytes = disk.quota_bytes
+    status.disk_min_free_bytes = disk.min_free_bytes
+    status.writes_refused = disk.refusal or ""
     status.dropped_raft_messages = node.router.dropped_messages + node.router.dropped_frames
     status.ready = node.ready()
     return status

@@ -111,6 +111,8 @@ class Shards(Protocol):
 
     def leader_vnode(self, shard: int) -> VnodeView: ...
 
+    def admit_messages(self, shard: int) -> None: ...
+
     def vnode(self, shard: int) -> Any: ...
 
     def begin_read(self, shard: int, stale_ok: bool) -> tuple[VnodeView, PendingRead | None]: ...
@@ -290,7 +292,9 @@ class StorageService(ShardsAPI):
                 started.append(refused[shard])
                 continue
             try:
-                started.append(self.shards.leader_vnode(shard).group.propose(body))
+                vnode = self.shards.leader_vnode(shard)
+                self.shards.admit_messages(shard)  # after the leader check: another node's disk may have room
+                started.append(vnode.group.propose(body))
             except MqdsError as err:
                 started.append(err)
         return started

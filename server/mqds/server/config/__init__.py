@@ -171,6 +171,20 @@ class NodeConfig:
         100, "distinct values of a topic's first level before the level becomes a wildcard in a stream"
     )
     lts_threshold: int = _opt(10, "distinct values of a deeper topic level before it becomes a wildcard in a stream")
+    disk_quota_bytes: int = _opt(
+        0,
+        "refuse new messages (RESOURCE_EXHAUSTED, STORAGE_FULL) on the vnodes this node leads once its data "
+        "directory takes this many bytes on disk; taken again below 95% of it. Reads, deletes, dropped "
+        "generations and broker state go on. 0 = no quota",
+    )
+    disk_min_free_bytes: int = _opt(
+        256 * 1024 * 1024,
+        "refuse new messages the same way once the data directory's filesystem has less than this many bytes "
+        "free; taken again above it plus 5%. 0 = no floor",
+    )
+    disk_check_interval_s: float = _opt(
+        2.0, "how often the node measures its disk usage (data directory, per vnode, free space), in seconds"
+    )
     max_payload_bytes: int = _opt(1024 * 1024, "largest payload accepted, in bytes")
     max_batch_messages: int = _opt(10_000, "most messages accepted in one StoreBatch call")
     store_stream_window: int = _opt(
@@ -268,6 +282,7 @@ class NodeConfig:
             "block_cache_bytes",
             "write_buffer_bytes",
             "maintenance_interval_s",
+            "disk_check_interval_s",
             "replication_factor",
             "raft_heartbeat_s",
             "raft_log_max_bytes",
@@ -313,6 +328,8 @@ class NodeConfig:
             "leader_balance_interval_s",
             "placement_repair_interval_s",
             "max_calls_per_client",
+            "disk_quota_bytes",
+            "disk_min_free_bytes",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be 0 or more, got {getattr(self, name)}")

@@ -57,6 +57,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "block_cache_bytes",
         "write_buffer_bytes",
         "compaction_low_priority",
+        "disk_quota_bytes",
+        "disk_min_free_bytes",
+        "disk_check_interval_s",
     ),
     "limits": (
         "max_calls_per_client",

@@ -346,9 +346,18 @@ class ShardStorage:
             return gens.info(gens.by_number[gens.current])
 
     def drop_generation(self, number: int, *, applied_index: int | None = None) -> GenerationInfo:
-        """Drop a closed generation: its metadata, then its column family."""
+        """Drop a closed generation: its metadata, then its column family; then free the disk it took.
+
+        Its SST files go once no reader holds them. Its writes also sit in
+        RocksDB's write-ahead log files, which are deleted only once every
+        column family with writes in them has flushed, and the metadata
+        family is written with every batch: so the other families' memtables
+        are flushed too, in the background (no wait: this runs in the apply
+        path), and the log files go with them. Without that, a node past its
+        disk quota (``diskusage.py``) gained little from a drop.
+        """
         with self._lock:
-            return self._generations.drop(
+            info = self._generations.drop(
                 self._db,
                 self._meta_handle,
                 number,
@@ -356,6 +365,9 @@ class ShardStorage:
                 lambda b: self._write(b, True, applied_index),
                 self._routes.clear,
             )
+            for cf in [self._db] + [gen.cf for gen in self._generations.by_number.values()]:
+                cf.flush(False)
+            return info
 
     def applied_part(self, index: int) -> int:
         """The last part of log entry ``index`` already written (-1 for none).

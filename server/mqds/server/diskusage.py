@@ -1,0 +1,248 @@
+"""Disk usage of a node, and admission control: new messages are refused before the disk fills.
+
+A thread measures the node's data directory every ``disk_check_interval_s``:
+the bytes its files take on disk (allocated blocks, as ``du`` counts them,
+so RocksDB's preallocated files count what they reserve), the same per Raft
+group (a vnode's RocksDB directory and its Raft directory; the metadata
+group's directory), the shared Raft log's, and the filesystem's free and
+total bytes.
+
+Two limits, each off at 0:
+
+- ``disk_quota_bytes``: the data directory may hold at most this much;
+- ``disk_min_free_bytes``: its filesystem keeps at least this much free
+  (256 MiB by default: RocksDB needs room to compact, the Raft log to go on
+  replicating what other leaders commit).
+
+Once a measurement passes one, the node refuses new messages on the vnodes
+it leads (``STORAGE_FULL``, RESOURCE_EXHAUSTED; the client retries it with
+backoff within the call's deadline) until usage falls below 95% of the quota
+and free space rises above the floor plus 5%: a margin, so that a node near
+a limit does not flip between the two states with every compaction. What
+frees space needs no new message: reads, deletes, dropping generations
+(retention does it by itself), broker state (client records,
+subscriptions, acknowledgements, retained messages: small, and a broker
+cannot serve its clients without them) all go on. A follower still applies
+everything its leader commits: a replica that refused a committed entry
+would no longer be a replica. Each leader admits by its own node's disk;
+the replicas of a vnode hold the same data, so they fill alike, and the
+disk guard (``diskguard.py``) takes over on a node whose disk does fill.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+log = logging.getLogger(__name__)
+
+META_GROUP = 0xFFFFFFFF
+RESUME_FRACTION = 0.95
+"""Writes are taken again below this share of the quota (and above the floor by 1 / this)."""
+
+_SHARD_DIR = re.compile(r"^shard-(\d{4,})$")
+
+
+def format_size(n: int) -> str:
+    """A size for people: ``812 KiB``, ``1.5 GiB``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" or value >= 100 else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def allocated_bytes(path: str) -> int:
+    """Bytes the files under ``path`` take on disk (``st_blocks``), skipping what vanishes meanwhile."""
+    total = 0
+    try:
+        entries = list(os.scandir(path))
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return 0
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                total += allocated_bytes(entry.path)
+            else:
+                total += entry.stat(follow_symlinks=False).st_blocks * 512
+        except FileNotFoundError:  # a compaction or a log segment removed it
+            continue
+    return total
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One measurement of a node's disk."""
+
+    data_bytes: int
+    """Everything under the data directory."""
+    free_bytes: int
+    """Free bytes of the data directory's filesystem (for unprivileged users)."""
+    total_bytes: int
+    """Size of that filesystem."""
+    wal_bytes: int
+    """The shared Raft log (``raft/wal``)."""
+    group_bytes: dict[int, int] = field(default_factory=dict)
+    """Per Raft group (a shard, or META_GROUP): its RocksDB and Raft directories."""
+
+
+def measure(data_dir: str) -> Usage:
+    """The disk usage of the node whose data directory is ``data_dir``."""
+    groups: dict[int, int] = {}
+    for sub in ("shards", "raft"):
+        try:
+            entries = list(os.scandir(os.path.join(data_dir, sub)))
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            match = _SHARD_DIR.match(entry.name)
+            if match:
+                shard = int(match.group(1))
+                groups[shard] = groups.get(shard, 0) + allocated_bytes(entry.path)
+    groups[META_GROUP] = allocated_bytes(os.path.join(data_dir, "meta"))
+    disk = shutil.disk_usage(data_dir)
+    return Usage(
+        data_bytes=allocated_bytes(data_dir),
+        free_bytes=disk.free,
+        total_bytes=disk.total,
+        wal_bytes=allocated_bytes(os.path.join(data_dir, "raft", "wal")),
+        group_bytes=groups,
+    )
+
+
+class DiskUsage:
+    """Measures the node's disk now and then, and says whether new messages are refused and why."""
+
+    def __init__(
+        self, node_id: str, data_dir: str, quota_bytes: int, min_free_bytes: int, interval_s: float = 2.0
+    ) -> None:
+        self.node_id = node_id
+        self.data_dir = data_dir
+        self.quota_bytes = quota_bytes
+        self.min_free_bytes = min_free_bytes
+        self.interval_s = interval_s
+        self.usage: Usage | None = None
+        """The last measurement (None before the first)."""
+        self.refusal: str | None = None
+        """Why new messages are refused now (None: they are taken)."""
+        self.refusals = 0
+        """Times the node went from taking new messages to refusing them."""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def check(self) -> Usage:
+        """Measure now and decide (``decide``)."""
+        usage = measure(self.data_dir)
+        self.decide(usage)
+        return usage
+
+    def decide(self, usage: Usage) -> str | None:
+        """Refuse new messages past a limit, take them again back inside with a margin; why they are refused."""
+        self.usage = usage
+        refusing = self.refusal is not None
+        why = self._over(usage, resume=refusing)
+        if why is not None and not refusing:
+            self.refusals += 1
+            log.warning("refusing new messages: %s", why)
+        elif why is None and refusing:
+            log.warning("taking new messages again: %s", self._describe(usage))
+        self.refusal = why
+        return why
+
+    def _over(self, usage: Usage, resume: bool) -> str | None:
+        """Why ``usage`` is past a limit (None: it is not); ``resume`` asks for the margin below the limits."""
+        quota, floor = self.quota_bytes, self.min_free_bytes
+        quota_line = quota * RESUME_FRACTION if resume else quota
+        floor_line = floor / RESUME_FRACTION if resume else floor
+        if quota and usage.data_bytes >= quota_line:
+            return (
+                f"node {self.node_id}'s data directory holds {format_size(usage.data_bytes)}, "
+                f"{'not yet below 95% of ' if resume and usage.data_bytes < quota else ''}its quota of "
+                f"{format_size(quota)} (disk_quota_bytes)"
+            )
+        if floor and usage.free_bytes < floor_line:
+            return (
+                f"node {self.node_id}'s disk has {format_size(usage.free_bytes)} free, "
+                f"{'not yet 5% above' if resume and usage.free_bytes >= floor else 'below'} its floor of "
+                f"{format_size(floor)} (disk_min_free_bytes)"
+            )
+        return None
+
+    def _describe(self, usage: Usage) -> str:
+        return (
+            f"node {self.node_id}'s data directory holds {format_size(usage.data_bytes)}, "
+            f"{format_size(usage.free_bytes)} free on its disk"
+        )
+
+    def metrics(self) -> Iterator[Metric]:
+        """Prometheus metrics of the last measurement and of the admission control (read at scrape time)."""
+        usage = self.usage
+        if usage is not None:
+            yield GaugeMetricFamily(
+                "mqds_disk_data_dir_bytes", "Bytes the data directory takes on disk", value=usage.data_bytes
+            )
+            yield GaugeMetricFamily(
+                "mqds_disk_free_bytes", "Free bytes of the data directory's filesystem", value=usage.free_bytes
+            )
+            yield GaugeMetricFamily(
+                "mqds_disk_total_bytes", "Size of the data directory's filesystem", value=usage.total_bytes
+            )
+            replicas = GaugeMetricFamily(
+                "mqds_disk_replica_bytes",
+                "Bytes a replica takes on disk (its RocksDB and Raft directories), by shard",
+                labels=["shard"],
+            )
+            for group, size in sorted(usage.group_bytes.items()):
+                replicas.add_metric(["meta" if group == META_GROUP else str(group)], size)
+            yield replicas
+        yield GaugeMetricFamily(
+            "mqds_disk_quota_bytes", "disk_quota_bytes: the data directory's limit (0 = none)", value=self.quota_bytes
+        )
+        yield GaugeMetricFamily(
+            "mqds_disk_min_free_bytes",
+            "disk_min_free_bytes: the free space kept on the disk (0 = none)",
+            value=self.min_free_bytes,
+        )
+        yield GaugeMetricFamily(
+            "mqds_disk_writes_refused",
+            "1 while the node refuses new messages (STORAGE_FULL) for its disk's usage",
+            value=0.0 if self.refusal is None else 1.0,
+        )
+        yield CounterMetricFamily(
+            "mqds_disk_write_refusals",
+            "Times the node began refusing new messages for its disk's usage",
+            value=self.refusals,
+        )
+
+    def start(self) -> None:
+        """Measure once now (so a node restarted on a full disk refuses from its first call), then in a thread."""
+        self._safe_check()
+        self._thread = threading.Thread(target=self._run, name="disk-usage", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._safe_check()
+
+    def _safe_check(self) -> None:
+        started = time.monotonic()
+        try:
+            self.check()
+        except OSError as err:  # the disk guard deals with a failing disk; keep the last decision
+            log.warning("measuring the disk usage of %s failed: %s", self.data_dir, err)
+            return
+        took = time.monotonic() - started
+        if took > self.interval_s:
+            log.warning("measuring the disk usage took %.1f s, longer than disk_check_interval_s", took)

@@ -1,0 +1,157 @@
+"""Admission control (issue 24): a node refuses new messages before its disk fills, and takes them again by itself.
+
+One node, one replica per vnode, a small ``disk_quota_bytes``: batches are
+stored until the node refuses one with STORAGE_FULL (RESOURCE_EXHAUSTED, a
+message naming the quota); meanwhile reads, broker state and generation
+changes go on, ``mqds status`` reports the refusal, and once old generations
+are dropped (what retention does by itself) new messages are taken again
+without a restart. The free-space floor is tested the same way on the chaos
+suite's fault filesystem, whose reported free space can be cut.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mqds.chaos.faultfs import FaultFs, unavailable_reason
+from mqds.cli import status as status_cli
+from mqds.client import Client, ConnectionSettings, Message
+from mqds.client.errors import DeadlineExceededError, UnavailableError
+from mqds.protocol.errors import Reason
+from mqds.tools.localproc import NodeProcess, free_port
+
+pytestmark = pytest.mark.integration
+
+MiB = 1024 * 1024
+SECRET = "disk-quota-test-secret"
+
+
+def _batch(tag: str, n: int = 100, size: int = 10_000) -> list[Message]:
+    # Random payloads: RocksDB's compression would shrink repeated bytes to nothing once flushed.
+    return [Message(topic=f"q/{j % 4}", payload=tag.encode() + os.urandom(size), sender=f"s{j % 2}") for j in range(n)]
+
+
+def _fill_until_refused(c: Client, limit: int = 80) -> tuple[list[Message], UnavailableError]:
+    acked: list[Message] = []
+    for i in range(limit):
+        try:
+            acked += c.store_batch(_batch(f"fill-{i}"))
+        except UnavailableError as err:
+            if err.reason is Reason.STORAGE_FULL:
+                return acked, err
+            raise
+    raise AssertionError(f"{limit} batches of 1 MB stored, none refused")
+
+
+def _store_when_taken(address: str, within_s: float) -> list[Message]:
+    deadline = time.monotonic() + within_s
+    with Client(address, timeout_s=4) as c:
+        while True:
+            try:
+                return c.store_batch(_batch("after", 10, 100))
+            except (UnavailableError, DeadlineExceededError) as err:
+                if err.reason not in (Reason.STORAGE_FULL, Reason.DEADLINE_EXCEEDED) or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.2)
+
+
+def test_a_node_over_its_disk_quota_refuses_new_messages_serves_the_rest_and_recovers_by_itself(
+    tmp_path: Path,
+) -> None:
+    node = NodeProcess(
+        tmp_path / "n1",
+        args=[
+            "--n-shards",
+            "2",
+            "--disk-quota-bytes",
+            "32MiB",
+            "--disk-check-interval-s",
+            "0.2",
+            # Small Raft journals and log segments: the Raft log takes at most a few hundred KiB, so the
+            # usage measured is the messages in RocksDB, which stays put until generations are dropped.
+            "--raft-log-max-bytes",
+            "256KiB",
+            "--raft-segment-bytes",
+            "256KiB",
+        ],
+        env={"MQDS_CLUSTER_SECRET": SECRET},
+        metrics_port=free_port(),
+    )
+    try:
+        node.start(60)
+        # The cluster secret: generations are admin calls.
+        # A refusal is retried until the deadline: a short one (yet long enough for a busy machine).
+        with Client(node.address, settings=ConnectionSettings(timeout_s=4, cluster_secret=SECRET)) as c:
+            acked, refused = _fill_until_refused(c)
+            assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "n1's data directory holds" in str(refused) and "quota of 32.0 MiB" in str(refused)
+            assert "take no new messages until space returns" in str(refused)
+            # Everything else goes on: reads, broker state, generations.
+            assert sorted(m.payload for m in c.replay("q/#")) == sorted(m.payload for m in acked)
+            c.client_connected("broker-client-1", "broker-a")
+            c.subscribe("broker-client-1", "q/#", 1)
+            assert c.subscriptions("broker-client-1") == {"q/#": 1}
+            report = status_cli.gather(c)
+            text = status_cli.render(report)
+            assert not report.healthy and "REFUSED" in text and "new messages refused: node n1's data" in text
+            assert node.metrics_url is not None
+            scraped = urllib.request.urlopen(node.metrics_url, timeout=5).read().decode()
+            disk_lines = [line for line in scraped.splitlines() if line.startswith("mqds_disk_")]
+            assert "mqds_disk_writes_refused 1.0" in disk_lines, disk_lines
+            assert any(line.startswith('mqds_disk_replica_bytes{shard="0"}') for line in disk_lines), disk_lines
+            # What retention does by itself: a new generation in each shard, the old ones dropped.
+            old = {g.shard: g.generation for g in c.list_generations()}
+            c.add_generation()
+            for shard, number in old.items():
+                c.drop_generation(shard, number)
+        _store_when_taken(node.address, within_s=60)
+        with Client(node.address, timeout_s=10) as c:
+            report = status_cli.gather(c)
+            assert report.healthy, status_cli.render(report)
+    finally:
+        node.kill()
+
+
+FUSE = unavailable_reason()
+
+
+@pytest.mark.skipif(FUSE is not None, reason=f"no fault filesystem here: {FUSE}")
+def test_a_node_whose_free_space_falls_below_its_floor_refuses_new_messages_until_space_returns(
+    tmp_path: Path,
+) -> None:
+    with FaultFs(tmp_path / "n1.disk", tmp_path / "n1", metadata="journal") as disk:
+        node = NodeProcess(
+            tmp_path / "n1",
+            args=["--n-shards", "2", "--disk-min-free-bytes", "64MiB", "--disk-check-interval-s", "0.2"],
+        )
+        try:
+            node.start(60)
+            pid = node.pid
+            with Client(node.address, timeout_s=4) as c:
+                before = c.store_batch(_batch("before", 10, 100))
+                # The filesystem now says 16 MiB are free (writes would still fit): below the floor.
+                disk.disk_full(free_bytes=16 * MiB)
+                deadline = time.monotonic() + 20
+                while True:
+                    try:
+                        before += c.store_batch(_batch("racing", 10, 100))
+                    except UnavailableError as err:
+                        assert err.reason is Reason.STORAGE_FULL, err
+                        assert "n1's disk has" in str(err) and "below its floor of 64.0 MiB" in str(err)
+                        break
+                    assert time.monotonic() < deadline, "never refused"
+                    time.sleep(0.1)
+                assert len(list(c.replay("q/#"))) == len(before)
+            disk.heal()
+            after = _store_when_taken(node.address, within_s=30)
+            assert node.running and node.pid == pid  # no restart: the disk never failed
+            with Client(node.address, timeout_s=10) as c:
+                assert len(list(c.replay("q/#"))) == len(before) + len(after)
+        finally:
+            node.kill()
