@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -394,13 +395,15 @@ def test_bench_kills_a_leader_and_reports_the_failover(cli_cluster: CliCluster) 
 
 def test_unreachable_endpoint_is_a_clear_error() -> None:
     nobody = f"127.0.0.1:{free_port()}"
-    for args in (["status"], ["pub", "a/b", "-m", "x"], ["replay", "#"], ["generations", "list"], ["bench"]):
-        # A client retries an unreachable cluster until its timeout (a broker may start first).
-        run = mqds("--endpoints", nobody, "--timeout", "2", *args, timeout_s=60)
+    commands = [["status"], ["pub", "a/b", "-m", "x"], ["replay", "#"], ["generations", "list"], ["bench"]]
+    commands.append(["admin", "rebalance"])
+    # A client retries an unreachable cluster until its timeout (a broker may start first): the commands
+    # wait side by side.
+    with ThreadPoolExecutor(len(commands)) as pool:
+        runs = list(pool.map(lambda args: mqds("--endpoints", nobody, "--timeout", "2", *args, timeout_s=60), commands))
+    for args, run in zip(commands, runs, strict=True):
         assert run.code == 1, (args, run.out, run.err)
-        assert f"no mqds node answered at {nobody}" in run.err, run.err
-    admin = mqds("--endpoints", nobody, "--timeout", "2", "admin", "rebalance", timeout_s=60)
-    assert admin.code == 1 and "no mqds node answered" in admin.err, admin.err
+        assert f"no mqds node answered at {nobody}" in run.err, (args, run.err)
 
 
 def test_cluster_command_mistakes(cli_cluster: CliCluster, tmp_path: Path) -> None:

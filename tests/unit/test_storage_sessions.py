@@ -112,7 +112,7 @@ def test_broker_state_survives_a_restart(tmp_path: Path, engine: Engine) -> None
         assert state is not None and state.online and state.node == "b1" and state.online_at_us == 10
         assert storage.sessions.clients_on_node("b1") == ["c1"]
         assert storage.sessions.subscriptions("c1") == [("t/#", 2)]
-        (retained,) = storage.sessions.retained(["t", "+"])
+        (retained,) = storage.sessions.retained(["t", "+"], 12)
         assert pb.Message.FromString(retained).timestamp_us == 11
         position = storage.sessions.read_position("c1", "t/#")
         assert position is not None and dict(position.acked_us) == {4: 99}
@@ -174,7 +174,7 @@ def test_retained_lookup_equals_matching_every_topic(
     try:
         for topic in topics:
             storage.sessions.retain(msg(topic, topic), 1)
-        found = [pb.Message.FromString(m).topic for m in storage.sessions.retained(topic_filter.split("/"))]
+        found = [pb.Message.FromString(m).topic for m in storage.sessions.retained(topic_filter.split("/"), 2)]
         assert found == sorted((t for t in topics if matches(topic_filter, t)), key=lambda t: t.encode())
     finally:
         storage.close()
@@ -197,3 +197,58 @@ def test_a_fetch_never_returns_a_later_message_without_an_earlier_one_stored_mea
     assert "C" not in rest and len(rest) == 599
     # The next fetch sees both, in order.
     assert fetched(shard, wanted("#", after_us=100 + 599))[-2:] == ["B", "C"]
+
+
+def _retained(storage: ShardStorage, topic_filter: str, now_us: int) -> dict[str, str]:
+    return {
+        m.topic: m.payload.decode()
+        for m in map(pb.Message.FromString, storage.sessions.retained(topic_filter.split("/"), now_us))
+    }
+
+
+def test_an_expired_retained_message_is_no_longer_returned_and_is_removed_in_bounded_steps(
+    shard: ShardStorage,
+) -> None:
+    """MQTT 5 Message Expiry Interval on retained messages: hidden once due, removed by expire_retained."""
+    sessions = shard.sessions
+    second = 1_000_000
+    for i in range(5):
+        expiring = msg(f"e/{i}", f"e{i}")
+        expiring.message_expiry_s = 1 + i  # due at 10 s + (1 + i) s
+        sessions.retain(expiring, 10 * second)
+    sessions.retain(msg("e/kept", "forever"), 10 * second)
+    assert len(_retained(shard, "e/#", 10 * second)) == 6
+    assert not sessions.retained_expiry_due(11 * second - 1)
+    # Due but not removed yet: already left out.
+    assert sessions.retained_expiry_due(13 * second)
+    assert _retained(shard, "e/#", 13 * second) == {"e/3": "e3", "e/4": "e4", "e/kept": "forever"}
+    # A step removes the earliest ones, at most max_count.
+    assert sessions.expire_retained(13 * second, 2) == 2
+    assert sessions.retained_expiry_due(13 * second)
+    assert sessions.expire_retained(13 * second, 1000) == 1
+    assert not sessions.retained_expiry_due(13 * second)
+    assert sorted(k for k, _ in shard.meta_scan(keys.RETAINED_PREFIX)) == [
+        keys.retained_key(t) for t in ("e/3", "e/4", "e/kept")
+    ]
+    assert sessions.expire_retained(10**15, 1000) == 2
+    assert _retained(shard, "e/#", 10**15) == {"e/kept": "forever"}
+    assert list(shard.meta_scan(keys.RETAINED_EXPIRY_PREFIX)) == []
+
+
+def test_replacing_or_deleting_a_retained_message_replaces_its_expiry(shard: ShardStorage) -> None:
+    sessions = shard.sessions
+    second = 1_000_000
+    first = msg("r/1", "old")
+    first.message_expiry_s = 5
+    sessions.retain(first, 0)
+    sessions.retain(msg("r/1", "new, no expiry"), 1 * second)
+    # The old expiry went with the old message: the new one stays.
+    assert not sessions.retained_expiry_due(10**15)
+    assert sessions.expire_retained(10**15, 1000) == 0
+    assert _retained(shard, "r/1", 10**15) == {"r/1": "new, no expiry"}
+    later = msg("r/1", "expires")
+    later.message_expiry_s = 5
+    sessions.retain(later, 2 * second)
+    sessions.retain(msg("r/1", ""), 3 * second)  # deleted: its index entry too
+    assert list(shard.meta_scan(keys.RETAINED_EXPIRY_PREFIX)) == []
+    assert _retained(shard, "r/#", 3 * second) == {}

@@ -29,7 +29,9 @@ class Message:
     ``properties`` are MQTT 5 user properties; pass a dict or a sequence of
     ``(name, value)`` pairs (names may repeat, order is kept); they are kept
     as a tuple of pairs. ``timestamp_us`` and ``shard`` are set on messages
-    the client returns, and ignored when storing. (A plain, not frozen,
+    the client returns, and ignored when storing. ``message_expiry_s`` is
+    MQTT 5's Message Expiry Interval (0: none): a retained message with one
+    is returned until that long after it was retained, then removed. (A plain, not frozen,
     dataclass: replay builds one per message and frozen ones cost 4x more.)
     """
 
@@ -41,6 +43,7 @@ class Message:
     properties: Properties = field(default=())
     timestamp_us: int | None = None
     shard: int | None = None
+    message_expiry_s: int = 0
 
     def __post_init__(self) -> None:
         if type(self.payload) is not bytes:
@@ -58,6 +61,7 @@ class Message:
             qos=self.qos,
             retain=self.retain,
             properties=[pb.UserProperty(key=k, value=v) for k, v in self.properties],
+            message_expiry_s=self.message_expiry_s,
         )
 
     @classmethod
@@ -72,6 +76,7 @@ class Message:
             tuple((p.key, p.value) for p in props) if props else (),
             m.timestamp_us,
             m.shard,
+            m.message_expiry_s,
         )
 
 

@@ -15,7 +15,7 @@ class UserProperty(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class Message(_message.Message):
-    __slots__ = ("topic", "payload", "sender", "qos", "retain", "properties", "timestamp_us", "shard")
+    __slots__ = ("topic", "payload", "sender", "qos", "retain", "properties", "timestamp_us", "shard", "message_expiry_s")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class Message(_message.Message):
     PROPERTIES_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_US_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_EXPIRY_S_FIELD_NUMBER: _ClassVar[int]
     topic: str
     payload: bytes
     sender: str
@@ -32,7 +33,8 @@ class Message(_message.Message):
     properties: _containers.RepeatedCompositeFieldContainer[UserProperty]
     timestamp_us: int
     shard: int
-    def __init__(self, topic: _Optional[str] = ..., payload: _Optional[bytes] = ..., sender: _Optional[str] = ..., qos: _Optional[int] = ..., retain: _Optional[bool] = ..., properties: _Optional[_Iterable[_Union[UserProperty, _Mapping]]] = ..., timestamp_us: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+    message_expiry_s: int
+    def __init__(self, topic: _Optional[str] = ..., payload: _Optional[bytes] = ..., sender: _Optional[str] = ..., qos: _Optional[int] = ..., retain: _Optional[bool] = ..., properties: _Optional[_Iterable[_Union[UserProperty, _Mapping]]] = ..., timestamp_us: _Optional[int] = ..., shard: _Optional[int] = ..., message_expiry_s: _Optional[int] = ...) -> None: ...
 
 class StoreBatchRequest(_message.Message):
     __slots__ = ("messages", "sync", "producer_id", "sequence")

@@ -41,6 +41,9 @@ from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 
 log = logging.getLogger(__name__)
 
+EXPIRE_RETAINED_STEP = 1000
+"""Most expired retained messages one logged command removes."""
+
 
 class Maintenance:
     """The maintenance loop (``run``) and each of its jobs."""
@@ -56,6 +59,7 @@ class Maintenance:
         router: PeerRouter,
         auth: ClusterAuth,
         retention_drops: Counter,
+        retained_expired: Counter,
         clock: Callable[[], int],
         stopping: threading.Event,
         changed: threading.Event,
@@ -69,6 +73,7 @@ class Maintenance:
         self.router = router
         self.auth = auth
         self.retention_drops = retention_drops
+        self.retained_expired = retained_expired
         self.clock = clock
         self._stopping = stopping
         self._changed = changed
@@ -98,6 +103,7 @@ class Maintenance:
                 self.health.refresh()
                 self._report_address()
                 self._maintain_generations()
+                self._expire_retained()
                 self._balance_leaders()
                 self._check_placement()
             except Exception:
@@ -178,6 +184,29 @@ class Maintenance:
                             log.info("shard %d: generation %d dropped (retention)", vnode.shard, gen.generation)
             except MqdsError as err:
                 log.info("shard %d: generation maintenance postponed: %s", vnode.shard, err)
+
+    def _expire_retained(self) -> None:
+        """In the vnodes led here: log the removal of retained messages whose expiry ran out, a bounded step each.
+
+        The command carries the leader's clock, so every replica removes the
+        same ones; a step removes at most ``EXPIRE_RETAINED_STEP`` and the
+        next round logs another while more are due.
+        """
+        now = self.clock()
+        for vnode in list(self.hosting.vnodes.values()):
+            if not vnode.group.is_leader:
+                continue
+            try:
+                with vnode.replica.reading() as storage:
+                    if not storage.sessions.retained_expiry_due(now):
+                        continue
+                step = cpb.ExpireRetained(max_count=EXPIRE_RETAINED_STEP)
+                body = cpb.VnodeCommand(session=cpb.SessionCommand(now_us=now, expire_retained=step))
+                removed = self.hosting.propose(vnode.shard, body.SerializeToString())
+                self.retained_expired.labels(str(vnode.shard)).inc(removed)
+                log.info("shard %d: %d expired retained messages removed", vnode.shard, removed)
+            except MqdsError as err:
+                log.info("shard %d: removing expired retained messages postponed: %s", vnode.shard, err)
 
     def _balance_leaders(self) -> None:
         interval = self.config.leader_balance_interval_s

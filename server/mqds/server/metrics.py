@@ -223,6 +223,12 @@ class NodeMetrics:
             ("shard",),
             registry=r,
         )
+        self.retained_expired = Counter(
+            "mqds_retained_expired_messages",
+            "Retained messages this node, as the vnode's leader, had removed because their expiry ran out",
+            ("shard",),
+            registry=r,
+        )
         self.registry.register(_NodeCollector(node, self.requests))
         self._http: WSGIServer | None = None
 

@@ -189,6 +189,7 @@ class Node:
             router=self.router,
             auth=self.auth,
             retention_drops=self.metrics.retention_drops,
+            retained_expired=self.metrics.retained_expired,
             clock=self.clock,
             stopping=self._stopping,
             changed=self._changed,

@@ -170,9 +170,10 @@ class SessionService(ShardsAPI):
         levels = self._filter(request.topic_filter)
         found: list[bytes] = []
         size = 0
+        now = self.clock()  # expired retained messages are left out, removed yet or not
         for vnode in self._read(self._shard_numbers(0, True, request.shards), request.stale_ok):
             with vnode.replica.reading() as storage:
-                retained = storage.sessions.retained(levels)
+                retained = storage.sessions.retained(levels, now)
             size += sum(len(message) + 6 for message in retained)
             self._check_answer(
                 size,

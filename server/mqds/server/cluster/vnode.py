@@ -271,6 +271,8 @@ class VnodeReplica:
             return sessions.start_position(start.clientid, start.topic_filter, now, applied_index=index)
         if kind == "forget_session":
             return sessions.forget_session(cmd.forget_session.clientid, applied_index=index)
+        if kind == "expire_retained":
+            return sessions.expire_retained(now, cmd.expire_retained.max_count, applied_index=index)
         raise errors.error(Reason.INTERNAL, f"shard {self.shard}: a log entry holds an unknown session command")
 
     def snapshot(self) -> bytes:

@@ -26,6 +26,8 @@ default                ``n:`` u16 len, node, clientid              empty: the cl
 default                ``s:`` u16 len, clientid, topic filter      u8 qos: a proxy subscription
 default                ``a:`` u16 len, clientid, topic filter      ``mqds.v1.ReadPosition``: acked per shard
 default                ``r:`` topic                                retained ``mqds.v1.Message`` (with its time)
+default                ``x:`` u64 expires at, topic                 empty: the retained message of the topic
+                                                                   expires then (``message_expiry_s``)
 default                ``q:`` u64 timestamp                        empty: a queue reader acknowledged the
                                                                    message stored at this timestamp
 default                ``f:`` topic filter                         u64 queue floor: every message up to this
@@ -110,6 +112,7 @@ NODE_CLIENT_PREFIX = b"n:"
 SUBSCRIPTION_PREFIX = b"s:"
 POSITION_PREFIX = b"a:"
 RETAINED_PREFIX = b"r:"
+RETAINED_EXPIRY_PREFIX = b"x:"
 QUEUE_ACK_PREFIX = b"q:"
 QUEUE_FLOOR_PREFIX = b"f:"
 
@@ -304,6 +307,11 @@ def position_key(clientid: str, topic_filter: str) -> bytes:
 
 def retained_key(topic: str) -> bytes:
     return RETAINED_PREFIX + topic.encode("utf-8")
+
+
+def retained_expiry_key(expires_us: int, topic: str) -> bytes:
+    """The expiry index entry of a retained message: by expiry time, then topic."""
+    return RETAINED_EXPIRY_PREFIX + u64(expires_us) + topic.encode("utf-8")
 
 
 def queue_ack_key(timestamp_us: int) -> bytes:

@@ -133,11 +133,21 @@ class SessionState:
         return existed
 
     def retain(self, message: pb.Message, now_us: int, *, applied_index: int | None = None) -> pb.Message | None:
-        """Keep ``message`` as its topic's retained message (stamped ``now_us``); an empty payload deletes it."""
+        """Keep ``message`` as its topic's retained message (stamped ``now_us``); an empty payload deletes it.
+
+        A message with ``message_expiry_s`` gets an entry in the expiry index
+        (``x:``, by expiry time); the one of the message it replaces goes.
+        """
         key = keys.retained_key(message.topic)
+        meta = self._storage.meta_handle
         batch = WriteBatch(raw_mode=True)
+        old = self._get(key)
+        if old is not None:
+            expires = _expires_us(pb.Message.FromString(old))
+            if expires is not None:
+                batch.delete(keys.retained_expiry_key(expires, message.topic), meta)
         if not message.payload:
-            batch.delete(key, self._storage.meta_handle)
+            batch.delete(key, meta)
             self._commit(batch, applied_index)
             return None
         stored = pb.Message()
@@ -145,9 +155,36 @@ class SessionState:
         stored.retain = True
         stored.timestamp_us = now_us
         stored.shard = self._storage.shard
-        batch.put(key, stored.SerializeToString(), self._storage.meta_handle)
+        batch.put(key, stored.SerializeToString(), meta)
+        expires = _expires_us(stored)
+        if expires is not None:
+            batch.put(keys.retained_expiry_key(expires, message.topic), b"", meta)
         self._commit(batch, applied_index)
         return stored
+
+    def retained_expiry_due(self, now_us: int) -> bool:
+        """Whether some retained message expired at or before ``now_us`` (the leader then logs ``expire_retained``)."""
+        first = next(self._storage.meta_scan(keys.RETAINED_EXPIRY_PREFIX), None)
+        return first is not None and _expiry_entry(first[0])[0] <= now_us
+
+    def expire_retained(self, now_us: int, max_count: int, *, applied_index: int | None = None) -> int:
+        """Remove up to ``max_count`` retained messages that expired at or before ``now_us``, earliest first.
+
+        Applied from the log with the leader's ``now_us``, so every replica
+        removes the same ones. Returns how many it removed.
+        """
+        meta = self._storage.meta_handle
+        batch = WriteBatch(raw_mode=True)
+        removed = 0
+        for index_key, _ in self._storage.meta_scan(keys.RETAINED_EXPIRY_PREFIX):
+            expires, topic = _expiry_entry(index_key)
+            if expires > now_us or removed >= max_count:
+                break
+            batch.delete(index_key, meta)
+            batch.delete(keys.retained_key(topic), meta)
+            removed += 1
+        self._commit(batch, applied_index)
+        return removed
 
     def ack_pubsub(
         self, clientid: str, topic_filter: str, shard: int, timestamp_us: int, *, applied_index: int | None = None
@@ -238,8 +275,12 @@ class SessionState:
         prefix = keys.subscriptions_prefix(clientid)
         return [(key[len(prefix) :].decode("utf-8"), value[0]) for key, value in self._storage.meta_scan(prefix)]
 
-    def retained(self, filter_levels: list[str]) -> list[bytes]:
-        """The retained messages (serialised ``mqds.v1.Message``) whose topics match, by topic."""
+    def retained(self, filter_levels: list[str], now_us: int) -> list[bytes]:
+        """The retained messages (serialised ``mqds.v1.Message``) whose topics match, by topic.
+
+        One whose expiry (``message_expiry_s`` after it was retained) is at
+        or before ``now_us`` is left out, removed or not yet.
+        """
         literal: list[str] = []
         for level in filter_levels:
             if level in ("+", "#"):
@@ -249,11 +290,24 @@ class SessionState:
         # without a trailing separator and check every candidate.
         prefix = keys.retained_key("/".join(literal))
         start = len(keys.RETAINED_PREFIX)
-        return [
-            value
-            for key, value in self._storage.meta_scan(prefix)
-            if matches_levels(filter_levels, key[start:].decode("utf-8").split("/"))
-        ]
+        expired = self._expired_topics(now_us)
+        out = []
+        for key, value in self._storage.meta_scan(prefix):
+            topic = key[start:].decode("utf-8")
+            if topic not in expired and matches_levels(filter_levels, topic.split("/")):
+                out.append(value)
+        return out
+
+    def _expired_topics(self, now_us: int) -> set[str]:
+        """Topics whose retained message expired at or before ``now_us`` and is not removed yet (a few at most:
+        the leader removes them each maintenance round)."""
+        expired = set()
+        for index_key, _ in self._storage.meta_scan(keys.RETAINED_EXPIRY_PREFIX):
+            expires, topic = _expiry_entry(index_key)
+            if expires > now_us:
+                break
+            expired.add(topic)
+        return expired
 
     def read_position(self, clientid: str, topic_filter: str) -> spb.ReadPosition | None:
         raw = self._get(keys.position_key(clientid, topic_filter))
@@ -370,3 +424,16 @@ _parse: Callable[[bytes], pb.Message] = pb.Message.FromString
 
 def _qos(stored: bytes) -> int:
     return int(_parse(stored).qos)
+
+
+def _expires_us(message: pb.Message) -> int | None:
+    """When a retained message expires (None: it does not)."""
+    if not message.message_expiry_s:
+        return None
+    return message.timestamp_us + message.message_expiry_s * 1_000_000
+
+
+def _expiry_entry(key: bytes) -> tuple[int, str]:
+    """An ``x:`` key's expiry time and topic."""
+    start = len(keys.RETAINED_EXPIRY_PREFIX)
+    return keys.read_u64(key[start : start + 8]), key[start + 8 :].decode("utf-8")
