@@ -169,13 +169,15 @@ def test_a_client_lifecycle_in_emqx_hook_order(provider: Provider, mqds: Client)
         "message.acked": ["queue/#", "pubsub/#"],
     }
 
-    # The subscriber connects to emqx@n1 and subscribes.
+    # The subscriber connects to emqx@n1 (MQTT 5, a session kept for an hour after it leaves) and subscribes.
     conninfo = pb.ConnInfo(node="emqx@n1", clientid="sub-1", proto_name="MQTT", proto_ver="5", keepalive=60)
-    stub.OnClientConnect(pb.ClientConnectRequest(conninfo=conninfo), timeout=CALL_TIMEOUT_S)
+    props = [pb.Property(name="Session-Expiry-Interval", value="3600")]
+    stub.OnClientConnect(pb.ClientConnectRequest(conninfo=conninfo, props=props), timeout=CALL_TIMEOUT_S)
     stub.OnClientConnack(pb.ClientConnackRequest(conninfo=conninfo, result_code="success"), timeout=CALL_TIMEOUT_S)
     stub.OnClientConnected(pb.ClientConnectedRequest(clientinfo=info("sub-1")), timeout=CALL_TIMEOUT_S)
     state = mqds.client_state("sub-1")
     assert state is not None and state.online and state.node == "emqx@n1" and state.offline_at_us == 0
+    assert state.session_expiry_s == 3600
     stub.OnSessionCreated(pb.SessionCreatedRequest(clientinfo=info("sub-1")), timeout=CALL_TIMEOUT_S)
     filters = [pb.TopicFilter(name="pubsub/news/#", subopts=pb.SubOpts(qos=1)), pb.TopicFilter(name="queue/jobs")]
     stub.OnClientSubscribe(
@@ -216,6 +218,7 @@ def test_a_client_lifecycle_in_emqx_hook_order(provider: Provider, mqds: Client)
     )
     state = mqds.client_state("sub-1")
     assert state is not None and not state.online and state.offline_at_us >= state.online_at_us > 0
+    assert state.expires_at_us == state.offline_at_us + 3600 * 1_000_000
 
     # While it is away: one more message, and the retained message is deleted (RETAIN, empty payload).
     publish(provider, emqx_message("id-7", "pubsub/news/a", b"m3"))
@@ -247,11 +250,56 @@ def test_a_client_lifecycle_in_emqx_hook_order(provider: Provider, mqds: Client)
     unknown = emqx_message("never-published", "queue/jobs", b"?")
     stub.OnMessageAcked(pb.MessageAckedRequest(clientinfo=info("sub-1"), message=unknown), timeout=CALL_TIMEOUT_S)
 
+    # Sessions that end: an MQTT 5 client that asked for 1 s is gone soon after it leaves (its state and its
+    # subscriptions); an MQTT 3.1.1 client gets the node's default (session_expiry_default_s, 2 h).
+    brief = pb.ConnInfo(node="emqx@n1", clientid="brief-1", proto_name="MQTT", proto_ver="5", keepalive=60)
+    props = [pb.Property(name="Session-Expiry-Interval", value="1")]
+    stub.OnClientConnect(pb.ClientConnectRequest(conninfo=brief, props=props), timeout=CALL_TIMEOUT_S)
+    stub.OnClientConnected(pb.ClientConnectedRequest(clientinfo=info("brief-1")), timeout=CALL_TIMEOUT_S)
+    stub.OnSessionSubscribed(
+        pb.SessionSubscribedRequest(clientinfo=info("brief-1"), topic="pubsub/news/#"), timeout=CALL_TIMEOUT_S
+    )
+    assert mqds.subscriptions("brief-1") == {"pubsub/news/#": 0}
+    stub.OnClientDisconnected(pb.ClientDisconnectedRequest(clientinfo=info("brief-1")), timeout=CALL_TIMEOUT_S)
+    deadline = time.monotonic() + 30
+    while mqds.client_state("brief-1") is not None or mqds.subscriptions("brief-1"):
+        assert time.monotonic() < deadline, "brief-1's session never ended"
+        time.sleep(0.2)
+    old_style = pb.ConnInfo(node="emqx@n1", clientid="v311-1", proto_name="MQTT", proto_ver="4", keepalive=60)
+    stub.OnClientConnect(pb.ClientConnectRequest(conninfo=old_style), timeout=CALL_TIMEOUT_S)
+    stub.OnClientConnected(pb.ClientConnectedRequest(clientinfo=info("v311-1")), timeout=CALL_TIMEOUT_S)
+    v311 = mqds.client_state("v311-1")
+    assert v311 is not None and v311.session_expiry_s == 7200
+
+    # A retained message published with a Message-Expiry-Interval keeps it, and is gone once it runs out.
+    expiring = emqx_message("id-9", "pubsub/news/flash", b"soon gone", retain=True)
+    answer = stub.OnMessagePublish(
+        pb.MessagePublishRequest(message=expiring, props=[pb.Property(name="Message-Expiry-Interval", value="1")]),
+        timeout=CALL_TIMEOUT_S,
+    )
+    assert answer.type == pb.ValuedResponse.CONTINUE
+    (flash,) = mqds.retained("pubsub/news/flash")
+    assert flash.message_expiry_s == 1
+    deadline = time.monotonic() + 30
+    while mqds.retained("pubsub/news/flash"):
+        assert time.monotonic() < deadline, "the retained message never expired"
+        time.sleep(0.2)
+
 
 def test_malformed_requests_get_clear_errors_and_the_provider_goes_on(provider: Provider, mqds: Client) -> None:
     stub = provider.stub
     bad_calls = [
         (lambda: stub.OnClientConnected(pb.ClientConnectedRequest(), timeout=CALL_TIMEOUT_S), "clientid is empty"),
+        (
+            lambda: stub.OnClientConnect(
+                pb.ClientConnectRequest(
+                    conninfo=pb.ConnInfo(clientid="c-bad", proto_ver="5"),
+                    props=[pb.Property(name="Session-Expiry-Interval", value="4294967296")],
+                ),
+                timeout=CALL_TIMEOUT_S,
+            ),
+            "Session-Expiry-Interval 4294967296 is out of range",
+        ),
         (
             lambda: stub.OnMessagePublish(
                 pb.MessagePublishRequest(message=emqx_message("x1", "a/+/b", b"p")), timeout=CALL_TIMEOUT_S
@@ -309,23 +357,23 @@ def test_ctrl_c_prints_what_was_handled(provider: Provider) -> None:
         for part, text in lines.items()
     }
     calls, errors, done = counts["calls"], counts["errors"], counts["done"]
-    # Publishes: 8 in the lifecycle, 3 refused and 1 more after them (the undecodable bytes never reach it).
-    assert calls["OnMessagePublish"] == 12 and errors["OnMessagePublish"] == 3
-    assert calls["OnMessageAcked"] == 3 and calls["OnClientConnected"] == 3 and errors["OnClientConnected"] == 1
-    assert errors == {"OnClientConnected": 1, "OnMessagePublish": 3, "OnSessionSubscribed": 2}
-    assert calls["OnClientConnect"] == 1 and calls["OnMessageDelivered"] == 2
+    # Publishes: 9 in the lifecycle, 3 refused and 1 more after them (the undecodable bytes never reach it).
+    assert calls["OnMessagePublish"] == 13 and errors["OnMessagePublish"] == 3
+    assert calls["OnMessageAcked"] == 3 and calls["OnClientConnected"] == 5 and errors["OnClientConnected"] == 1
+    assert errors == {"OnClientConnect": 1, "OnClientConnected": 1, "OnMessagePublish": 3, "OnSessionSubscribed": 2}
+    assert calls["OnClientConnect"] == 4 and calls["OnMessageDelivered"] == 2
     assert {name: done.get(name) for name in ("stored", "retained", "retained deleted", "acked")} == {
-        "stored": 8,  # QoS 1/2 only: the QoS 0 message was not kept
-        "retained": 1,
+        "stored": 9,  # QoS 1/2 only: the QoS 0 message was not kept
+        "retained": 2,
         "retained deleted": 1,
         "acked": 2,
     }
     assert done["acks of unknown messages"] == 1
-    assert done["late disconnects ignored"] == 1 and done["clients disconnected"] == 1
+    assert done["late disconnects ignored"] == 1 and done["clients disconnected"] == 2
     # What ExHook cannot hand back to EMQX is counted: the reconnect's lookup and the resubscription's backlog.
     assert done["proxy subscriptions found"] == 2 and done["offline messages found"] == 4
     # The stores went through the client's pipeline: its calls, batches and their messages.
-    assert counts["pipeline"]["messages"] == 8 and 1 <= counts["pipeline"]["batches"] <= 8
+    assert counts["pipeline"]["messages"] == 9 and 1 <= counts["pipeline"]["batches"] <= 9
 
 
 def run(coro: Coroutine[Any, Any, T], timeout_s: float = 60) -> T:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from mqds.protocol.topics import matches
 from mqds.server.storage import keys
+from mqds.server.storage.expiry import NEVER
 from mqds.server.storage.sessions import FetchFilter
 from mqds.server.storage.shard import Engine, ShardStorage
 from mqds.v1 import storage_pb2 as pb
@@ -209,7 +210,7 @@ def _retained(storage: ShardStorage, topic_filter: str, now_us: int) -> dict[str
 def test_an_expired_retained_message_is_no_longer_returned_and_is_removed_in_bounded_steps(
     shard: ShardStorage,
 ) -> None:
-    """MQTT 5 Message Expiry Interval on retained messages: hidden once due, removed by expire_retained."""
+    """MQTT 5 Message Expiry Interval on retained messages: hidden once due, removed by expire."""
     sessions = shard.sessions
     second = 1_000_000
     for i in range(5):
@@ -218,19 +219,19 @@ def test_an_expired_retained_message_is_no_longer_returned_and_is_removed_in_bou
         sessions.retain(expiring, 10 * second)
     sessions.retain(msg("e/kept", "forever"), 10 * second)
     assert len(_retained(shard, "e/#", 10 * second)) == 6
-    assert not sessions.retained_expiry_due(11 * second - 1)
+    assert not sessions.expiry_due(11 * second - 1)
     # Due but not removed yet: already left out.
-    assert sessions.retained_expiry_due(13 * second)
+    assert sessions.expiry_due(13 * second)
     assert _retained(shard, "e/#", 13 * second) == {"e/3": "e3", "e/4": "e4", "e/kept": "forever"}
     # A step removes the earliest ones, at most max_count.
-    assert sessions.expire_retained(13 * second, 2) == 2
-    assert sessions.retained_expiry_due(13 * second)
-    assert sessions.expire_retained(13 * second, 1000) == 1
-    assert not sessions.retained_expiry_due(13 * second)
+    assert sessions.expire(13 * second, 2) == (2, 0)
+    assert sessions.expiry_due(13 * second)
+    assert sessions.expire(13 * second, 1000) == (1, 0)
+    assert not sessions.expiry_due(13 * second)
     assert sorted(k for k, _ in shard.meta_scan(keys.RETAINED_PREFIX)) == [
         keys.retained_key(t) for t in ("e/3", "e/4", "e/kept")
     ]
-    assert sessions.expire_retained(10**15, 1000) == 2
+    assert sessions.expire(10**15, 1000) == (2, 0)
     assert _retained(shard, "e/#", 10**15) == {"e/kept": "forever"}
     assert list(shard.meta_scan(keys.RETAINED_EXPIRY_PREFIX)) == []
 
@@ -243,8 +244,8 @@ def test_replacing_or_deleting_a_retained_message_replaces_its_expiry(shard: Sha
     sessions.retain(first, 0)
     sessions.retain(msg("r/1", "new, no expiry"), 1 * second)
     # The old expiry went with the old message: the new one stays.
-    assert not sessions.retained_expiry_due(10**15)
-    assert sessions.expire_retained(10**15, 1000) == 0
+    assert not sessions.expiry_due(10**15)
+    assert sessions.expire(10**15, 1000) == (0, 0)
     assert _retained(shard, "r/1", 10**15) == {"r/1": "new, no expiry"}
     later = msg("r/1", "expires")
     later.message_expiry_s = 5
@@ -252,3 +253,51 @@ def test_replacing_or_deleting_a_retained_message_replaces_its_expiry(shard: Sha
     sessions.retain(msg("r/1", ""), 3 * second)  # deleted: its index entry too
     assert list(shard.meta_scan(keys.RETAINED_EXPIRY_PREFIX)) == []
     assert _retained(shard, "r/#", 3 * second) == {}
+
+
+def _session_keys(shard: ShardStorage, clientid: str) -> list[bytes]:
+    prefixes = (keys.client_key(clientid), keys.subscriptions_prefix(clientid), keys.positions_prefix(clientid))
+    return [k for prefix in prefixes for k, _ in shard.meta_scan(prefix)]
+
+
+def test_a_session_ends_its_expiry_interval_after_the_client_disconnects(shard: ShardStorage) -> None:
+    """State, subscriptions and read positions removed once due; a reconnect in time keeps them; NEVER never."""
+    sessions = shard.sessions
+    second = 1_000_000
+    for clientid, expiry in (("c-short", 5), ("c-zero", 0), ("c-never", NEVER), ("c-back", 5)):
+        sessions.client_connected(clientid, "broker-1", 1 * second, expiry)
+        sessions.subscribe(clientid, "t/#", 1)
+        sessions.start_position(clientid, "t/#", 1 * second)
+    assert not sessions.expiry_due(10**15)  # all online: nothing waits to expire
+    for clientid in ("c-short", "c-zero", "c-never", "c-back"):
+        state = sessions.client_disconnected(clientid, "broker-1", 10 * second)
+        assert state is not None
+    assert sessions.client_state("c-short").expires_at_us == 15 * second
+    assert sessions.client_state("c-never").expires_at_us == 0
+    assert sessions.expiry_due(10 * second)  # c-zero: at the disconnect
+    # c-back reconnects in time: its session goes on.
+    sessions.client_connected("c-back", "broker-2", 12 * second, 5)
+    assert sessions.expire(12 * second, 1000) == (0, 1)
+    assert _session_keys(shard, "c-zero") == []
+    assert len(_session_keys(shard, "c-short")) == 3
+    assert not sessions.expiry_due(15 * second - 1)
+    assert sessions.expire(15 * second, 1000) == (0, 1)
+    assert _session_keys(shard, "c-short") == [] and sessions.client_state("c-short") is None
+    assert len(_session_keys(shard, "c-never")) == 3 and len(_session_keys(shard, "c-back")) == 3
+    assert sessions.expire(10**15, 1000) == (0, 0)
+    assert list(shard.meta_scan(keys.SESSION_EXPIRY_PREFIX)) == []
+
+
+def test_a_disconnect_may_change_the_interval_and_a_late_reconnect_starts_afresh(shard: ShardStorage) -> None:
+    sessions = shard.sessions
+    second = 1_000_000
+    sessions.client_connected("c", "b", 0, NEVER)
+    sessions.subscribe("c", "a/b", 1)
+    state = sessions.client_disconnected("c", "b", 1 * second, 3)  # MQTT 5's DISCONNECT set 3 s
+    assert state is not None and state.session_expiry_s == 3 and state.expires_at_us == 4 * second
+    # Due at 4 s, not removed yet, and the client comes back at 5 s: a new session, nothing of the old one.
+    fresh = sessions.client_connected("c", "b", 5 * second, 60)
+    assert fresh.session_expiry_s == 60
+    assert sessions.subscriptions("c") == []
+    assert not sessions.expiry_due(10**15)
+    assert sessions.client_state("c") is not None

@@ -147,7 +147,12 @@ class BrokerHooks:
     # -- connections ---------------------------------------------------------------
 
     async def client_connected(
-        self, clientid: str, *, node: str | None = None, clean_start: bool = False
+        self,
+        clientid: str,
+        *,
+        node: str | None = None,
+        clean_start: bool = False,
+        session_expiry_s: int | None = None,
     ) -> dict[str, int]:
         """Run the ``client.connected`` rules; return the proxy subscriptions to apply ({} without a lookup rule).
 
@@ -159,24 +164,36 @@ class BrokerHooks:
         session, stored subscriptions and read positions, is deleted (when the
         rules keep any), whatever the rules of the hook, and no proxy
         subscriptions are returned, as a clean session starts with none.
+
+        ``session_expiry_s``: the Session Expiry Interval the client connected
+        with (MQTT 5); None for an MQTT 3.1.1 client, which gets the node's
+        ``session_expiry_default_s``. mqds removes the session's state,
+        subscriptions and read positions that long after it disconnects.
         """
-        return await self._connected("client.connected", clientid, node, clean_start)
+        return await self._connected("client.connected", clientid, node, clean_start, session_expiry_s)
 
     async def session_created(
-        self, clientid: str, *, node: str | None = None, clean_start: bool = False
+        self,
+        clientid: str,
+        *,
+        node: str | None = None,
+        clean_start: bool = False,
+        session_expiry_s: int | None = None,
     ) -> dict[str, int]:
         """Run the ``session.created`` rules; return the proxy subscriptions to apply, as ``client_connected``.
 
         With ``clean_start`` it returns none; the previous session is discarded by ``client_connected``.
         """
-        return await self._connected("session.created", clientid, node, clean_start)
+        return await self._connected("session.created", clientid, node, clean_start, session_expiry_s)
 
     @property
     def keeps_sessions(self) -> bool:
         """Whether the rules keep session state in mqds: stored subscriptions or read positions."""
         return any(rule.kind in ("subscribe", "fetch", "ack") for rule in self.config.rules)
 
-    async def _connected(self, hook: str, clientid: str, node: str | None, clean_start: bool) -> dict[str, int]:
+    async def _connected(
+        self, hook: str, clientid: str, node: str | None, clean_start: bool, session_expiry_s: int | None
+    ) -> dict[str, int]:
         check_clientid(clientid)
         rules = self.config.rules_for(hook)
         jobs: list[Awaitable[Any]] = []
@@ -185,7 +202,7 @@ class BrokerHooks:
         # The connect itself discards the previous session, once: session.created only skips the lookup.
         discard = clean_start and hook == "client.connected" and self.keeps_sessions
         if record:
-            jobs.append(self.client.client_connected(clientid, self._node(node)))
+            jobs.append(self.client.client_connected(clientid, self._node(node), session_expiry_s=session_expiry_s))
         if discard:
             self._filters.pop(clientid, None)
             jobs.append(self.client.forget_session(clientid))

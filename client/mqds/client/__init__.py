@@ -13,10 +13,22 @@ from mqds.client.client import Client
 from mqds.client.connection import ConnectionSettings
 from mqds.client.follow import FollowBatch, FollowPosition
 from mqds.client.follow_sync import Subscription
-from mqds.client.model import ClientState, Fence, Generation, Iterator, Message, NextResult, Rank, ReadPosition, Stream
+from mqds.client.model import (
+    SESSION_NEVER_EXPIRES,
+    ClientState,
+    Fence,
+    Generation,
+    Iterator,
+    Message,
+    NextResult,
+    Rank,
+    ReadPosition,
+    Stream,
+)
 from mqds.client.offline import OfflineFetch
 
 __all__ = [
+    "SESSION_NEVER_EXPIRES",
     "Client",
     "ClientState",
     "ConnectionSettings",

@@ -41,22 +41,39 @@ class AsyncBrokerStateCalls(abc.ABC):
     async def _n_shards(self, deadline: float) -> int:
         """The cluster's shard count (waiting for a first map until ``deadline``)."""
 
-    async def client_connected(self, clientid: str, node: str, timeout_s: float | None = None) -> ClientState:
-        """Record that ``clientid`` connected to broker ``node`` (online, node, online time) and return that."""
-        state = await self._keyed_call(lambda n: ops.client_connected(clientid, node, n), timeout_s)
+    async def client_connected(
+        self, clientid: str, node: str, timeout_s: float | None = None, *, session_expiry_s: int | None = None
+    ) -> ClientState:
+        """Record that ``clientid`` connected to broker ``node`` (online, node, online time) and return that.
+
+        ``session_expiry_s`` is the Session Expiry Interval it connected with
+        (MQTT 5, seconds: 0 its session ends when it disconnects,
+        ``SESSION_NEVER_EXPIRES`` never); None (an MQTT 3.1.1 client) takes
+        the node's ``session_expiry_default_s``. Once it has been offline that
+        long, its state, proxy subscriptions and read positions are removed.
+        A session that ended before this connect starts afresh.
+        """
+        state = await self._keyed_call(lambda n: ops.client_connected(clientid, node, n, session_expiry_s), timeout_s)
         assert state is not None  # a connect always leaves a record
         return state
 
     async def client_disconnected(
-        self, clientid: str, node: str | None = None, timeout_s: float | None = None
+        self,
+        clientid: str,
+        node: str | None = None,
+        timeout_s: float | None = None,
+        *,
+        session_expiry_s: int | None = None,
     ) -> ClientState | None:
         """Record that ``clientid`` disconnected (offline, offline time); the new state, None if unknown.
 
         With ``node``, only if the client is still recorded on that node, so a
         late disconnect from a broker the client already left (it reconnected
         elsewhere) does not mark it offline; None then too.
+        ``session_expiry_s`` replaces the interval it connected with (MQTT 5's
+        DISCONNECT may carry one); the state says when the session expires.
         """
-        return await self._keyed_call(lambda n: ops.client_disconnected(clientid, node, n), timeout_s)
+        return await self._keyed_call(lambda n: ops.client_disconnected(clientid, node, n, session_expiry_s), timeout_s)
 
     async def client_state(
         self, clientid: str, *, stale_ok: bool = False, timeout_s: float | None = None

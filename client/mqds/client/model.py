@@ -22,6 +22,10 @@ def _properties(value: Mapping[str, str] | Iterable[tuple[str, str]] | None) -> 
     return tuple((str(k), str(v)) for k, v in items)
 
 
+SESSION_NEVER_EXPIRES = 0xFFFFFFFF
+"""A Session Expiry Interval that never ends (MQTT 5's 4294967295)."""
+
+
 @dataclass(slots=True)
 class Message:
     """An MQTT message.
@@ -194,6 +198,10 @@ class ClientState:
 
     Times are microseconds since the Unix epoch; 0 means never (``offline_at_us``
     is 0 while the client has not disconnected since it last connected).
+    ``session_expiry_s`` is the session's expiry interval (0: it ends at the
+    disconnect, :data:`SESSION_NEVER_EXPIRES`: never); ``expires_at_us``,
+    while the client is offline and its session expires, says when its
+    state, subscriptions and read positions are removed (0 otherwise).
     """
 
     clientid: str
@@ -201,10 +209,12 @@ class ClientState:
     node: str
     online_at_us: int
     offline_at_us: int
+    session_expiry_s: int = 0
+    expires_at_us: int = 0
 
     @classmethod
     def from_pb(cls, s: spb.ClientState) -> ClientState:
-        return cls(s.clientid, s.online, s.node, s.online_at_us, s.offline_at_us)
+        return cls(s.clientid, s.online, s.node, s.online_at_us, s.offline_at_us, s.session_expiry_s, s.expires_at_us)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 
 from mqds.client.batch import MessageBatch, wire_times
 from mqds.client.model import (
+    SESSION_NEVER_EXPIRES,
     ClientState,
     Fence,
     Generation,
@@ -33,7 +34,7 @@ from mqds.client.model import (
 )
 from mqds.client.routing import ShardFailures
 from mqds.protocol import errors
-from mqds.protocol.errors import MqdsError, PartialBatchError
+from mqds.protocol.errors import MqdsError, PartialBatchError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
@@ -274,13 +275,35 @@ def _session_call(
     return ShardCall(method, shard_of(key, n_shards), request, parse, stale_ok, "Sessions")
 
 
-def client_connected(clientid: str, node: str, n_shards: int) -> ShardCall[ClientState | None]:
-    request = spb.ClientConnectedRequest(clientid=clientid, node=node)
+def check_session_expiry(session_expiry_s: int | None) -> None:
+    """Refuse a Session Expiry Interval MQTT cannot carry (a four-byte integer of seconds)."""
+    if session_expiry_s is None:
+        return
+    if isinstance(session_expiry_s, bool) or not isinstance(session_expiry_s, int):
+        raise errors.error(
+            Reason.INVALID_REQUEST, f"session_expiry_s must be a whole number of seconds, not {session_expiry_s!r}"
+        )
+    if not 0 <= session_expiry_s <= SESSION_NEVER_EXPIRES:
+        raise errors.error(
+            Reason.INVALID_REQUEST,
+            f"session_expiry_s {session_expiry_s} is out of range: 0 (ends at the disconnect) to "
+            f"{SESSION_NEVER_EXPIRES} (never), as MQTT 5 has it",
+        )
+
+
+def client_connected(
+    clientid: str, node: str, n_shards: int, session_expiry_s: int | None = None
+) -> ShardCall[ClientState | None]:
+    check_session_expiry(session_expiry_s)
+    request = spb.ClientConnectedRequest(clientid=clientid, node=node, session_expiry_s=session_expiry_s)
     return _session_call("ClientConnected", clientid, n_shards, request, _client_state)
 
 
-def client_disconnected(clientid: str, node: str | None, n_shards: int) -> ShardCall[ClientState | None]:
-    request = spb.ClientDisconnectedRequest(clientid=clientid, node=node or "")
+def client_disconnected(
+    clientid: str, node: str | None, n_shards: int, session_expiry_s: int | None = None
+) -> ShardCall[ClientState | None]:
+    check_session_expiry(session_expiry_s)
+    request = spb.ClientDisconnectedRequest(clientid=clientid, node=node or "", session_expiry_s=session_expiry_s)
     return _session_call("ClientDisconnected", clientid, n_shards, request, _client_state)
 
 

@@ -16,34 +16,42 @@ PUBSUB: DeliveryMode
 QUEUE: DeliveryMode
 
 class ClientState(_message.Message):
-    __slots__ = ("clientid", "online", "node", "online_at_us", "offline_at_us")
+    __slots__ = ("clientid", "online", "node", "online_at_us", "offline_at_us", "session_expiry_s", "expires_at_us")
     CLIENTID_FIELD_NUMBER: _ClassVar[int]
     ONLINE_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     ONLINE_AT_US_FIELD_NUMBER: _ClassVar[int]
     OFFLINE_AT_US_FIELD_NUMBER: _ClassVar[int]
+    SESSION_EXPIRY_S_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_US_FIELD_NUMBER: _ClassVar[int]
     clientid: str
     online: bool
     node: str
     online_at_us: int
     offline_at_us: int
-    def __init__(self, clientid: _Optional[str] = ..., online: _Optional[bool] = ..., node: _Optional[str] = ..., online_at_us: _Optional[int] = ..., offline_at_us: _Optional[int] = ...) -> None: ...
+    session_expiry_s: int
+    expires_at_us: int
+    def __init__(self, clientid: _Optional[str] = ..., online: _Optional[bool] = ..., node: _Optional[str] = ..., online_at_us: _Optional[int] = ..., offline_at_us: _Optional[int] = ..., session_expiry_s: _Optional[int] = ..., expires_at_us: _Optional[int] = ...) -> None: ...
 
 class ClientConnectedRequest(_message.Message):
-    __slots__ = ("clientid", "node")
+    __slots__ = ("clientid", "node", "session_expiry_s")
     CLIENTID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_EXPIRY_S_FIELD_NUMBER: _ClassVar[int]
     clientid: str
     node: str
-    def __init__(self, clientid: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
+    session_expiry_s: int
+    def __init__(self, clientid: _Optional[str] = ..., node: _Optional[str] = ..., session_expiry_s: _Optional[int] = ...) -> None: ...
 
 class ClientDisconnectedRequest(_message.Message):
-    __slots__ = ("clientid", "node")
+    __slots__ = ("clientid", "node", "session_expiry_s")
     CLIENTID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_EXPIRY_S_FIELD_NUMBER: _ClassVar[int]
     clientid: str
     node: str
-    def __init__(self, clientid: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
+    session_expiry_s: int
+    def __init__(self, clientid: _Optional[str] = ..., node: _Optional[str] = ..., session_expiry_s: _Optional[int] = ...) -> None: ...
 
 class GetClientStateRequest(_message.Message):
     __slots__ = ("clientid", "stale_ok")

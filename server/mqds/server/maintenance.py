@@ -41,8 +41,8 @@ from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 
 log = logging.getLogger(__name__)
 
-EXPIRE_RETAINED_STEP = 1000
-"""Most expired retained messages one logged command removes."""
+EXPIRE_STEP = 1000
+"""Most expired retained messages, and most expired sessions, one logged command removes."""
 
 
 class Maintenance:
@@ -59,7 +59,7 @@ class Maintenance:
         router: PeerRouter,
         auth: ClusterAuth,
         retention_drops: Counter,
-        retained_expired: Counter,
+        expired: Counter,
         clock: Callable[[], int],
         stopping: threading.Event,
         changed: threading.Event,
@@ -73,7 +73,7 @@ class Maintenance:
         self.router = router
         self.auth = auth
         self.retention_drops = retention_drops
-        self.retained_expired = retained_expired
+        self.expired = expired
         self.clock = clock
         self._stopping = stopping
         self._changed = changed
@@ -103,7 +103,7 @@ class Maintenance:
                 self.health.refresh()
                 self._report_address()
                 self._maintain_generations()
-                self._expire_retained()
+                self._expire()
                 self._balance_leaders()
                 self._check_placement()
             except Exception:
@@ -185,12 +185,12 @@ class Maintenance:
             except MqdsError as err:
                 log.info("shard %d: generation maintenance postponed: %s", vnode.shard, err)
 
-    def _expire_retained(self) -> None:
-        """In the vnodes led here: log the removal of retained messages whose expiry ran out, a bounded step each.
+    def _expire(self) -> None:
+        """In the vnodes led here: log the removal of what ended (retained messages, sessions), a bounded step each.
 
         The command carries the leader's clock, so every replica removes the
-        same ones; a step removes at most ``EXPIRE_RETAINED_STEP`` and the
-        next round logs another while more are due.
+        same ones; a step removes at most ``EXPIRE_STEP`` of each kind and
+        the next round logs another while more are due.
         """
         now = self.clock()
         for vnode in list(self.hosting.vnodes.values()):
@@ -198,15 +198,23 @@ class Maintenance:
                 continue
             try:
                 with vnode.replica.reading() as storage:
-                    if not storage.sessions.retained_expiry_due(now):
+                    if not storage.sessions.expiry_due(now):
                         continue
-                step = cpb.ExpireRetained(max_count=EXPIRE_RETAINED_STEP)
-                body = cpb.VnodeCommand(session=cpb.SessionCommand(now_us=now, expire_retained=step))
-                removed = self.hosting.propose(vnode.shard, body.SerializeToString())
-                self.retained_expired.labels(str(vnode.shard)).inc(removed)
-                log.info("shard %d: %d expired retained messages removed", vnode.shard, removed)
+                body = cpb.VnodeCommand(
+                    session=cpb.SessionCommand(now_us=now, expire=cpb.Expire(max_count=EXPIRE_STEP))
+                )
+                retained, sessions = self.hosting.propose(vnode.shard, body.SerializeToString())
+                label = str(vnode.shard)
+                self.expired.labels(label, "retained").inc(retained)
+                self.expired.labels(label, "session").inc(sessions)
+                log.info(
+                    "shard %d: removed %d expired retained messages, %d expired sessions",
+                    vnode.shard,
+                    retained,
+                    sessions,
+                )
             except MqdsError as err:
-                log.info("shard %d: removing expired retained messages postponed: %s", vnode.shard, err)
+                log.info("shard %d: removing what expired postponed: %s", vnode.shard, err)
 
     def _balance_leaders(self) -> None:
         interval = self.config.leader_balance_interval_s

@@ -223,10 +223,12 @@ class NodeMetrics:
             ("shard",),
             registry=r,
         )
-        self.retained_expired = Counter(
-            "mqds_retained_expired_messages",
-            "Retained messages this node, as the vnode's leader, had removed because their expiry ran out",
-            ("shard",),
+        self.expired = Counter(
+            "mqds_expired",
+            "What this node, as the vnode's leader, had removed because it ended: kind retained (a retained "
+            "message's Message Expiry Interval ran out) or session (a client offline past its Session Expiry "
+            "Interval: its state, subscriptions and read positions)",
+            ("shard", "kind"),
             registry=r,
         )
         self.registry.register(_NodeCollector(node, self.requests))

@@ -59,6 +59,7 @@ from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
 from mqds.server.snapshots import Snapshots
 from mqds.server.startup import StartupError
 from mqds.server.storage import Engine, EngineOptions
+from mqds.server.storage.expiry import NEVER
 from mqds.server.tls import NodeTls
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
@@ -189,7 +190,7 @@ class Node:
             router=self.router,
             auth=self.auth,
             retention_drops=self.metrics.retention_drops,
-            retained_expired=self.metrics.retained_expired,
+            expired=self.metrics.expired,
             clock=self.clock,
             stopping=self._stopping,
             changed=self._changed,
@@ -261,6 +262,7 @@ class Node:
             max_answer_bytes=config.max_answer_bytes,
             max_entry_bytes=self.timing.max_entry_bytes,
             clock=self.clock,
+            session_expiry_default_s=min(int(config.session_expiry_default_s), NEVER),
         )
         return [
             service_handler(

@@ -216,11 +216,14 @@ class _Connection:
     async def _connected(self) -> None:
         hooks = self.plugin.hooks
         clean = not self.persistent
+        # MQTT 3.1.1 has no Session Expiry Interval: a clean session lasts as long as its connection (0), a
+        # persistent one as the node's session_expiry_default_s says (None).
+        expiry = 0 if clean else None
         proxies: dict[str, int] = {}
         if clean or hooks.config.rules_for("client.connected"):  # a clean session discards the previous one
-            proxies.update(await hooks.client_connected(self.clientid, clean_start=clean))
+            proxies.update(await hooks.client_connected(self.clientid, clean_start=clean, session_expiry_s=expiry))
         if self.new_session and hooks.config.rules_for("session.created"):
-            proxies.update(await hooks.session_created(self.clientid, clean_start=clean))
+            proxies.update(await hooks.session_created(self.clientid, clean_start=clean, session_expiry_s=expiry))
         for topic_filter, qos in proxies.items():
             if topic_filter.startswith(("$share/", "$queue/")):
                 log.warning(

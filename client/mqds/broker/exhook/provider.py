@@ -58,12 +58,15 @@ DEFAULT_ACK_CACHE_SIZE = 100_000
 T = TypeVar("T")
 
 
-def to_message(message: pb.Message, user_props: Any = ()) -> Message:
+def to_message(message: pb.Message, user_props: Any = (), props: Any = ()) -> Message:
     """An EMQX message as an mqds :class:`Message`: ``from`` is the sender; MQTT 5 user properties are kept.
 
     ``retain`` is read from the ``retain`` header (EMQX itself does not send
-    the flag, see the module's documentation).
+    the flag, see the module's documentation); ``message_expiry_s`` from the
+    PUBLISH's ``Message-Expiry-Interval`` property (MQTT 5), which a
+    retained message then keeps.
     """
+    expiry = interval_property(props, "Message-Expiry-Interval")
     return Message(
         topic=message.topic,
         payload=message.payload,
@@ -71,7 +74,26 @@ def to_message(message: pb.Message, user_props: Any = ()) -> Message:
         qos=message.qos,
         retain=message.headers.get("retain", "").lower() in ("true", "1"),
         properties=tuple((p.name, p.value) for p in user_props),
+        message_expiry_s=expiry or 0,
     )
+
+
+def interval_property(props: Any, name: str) -> int | None:
+    """An MQTT 5 interval property (seconds, a four-byte integer) as EMQX sends it (text); None when absent.
+
+    ValueError (the call is answered INVALID_ARGUMENT) for a value that is
+    not one.
+    """
+    for prop in props:
+        if prop.name == name:
+            try:
+                value = int(prop.value)
+            except ValueError:
+                raise ValueError(f"{name} {prop.value!r} is not a number of seconds") from None
+            if not 0 <= value <= 0xFFFFFFFF:
+                raise ValueError(f"{name} {value} is out of range (0 to 4294967295 seconds)")
+            return value
+    return None
 
 
 class UndecodableRequests(logging.Filter):
@@ -117,6 +139,8 @@ class HookProvider(pb_grpc.HookProviderServicer):
         self.started = time.monotonic()
         # EMQX message id -> (shard, timestamp_us) of the stored copy, least recently used first.
         self._positions: collections.OrderedDict[str, tuple[int, int]] = collections.OrderedDict()
+        # clientid -> the Session Expiry Interval of its CONNECT (OnClientConnect), until OnClientConnected.
+        self._session_expiry: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._told_undeliverable = False
 
     # -- plumbing --------------------------------------------------------------------
@@ -192,12 +216,35 @@ class HookProvider(pb_grpc.HookProviderServicer):
     async def OnClientConnected(self, request: pb.ClientConnectedRequest, context: Any) -> pb.EmptySuccess:
         async def work() -> pb.EmptySuccess:
             clientid = _clientid(request.clientinfo)
-            found = await self.hooks.client_connected(clientid, node=request.clientinfo.node or None)
+            expiry = self._session_expiry.pop(clientid, None)
+            found = await self.hooks.client_connected(
+                clientid, node=request.clientinfo.node or None, session_expiry_s=expiry
+            )
             if found:
                 self._undeliverable("proxy_subscriptions_found", clientid, len(found))
             return pb.EmptySuccess()
 
         return await self._run("OnClientConnected", context, work)
+
+    async def OnClientConnect(self, request: pb.ClientConnectRequest, context: Any) -> pb.EmptySuccess:
+        """Keep the CONNECT's Session Expiry Interval for OnClientConnected, which EMQX sends without it.
+
+        MQTT 5 without the property means 0 (the session ends at the
+        disconnect); MQTT 3.x has none: the node's default applies.
+        """
+
+        async def work() -> pb.EmptySuccess:
+            conninfo = request.conninfo
+            if conninfo.proto_ver != "5" or not conninfo.clientid:
+                return pb.EmptySuccess()
+            expiry = interval_property(request.props, "Session-Expiry-Interval")
+            self._session_expiry[conninfo.clientid] = expiry or 0
+            self._session_expiry.move_to_end(conninfo.clientid)
+            while len(self._session_expiry) > self.ack_cache_size:
+                self._session_expiry.popitem(last=False)
+            return pb.EmptySuccess()
+
+        return await self._run("OnClientConnect", context, work)
 
     async def OnClientDisconnected(self, request: pb.ClientDisconnectedRequest, context: Any) -> pb.EmptySuccess:
         async def work() -> pb.EmptySuccess:
@@ -255,7 +302,9 @@ class HookProvider(pb_grpc.HookProviderServicer):
                 # An earlier hook refused it: EMQX drops it, so there is nothing to keep.
                 self.stats["refused_messages_skipped"] += 1
             else:
-                stored = await self.hooks.message_publish(to_message(request.message, request.user_props))
+                stored = await self.hooks.message_publish(
+                    to_message(request.message, request.user_props, request.props)
+                )
                 if stored is not None:
                     self._remember_position(request.message.id, stored)
             return pb.ValuedResponse(type=pb.ValuedResponse.CONTINUE, message=request.message)
@@ -284,9 +333,6 @@ class HookProvider(pb_grpc.HookProviderServicer):
     async def _ignored(self, name: str) -> pb.EmptySuccess:
         self.calls[name] += 1
         return pb.EmptySuccess()
-
-    async def OnClientConnect(self, request: pb.ClientConnectRequest, context: Any) -> pb.EmptySuccess:
-        return await self._ignored("OnClientConnect")
 
     async def OnClientConnack(self, request: pb.ClientConnackRequest, context: Any) -> pb.EmptySuccess:
         return await self._ignored("OnClientConnack")

@@ -20,6 +20,7 @@ from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_topic
 from mqds.server.api import shared_fetch
 from mqds.server.api.storage_service import Shards, ShardsAPI, check_properties, now_us
 from mqds.server.cluster.v1 import commands_pb2 as cpb
+from mqds.server.storage.expiry import NEVER
 from mqds.server.storage.sessions import FetchFilter
 from mqds.server.wire import encode_messages, repeated_field
 from mqds.v1 import sessions_pb2 as spb
@@ -63,11 +64,14 @@ class SessionService(ShardsAPI):
         max_answer_bytes: int | None = None,
         max_entry_bytes: int | None = None,
         clock: Any = now_us,
+        session_expiry_default_s: int = NEVER,
     ) -> None:
         super().__init__(shards, max_answer_bytes=max_answer_bytes, max_entry_bytes=max_entry_bytes)
         self.max_payload_bytes = max_payload_bytes
         self.max_fetch = max_fetch
         self.clock = clock
+        self.session_expiry_default_s = session_expiry_default_s
+        """The session expiry interval of a client that reported none (MQTT 3.1.1), logged with its connect."""
 
     def _log(self, shard: int, **change: Any) -> Any:
         """Log one session change in ``shard``'s group (on its leader); the result of applying it."""
@@ -91,6 +95,9 @@ class SessionService(ShardsAPI):
     def ClientConnected(self, request: spb.ClientConnectedRequest) -> spb.ClientStateResponse:
         shard = self._client_shard(request.clientid)
         _check_node(request.node, required=True)
+        if not request.HasField("session_expiry_s"):
+            # Logged with the command: every replica keeps the interval this node's settings gave.
+            request.session_expiry_s = self.session_expiry_default_s
         return self._state(self._log(shard, connected=request))
 
     def ClientDisconnected(self, request: spb.ClientDisconnectedRequest) -> spb.ClientStateResponse:

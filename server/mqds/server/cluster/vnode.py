@@ -31,6 +31,7 @@ from mqds.server.cluster.feed import ANSWER_TAG, ShardFeed
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.journal import fsync_dir
 from mqds.server.storage import Engine, GenerationInfo, ShardStorage, StorePart
+from mqds.server.storage.expiry import NEVER
 from mqds.v1 import sessions_pb2 as spb
 
 if TYPE_CHECKING:
@@ -247,10 +248,15 @@ class VnodeReplica:
         now = cmd.now_us
         kind = cmd.WhichOneof("kind")
         if kind == "connected":
-            return sessions.client_connected(cmd.connected.clientid, cmd.connected.node, now, applied_index=index)
+            c = cmd.connected
+            # The leader logs the interval (its default for a client that reported none); an entry logged
+            # before sessions could expire has none: such a session never expires, as then.
+            expiry = c.session_expiry_s if c.HasField("session_expiry_s") else NEVER
+            return sessions.client_connected(c.clientid, c.node, now, expiry, applied_index=index)
         if kind == "disconnected":
             d = cmd.disconnected
-            return sessions.client_disconnected(d.clientid, d.node, now, applied_index=index)
+            new_expiry = d.session_expiry_s if d.HasField("session_expiry_s") else None
+            return sessions.client_disconnected(d.clientid, d.node, now, new_expiry, applied_index=index)
         if kind == "subscribe":
             sub = cmd.subscribe
             return sessions.subscribe(sub.clientid, sub.topic_filter, sub.qos, applied_index=index)
@@ -271,8 +277,8 @@ class VnodeReplica:
             return sessions.start_position(start.clientid, start.topic_filter, now, applied_index=index)
         if kind == "forget_session":
             return sessions.forget_session(cmd.forget_session.clientid, applied_index=index)
-        if kind == "expire_retained":
-            return sessions.expire_retained(now, cmd.expire_retained.max_count, applied_index=index)
+        if kind == "expire":
+            return sessions.expire(now, cmd.expire.max_count, applied_index=index)
         raise errors.error(Reason.INTERNAL, f"shard {self.shard}: a log entry holds an unknown session command")
 
     def snapshot(self) -> bytes:

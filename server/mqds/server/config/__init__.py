@@ -166,7 +166,16 @@ class NodeConfig:
     retention_period_s: float = _opt(
         0.0, "drop generations that ended more than this many seconds ago; 0 = keep everything"
     )
-    maintenance_interval_s: float = _opt(1.0, "how often, in seconds, generation rotation and retention are checked")
+    maintenance_interval_s: float = _opt(
+        1.0,
+        "how often, in seconds, generation rotation, retention and expiry (sessions, retained messages) are checked",
+    )
+    session_expiry_default_s: float = _opt(
+        7200.0,
+        "the session expiry interval of a client whose broker reports none (MQTT 3.1.1): its state, proxy "
+        "subscriptions and read positions are removed this long after it disconnects; 0 = at the disconnect; "
+        "4294967295 or more = never (MQTT 5 clients bring their own)",
+    )
     lts_threshold_top: int = _opt(
         100, "distinct values of a topic's first level before the level becomes a wildcard in a stream"
     )
@@ -330,6 +339,7 @@ class NodeConfig:
             "max_calls_per_client",
             "disk_quota_bytes",
             "disk_min_free_bytes",
+            "session_expiry_default_s",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be 0 or more, got {getattr(self, name)}")

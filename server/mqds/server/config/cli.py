@@ -52,6 +52,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "generation_interval_s",
         "retention_period_s",
         "maintenance_interval_s",
+        "session_expiry_default_s",
         "lts_threshold_top",
         "lts_threshold",
         "block_cache_bytes",

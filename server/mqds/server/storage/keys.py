@@ -28,6 +28,8 @@ default                ``a:`` u16 len, clientid, topic filter      ``mqds.v1.Rea
 default                ``r:`` topic                                retained ``mqds.v1.Message`` (with its time)
 default                ``x:`` u64 expires at, topic                 empty: the retained message of the topic
                                                                    expires then (``message_expiry_s``)
+default                ``y:`` u64 expires at, clientid              empty: the offline client's session expires
+                                                                   then (``session_expiry_s``)
 default                ``q:`` u64 timestamp                        empty: a queue reader acknowledged the
                                                                    message stored at this timestamp
 default                ``f:`` topic filter                         u64 queue floor: every message up to this
@@ -113,6 +115,7 @@ SUBSCRIPTION_PREFIX = b"s:"
 POSITION_PREFIX = b"a:"
 RETAINED_PREFIX = b"r:"
 RETAINED_EXPIRY_PREFIX = b"x:"
+SESSION_EXPIRY_PREFIX = b"y:"
 QUEUE_ACK_PREFIX = b"q:"
 QUEUE_FLOOR_PREFIX = b"f:"
 
@@ -309,9 +312,15 @@ def retained_key(topic: str) -> bytes:
     return RETAINED_PREFIX + topic.encode("utf-8")
 
 
-def retained_expiry_key(expires_us: int, topic: str) -> bytes:
-    """The expiry index entry of a retained message: by expiry time, then topic."""
-    return RETAINED_EXPIRY_PREFIX + u64(expires_us) + topic.encode("utf-8")
+def expiry_key(prefix: bytes, expires_us: int, name: str) -> bytes:
+    """An expiry index entry (``x:`` retained messages by topic, ``y:`` sessions by clientid): by time, then name."""
+    return prefix + u64(expires_us) + name.encode("utf-8")
+
+
+def read_expiry_key(prefix: bytes, key: bytes) -> tuple[int, str]:
+    """An expiry index entry's time and name."""
+    start = len(prefix)
+    return read_u64(key[start : start + 8]), key[start + 8 :].decode("utf-8")
 
 
 def queue_ack_key(timestamp_us: int) -> bytes:

@@ -24,6 +24,7 @@ from rocksdict import WriteBatch
 
 from mqds.protocol.topics import matches_levels
 from mqds.server.storage import keys
+from mqds.server.storage.expiry import NEVER, ExpiryIndex, message_expires_us, session_expires_us
 from mqds.server.storage.ordered import ordered
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
@@ -70,6 +71,8 @@ class SessionState:
 
     def __init__(self, storage: ShardStorage) -> None:
         self._storage = storage
+        self._retained_expiry = ExpiryIndex(storage, keys.RETAINED_EXPIRY_PREFIX)
+        self._session_expiry = ExpiryIndex(storage, keys.SESSION_EXPIRY_PREFIX)
         self._counted = threading.Lock()
         self.fetch_scans = 0
         """Scans offline fetches made of this shard since it was opened (one per filter per shared fetch)."""
@@ -85,13 +88,31 @@ class SessionState:
         return self._storage.meta_get(key)
 
     def client_connected(
-        self, clientid: str, node: str, now_us: int, *, applied_index: int | None = None
+        self,
+        clientid: str,
+        node: str,
+        now_us: int,
+        session_expiry_s: int = NEVER,
+        *,
+        applied_index: int | None = None,
     ) -> spb.ClientState:
+        """Mark a client online on ``node`` with the session expiry interval it connected with.
+
+        A session that was waiting to expire does not any more; one that
+        ended before ``now_us`` but was not removed yet starts afresh (its
+        subscriptions and read positions go), as if it had been.
+        """
         batch = WriteBatch(raw_mode=True)
         old = self.client_state(clientid)
-        if old is not None and old.online:
-            batch.delete(keys.node_clients_prefix(old.node) + clientid.encode("utf-8"), self._storage.meta_handle)
-        state = spb.ClientState(online=True, node=node, online_at_us=now_us)
+        if old is not None:
+            if old.online:
+                batch.delete(keys.node_clients_prefix(old.node) + clientid.encode("utf-8"), self._storage.meta_handle)
+            expires = session_expires_us(old)
+            if expires is not None:
+                self._session_expiry.delete(batch, expires, clientid)
+                if expires <= now_us:  # it ended before this connect (not removed yet): a new session
+                    self._delete_session_keys(batch, clientid)
+        state = spb.ClientState(online=True, node=node, online_at_us=now_us, session_expiry_s=session_expiry_s)
         batch.put(keys.client_key(clientid), state.SerializeToString(), self._storage.meta_handle)
         batch.put(keys.node_clients_prefix(node) + clientid.encode("utf-8"), b"", self._storage.meta_handle)
         self._commit(batch, applied_index)
@@ -99,9 +120,20 @@ class SessionState:
         return state
 
     def client_disconnected(
-        self, clientid: str, node: str, now_us: int, *, applied_index: int | None = None
+        self,
+        clientid: str,
+        node: str,
+        now_us: int,
+        session_expiry_s: int | None = None,
+        *,
+        applied_index: int | None = None,
     ) -> spb.ClientState | None:
-        """Mark a client offline; None (and no change) if unknown, or ``node`` is given and is not its node."""
+        """Mark a client offline; None (and no change) if unknown, or ``node`` is given and is not its node.
+
+        ``session_expiry_s`` (MQTT 5's DISCONNECT may send one) replaces the
+        interval it connected with; the session then waits to expire in the
+        expiry index (not with :data:`NEVER`).
+        """
         batch = WriteBatch(raw_mode=True)
         old = self.client_state(clientid)
         if old is None or (node and old.node != node):
@@ -111,8 +143,18 @@ class SessionState:
             batch.delete(keys.node_clients_prefix(old.node) + clientid.encode("utf-8"), self._storage.meta_handle)
             old.online = False
             old.offline_at_us = now_us
-            old.ClearField("clientid")
-            batch.put(keys.client_key(clientid), old.SerializeToString(), self._storage.meta_handle)
+        else:
+            expires = session_expires_us(old)
+            if expires is not None:
+                self._session_expiry.delete(batch, expires, clientid)
+        if session_expiry_s is not None:
+            old.session_expiry_s = session_expiry_s
+        expires = session_expires_us(old)
+        old.expires_at_us = expires or 0
+        if expires is not None:
+            self._session_expiry.put(batch, expires, clientid)
+        old.ClearField("clientid")
+        batch.put(keys.client_key(clientid), old.SerializeToString(), self._storage.meta_handle)
         self._commit(batch, applied_index)
         old.clientid = clientid
         return old
@@ -143,9 +185,9 @@ class SessionState:
         batch = WriteBatch(raw_mode=True)
         old = self._get(key)
         if old is not None:
-            expires = _expires_us(pb.Message.FromString(old))
+            expires = message_expires_us(pb.Message.FromString(old))
             if expires is not None:
-                batch.delete(keys.retained_expiry_key(expires, message.topic), meta)
+                self._retained_expiry.delete(batch, expires, message.topic)
         if not message.payload:
             batch.delete(key, meta)
             self._commit(batch, applied_index)
@@ -156,35 +198,38 @@ class SessionState:
         stored.timestamp_us = now_us
         stored.shard = self._storage.shard
         batch.put(key, stored.SerializeToString(), meta)
-        expires = _expires_us(stored)
+        expires = message_expires_us(stored)
         if expires is not None:
-            batch.put(keys.retained_expiry_key(expires, message.topic), b"", meta)
+            self._retained_expiry.put(batch, expires, message.topic)
         self._commit(batch, applied_index)
         return stored
 
-    def retained_expiry_due(self, now_us: int) -> bool:
-        """Whether some retained message expired at or before ``now_us`` (the leader then logs ``expire_retained``)."""
-        first = next(self._storage.meta_scan(keys.RETAINED_EXPIRY_PREFIX), None)
-        return first is not None and _expiry_entry(first[0])[0] <= now_us
+    def expiry_due(self, now_us: int) -> bool:
+        """Whether a retained message or a session ended at or before ``now_us`` (the leader then logs ``expire``)."""
+        return self._retained_expiry.any_due(now_us) or self._session_expiry.any_due(now_us)
 
-    def expire_retained(self, now_us: int, max_count: int, *, applied_index: int | None = None) -> int:
-        """Remove up to ``max_count`` retained messages that expired at or before ``now_us``, earliest first.
+    def expire(self, now_us: int, max_count: int, *, applied_index: int | None = None) -> tuple[int, int]:
+        """Remove what ended at or before ``now_us``, earliest first, at most ``max_count`` of each kind.
 
-        Applied from the log with the leader's ``now_us``, so every replica
-        removes the same ones. Returns how many it removed.
+        Retained messages whose expiry ran out, and the sessions (state,
+        proxy subscriptions, read positions) of clients offline for longer
+        than their session expiry interval. Applied from the log with the
+        leader's ``now_us``, so every replica removes the same ones. Returns
+        (retained messages, sessions) removed.
         """
         meta = self._storage.meta_handle
         batch = WriteBatch(raw_mode=True)
-        removed = 0
-        for index_key, _ in self._storage.meta_scan(keys.RETAINED_EXPIRY_PREFIX):
-            expires, topic = _expiry_entry(index_key)
-            if expires > now_us or removed >= max_count:
-                break
+        retained = self._retained_expiry.due(now_us, max_count)
+        for index_key, topic in retained:
             batch.delete(index_key, meta)
             batch.delete(keys.retained_key(topic), meta)
-            removed += 1
+        sessions = self._session_expiry.due(now_us, max_count)
+        for index_key, clientid in sessions:
+            batch.delete(index_key, meta)
+            batch.delete(keys.client_key(clientid), meta)
+            self._delete_session_keys(batch, clientid)
         self._commit(batch, applied_index)
-        return removed
+        return len(retained), len(sessions)
 
     def ack_pubsub(
         self, clientid: str, topic_filter: str, shard: int, timestamp_us: int, *, applied_index: int | None = None
@@ -248,13 +293,17 @@ class SessionState:
     def forget_session(self, clientid: str, *, applied_index: int | None = None) -> tuple[int, int]:
         """Delete a client's subscriptions and read positions: (subscriptions, read positions) deleted."""
         batch = WriteBatch(raw_mode=True)
+        counts = self._delete_session_keys(batch, clientid)
+        self._commit(batch, applied_index)
+        return counts
+
+    def _delete_session_keys(self, batch: WriteBatch, clientid: str) -> tuple[int, int]:
         counts = []
         for prefix in (keys.subscriptions_prefix(clientid), keys.positions_prefix(clientid)):
             found = [key for key, _ in self._storage.meta_scan(prefix)]
             for key in found:
                 batch.delete(key, self._storage.meta_handle)
             counts.append(len(found))
-        self._commit(batch, applied_index)
         return counts[0], counts[1]
 
     # -- reads ------------------------------------------------------------------
@@ -301,13 +350,7 @@ class SessionState:
     def _expired_topics(self, now_us: int) -> set[str]:
         """Topics whose retained message expired at or before ``now_us`` and is not removed yet (a few at most:
         the leader removes them each maintenance round)."""
-        expired = set()
-        for index_key, _ in self._storage.meta_scan(keys.RETAINED_EXPIRY_PREFIX):
-            expires, topic = _expiry_entry(index_key)
-            if expires > now_us:
-                break
-            expired.add(topic)
-        return expired
+        return {topic for _, topic in self._retained_expiry.due(now_us)}
 
     def read_position(self, clientid: str, topic_filter: str) -> spb.ReadPosition | None:
         raw = self._get(keys.position_key(clientid, topic_filter))
@@ -424,16 +467,3 @@ _parse: Callable[[bytes], pb.Message] = pb.Message.FromString
 
 def _qos(stored: bytes) -> int:
     return int(_parse(stored).qos)
-
-
-def _expires_us(message: pb.Message) -> int | None:
-    """When a retained message expires (None: it does not)."""
-    if not message.message_expiry_s:
-        return None
-    return message.timestamp_us + message.message_expiry_s * 1_000_000
-
-
-def _expiry_entry(key: bytes) -> tuple[int, str]:
-    """An ``x:`` key's expiry time and topic."""
-    start = len(keys.RETAINED_EXPIRY_PREFIX)
-    return keys.read_u64(key[start : start + 8]), key[start + 8 :].decode("utf-8")

@@ -60,7 +60,7 @@ class DropGeneration(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class SessionCommand(_message.Message):
-    __slots__ = ("now_us", "connected", "disconnected", "subscribe", "unsubscribe", "retain", "ack", "forget_position", "start_position", "forget_session", "expire_retained")
+    __slots__ = ("now_us", "connected", "disconnected", "subscribe", "unsubscribe", "retain", "ack", "forget_position", "start_position", "forget_session", "expire")
     NOW_US_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     DISCONNECTED_FIELD_NUMBER: _ClassVar[int]
@@ -71,7 +71,7 @@ class SessionCommand(_message.Message):
     FORGET_POSITION_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     FORGET_SESSION_FIELD_NUMBER: _ClassVar[int]
-    EXPIRE_RETAINED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_FIELD_NUMBER: _ClassVar[int]
     now_us: int
     connected: _sessions_pb2.ClientConnectedRequest
     disconnected: _sessions_pb2.ClientDisconnectedRequest
@@ -82,10 +82,10 @@ class SessionCommand(_message.Message):
     forget_position: _sessions_pb2.ForgetReadPositionRequest
     start_position: _sessions_pb2.StartReadPositionRequest
     forget_session: _sessions_pb2.ForgetSessionRequest
-    expire_retained: ExpireRetained
-    def __init__(self, now_us: _Optional[int] = ..., connected: _Optional[_Union[_sessions_pb2.ClientConnectedRequest, _Mapping]] = ..., disconnected: _Optional[_Union[_sessions_pb2.ClientDisconnectedRequest, _Mapping]] = ..., subscribe: _Optional[_Union[_sessions_pb2.SubscribeRequest, _Mapping]] = ..., unsubscribe: _Optional[_Union[_sessions_pb2.UnsubscribeRequest, _Mapping]] = ..., retain: _Optional[_Union[_storage_pb2.Message, _Mapping]] = ..., ack: _Optional[_Union[_sessions_pb2.AckRequest, _Mapping]] = ..., forget_position: _Optional[_Union[_sessions_pb2.ForgetReadPositionRequest, _Mapping]] = ..., start_position: _Optional[_Union[_sessions_pb2.StartReadPositionRequest, _Mapping]] = ..., forget_session: _Optional[_Union[_sessions_pb2.ForgetSessionRequest, _Mapping]] = ..., expire_retained: _Optional[_Union[ExpireRetained, _Mapping]] = ...) -> None: ...
+    expire: Expire
+    def __init__(self, now_us: _Optional[int] = ..., connected: _Optional[_Union[_sessions_pb2.ClientConnectedRequest, _Mapping]] = ..., disconnected: _Optional[_Union[_sessions_pb2.ClientDisconnectedRequest, _Mapping]] = ..., subscribe: _Optional[_Union[_sessions_pb2.SubscribeRequest, _Mapping]] = ..., unsubscribe: _Optional[_Union[_sessions_pb2.UnsubscribeRequest, _Mapping]] = ..., retain: _Optional[_Union[_storage_pb2.Message, _Mapping]] = ..., ack: _Optional[_Union[_sessions_pb2.AckRequest, _Mapping]] = ..., forget_position: _Optional[_Union[_sessions_pb2.ForgetReadPositionRequest, _Mapping]] = ..., start_position: _Optional[_Union[_sessions_pb2.StartReadPositionRequest, _Mapping]] = ..., forget_session: _Optional[_Union[_sessions_pb2.ForgetSessionRequest, _Mapping]] = ..., expire: _Optional[_Union[Expire, _Mapping]] = ...) -> None: ...
 
-class ExpireRetained(_message.Message):
+class Expire(_message.Message):
     __slots__ = ("max_count",)
     MAX_COUNT_FIELD_NUMBER: _ClassVar[int]
     max_count: int
