@@ -12,6 +12,7 @@ removes them, and the killed replica, once back, ends with the same content.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 
@@ -67,37 +68,6 @@ def test_an_expired_retained_message_is_hidden_then_removed_from_every_replica(c
     cluster.assert_replicas_identical(shards=[shard])
 
 
-def test_a_new_leader_removes_what_expired_and_the_old_one_catches_up(cluster: LocalCluster) -> None:
-    topic = "expiry/b"
-    shard = shard_of(topic, N_SHARDS)
-    with Client(cluster.addresses, timeout_s=30) as c:
-        before = _keys(cluster, shard)
-        c.retain(Message(topic=topic, payload=b"gone soon", sender="p", message_expiry_s=3))
-        wait_until(
-            "the retained message on every replica",
-            lambda: _keys(cluster, shard) == {n: k + 2 for n, k in before.items()},
-            30,
-        )
-        leader = cluster.leader(shard)
-        assert leader is not None
-        cluster.kill(leader)
-        try:
-            wait_until(
-                "the message hidden by the new leader",
-                lambda: topic not in {m.topic for m in c.retained("expiry/#")},
-                30,
-            )
-            wait_until(
-                "the expired message removed on the live replicas",
-                lambda: all(k == before[n] for n, k in _keys(cluster, shard).items()),
-                30,
-            )
-        finally:
-            cluster.start_node(leader)
-    cluster.assert_replicas_identical(shards=[shard])
-    assert _keys(cluster, shard) == before
-
-
 def _session_gone(c: Client, clientid: str) -> bool:
     return c.client_state(clientid) is None and c.subscriptions(clientid) == {}
 
@@ -143,19 +113,38 @@ def test_a_session_interval_out_of_range_is_refused_clearly(cluster: LocalCluste
         assert c.client_state("s-bad") is None
 
 
-def test_a_new_leader_removes_a_session_that_ended_while_its_old_leader_was_dead(cluster: LocalCluster) -> None:
-    clientid = "s-failover"
-    shard = shard_of(clientid, N_SHARDS)
+def test_a_new_leader_removes_what_ended_while_its_old_leader_was_dead(cluster: LocalCluster) -> None:
+    """A retained message and a session that end in a vnode whose leader is killed: the new leader removes both,
+    and the old leader, back, ends with the same content."""
+    topic = "expiry/b"
+    shard = shard_of(topic, N_SHARDS)
+    clientid = next(c for c in (f"s-failover-{i}" for i in itertools.count()) if shard_of(c, N_SHARDS) == shard)
     with Client(cluster.addresses, timeout_s=30) as c:
         before = _keys(cluster, shard)
+        c.retain(Message(topic=topic, payload=b"gone soon", sender="p", message_expiry_s=3))
         c.client_connected(clientid, "broker-a", session_expiry_s=3)
         c.subscribe(clientid, "t/#", 1)
         c.client_disconnected(clientid, "broker-a")
+        # Each with its expiry index entry; the client record, its subscription: on every replica.
+        wait_until(
+            "the retained message and the session on every replica",
+            lambda: _keys(cluster, shard) == {n: k + 5 for n, k in before.items()},
+            30,
+        )
         leader = cluster.leader(shard)
         assert leader is not None
         cluster.kill(leader)
         try:
-            wait_until("the session removed by the new leader", lambda: _session_gone(c, clientid), 30)
+            wait_until(
+                "both removed by the new leader",
+                lambda: topic not in {m.topic for m in c.retained("expiry/#")} and _session_gone(c, clientid),
+                30,
+            )
+            wait_until(
+                "both removed on the live replicas",
+                lambda: all(k == before[n] for n, k in _keys(cluster, shard).items()),
+                30,
+            )
         finally:
             cluster.start_node(leader)
     cluster.assert_replicas_identical(shards=[shard])
