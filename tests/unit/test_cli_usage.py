@@ -166,6 +166,9 @@ def test_a_progress_line_on_a_terminal_is_redrawn_in_place_and_ends_its_line() -
         (["bench", "--reconnect-storm", "--sessions", "2", "--filters", "3"], "--filters must be at most --sessions"),
         (["bench", "--reconnect-storm", "--window", "-1"], "--window must be 0 or more"),
         (["bench", "--reconnect-storm", "--kill-leader"], "--reconnect-storm runs its own scenario"),
+        (["bench", "--session-soak", "--soak-clients", "0"], "--soak-clients and --soak-in-flight must be at least 1"),
+        (["bench", "--session-soak", "--soak-expiry", "-1"], "--soak-expiry 0 or more"),
+        (["bench", "--session-soak"], "--session-soak measures the nodes: give --start-cluster or --data-dir"),
         (["generations", "drop", "-1", "1"], "SHARD and GENERATION must be 0 or more"),
     ],
 )
