@@ -1,8 +1,10 @@
 """Disk usage of a node, and admission control: new messages are refused before the disk fills.
 
-A thread measures the node's data directory every ``disk_check_interval_s``:
-the bytes its files take on disk (allocated blocks, as ``du`` counts them,
-so RocksDB's preallocated files count what they reserve), the same per Raft
+A thread measures the node's disk every ``disk_check_interval_s`` (the
+filesystem's free space every time; the data directory's sizes every time
+with a quota, else every ``WALK_INTERVAL_S``): the bytes its files take on
+disk (allocated blocks, as ``du`` counts them, so RocksDB's preallocated
+files count what they reserve), the same per Raft
 group (a vnode's RocksDB directory and its Raft directory; the metadata
 group's directory), the shared Raft log's, and the filesystem's free and
 total bytes.
@@ -31,6 +33,7 @@ disk guard (``diskguard.py``) takes over on a node whose disk does fill.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -45,6 +48,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 log = logging.getLogger(__name__)
 
 META_GROUP = 0xFFFFFFFF
+WALK_INTERVAL_S = 30.0
+"""Without a quota, how often the data directory is walked for the sizes that status and metrics show."""
 RESUME_FRACTION = 0.95
 """Writes are taken again below this share of the quota (and above the floor by 1 / this)."""
 
@@ -96,27 +101,40 @@ class Usage:
 
 
 def measure(data_dir: str) -> Usage:
-    """The disk usage of the node whose data directory is ``data_dir``."""
+    """The disk usage of the node whose data directory is ``data_dir``: one walk of it, and the filesystem's."""
     groups: dict[int, int] = {}
-    for sub in ("shards", "raft"):
+    total = wal = 0
+    for entry in _entries(data_dir):
         try:
-            entries = list(os.scandir(os.path.join(data_dir, sub)))
+            if not entry.is_dir(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_blocks * 512
+                continue
         except FileNotFoundError:
             continue
-        for entry in entries:
-            match = _SHARD_DIR.match(entry.name)
+        if entry.name not in ("shards", "raft"):
+            size = allocated_bytes(entry.path)
+            total += size
+            if entry.name == "meta":
+                groups[META_GROUP] = size
+            continue
+        for child in _entries(entry.path):
+            size = allocated_bytes(child.path) if child.is_dir(follow_symlinks=False) else 0
+            total += size
+            match = _SHARD_DIR.match(child.name)
             if match:
                 shard = int(match.group(1))
-                groups[shard] = groups.get(shard, 0) + allocated_bytes(entry.path)
-    groups[META_GROUP] = allocated_bytes(os.path.join(data_dir, "meta"))
+                groups[shard] = groups.get(shard, 0) + size
+            elif entry.name == "raft" and child.name == "wal":
+                wal = size
     disk = shutil.disk_usage(data_dir)
-    return Usage(
-        data_bytes=allocated_bytes(data_dir),
-        free_bytes=disk.free,
-        total_bytes=disk.total,
-        wal_bytes=allocated_bytes(os.path.join(data_dir, "raft", "wal")),
-        group_bytes=groups,
-    )
+    return Usage(data_bytes=total, free_bytes=disk.free, total_bytes=disk.total, wal_bytes=wal, group_bytes=groups)
+
+
+def _entries(path: str) -> list[os.DirEntry[str]]:
+    try:
+        return list(os.scandir(path))
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
 
 
 class DiskUsage:
@@ -138,10 +156,25 @@ class DiskUsage:
         """Times the node went from taking new messages to refusing them."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._walked = 0.0
 
     def check(self) -> Usage:
-        """Measure now and decide (``decide``)."""
-        usage = measure(self.data_dir)
+        """Measure now and decide (``decide``).
+
+        The free space is asked every time (one ``statvfs``). The data
+        directory is walked every time only with a quota (the decision
+        needs it); without one, every ``WALK_INTERVAL_S`` (what status and
+        metrics show), since a walk stats every file, and on a busy or slow
+        filesystem that is not free.
+        """
+        now = time.monotonic()
+        last = self.usage
+        if last is None or self.quota_bytes or now - self._walked >= WALK_INTERVAL_S:
+            usage = measure(self.data_dir)
+            self._walked = now
+        else:
+            disk = shutil.disk_usage(self.data_dir)
+            usage = dataclasses.replace(last, free_bytes=disk.free, total_bytes=disk.total)
         self.decide(usage)
         return usage
 

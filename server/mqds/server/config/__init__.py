@@ -192,7 +192,9 @@ class NodeConfig:
         "free; taken again above it plus 5%. 0 = no floor",
     )
     disk_check_interval_s: float = _opt(
-        2.0, "how often the node measures its disk usage (data directory, per vnode, free space), in seconds"
+        2.0,
+        "how often the node measures its disk, in seconds: free space every time; the data directory, each "
+        "vnode and the Raft log every time with a quota, else every 30 s",
     )
     max_payload_bytes: int = _opt(1024 * 1024, "largest payload accepted, in bytes")
     max_batch_messages: int = _opt(10_000, "most messages accepted in one StoreBatch call")
