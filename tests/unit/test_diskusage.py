@@ -67,3 +67,18 @@ def test_metrics_report_the_measurement_and_the_refusal() -> None:
     assert samples[("mqds_disk_replica_bytes", (("shard", "meta"),))] == 3
     assert samples[("mqds_disk_writes_refused", ())] == 1
     assert samples[("mqds_disk_write_refusals_total", ())] == 1
+
+
+def test_without_a_quota_a_new_replica_is_measured_at_once_and_the_rest_every_30_s(tmp_path: Path) -> None:
+    disk = DiskUsage("n1", str(tmp_path), quota_bytes=0, min_free_bytes=0)
+    (tmp_path / "shards" / "shard-0000").mkdir(parents=True)
+    (tmp_path / "shards" / "shard-0000" / "a.sst").write_bytes(os.urandom(100_000))
+    assert disk.check().group_bytes[0] >= 100_000
+    # More data in a replica already measured: not walked again within WALK_INTERVAL_S.
+    (tmp_path / "shards" / "shard-0000" / "b.sst").write_bytes(os.urandom(100_000))
+    assert disk.check().group_bytes[0] < 200_000
+    # A replica opened meanwhile: walked at once, so status shows its size.
+    (tmp_path / "shards" / "shard-0001").mkdir()
+    (tmp_path / "shards" / "shard-0001" / "c.sst").write_bytes(os.urandom(50_000))
+    usage = disk.check()
+    assert usage.group_bytes[1] >= 50_000 and usage.group_bytes[0] >= 200_000

@@ -157,6 +157,7 @@ class DiskUsage:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._walked = 0.0
+        self._replicas: set[str] = set()
 
     def check(self) -> Usage:
         """Measure now and decide (``decide``).
@@ -164,14 +165,19 @@ class DiskUsage:
         The free space is asked every time (one ``statvfs``). The data
         directory is walked every time only with a quota (the decision
         needs it); without one, every ``WALK_INTERVAL_S`` (what status and
-        metrics show), since a walk stats every file, and on a busy or slow
-        filesystem that is not free.
+        metrics show) or when the replicas in ``shards/`` changed, since a
+        walk stats every file, and on a busy or slow filesystem that is not
+        free.
         """
         now = time.monotonic()
         last = self.usage
-        if last is None or self.quota_bytes or now - self._walked >= WALK_INTERVAL_S:
+        replicas = {entry.name for entry in _entries(os.path.join(self.data_dir, "shards"))}
+        if last is None or self.quota_bytes or now - self._walked >= WALK_INTERVAL_S or replicas != self._replicas:
+            # A replica opened or closed since the last walk (one listing of shards/ tells): walk again, so a
+            # new vnode's size shows at once.
             usage = measure(self.data_dir)
             self._walked = now
+            self._replicas = replicas
         else:
             disk = shutil.disk_usage(self.data_dir)
             usage = dataclasses.replace(last, free_bytes=disk.free, total_bytes=disk.total)
