@@ -14,10 +14,14 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterator, Sequence
+from operator import attrgetter
 from typing import overload
 
 from mqds.client.model import Message, Properties
 from mqds.v1 import storage_pb2 as pb
+
+# Each column is one pass of C code over the protobuf messages, no bytecode per message.
+_TOPIC, _PAYLOAD, _SENDER, _QOS, _RETAIN = map(attrgetter, ("topic", "payload", "sender", "qos", "retain"))
 
 
 class MessageBatch(Sequence[Message]):
@@ -86,19 +90,19 @@ class MessageBatch(Sequence[Message]):
     # -- columns: one list per field, no Message objects -----------------------
 
     def topics(self) -> list[str]:
-        return [m.topic for m in self._items]
+        return list(map(_TOPIC, self._items))
 
     def payloads(self) -> list[bytes]:
-        return [m.payload for m in self._items]
+        return list(map(_PAYLOAD, self._items))
 
     def senders(self) -> list[str]:
-        return [m.sender for m in self._items]
+        return list(map(_SENDER, self._items))
 
     def qos(self) -> list[int]:
-        return [m.qos for m in self._items]
+        return list(map(_QOS, self._items))
 
     def retain(self) -> list[bool]:
-        return [m.retain for m in self._items]
+        return list(map(_RETAIN, self._items))
 
     def timestamps(self) -> list[int]:
         """Each message's storage timestamp (µs since the epoch)."""

@@ -121,7 +121,7 @@ def read_slice(client: Client, part: Slice, batch_size: int, fail_on_data_loss: 
             return
 
 
-def _properties_column(items: list[Any], n: int, map_type: pa.DataType) -> pa.Array:
+def _properties_column(items: Sequence[Any], n: int, map_type: pa.DataType) -> pa.Array:
     """The messages' user properties as one Arrow map array (a name that repeats keeps its last value).
 
     Most messages have none: their lengths are counted by C code, and a
@@ -140,25 +140,26 @@ def _properties_column(items: list[Any], n: int, map_type: pa.DataType) -> pa.Ar
 def to_record_batch(batches: Sequence[MessageBatch], shard: int, generation: int, schema: pa.Schema) -> pa.RecordBatch:
     """Messages of one or more batches as one Arrow record batch of ``schema`` (:data:`mqds.spark.SCHEMA`).
 
-    Built column by column from the batches' protobuf messages, with no
-    ``Message`` object per row: each column is one C-level pass over them
-    (``attrgetter``), and the timestamps are the node's packed field itself
-    (``MessageBatch.times``), not read message by message. Properties become
-    a map; a property name that repeats keeps its last value.
+    Built column by column with the batch's column methods (one C-level
+    pass over the protobuf messages each, no ``Message`` object per row);
+    the timestamps are the node's packed field itself (``MessageBatch.times``),
+    not read message by message. Properties become a map; a property name
+    that repeats keeps its last value.
     """
     items: list[Any] = []
     stamps = bytearray()
     for batch in batches:
         items.extend(batch.wire)
         stamps += _packed_times(batch)
+    messages = MessageBatch(items)
     n = len(items)
     types = [f.type for f in schema]
     columns = [
-        pa.array(list(map(attrgetter("topic"), items)), types[0]),
-        pa.array(list(map(attrgetter("payload"), items)), types[1]),
-        pa.array(list(map(attrgetter("sender"), items)), types[2]),
-        pa.array(list(map(attrgetter("qos"), items)), types[3]),
-        pa.array(list(map(attrgetter("retain"), items)), types[4]),
+        pa.array(messages.topics(), types[0]),
+        pa.array(messages.payloads(), types[1]),
+        pa.array(messages.senders(), types[2]),
+        pa.array(messages.qos(), types[3]),
+        pa.array(messages.retain(), types[4]),
         _properties_column(items, n, types[5]),
         pa.Array.from_buffers(types[6], n, [None, pa.py_buffer(stamps)]),
         pa.array(itertools.repeat(shard, n), types[7], size=n),
