@@ -14,7 +14,6 @@ from mqds.client.connection import ConnectionSettings
 from mqds.client.follow import FollowBatch, FollowPosition
 from mqds.client.follow_sync import Subscription
 from mqds.client.model import (
-    SESSION_NEVER_EXPIRES,
     ClientState,
     Fence,
     Generation,
@@ -26,6 +25,7 @@ from mqds.client.model import (
     Stream,
 )
 from mqds.client.offline import OfflineFetch
+from mqds.protocol.limits import SESSION_NEVER_EXPIRES
 
 __all__ = [
     "SESSION_NEVER_EXPIRES",

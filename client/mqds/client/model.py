@@ -22,10 +22,6 @@ def _properties(value: Mapping[str, str] | Iterable[tuple[str, str]] | None) -> 
     return tuple((str(k), str(v)) for k, v in items)
 
 
-SESSION_NEVER_EXPIRES = 0xFFFFFFFF
-"""A Session Expiry Interval that never ends (MQTT 5's 4294967295)."""
-
-
 @dataclass(slots=True)
 class Message:
     """An MQTT message.

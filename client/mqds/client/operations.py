@@ -21,7 +21,6 @@ from typing import Any, Generic, TypeVar
 
 from mqds.client.batch import MessageBatch, wire_times
 from mqds.client.model import (
-    SESSION_NEVER_EXPIRES,
     ClientState,
     Fence,
     Generation,
@@ -35,6 +34,7 @@ from mqds.client.model import (
 from mqds.client.routing import ShardFailures
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, PartialBatchError, Reason
+from mqds.protocol.limits import SESSION_NEVER_EXPIRES
 from mqds.protocol.sharding import shard_of
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb

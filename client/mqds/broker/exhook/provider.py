@@ -47,6 +47,7 @@ from mqds.broker.exhook.v3 import exhook_pb2 as pb
 from mqds.broker.exhook.v3 import exhook_pb2_grpc as pb_grpc
 from mqds.client.model import Message
 from mqds.protocol.errors import MqdsError
+from mqds.protocol.limits import SESSION_NEVER_EXPIRES
 
 __all__ = ["SERVICE", "ExhookServer", "HookProvider", "UndecodableRequests", "to_message"]
 
@@ -90,8 +91,8 @@ def interval_property(props: Any, name: str) -> int | None:
                 value = int(prop.value)
             except ValueError:
                 raise ValueError(f"{name} {prop.value!r} is not a number of seconds") from None
-            if not 0 <= value <= 0xFFFFFFFF:
-                raise ValueError(f"{name} {value} is out of range (0 to 4294967295 seconds)")
+            if not 0 <= value <= SESSION_NEVER_EXPIRES:
+                raise ValueError(f"{name} {value} is out of range (0 to {SESSION_NEVER_EXPIRES} seconds)")
             return value
     return None
 

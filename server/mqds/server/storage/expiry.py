@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from rocksdict import WriteBatch
 
+from mqds.protocol.limits import SESSION_NEVER_EXPIRES
 from mqds.server.storage import keys
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
@@ -31,7 +32,7 @@ from mqds.v1 import storage_pb2 as pb
 if TYPE_CHECKING:
     from mqds.server.storage.shard import ShardStorage
 
-NEVER = 0xFFFFFFFF
+NEVER = SESSION_NEVER_EXPIRES
 """A Session Expiry Interval that never ends (MQTT 5)."""
 
 
