@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mqds.server.diskusage import META_GROUP, DiskUsage, Usage, allocated_bytes, measure
+from mqds.protocol.cluster_view import META_GROUP
+from mqds.server.diskusage import DiskUsage, Usage, allocated_bytes, measure
 
 
 def _usage(data: int = 0, free: int = 10**12) -> Usage:

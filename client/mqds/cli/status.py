@@ -11,10 +11,10 @@ import grpc
 from mqds.cli.console import EXIT_DEGRADED, EXIT_OK, connection, table
 from mqds.client import Client
 from mqds.client.connection import ConnectionSettings
+from mqds.protocol.cluster_view import META_GROUP
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 
-META_GROUP = 0xFFFFFFFF
 NODE_STATUS_TIMEOUT_S = 5.0
 
 

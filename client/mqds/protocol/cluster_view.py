@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 
 from mqds.v1 import cluster_pb2 as clpb
 
-__all__ = ["ClusterView"]
+__all__ = ["META_GROUP", "ClusterView"]
+
+META_GROUP = 0xFFFFFFFF
+"""The group number of the cluster metadata's Raft group (``ReplicaStatus.group``); vnode groups are their shards."""
 
 
 @dataclass

@@ -45,9 +45,10 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from mqds.protocol.cluster_view import META_GROUP
+
 log = logging.getLogger(__name__)
 
-META_GROUP = 0xFFFFFFFF
 WALK_INTERVAL_S = 30.0
 """Without a quota, how often the data directory is walked for the sizes that status and metrics show."""
 RESUME_FRACTION = 0.95
@@ -68,20 +69,17 @@ def format_size(n: int) -> str:
 
 def allocated_bytes(path: str) -> int:
     """Bytes the files under ``path`` take on disk (``st_blocks``), skipping what vanishes meanwhile."""
-    total = 0
+    return sum(map(_size, _entries(path)))
+
+
+def _size(entry: os.DirEntry[str]) -> int:
+    """Bytes a file, or everything under a directory, takes on disk (0 for what vanished meanwhile)."""
     try:
-        entries = list(os.scandir(path))
-    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        if entry.is_dir(follow_symlinks=False):
+            return allocated_bytes(entry.path)
+        return entry.stat(follow_symlinks=False).st_blocks * 512
+    except FileNotFoundError:  # a compaction or a log segment removed it
         return 0
-    for entry in entries:
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                total += allocated_bytes(entry.path)
-            else:
-                total += entry.stat(follow_symlinks=False).st_blocks * 512
-        except FileNotFoundError:  # a compaction or a log segment removed it
-            continue
-    return total
 
 
 @dataclass(frozen=True)
@@ -105,20 +103,14 @@ def measure(data_dir: str) -> Usage:
     groups: dict[int, int] = {}
     total = wal = 0
     for entry in _entries(data_dir):
-        try:
-            if not entry.is_dir(follow_symlinks=False):
-                total += entry.stat(follow_symlinks=False).st_blocks * 512
-                continue
-        except FileNotFoundError:
-            continue
-        if entry.name not in ("shards", "raft"):
-            size = allocated_bytes(entry.path)
+        if entry.name not in ("shards", "raft") or not entry.is_dir(follow_symlinks=False):
+            size = _size(entry)
             total += size
             if entry.name == "meta":
                 groups[META_GROUP] = size
             continue
         for child in _entries(entry.path):
-            size = allocated_bytes(child.path) if child.is_dir(follow_symlinks=False) else 0
+            size = _size(child)
             total += size
             match = _SHARD_DIR.match(child.name)
             if match:

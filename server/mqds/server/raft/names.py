@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from pysyncobj.node import Node
 
-META_GROUP = 0xFFFFFFFF
-"""The group id of the cluster metadata; vnode groups are numbered from 0."""
+from mqds.protocol.cluster_view import META_GROUP
+
+__all__ = ["META_GROUP", "PeerNode", "group_name"]
 
 
 def group_name(group: int) -> str:
