@@ -341,3 +341,76 @@ def test_slow_calls_are_bounded_per_client_and_in_all_and_health_never_waits() -
         server.stop(None)
         control.shutdown(wait=False)
     assert seen and set(seen) == {"SERVING"}, seen
+
+
+def test_status_and_the_map_answer_while_every_worker_and_public_slot_is_taken() -> None:
+    """GetNodeStatus and GetClusterMap run on the control pool, outside max_public_calls.
+
+    The chaos runner's readiness wait once saw GetNodeStatus time out for two
+    minutes on a busy node: it queued behind the calls that held the server's
+    workers (or was refused with every public slot taken), exactly when an
+    operator needs ``mqds status``.
+    """
+    release = threading.Event()
+
+    def slow(request: bytes, context: grpc.ServicerContext) -> bytes:
+        release.wait(20)
+        return b""
+
+    workers, public, per_client = 16, 8, 8
+    control = futures.ThreadPoolExecutor(max_workers=4)
+    guard = ApiGuard({}, lambda md: False, per_client, max_public_calls=public, dev_mode=False, control_pool=control)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), interceptors=(guard,))
+    status = clpb.NodeStatus(node_id="n1", ready=True)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "mqds.v1.Storage", {"GetFences": grpc.unary_unary_rpc_method_handler(slow)}
+            ),
+            # An internal call (not a public method): it takes a worker, not a public slot.
+            grpc.method_handlers_generic_handler("test.Internal", {"Hold": grpc.unary_unary_rpc_method_handler(slow)}),
+            grpc.method_handlers_generic_handler(
+                "mqds.v1.Cluster",
+                {
+                    "GetNodeStatus": grpc.unary_unary_rpc_method_handler(
+                        lambda request, context: status,
+                        request_deserializer=clpb.GetNodeStatusRequest.FromString,
+                        response_serializer=clpb.NodeStatus.SerializeToString,
+                    ),
+                    "GetClusterMap": grpc.unary_unary_rpc_method_handler(
+                        lambda request, context: clpb.ClusterMap(n_shards=4),
+                        request_deserializer=clpb.GetClusterMapRequest.FromString,
+                        response_serializer=clpb.ClusterMap.SerializeToString,
+                    ),
+                },
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    address = f"127.0.0.1:{port}"
+    channels = [grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(3)]
+    try:
+        storage = pb_grpc.StorageStub(channels[0])
+        held = [storage.GetFences.future(pb.GetFencesRequest(), timeout=30) for _ in range(public)]
+        hold = channels[1].unary_unary("/test.Internal/Hold")
+        held += [hold.future(b"", timeout=30) for _ in range(workers - public)]
+        wait_until = time.monotonic() + 5
+        while guard.public_in_flight < public and time.monotonic() < wait_until:
+            time.sleep(0.02)
+        assert guard.public_in_flight == public
+        time.sleep(0.3)  # the internal calls take the rest of the workers
+        assert not any(c.done() for c in held)
+        cluster = clpb_grpc.ClusterStub(channels[2])
+        t0 = time.monotonic()
+        for _ in range(20):
+            assert cluster.GetNodeStatus(clpb.GetNodeStatusRequest(), timeout=2).node_id == "n1"
+            assert cluster.GetClusterMap(clpb.GetClusterMapRequest(), timeout=2).n_shards == 4
+        assert time.monotonic() - t0 < 2
+        assert guard.public_in_flight == public  # they took no public slot, and gave back what they took
+    finally:
+        release.set()
+        for ch in channels:
+            ch.close()
+        server.stop(None)
+        control.shutdown(wait=False)

@@ -103,6 +103,15 @@ METHOD_ROLES: dict[str, str] = {
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
 REFLECTION = tuple(m for m in METHOD_ROLES if m.startswith("/grpc.reflection."))
+OBSERVING = frozenset(f"/mqds.v1.Cluster/{m}" for m in ("GetClusterMap", "GetNodeStatus"))
+"""Calls that only report what the node knows, never wait on storage or Raft: served on the control pool.
+
+An operator's ``mqds status``, a client's map refresh and the chaos runner's
+readiness wait are needed most when the node is busiest; behind the public
+calls they queued for a worker (or were refused with every public slot
+taken) and timed out. They still count against the caller's
+``max_calls_per_client``, not against ``max_public_calls``.
+"""
 
 REFLECTION_MAX_S = 60.0
 """A server-reflection stream is cut after this long (tools ask, get their answer and close)."""
@@ -275,6 +284,8 @@ class ApiGuard(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None:
             return handler
+        if method in OBSERVING and self._control_pool is not None:
+            return self._observing(handler)
         reflection = method in REFLECTION
         with self._lock:
             if self.max_public_calls and self._public >= self.max_public_calls:
@@ -291,6 +302,13 @@ class ApiGuard(grpc.ServerInterceptor):
         if why:
             return self._refuse(errors.error(Reason.OVERLOADED, why))
         return self._bounded(handler, reflection)
+
+    def _observing(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """An OBSERVING call: bounded per client only, and run on the control pool."""
+        bounded = self._bounded(handler, reflection=False, public=False)
+        if bounded.stream_unary is not None:
+            _run_on(bounded.stream_unary, self._control_pool)
+        return bounded
 
     def _refuse(self, err: MqdsError) -> grpc.RpcMethodHandler:
         self._count(err.reason)
@@ -314,9 +332,9 @@ class ApiGuard(grpc.ServerInterceptor):
             check, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
         )
 
-    def _release(self, key: str | None, reflection: bool) -> None:
+    def _release(self, key: str | None, reflection: bool, public: bool = True) -> None:
         with self._lock:
-            self._public -= 1
+            self._public -= public
             self._reflection -= reflection
             if key is not None:
                 self._in_flight[key] -= 1
@@ -343,8 +361,10 @@ class ApiGuard(grpc.ServerInterceptor):
             self._in_flight[key] += 1
         return key
 
-    def _bounded(self, handler: grpc.RpcMethodHandler, reflection: bool) -> grpc.RpcMethodHandler:
+    def _bounded(self, handler: grpc.RpcMethodHandler, reflection: bool, public: bool = True) -> grpc.RpcMethodHandler:
         """The admitted handler, wrapped so its slot is given back exactly when its worker is done.
+
+        ``public``: the call took one of ``max_public_calls`` (every call but the OBSERVING ones).
 
         Always request-streaming: gRPC calls such a behavior even when the
         call was cancelled while it queued for a worker (a unary-request
@@ -359,7 +379,7 @@ class ApiGuard(grpc.ServerInterceptor):
         def release(key: str | None) -> None:
             if not released.is_set():
                 released.set()
-                self._release(key, reflection)
+                self._release(key, reflection, public)
 
         def argument(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             if not unary_request:

@@ -22,6 +22,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -369,16 +370,23 @@ class LocalCluster:
 
     def leaders(self) -> dict[int, str]:
         """Each shard's leader, as the live nodes that lead them say (only shards with a leader)."""
+        return self._survey_leaders()[0]
+
+    def _survey_leaders(self) -> tuple[dict[int, str], dict[str, str]]:
+        """Each shard's leader as the live nodes say, and the live nodes that did not answer (with why)."""
         found: dict[int, str] = {}
+        silent: dict[str, str] = {}
         for node_id in self.live():
+            started = time.monotonic()
             try:
                 status = self.status(node_id, timeout_s=2)
-            except grpc.RpcError:
+            except grpc.RpcError as err:
+                silent[node_id] = f"{err.code().name} after {time.monotonic() - started:.1f}s"
                 continue
             for replica in status.replicas:
                 if replica.role == clpb.RAFT_ROLE_LEADER and replica.group != META_GROUP:
                     found[replica.group] = node_id
-        return found
+        return found, silent
 
     def leader(self, shard: int) -> str | None:
         return self.leaders().get(shard)
@@ -417,13 +425,32 @@ class LocalCluster:
     def wait_ready(self, timeout_s: float = 60) -> None:
         """Until every vnode and the metadata group have a leader and every live node is serving."""
 
-        def ready() -> bool:
-            leaders = self.leaders()
-            if len(leaders) < self.n_shards:
-                return False
-            return all(self.status(n, timeout_s=2).ready for n in self.live())
+        why = ["not checked yet"]
 
-        wait_until("every vnode having a leader", ready, timeout_s, interval_s=0.2)
+        def ready() -> bool:
+            leaders, silent = self._survey_leaders()
+            if len(leaders) < self.n_shards:
+                why[0] = f"vnodes without a leader: {sorted(set(range(self.n_shards)) - set(leaders))}"
+                if silent:
+                    why[0] += f" (GetNodeStatus unanswered by {silent})"
+                return False
+            for node_id in self.live():
+                started = time.monotonic()
+                try:
+                    status = self.status(node_id, timeout_s=2)
+                except grpc.RpcError as err:
+                    why[0] = f"{node_id} did not answer GetNodeStatus: {err.code().name} after "
+                    why[0] += f"{time.monotonic() - started:.1f}s"
+                    raise
+                if not status.ready:
+                    why[0] = f"{node_id} answers but is not ready"
+                    return False
+            return True
+
+        try:
+            wait_until("every vnode having a leader", ready, timeout_s, interval_s=0.2)
+        except TimeoutError as err:
+            raise TimeoutError(f"{err}; last seen: {why[0]}") from None
 
     def digests(self, shard: int) -> dict[str, clpb.ReplicaDigest]:
         out = {}

@@ -47,6 +47,7 @@ def wait_until(what: str, check: Callable[[], T | None], timeout_s: float, inter
             result = check()
             if result:
                 return result
+            last_error = None  # only the last check's error says why it is still not so
         except (grpc.RpcError, OSError) as err:
             last_error = err
         if time.monotonic() > deadline:

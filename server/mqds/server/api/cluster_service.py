@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from mqds.protocol import errors
-from mqds.protocol.errors import MqdsError, Reason
+from mqds.protocol.errors import Reason
 from mqds.v1 import cluster_pb2 as clpb
 
 if TYPE_CHECKING:
@@ -65,10 +65,8 @@ def node_status(node: ClusterNode) -> clpb.NodeStatus:
     for group_id, group in node.groups():
         st = group.status()
         vnode = node.vnodes.get(group_id)
-        try:
-            generations = len(vnode.replica.generations()) if vnode is not None else 0
-        except MqdsError:  # the replica is closing: report what is known
-            generations = 0
+        # Never waits: not for a snapshot being swapped in, nor for a write holding the storage's lock.
+        generations = vnode.replica.storage.generation_count if vnode is not None else 0
         status.replicas.add(
             group=group_id,
             role=_ROLES.get(st["role"], clpb.RAFT_ROLE_UNSPECIFIED),

@@ -401,6 +401,15 @@ class ShardStorage:
         with self._lock:
             return self._generations.infos()
 
+    @property
+    def generation_count(self) -> int:
+        """How many generations there are, without waiting for the lock (for status reports).
+
+        The length of a dict is one atomic read; a status call must never wait
+        behind a write that holds the lock on a slow or failing disk.
+        """
+        return len(self._generations.by_number)
+
     def estimated_keys(self, number: int) -> int:
         """RocksDB's estimate of the keys in a generation (messages and index entries); 0 if unknown."""
         with self._lock:
