@@ -19,7 +19,19 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from mqds.cli import admin, bench, broker, exhook, generations, local_cluster, messages, spark_job, status
+from mqds.cli import (
+    admin,
+    bench,
+    broker,
+    delete,
+    exhook,
+    generations,
+    local_cluster,
+    messages,
+    retention,
+    spark_job,
+    status,
+)
 from mqds.cli.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CommandError
 from mqds.protocol.errors import InvalidArgumentError, MqdsError
 
@@ -95,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.register(sub, connection)
     messages.register(sub, connection)
     generations.register(sub, connection)
+    delete.register(sub, connection)
+    retention.register(sub, connection)
     admin.register(sub, connection)
     local_cluster.register(sub)
     bench.register(sub, connection)

@@ -33,6 +33,7 @@ from mqds.client.aio_broker_state import AsyncBrokerStateCalls
 from mqds.client.aio_routing import AsyncRouter
 from mqds.client.batch import MessageBatch
 from mqds.client.connection import ConnectionSettings, parse_endpoints, resolve_settings
+from mqds.client.deletes import DeleteReport, DeleteRun, Progress
 from mqds.client.follow import FollowCore, FollowPosition
 from mqds.client.follow_aio import AsyncFollowMux, AsyncSubscription
 from mqds.client.model import Fence, Generation, Iterator, Message, NextResult, Rank, Stream
@@ -45,6 +46,7 @@ from mqds.client.retry import Backoff, time_left
 from mqds.protocol import errors
 from mqds.protocol.errors import GenerationDroppedError, MqdsError, Reason
 from mqds.v1 import cluster_pb2 as clpb
+from mqds.v1 import storage_pb2 as pb
 
 __all__ = ["AsyncRouter", "Client"]
 
@@ -411,3 +413,35 @@ class Client(AsyncBrokerStateCalls):
     async def drop_generation(self, shard: int, generation: int, timeout_s: float | None = None) -> Generation:
         """Drop a closed generation of a shard and free its disk; return it as it was."""
         return await self._shard_call(ops.drop_generation(shard, generation), timeout_s)
+
+    # -- deletes -------------------------------------------------------------
+
+    async def delete_messages(
+        self,
+        topic_filter: str,
+        *,
+        sender: str = "",
+        since_us: int = 0,
+        until_us: int = 0,
+        confirm_all: bool = False,
+        timeout_s: float | None = None,
+        progress: Progress | None = None,
+    ) -> DeleteReport:
+        """As :meth:`mqds.client.Client.delete_messages`: a sender's or a filter's messages, shard by shard."""
+        run = DeleteRun(
+            await self._n_shards(self._deadline(timeout_s)),
+            topic_filter,
+            sender,
+            since_us,
+            until_us,
+            confirm_all,
+            progress,
+        )
+        while (call := run.next_call()) is not None:
+            shard, request = call
+            run.record(await self._shard_call(ShardCall("DeleteMessages", shard, request, _same), timeout_s))
+        return run.report
+
+
+def _same(response: pb.DeleteMessagesResponse) -> pb.DeleteMessagesResponse:
+    return response

@@ -15,9 +15,11 @@ from typing import Any, TypeVar
 import grpc
 
 from mqds.client import operations as ops
+from mqds.client import retention as retention_calls
 from mqds.client.batch import MessageBatch
 from mqds.client.broker_state import BrokerStateCalls
 from mqds.client.connection import DEFAULT_MAX_MESSAGE_BYTES, ConnectionSettings, parse_endpoints, resolve_settings
+from mqds.client.deletes import DeleteReport, DeleteRun, Progress
 from mqds.client.follow import FollowCore, FollowPosition
 from mqds.client.follow_sync import FollowMux, Subscription
 from mqds.client.model import Fence, Generation, Iterator, Message, NextResult, Rank, Stream
@@ -31,6 +33,7 @@ from mqds.client.routing import Backoff, Fanout, Router, ShardFailures
 from mqds.protocol import errors
 from mqds.protocol.errors import GenerationDroppedError, MqdsError, Reason
 from mqds.v1 import cluster_pb2 as clpb
+from mqds.v1 import storage_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +232,21 @@ class Client(BrokerStateCalls):
         """
         self._router.wait_for_map(time.monotonic() + (timeout_s or self.timeout_s), force=True)
         return self._router.table.cluster_map()
+
+    def set_retention(
+        self, rules: Sequence[tuple[str, int]], default_s: int = 0, timeout_s: float | None = None
+    ) -> clpb.RetentionPolicy:
+        """Set the cluster's retention policy: ``(topic filter, seconds)`` rules, the first matching one
+        deciding a message's period, and ``default_s`` for the rest (0: kept until deleted). Replaces the
+        previous policy; each vnode's leader then removes what it ended. Needs the admin role."""
+        policy = retention_calls.policy_message(rules, default_s)
+        self._router.ensure_map(self.timeout_s if timeout_s is None else timeout_s)
+        return retention_calls.set_policy(self._router, self.settings.call_error, policy, self._deadline(timeout_s))
+
+    def retention(self, timeout_s: float | None = None) -> clpb.RetentionPolicy | None:
+        """The cluster's retention policy, or None when none was set (each node's retention_period_s applies)."""
+        cmap = self.cluster_map(timeout_s)
+        return cmap.retention if cmap.HasField("retention") else None
 
     # -- writes --------------------------------------------------------------
 
@@ -512,3 +530,39 @@ class Client(BrokerStateCalls):
     def drop_generation(self, shard: int, generation: int, timeout_s: float | None = None) -> Generation:
         """Drop a closed generation of a shard and free its disk; return it as it was."""
         return self._shard_call(ops.drop_generation(shard, generation), timeout_s)
+
+    # -- deletes -------------------------------------------------------------
+
+    def delete_messages(
+        self,
+        topic_filter: str,
+        *,
+        sender: str = "",
+        since_us: int = 0,
+        until_us: int = 0,
+        confirm_all: bool = False,
+        timeout_s: float | None = None,
+        progress: Progress | None = None,
+    ) -> DeleteReport:
+        """Delete stored messages: those matching ``topic_filter``, of ``sender`` if given, stored in
+        ``[since_us, until_us)`` (0: no bound; without ``until_us``, what each shard stored before the
+        delete reached it). Needs the admin role (a node's cluster secret or an admin token).
+
+        A sender's messages are deleted in its one shard, others in every shard, one after another;
+        each shard's leader logs the delete in bounded steps that every replica applies, so readers,
+        iterators and push subscribers see the messages gone at once. ``timeout_s`` bounds each call,
+        not the whole delete: a node answers within it with what it did and where to go on, and
+        ``progress(shard, answer)`` is called with each answer. Deleting everything (``#``, no sender,
+        no time range) needs ``confirm_all``. Returns what was deleted, per shard.
+        """
+        run = DeleteRun(
+            self._n_shards(self._deadline(timeout_s)), topic_filter, sender, since_us, until_us, confirm_all, progress
+        )
+        while (call := run.next_call()) is not None:
+            shard, request = call
+            run.record(self._shard_call(ShardCall("DeleteMessages", shard, request, _same), timeout_s))
+        return run.report
+
+
+def _same(response: pb.DeleteMessagesResponse) -> pb.DeleteMessagesResponse:
+    return response

@@ -28,6 +28,8 @@ class ClusterView:
     version: int = -1
     cluster_id: str = ""
     meta_leader: str = ""
+    retention: clpb.RetentionPolicy | None = None
+    """The cluster's retention policy, once one was set."""
 
     def merge(self, cmap: clpb.ClusterMap) -> None:
         if cmap.version >= self.version:
@@ -36,6 +38,7 @@ class ClusterView:
             self.cluster_id = cmap.cluster_id
             self.addresses.update({n.id: n.address for n in cmap.nodes})
             self.replicas = {v.shard: list(v.replicas) for v in cmap.vnodes}
+            self.retention = cmap.retention if cmap.HasField("retention") else None
         if cmap.meta_leader:
             self.meta_leader = cmap.meta_leader
         for v in cmap.vnodes:
@@ -47,6 +50,8 @@ class ClusterView:
         cmap = clpb.ClusterMap(
             cluster_id=self.cluster_id, n_shards=self.n_shards, version=self.version, meta_leader=self.meta_leader
         )
+        if self.retention is not None:
+            cmap.retention.CopyFrom(self.retention)
         for node_id, address in sorted(self.addresses.items()):
             cmap.nodes.add(id=node_id, address=address)
         for shard in range(self.n_shards):

@@ -54,7 +54,7 @@ class GetClusterMapRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterMap(_message.Message):
-    __slots__ = ("cluster_id", "n_shards", "replication_factor", "nodes", "vnodes", "version", "answered_by", "meta_leader")
+    __slots__ = ("cluster_id", "n_shards", "replication_factor", "nodes", "vnodes", "version", "answered_by", "meta_leader", "retention")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     N_SHARDS_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_FACTOR_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class ClusterMap(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ANSWERED_BY_FIELD_NUMBER: _ClassVar[int]
     META_LEADER_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     n_shards: int
     replication_factor: int
@@ -71,7 +72,30 @@ class ClusterMap(_message.Message):
     version: int
     answered_by: str
     meta_leader: str
-    def __init__(self, cluster_id: _Optional[str] = ..., n_shards: _Optional[int] = ..., replication_factor: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[ClusterNode, _Mapping]]] = ..., vnodes: _Optional[_Iterable[_Union[VnodeInfo, _Mapping]]] = ..., version: _Optional[int] = ..., answered_by: _Optional[str] = ..., meta_leader: _Optional[str] = ...) -> None: ...
+    retention: RetentionPolicy
+    def __init__(self, cluster_id: _Optional[str] = ..., n_shards: _Optional[int] = ..., replication_factor: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[ClusterNode, _Mapping]]] = ..., vnodes: _Optional[_Iterable[_Union[VnodeInfo, _Mapping]]] = ..., version: _Optional[int] = ..., answered_by: _Optional[str] = ..., meta_leader: _Optional[str] = ..., retention: _Optional[_Union[RetentionPolicy, _Mapping]] = ...) -> None: ...
+
+class RetentionPolicy(_message.Message):
+    __slots__ = ("rules", "default_s")
+    RULES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_S_FIELD_NUMBER: _ClassVar[int]
+    rules: _containers.RepeatedCompositeFieldContainer[RetentionRule]
+    default_s: int
+    def __init__(self, rules: _Optional[_Iterable[_Union[RetentionRule, _Mapping]]] = ..., default_s: _Optional[int] = ...) -> None: ...
+
+class RetentionRule(_message.Message):
+    __slots__ = ("topic_filter", "period_s")
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    PERIOD_S_FIELD_NUMBER: _ClassVar[int]
+    topic_filter: str
+    period_s: int
+    def __init__(self, topic_filter: _Optional[str] = ..., period_s: _Optional[int] = ...) -> None: ...
+
+class SetRetentionRequest(_message.Message):
+    __slots__ = ("policy",)
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    policy: RetentionPolicy
+    def __init__(self, policy: _Optional[_Union[RetentionPolicy, _Mapping]] = ...) -> None: ...
 
 class GetNodeStatusRequest(_message.Message):
     __slots__ = ()

@@ -70,6 +70,11 @@ class ClusterStub:
                 request_serializer=mqds_dot_v1_dot_cluster__pb2.GetReplicaDigestRequest.SerializeToString,
                 response_deserializer=mqds_dot_v1_dot_cluster__pb2.ReplicaDigest.FromString,
                 _registered_method=True)
+        self.SetRetention = channel.unary_unary(
+                '/mqds.v1.Cluster/SetRetention',
+                request_serializer=mqds_dot_v1_dot_cluster__pb2.SetRetentionRequest.SerializeToString,
+                response_deserializer=mqds_dot_v1_dot_cluster__pb2.ClusterMap.FromString,
+                _registered_method=True)
 
 
 class ClusterServicer:
@@ -133,6 +138,18 @@ class ClusterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRetention(self, request, context):
+        """Sets the cluster's retention policy: how long stored messages are kept,
+        per topic filter (the first rule whose filter matches a message's topic
+        decides), and for the rest. Logged by the metadata group; every vnode's
+        leader then removes what the policy's periods ended, in logged steps.
+        Replaces the previous policy; answers the map that carries it. Needs the
+        admin role; rules that do not parse get INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +187,11 @@ def add_ClusterServicer_to_server(servicer, server):
                     servicer.GetReplicaDigest,
                     request_deserializer=mqds_dot_v1_dot_cluster__pb2.GetReplicaDigestRequest.FromString,
                     response_serializer=mqds_dot_v1_dot_cluster__pb2.ReplicaDigest.SerializeToString,
+            ),
+            'SetRetention': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRetention,
+                    request_deserializer=mqds_dot_v1_dot_cluster__pb2.SetRetentionRequest.FromString,
+                    response_serializer=mqds_dot_v1_dot_cluster__pb2.ClusterMap.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -362,6 +384,33 @@ class Cluster:
             '/mqds.v1.Cluster/GetReplicaDigest',
             mqds_dot_v1_dot_cluster__pb2.GetReplicaDigestRequest.SerializeToString,
             mqds_dot_v1_dot_cluster__pb2.ReplicaDigest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRetention(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mqds.v1.Cluster/SetRetention',
+            mqds_dot_v1_dot_cluster__pb2.SetRetentionRequest.SerializeToString,
+            mqds_dot_v1_dot_cluster__pb2.ClusterMap.FromString,
             options,
             channel_credentials,
             insecure,

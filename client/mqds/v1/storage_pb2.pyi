@@ -336,3 +336,53 @@ class FollowResponse(_message.Message):
     position_us: int
     failure: ShardFailure
     def __init__(self, id: _Optional[int] = ..., shard: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., position_us: _Optional[int] = ..., failure: _Optional[_Union[ShardFailure, _Mapping]] = ...) -> None: ...
+
+class DeleteMessagesRequest(_message.Message):
+    __slots__ = ("shard", "topic_filter", "sender", "since_us", "until_us", "confirm_all", "cursor", "max_steps")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    SINCE_US_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_US_FIELD_NUMBER: _ClassVar[int]
+    CONFIRM_ALL_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    topic_filter: str
+    sender: str
+    since_us: int
+    until_us: int
+    confirm_all: bool
+    cursor: DeleteCursor
+    max_steps: int
+    def __init__(self, shard: _Optional[int] = ..., topic_filter: _Optional[str] = ..., sender: _Optional[str] = ..., since_us: _Optional[int] = ..., until_us: _Optional[int] = ..., confirm_all: _Optional[bool] = ..., cursor: _Optional[_Union[DeleteCursor, _Mapping]] = ..., max_steps: _Optional[int] = ...) -> None: ...
+
+class DeleteCursor(_message.Message):
+    __slots__ = ("generation", "stream", "next_ts", "until_us")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TS_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_US_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    stream: int
+    next_ts: int
+    until_us: int
+    def __init__(self, generation: _Optional[int] = ..., stream: _Optional[int] = ..., next_ts: _Optional[int] = ..., until_us: _Optional[int] = ...) -> None: ...
+
+class DeleteMessagesResponse(_message.Message):
+    __slots__ = ("shard", "deleted_messages", "deleted_index_keys", "scanned_keys", "steps", "until_us", "cursor")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    DELETED_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    DELETED_INDEX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SCANNED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_US_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    deleted_messages: int
+    deleted_index_keys: int
+    scanned_keys: int
+    steps: int
+    until_us: int
+    cursor: DeleteCursor
+    def __init__(self, shard: _Optional[int] = ..., deleted_messages: _Optional[int] = ..., deleted_index_keys: _Optional[int] = ..., scanned_keys: _Optional[int] = ..., steps: _Optional[int] = ..., until_us: _Optional[int] = ..., cursor: _Optional[_Union[DeleteCursor, _Mapping]] = ...) -> None: ...

@@ -84,6 +84,11 @@ class StorageStub:
                 request_serializer=mqds_dot_v1_dot_storage__pb2.DropGenerationRequest.SerializeToString,
                 response_deserializer=mqds_dot_v1_dot_storage__pb2.DropGenerationResponse.FromString,
                 _registered_method=True)
+        self.DeleteMessages = channel.unary_unary(
+                '/mqds.v1.Storage/DeleteMessages',
+                request_serializer=mqds_dot_v1_dot_storage__pb2.DeleteMessagesRequest.SerializeToString,
+                response_deserializer=mqds_dot_v1_dot_storage__pb2.DeleteMessagesResponse.FromString,
+                _registered_method=True)
         self.Follow = channel.stream_stream(
                 '/mqds.v1.Storage/Follow',
                 request_serializer=mqds_dot_v1_dot_storage__pb2.FollowRequest.SerializeToString,
@@ -188,6 +193,22 @@ class StorageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteMessages(self, request, context):
+        """Deletes stored messages of one shard: those matching a topic filter, of
+        one sender if named, stored in a time range (for example to erase a
+        client's data). The shard's leader logs the delete in bounded steps;
+        each step is applied by every replica, in log order, so readers and
+        iterators see the messages gone at once and every replica deletes the
+        same keys. A call runs steps until the delete is done or its deadline
+        draws near, and answers with what it deleted and, unless done, a cursor
+        to call again with (the client library does). Deleting every message of
+        a shard (filter "#", no sender, no time range) needs confirm_all;
+        without it, INVALID_ARGUMENT. Needs the admin role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Follow(self, request_iterator, context):
         """Push subscriptions (follow a topic filter): the node sends the messages of a shard that match a
         topic filter as they are committed, with no polling. One call carries
@@ -256,6 +277,11 @@ def add_StorageServicer_to_server(servicer, server):
                     servicer.DropGeneration,
                     request_deserializer=mqds_dot_v1_dot_storage__pb2.DropGenerationRequest.FromString,
                     response_serializer=mqds_dot_v1_dot_storage__pb2.DropGenerationResponse.SerializeToString,
+            ),
+            'DeleteMessages': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteMessages,
+                    request_deserializer=mqds_dot_v1_dot_storage__pb2.DeleteMessagesRequest.FromString,
+                    response_serializer=mqds_dot_v1_dot_storage__pb2.DeleteMessagesResponse.SerializeToString,
             ),
             'Follow': grpc.stream_stream_rpc_method_handler(
                     servicer.Follow,
@@ -511,6 +537,33 @@ class Storage:
             '/mqds.v1.Storage/DropGeneration',
             mqds_dot_v1_dot_storage__pb2.DropGenerationRequest.SerializeToString,
             mqds_dot_v1_dot_storage__pb2.DropGenerationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteMessages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mqds.v1.Storage/DeleteMessages',
+            mqds_dot_v1_dot_storage__pb2.DeleteMessagesRequest.SerializeToString,
+            mqds_dot_v1_dot_storage__pb2.DeleteMessagesResponse.FromString,
             options,
             channel_credentials,
             insecure,

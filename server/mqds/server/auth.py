@@ -66,6 +66,7 @@ METHOD_ROLES: dict[str, str] = {
     "/mqds.v1.Storage/StoreStream": WRITE,
     "/mqds.v1.Storage/AddGeneration": ADMIN,
     "/mqds.v1.Storage/DropGeneration": ADMIN,
+    "/mqds.v1.Storage/DeleteMessages": ADMIN,
     **{
         f"/mqds.v1.Sessions/{m}": READ
         for m in (
@@ -95,7 +96,7 @@ METHOD_ROLES: dict[str, str] = {
         )
     },
     **{f"/mqds.v1.Cluster/{m}": READ for m in ("GetClusterMap", "GetNodeStatus", "GetReplicaDigest")},
-    **{f"/mqds.v1.Cluster/{m}": ADMIN for m in ("JoinNode", "LeaveNode", "ForgetNode", "Rebalance")},
+    **{f"/mqds.v1.Cluster/{m}": ADMIN for m in ("JoinNode", "LeaveNode", "ForgetNode", "Rebalance", "SetRetention")},
     # Server reflection describes the API: readers may use it (it is a stream a client holds open).
     **{f"/grpc.reflection.{v}.ServerReflection/ServerReflectionInfo": READ for v in ("v1alpha", "v1")},
 }

@@ -10,7 +10,9 @@ role, a new cluster map; every 0.1 s while the node catches up):
 - the metadata leader is told when this node's address changed;
 - on vnodes this node leads: a new generation once the current one is
   ``generation_interval_s`` old, and generations past ``retention_period_s``
-  dropped (both as log entries, so every replica agrees);
+  dropped (both as log entries, so every replica agrees), or, once the
+  cluster has a retention policy, what its rules ended removed
+  (``retention_rules.py``);
 - leadership handed back to each vnode's preferred replica, every
   ``leader_balance_interval_s``;
 - on the metadata leader, every ``placement_repair_interval_s``, a check
@@ -36,6 +38,7 @@ from mqds.server.health import Health
 from mqds.server.hosting import Hosting, add_generation_command
 from mqds.server.peers import Peers
 from mqds.server.raft.transport import ClusterAuth, PeerRouter
+from mqds.server.retention_rules import RetentionRules
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 
@@ -81,6 +84,9 @@ class Maintenance:
         self._last_placement_check = time.monotonic()
         self._placement_check: threading.Thread | None = None
         self._address_reported = False
+        self.retention_rules = RetentionRules(
+            hosting, config.retention_check_interval_s, clock, retention_drops, expired
+        )
 
     def run(self) -> None:
         """Rounds of maintenance until the node stops (the maintenance thread)."""
@@ -104,6 +110,7 @@ class Maintenance:
                 self._report_address()
                 self._maintain_generations()
                 self._expire()
+                self.retention_rules.run_round()
                 self._balance_leaders()
                 self._check_placement()
             except Exception:
@@ -160,6 +167,8 @@ class Maintenance:
     def _maintain_generations(self) -> None:
         interval_us = int(self.config.generation_interval_s * 1_000_000)
         retention_us = int(self.config.retention_period_s * 1_000_000)
+        if self.retention_rules.policy is not None:
+            retention_us = 0  # the cluster's retention policy supersedes the node's setting
         now = self.clock()
         propose = self.hosting.propose
         for vnode in list(self.hosting.vnodes.values()):

@@ -227,7 +227,8 @@ class NodeMetrics:
             "mqds_expired",
             "What this node, as the vnode's leader, had removed because it ended: kind retained (a retained "
             "message's Message Expiry Interval ran out) or session (a client offline past its Session Expiry "
-            "Interval: its state, subscriptions and read positions)",
+            "Interval: its state, subscriptions and read positions) or message (a stored message past its period under "
+            "the cluster's retention rules)",
             ("shard", "kind"),
             registry=r,
         )

@@ -7,12 +7,15 @@ this service reads the node's state and hands requests over.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
+from mqds.protocol.retention import check_rules, format_period
+from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.v1 import cluster_pb2 as clpb
 
 if TYPE_CHECKING:
@@ -22,6 +25,8 @@ if TYPE_CHECKING:
     from mqds.server.diskusage import DiskUsage
     from mqds.server.raft.group import RaftGroup
     from mqds.server.raft.transport import PeerRouter
+
+log = logging.getLogger(__name__)
 
 _ROLES = {0: clpb.RAFT_ROLE_FOLLOWER, 1: clpb.RAFT_ROLE_CANDIDATE, 2: clpb.RAFT_ROLE_LEADER}
 
@@ -49,6 +54,8 @@ class ClusterNode(Protocol):
     def vnode(self, shard: int) -> Vnode: ...
 
     def cluster_map(self) -> clpb.ClusterMap: ...
+
+    def propose_meta(self, command: cpb.MetaCommand, timeout_s: float | None = None) -> Any: ...
 
     def ready(self) -> bool: ...
 
@@ -121,6 +128,20 @@ class ClusterAPI:
 
     def Rebalance(self, request: clpb.RebalanceRequest, context: Any = None) -> clpb.MembershipResponse:
         return self.node.membership.rebalance()
+
+    def SetRetention(self, request: clpb.SetRetentionRequest, context: Any = None) -> clpb.ClusterMap:
+        policy = request.policy
+        check_rules([(r.topic_filter, r.period_s) for r in policy.rules], policy.default_s)
+        self.node.propose_meta(cpb.MetaCommand(set_retention=cpb.SetRetention(policy=policy)))
+        log.info(
+            "retention policy set: %s; default %s",
+            ", ".join(f"{r.topic_filter}={format_period(r.period_s)}" for r in policy.rules) or "no rules",
+            format_period(policy.default_s),
+        )
+        # Committed; this node may not have applied it yet (a follower of the metadata group).
+        cmap = self.node.cluster_map()
+        cmap.retention.CopyFrom(policy)
+        return cmap
 
     def GetReplicaDigest(self, request: clpb.GetReplicaDigestRequest, context: Any = None) -> clpb.ReplicaDigest:
         replica = self.node.vnode(request.shard).replica

@@ -23,7 +23,7 @@ from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_filter, validate_topic
-from mqds.server.api import follow, store_stream
+from mqds.server.api import delete_service, follow, store_stream
 from mqds.server.api.handlers import takes_raw_request
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.group import PendingRead, Proposal
@@ -553,3 +553,6 @@ class StorageService(ShardsAPI):
         (info,) = self._propose_all([(shard, cmd.SerializeToString())])
         log.info("shard %d: dropped generation %d", info.shard, info.generation)
         return pb.DropGenerationResponse(dropped=self._generation(info))
+
+    def DeleteMessages(self, request: pb.DeleteMessagesRequest) -> pb.DeleteMessagesResponse:
+        return delete_service.delete_messages(self.shards, request)

@@ -187,6 +187,9 @@ def _apply(cmap: clpb.ClusterMap, cmd: cpb.MetaCommand) -> Any:
                 vnode.replicas.extend(sr.replicas)
                 return None
         raise errors.error(Reason.UNKNOWN_SHARD, f"shard {sr.shard} does not exist")
+    if kind == "set_retention":
+        cmap.retention.CopyFrom(cmd.set_retention.policy)
+        return None
     raise errors.error(Reason.INTERNAL, "metadata log entry with an unknown command")
 
 

@@ -31,7 +31,9 @@ from mqds.server.cluster.feed import ANSWER_TAG, ShardFeed
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.journal import fsync_dir
 from mqds.server.storage import Engine, GenerationInfo, ShardStorage, StorePart
+from mqds.server.storage.deletes import Cursor, DeleteSpec, StepResult
 from mqds.server.storage.expiry import NEVER
+from mqds.server.storage.retention import policy_of
 from mqds.v1 import sessions_pb2 as spb
 
 if TYPE_CHECKING:
@@ -236,7 +238,48 @@ class VnodeReplica:
                 return err
         if kind == "session":
             return self._apply_session(cmd.session, index)
+        if kind == "delete_messages":
+            return self._apply_delete(cmd.delete_messages, index)
+        if kind == "apply_retention":
+            return self._apply_retention(cmd.apply_retention, index)
         raise errors.error(Reason.INTERNAL, f"shard {self.shard}: a log entry holds an unknown command")
+
+    def _apply_retention(self, cmd: cpb.ApplyRetention, index: int | None) -> StepResult:
+        """One step of a retention pass, with the policy the leader logged."""
+        storage = self.storage
+        if not storage.initialized:
+            if index is not None:
+                storage.record_applied(index)
+            return StepResult(until_us=cmd.now_us)
+        cursor = None
+        if cmd.HasField("cursor"):
+            cursor = Cursor(cmd.cursor.generation, cmd.cursor.stream, cmd.cursor.next_ts)
+        policy = policy_of(cmd.policy)
+        result = storage.apply_retention(
+            policy, cmd.now_us, cmd.after_us, cursor, max(1, cmd.max_keys), applied_index=index
+        )
+        if result.messages:
+            self.feed.reset(storage.last_ts)
+            self.catchup.reset()
+        return result
+
+    def _apply_delete(self, cmd: cpb.DeleteMessages, index: int | None) -> StepResult:
+        """One step of a delete; push subscribers and shared catch-up reads see its messages gone at once."""
+        storage = self.storage
+        if not storage.initialized:
+            if index is not None:
+                storage.record_applied(index)
+            return StepResult(until_us=cmd.until_us)
+        spec = DeleteSpec(cmd.topic_filter, cmd.sender, cmd.since_us, cmd.until_us)
+        cursor = None
+        if cmd.HasField("cursor"):
+            cursor = Cursor(cmd.cursor.generation, cmd.cursor.stream, cmd.cursor.next_ts)
+        result = storage.delete_messages(spec, cursor, max(1, cmd.max_keys), applied_index=index)
+        if result.messages:
+            # The feed's ring and the catch-up segments may hold what was just deleted.
+            self.feed.reset(storage.last_ts)
+            self.catchup.reset()
+        return result
 
     def skip(self, index: int) -> None:
         """An entry that changed nothing in this shard: its index is recorded all the same."""

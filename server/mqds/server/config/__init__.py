@@ -166,6 +166,11 @@ class NodeConfig:
     retention_period_s: float = _opt(
         0.0, "drop generations that ended more than this many seconds ago; 0 = keep everything"
     )
+    retention_check_interval_s: float = _opt(
+        60.0,
+        "how often, in seconds, the vnodes this node leads remove what the cluster's retention rules "
+        "(mqds retention set) ended: closed generations dropped whole, older messages of a stream deleted",
+    )
     maintenance_interval_s: float = _opt(
         1.0,
         "how often, in seconds, generation rotation, retention and expiry (sessions, retained messages) are checked",
@@ -335,6 +340,7 @@ class NodeConfig:
         for name in (
             "generation_interval_s",
             "retention_period_s",
+            "retention_check_interval_s",
             "shutdown_grace_s",
             "leader_balance_interval_s",
             "placement_repair_interval_s",

@@ -11,7 +11,8 @@ write batch, which also records the applied log index when one is given.
 delegates each concept to a module of its own: ``engine.py`` (RocksDB
 options shared by a node's shards), ``writes.py`` (a stored batch as one
 write batch), ``dedup.py`` (exactly-once storing), ``generations.py``
-(opening, adding and dropping generations), ``reads.py`` (streams and
+(opening, adding and dropping generations), ``deletes.py`` (a delete's
+bounded steps), ``reads.py`` (streams and
 scans), ``wire.py`` (messages in protobuf wire form). The names they define
 that callers use are importable from here too.
 
@@ -32,7 +33,7 @@ from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.server.durable import make_dirs
 from mqds.server.storage import dedup as dedups
-from mqds.server.storage import keys, reads, writes
+from mqds.server.storage import deletes, keys, reads, retention, writes
 from mqds.server.storage.dedup import DEDUP_PRUNE_PERIOD_US, DEDUP_WINDOW_US
 from mqds.server.storage.engine import Engine, EngineOptions, scan
 from mqds.server.storage.generations import Generation, GenerationInfo, Generations
@@ -368,6 +369,54 @@ class ShardStorage:
             for cf in [self._db] + [gen.cf for gen in self._generations.by_number.values()]:
                 cf.flush(False)
             return info
+
+    def delete_messages(
+        self,
+        spec: deletes.DeleteSpec,
+        cursor: deletes.Cursor | None,
+        max_keys: int,
+        *,
+        applied_index: int | None = None,
+    ) -> deletes.StepResult:
+        """One step of a delete (``deletes.py``): at most ``max_keys`` keys scanned, the matches deleted.
+
+        ``spec.until_us`` 0: up to what is stored now (the first step fixes
+        it; the result carries it for the next steps).
+        """
+        with self._lock:
+            if not spec.until_us:
+                spec = deletes.DeleteSpec(spec.topic_filter, spec.sender, spec.since_us, self.last_ts + 1)
+            batch = WriteBatch(raw_mode=True)
+            gens = [self._gens[n] for n in sorted(self._gens)]
+            result = deletes.step(self.trie, gens, spec, cursor, max_keys, batch)
+            self._write(batch, False, applied_index)
+            return result
+
+    def apply_retention(
+        self,
+        policy: retention.Policy,
+        now_us: int,
+        after_us: int,
+        cursor: deletes.Cursor | None,
+        max_keys: int,
+        *,
+        applied_index: int | None = None,
+    ) -> deletes.StepResult:
+        """One step of a retention pass (``retention.py``): what the policy's periods ended by ``now_us``."""
+        with self._lock:
+            batch = WriteBatch(raw_mode=True)
+            gens = [self._gens[n] for n in sorted(self._gens)]
+            result = retention.step(self.trie, gens, policy, now_us, after_us, cursor, max_keys, batch)
+            self._write(batch, False, applied_index)
+            return result
+
+    def retention_due(self, policy: retention.Policy, now_us: int, after_us: int) -> tuple[list[int], bool]:
+        """The closed generations the policy lets drop whole, and whether a pass may find messages to remove."""
+        with self._lock:
+            gens = [self._gens[n] for n in sorted(self._gens)]
+            drops = [g.number for g in gens if retention.droppable(g, self.trie, policy, now_us)]
+            kept = [g for g in gens if g.number not in drops]
+            return drops, retention.may_have_expired(kept, self.trie, policy, now_us, after_us)
 
     def applied_part(self, index: int) -> int:
         """The last part of log entry ``index`` already written (-1 for none).

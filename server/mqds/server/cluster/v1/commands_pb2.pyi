@@ -10,16 +10,50 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VnodeCommand(_message.Message):
-    __slots__ = ("store", "add_generation", "drop_generation", "session")
+    __slots__ = ("store", "add_generation", "drop_generation", "session", "delete_messages", "apply_retention")
     STORE_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_FIELD_NUMBER: _ClassVar[int]
     DROP_GENERATION_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    DELETE_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    APPLY_RETENTION_FIELD_NUMBER: _ClassVar[int]
     store: StoreMessages
     add_generation: AddGeneration
     drop_generation: DropGeneration
     session: SessionCommand
-    def __init__(self, store: _Optional[_Union[StoreMessages, _Mapping]] = ..., add_generation: _Optional[_Union[AddGeneration, _Mapping]] = ..., drop_generation: _Optional[_Union[DropGeneration, _Mapping]] = ..., session: _Optional[_Union[SessionCommand, _Mapping]] = ...) -> None: ...
+    delete_messages: DeleteMessages
+    apply_retention: ApplyRetention
+    def __init__(self, store: _Optional[_Union[StoreMessages, _Mapping]] = ..., add_generation: _Optional[_Union[AddGeneration, _Mapping]] = ..., drop_generation: _Optional[_Union[DropGeneration, _Mapping]] = ..., session: _Optional[_Union[SessionCommand, _Mapping]] = ..., delete_messages: _Optional[_Union[DeleteMessages, _Mapping]] = ..., apply_retention: _Optional[_Union[ApplyRetention, _Mapping]] = ...) -> None: ...
+
+class ApplyRetention(_message.Message):
+    __slots__ = ("now_us", "policy", "after_us", "cursor", "max_keys")
+    NOW_US_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    AFTER_US_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    now_us: int
+    policy: _cluster_pb2.RetentionPolicy
+    after_us: int
+    cursor: _storage_pb2.DeleteCursor
+    max_keys: int
+    def __init__(self, now_us: _Optional[int] = ..., policy: _Optional[_Union[_cluster_pb2.RetentionPolicy, _Mapping]] = ..., after_us: _Optional[int] = ..., cursor: _Optional[_Union[_storage_pb2.DeleteCursor, _Mapping]] = ..., max_keys: _Optional[int] = ...) -> None: ...
+
+class DeleteMessages(_message.Message):
+    __slots__ = ("topic_filter", "sender", "since_us", "until_us", "cursor", "max_keys")
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    SINCE_US_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_US_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    topic_filter: str
+    sender: str
+    since_us: int
+    until_us: int
+    cursor: _storage_pb2.DeleteCursor
+    max_keys: int
+    def __init__(self, topic_filter: _Optional[str] = ..., sender: _Optional[str] = ..., since_us: _Optional[int] = ..., until_us: _Optional[int] = ..., cursor: _Optional[_Union[_storage_pb2.DeleteCursor, _Mapping]] = ..., max_keys: _Optional[int] = ...) -> None: ...
 
 class StoreMessages(_message.Message):
     __slots__ = ("messages", "producer_id", "sequence", "now_us")
@@ -92,18 +126,26 @@ class Expire(_message.Message):
     def __init__(self, max_count: _Optional[int] = ...) -> None: ...
 
 class MetaCommand(_message.Message):
-    __slots__ = ("set_address", "add_node", "set_state", "remove_node", "set_replicas")
+    __slots__ = ("set_address", "add_node", "set_state", "remove_node", "set_replicas", "set_retention")
     SET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ADD_NODE_FIELD_NUMBER: _ClassVar[int]
     SET_STATE_FIELD_NUMBER: _ClassVar[int]
     REMOVE_NODE_FIELD_NUMBER: _ClassVar[int]
     SET_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SET_RETENTION_FIELD_NUMBER: _ClassVar[int]
     set_address: SetNodeAddress
     add_node: AddNode
     set_state: SetNodeState
     remove_node: RemoveNode
     set_replicas: SetReplicas
-    def __init__(self, set_address: _Optional[_Union[SetNodeAddress, _Mapping]] = ..., add_node: _Optional[_Union[AddNode, _Mapping]] = ..., set_state: _Optional[_Union[SetNodeState, _Mapping]] = ..., remove_node: _Optional[_Union[RemoveNode, _Mapping]] = ..., set_replicas: _Optional[_Union[SetReplicas, _Mapping]] = ...) -> None: ...
+    set_retention: SetRetention
+    def __init__(self, set_address: _Optional[_Union[SetNodeAddress, _Mapping]] = ..., add_node: _Optional[_Union[AddNode, _Mapping]] = ..., set_state: _Optional[_Union[SetNodeState, _Mapping]] = ..., remove_node: _Optional[_Union[RemoveNode, _Mapping]] = ..., set_replicas: _Optional[_Union[SetReplicas, _Mapping]] = ..., set_retention: _Optional[_Union[SetRetention, _Mapping]] = ...) -> None: ...
+
+class SetRetention(_message.Message):
+    __slots__ = ("policy",)
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    policy: _cluster_pb2.RetentionPolicy
+    def __init__(self, policy: _Optional[_Union[_cluster_pb2.RetentionPolicy, _Mapping]] = ...) -> None: ...
 
 class SetNodeAddress(_message.Message):
     __slots__ = ("node_id", "address")
