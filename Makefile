@@ -65,7 +65,7 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python proto/generate.py --check
 	$(BIN)/python -m pytest -m spark $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -m "not chaos and not spark" -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not chaos and not spark" -n 3 --dist loadfile $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
