@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
+import time
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from storage_support import msg, replay
@@ -127,3 +130,26 @@ def test_iterators_made_before_a_delete_skip_what_it_deleted(shard: ShardStorage
     assert [ts for ts, _ in first.entries] == [10, 11, 12]
     assert [ts for ts, _ in rest.entries] == [14, 16, 18]
     assert isinstance(first.state, IteratorState)
+
+
+def _generation_bytes(shard: ShardStorage, number: int) -> int:
+    return shard.disk_usage().generation_bytes.get(number, 0)
+
+
+@pytest.mark.parametrize("sender", ["", "s1"])
+def test_the_disk_a_delete_frees_comes_back(shard: ShardStorage, sender: str) -> None:
+    """Range deletions (a whole stream) and per-message deletes (a sender's) both give their disk back:
+    RocksDB keeps deleted keys until a compaction drops them, and nothing else would start one soon."""
+    for i in range(40):
+        shard.store([msg("big/t", payload=os.urandom(200), sender="s1") for _ in range(1_000)], 10 + i * 1_000)
+    gen = shard._gens[1]
+    gen.cf.flush(True)
+    before = _generation_bytes(shard, 1)
+    assert before > 4_000_000
+    deleted, _, _ = run_delete(shard, DeleteSpec("big/#", sender, 0, 0), 5_000)
+    assert deleted == 40_000
+    gen.cf.flush(True)
+    deadline = time.monotonic() + 30
+    while _generation_bytes(shard, 1) > before // 10 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _generation_bytes(shard, 1) <= before // 10, (before, _generation_bytes(shard, 1))

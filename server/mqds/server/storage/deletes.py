@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rocksdict import ReadOptions, WriteBatch
 
@@ -68,6 +68,8 @@ class StepResult:
     index_keys: int = 0
     scanned: int = 0
     cursor: Cursor | None = None
+    ranges: list[tuple[int, bytes, bytes]] = field(default_factory=list)
+    """(generation, first key, key after the last): where this step deleted, to compact soon (compaction.py)."""
 
 
 @dataclass(frozen=True)
@@ -154,13 +156,20 @@ def run_step(
         if budget <= 0:
             result.cursor = Cursor(ref.generation, ref.stream, start)
             return
+        deleted = result.messages
         if stream_plan.whole:
             next_ts = _delete_range(gen, ref.stream, start, stream_plan.until, budget, batch, result)
             if next_ts is None and _covers(gen, start, stream_plan.until):
-                result.index_keys += _delete_index(gen, ref.stream, batch)
+                index_keys = _delete_index(gen, ref.stream, batch)
+                if index_keys:
+                    result.index_keys += index_keys
+                    result.ranges.append((gen.number, *_index_range(ref.stream)))
         else:
             assert stream_plan.goes is not None
             next_ts = _delete_matching(gen, ref.stream, stream_plan, start, budget, batch, result)
+        if result.messages > deleted:
+            stop = stream_plan.until if next_ts is None else next_ts
+            result.ranges.append((gen.number, keys.data_key(ref.stream, start), keys.data_key(ref.stream, stop)))
         if next_ts is not None:
             result.cursor = Cursor(ref.generation, ref.stream, next_ts)
             return
@@ -223,10 +232,15 @@ def _covers(gen: Generation, start: int, until_us: int) -> bool:
     return start <= gen.record.since_us and until is not None and until_us >= until
 
 
+def _index_range(stream: int) -> tuple[bytes, bytes]:
+    """The first index key of a stream and the first key after them all."""
+    prefix = keys.INDEX_TAG + keys.u32(stream)
+    return prefix, keys.INDEX_TAG + keys.u32(stream + 1) if stream < 0xFFFFFFFF else bytes([keys.INDEX_TAG[0] + 1])
+
+
 def _delete_index(gen: Generation, stream: int, batch: WriteBatch) -> int:
     """Delete the stream's index keys in the generation; how many there were."""
-    prefix = keys.INDEX_TAG + keys.u32(stream)
-    end = keys.INDEX_TAG + keys.u32(stream + 1) if stream < 0xFFFFFFFF else bytes([keys.INDEX_TAG[0] + 1])
+    prefix, end = _index_range(stream)
     opts = ReadOptions()
     opts.set_iterate_upper_bound(end)
     count = sum(1 for _ in gen.cf.keys(from_key=prefix, read_opt=opts))

@@ -24,6 +24,8 @@ from rocksdict import (
     WriteOptions,
 )
 
+from mqds.server.storage.compaction import CompactionThread
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -66,6 +68,8 @@ class Engine:
         # A batch's keys come in runs (one stream, rising timestamps): let
         # the memtable insert each after the previous one (~13% faster).
         self.async_write.memtable_insert_hint_per_batch = True
+        self.compactions = CompactionThread()
+        """Compactions of what deletes freed (``compaction.py``), one at a time for all shards."""
 
     def memtable_size(self) -> int:
         """A column family's memtable size: ``memtable_bytes`` give or take ``memtable_jitter``, at random.
@@ -108,6 +112,9 @@ class Engine:
         opts.set_block_based_table_factory(table)
         opts.set_write_buffer_size(self.memtable_size())
         opts.set_compression_type(DBCompressionType.lz4())
+        # A file whose entries are mostly tombstones (expired sessions, deleted messages) is
+        # compacted by itself, so the disk they took comes back (compaction.py for range deletions).
+        opts.add_compact_on_deletion_collector_factory(1_000, 500, 0.5)
         return opts
 
 

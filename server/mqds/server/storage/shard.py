@@ -21,6 +21,7 @@ See ``keys.py`` for the key layout and ``DESIGN.md`` for the why.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -34,6 +35,7 @@ from mqds.protocol.errors import Reason
 from mqds.server.durable import make_dirs
 from mqds.server.storage import dedup as dedups
 from mqds.server.storage import deletes, keys, reads, retention, writes
+from mqds.server.storage.compaction import PendingRanges
 from mqds.server.storage.dedup import DEDUP_PRUNE_PERIOD_US, DEDUP_WINDOW_US
 from mqds.server.storage.engine import Engine, EngineOptions, scan
 from mqds.server.storage.generations import Generation, GenerationInfo, Generations
@@ -50,6 +52,8 @@ from mqds.server.wire import (
     varint,
 )
 from mqds.v1 import storage_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,8 @@ class ShardStorage:
         self.part_mark: bytes | None = None
         """Set while one part of a multi-part log entry is applied (``begin_part``): its writes record it."""
         self._dedup_pruned = 0
+        self._compact_lock = threading.Lock()
+        self._pending_compactions = PendingRanges()
         self.keys_read = 0
         """Keys read by ``next`` since the shard was opened (a cost measure)."""
 
@@ -186,8 +192,11 @@ class ShardStorage:
         return scan(cf, prefix)
 
     def close(self) -> None:
-        """Close the database. Column family handles go first, or RocksDB stays locked."""
-        with self._lock:
+        """Close the database. Column family handles go first, or RocksDB stays locked.
+
+        A compaction after a delete (``compaction.py``) runs to its end first.
+        """
+        with self._compact_lock, self._lock:
             self._generations.by_number.clear()
             self._meta_handle = None
             db, self._db = self._db, None
@@ -390,7 +399,8 @@ class ShardStorage:
             gens = [self._gens[n] for n in sorted(self._gens)]
             result = deletes.step(self.trie, gens, spec, cursor, max_keys, batch)
             self._write(batch, False, applied_index)
-            return result
+        self._compact_soon(result)
+        return result
 
     def apply_retention(
         self,
@@ -408,7 +418,31 @@ class ShardStorage:
             gens = [self._gens[n] for n in sorted(self._gens)]
             result = retention.step(self.trie, gens, policy, now_us, after_us, cursor, max_keys, batch)
             self._write(batch, False, applied_index)
-            return result
+        self._compact_soon(result)
+        return result
+
+    def _compact_soon(self, result: deletes.StepResult) -> None:
+        """Have the node's compaction thread compact what a step deleted (``compaction.py``)."""
+        schedule = False
+        for generation, begin, end in result.ranges:
+            schedule |= self._pending_compactions.add(generation, begin, end)
+        if schedule:
+            self._engine.compactions.submit(self._compact_pending)
+
+    def _compact_pending(self) -> None:
+        """On the compaction thread: compact each waiting range, outside the shard's lock (close waits)."""
+        with self._compact_lock:
+            for number, (begin, end) in self._pending_compactions.take().items():
+                with self._lock:
+                    if self._db is None:
+                        return
+                    gen = self._gens.get(number)
+                if gen is None:  # dropped meanwhile: its files are gone anyway
+                    continue
+                try:
+                    gen.cf.compact_range(begin, end)
+                except Exception as err:  # the disk comes back later, with other compactions
+                    log.warning("shard %d: compacting generation %d after a delete failed: %s", self.shard, number, err)
 
     def retention_due(self, policy: retention.Policy, now_us: int, after_us: int) -> tuple[list[int], bool]:
         """The closed generations the policy lets drop whole, and whether a pass may find messages to remove."""
