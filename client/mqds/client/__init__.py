@@ -11,6 +11,7 @@ from mqds.client import aio, errors
 from mqds.client.batch import MessageBatch
 from mqds.client.client import Client
 from mqds.client.connection import ConnectionSettings
+from mqds.client.deletes import DeleteReport, ShardDeleted
 from mqds.client.follow import FollowBatch, FollowPosition
 from mqds.client.follow_sync import Subscription
 from mqds.client.model import (
@@ -25,6 +26,7 @@ from mqds.client.model import (
     Stream,
 )
 from mqds.client.offline import OfflineFetch
+from mqds.client.share_group import ShareAssignment, SharedSubscription
 from mqds.protocol.limits import SESSION_NEVER_EXPIRES
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "Client",
     "ClientState",
     "ConnectionSettings",
+    "DeleteReport",
     "Fence",
     "FollowBatch",
     "FollowPosition",
@@ -43,6 +46,9 @@ __all__ = [
     "OfflineFetch",
     "Rank",
     "ReadPosition",
+    "ShardDeleted",
+    "ShareAssignment",
+    "SharedSubscription",
     "Stream",
     "Subscription",
     "aio",

@@ -18,6 +18,7 @@ from mqds.client.model import ClientState, Message, ReadPosition
 from mqds.client.offline import OfflineFetch, SharedFetch
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.retry import time_left
+from mqds.client.share_group import ShareAssignment, share_group_call
 
 T = TypeVar("T")
 
@@ -235,3 +236,19 @@ class AsyncBrokerStateCalls(abc.ABC):
         """Delete every proxy subscription and read position of ``clientid`` (an MQTT clean session discards
         the previous session); (subscriptions, read positions) deleted. Its client state stays."""
         return await self._keyed_call(lambda n: ops.forget_session(clientid, n), timeout_s)
+
+    async def join_share_group(
+        self, group: str, topic_filter: str, member: str, lease_s: int = 30, timeout_s: float | None = None
+    ) -> ShareAssignment:
+        """As :meth:`mqds.client.Client.join_share_group`."""
+        return await self._keyed_call(
+            lambda n: share_group_call("JoinShareGroup", group, topic_filter, member, lease_s, n), timeout_s
+        )
+
+    async def leave_share_group(
+        self, group: str, topic_filter: str, member: str, timeout_s: float | None = None
+    ) -> ShareAssignment:
+        """As :meth:`mqds.client.Client.leave_share_group`."""
+        return await self._keyed_call(
+            lambda n: share_group_call("LeaveShareGroup", group, topic_filter, member, 0, n), timeout_s
+        )

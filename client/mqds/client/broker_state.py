@@ -17,6 +17,7 @@ from mqds.client.model import ClientState, Message, ReadPosition
 from mqds.client.offline import OfflineFetch, SharedFetch
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.retry import time_left
+from mqds.client.share_group import ShareAssignment, share_group_call
 
 T = TypeVar("T")
 
@@ -119,6 +120,7 @@ class BrokerStateCalls(abc.ABC):
         *,
         include_qos0: bool = False,
         start: str = "earliest",
+        shards: Iterable[int] | None = None,
         timeout_s: float | None = None,
     ) -> list[Message]:
         """Stored messages for a subscriber that was offline: oldest first, at most ``max_count``.
@@ -137,6 +139,7 @@ class BrokerStateCalls(abc.ABC):
         acknowledges); ``"now"``, what is stored from now on, as MQTT has it for
         a new subscription (the pair's read position is started now, see
         ``start_read_position``; a pair that has one reads on from it).
+        ``shards``: only these shards (a share group's member reads its own).
         """
         fetch = ops.FetchOffline.check(clientid, topic_filter, mode, max_count, time_range_s, include_qos0, start)
         deadline = self._deadline(timeout_s)
@@ -145,7 +148,8 @@ class BrokerStateCalls(abc.ABC):
             read = self.start_read_position if fetch.start_now else self.read_position
             position = read(clientid, topic_filter, timeout_s=timeout_s)
         remaining = time_left(deadline)
-        return fetch.cut(self._fanout_call(fetch.messages(position), remaining))
+        chosen = None if shards is None else sorted(set(shards))
+        return fetch.cut(self._fanout_call(fetch.messages(position, chosen), remaining))
 
     def fetch_offline_many(
         self,
@@ -223,6 +227,24 @@ class BrokerStateCalls(abc.ABC):
     def forget_acks(self, clientid: str, topic_filter: str, timeout_s: float | None = None) -> bool:
         """Delete the (clientid, filter) read position (the seed backends' ``on_acked_delete``); whether it existed."""
         return self._keyed_call(lambda n: ops.forget_acks(clientid, topic_filter, n), timeout_s)
+
+    def join_share_group(
+        self, group: str, topic_filter: str, member: str, lease_s: int = 30, timeout_s: float | None = None
+    ) -> ShareAssignment:
+        """Join the share group ``$share/<group>/<topic_filter>`` as ``member`` (or renew its lease) for
+        ``lease_s`` seconds; the live members and the shards this member reads. See
+        :class:`mqds.client.SharedSubscription`, which fetches, acknowledges and renews."""
+        return self._keyed_call(
+            lambda n: share_group_call("JoinShareGroup", group, topic_filter, member, lease_s, n), timeout_s
+        )
+
+    def leave_share_group(
+        self, group: str, topic_filter: str, member: str, timeout_s: float | None = None
+    ) -> ShareAssignment:
+        """Leave a share group at once (its shards go to the other members); the members left."""
+        return self._keyed_call(
+            lambda n: share_group_call("LeaveShareGroup", group, topic_filter, member, 0, n), timeout_s
+        )
 
     def forget_session(self, clientid: str, timeout_s: float | None = None) -> tuple[int, int]:
         """Delete every proxy subscription and read position of ``clientid`` (an MQTT clean session discards

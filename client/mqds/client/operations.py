@@ -448,12 +448,13 @@ class FetchOffline:
     def pubsub(self) -> bool:
         return self.mode == spb.PUBSUB
 
-    def messages(self, position: ReadPosition | None = None) -> FanoutCall[Message]:
-        """The call that reads matching messages after ``position`` (None: from the first) from every shard."""
+    def messages(self, position: ReadPosition | None = None, shards: list[int] | None = None) -> FanoutCall[Message]:
+        """The call that reads matching messages after ``position`` (None: from the first) from ``shards``
+        (None: every shard)."""
         after_us = position.acked_us if position is not None else {}
         return FanoutCall(
             "FetchMessages",
-            None,
+            shards,
             lambda shards: spb.FetchMessagesRequest(
                 topic_filter=self.topic_filter,
                 shards=shards,

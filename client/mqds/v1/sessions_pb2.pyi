@@ -383,3 +383,25 @@ class ForgetSessionResponse(_message.Message):
     subscriptions: int
     read_positions: int
     def __init__(self, subscriptions: _Optional[int] = ..., read_positions: _Optional[int] = ...) -> None: ...
+
+class ShareGroupRequest(_message.Message):
+    __slots__ = ("group", "topic_filter", "member", "lease_s")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    topic_filter: str
+    member: str
+    lease_s: int
+    def __init__(self, group: _Optional[str] = ..., topic_filter: _Optional[str] = ..., member: _Optional[str] = ..., lease_s: _Optional[int] = ...) -> None: ...
+
+class ShareGroupResponse(_message.Message):
+    __slots__ = ("members", "shards", "position_clientid")
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_CLIENTID_FIELD_NUMBER: _ClassVar[int]
+    members: _containers.RepeatedScalarFieldContainer[str]
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    position_clientid: str
+    def __init__(self, members: _Optional[_Iterable[str]] = ..., shards: _Optional[_Iterable[int]] = ..., position_clientid: _Optional[str] = ...) -> None: ...

@@ -124,6 +124,16 @@ class SessionsStub:
                 request_serializer=mqds_dot_v1_dot_sessions__pb2.ForgetSessionRequest.SerializeToString,
                 response_deserializer=mqds_dot_v1_dot_sessions__pb2.ForgetSessionResponse.FromString,
                 _registered_method=True)
+        self.JoinShareGroup = channel.unary_unary(
+                '/mqds.v1.Sessions/JoinShareGroup',
+                request_serializer=mqds_dot_v1_dot_sessions__pb2.ShareGroupRequest.SerializeToString,
+                response_deserializer=mqds_dot_v1_dot_sessions__pb2.ShareGroupResponse.FromString,
+                _registered_method=True)
+        self.LeaveShareGroup = channel.unary_unary(
+                '/mqds.v1.Sessions/LeaveShareGroup',
+                request_serializer=mqds_dot_v1_dot_sessions__pb2.ShareGroupRequest.SerializeToString,
+                response_deserializer=mqds_dot_v1_dot_sessions__pb2.ShareGroupResponse.FromString,
+                _registered_method=True)
 
 
 class SessionsServicer:
@@ -281,6 +291,25 @@ class SessionsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinShareGroup(self, request, context):
+        """Shared subscriptions ($share/<group>/<filter>): a member joins the
+        group of (group, topic filter), or renews its lease, and learns the
+        live members and the shards it reads. The members share the read
+        position of the pseudo-client "$share/<group>" (FetchMessages on their
+        shards after it, Ack with that clientid). Logged in that pseudo-client's
+        shard; members whose lease ran out are removed when the group changes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaveShareGroup(self, request, context):
+        """A member leaves its group at once (its shards go to the others).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -373,6 +402,16 @@ def add_SessionsServicer_to_server(servicer, server):
                     servicer.ForgetSession,
                     request_deserializer=mqds_dot_v1_dot_sessions__pb2.ForgetSessionRequest.FromString,
                     response_serializer=mqds_dot_v1_dot_sessions__pb2.ForgetSessionResponse.SerializeToString,
+            ),
+            'JoinShareGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinShareGroup,
+                    request_deserializer=mqds_dot_v1_dot_sessions__pb2.ShareGroupRequest.FromString,
+                    response_serializer=mqds_dot_v1_dot_sessions__pb2.ShareGroupResponse.SerializeToString,
+            ),
+            'LeaveShareGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveShareGroup,
+                    request_deserializer=mqds_dot_v1_dot_sessions__pb2.ShareGroupRequest.FromString,
+                    response_serializer=mqds_dot_v1_dot_sessions__pb2.ShareGroupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -861,6 +900,60 @@ class Sessions:
             '/mqds.v1.Sessions/ForgetSession',
             mqds_dot_v1_dot_sessions__pb2.ForgetSessionRequest.SerializeToString,
             mqds_dot_v1_dot_sessions__pb2.ForgetSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinShareGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mqds.v1.Sessions/JoinShareGroup',
+            mqds_dot_v1_dot_sessions__pb2.ShareGroupRequest.SerializeToString,
+            mqds_dot_v1_dot_sessions__pb2.ShareGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveShareGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mqds.v1.Sessions/LeaveShareGroup',
+            mqds_dot_v1_dot_sessions__pb2.ShareGroupRequest.SerializeToString,
+            mqds_dot_v1_dot_sessions__pb2.ShareGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -93,6 +93,8 @@ METHOD_ROLES: dict[str, str] = {
             "StartReadPosition",
             "StartReadPositions",
             "ForgetSession",
+            "JoinShareGroup",
+            "LeaveShareGroup",
         )
     },
     **{f"/mqds.v1.Cluster/{m}": READ for m in ("GetClusterMap", "GetNodeStatus", "GetReplicaDigest")},

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mqds.protocol import errors
+from mqds.protocol import errors, share_groups
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_topic
@@ -340,3 +340,20 @@ class SessionService(ShardsAPI):
     def ForgetSession(self, request: spb.ForgetSessionRequest) -> spb.ForgetSessionResponse:
         subscriptions, positions = self._log(self._client_shard(request.clientid), forget_session=request)
         return spb.ForgetSessionResponse(subscriptions=subscriptions, read_positions=positions)
+
+    # -- shared subscriptions -----------------------------------------------------
+
+    def _share_group(self, request: spb.ShareGroupRequest, change: str) -> spb.ShareGroupResponse:
+        share_groups.check(request.group, request.topic_filter, request.member, request.lease_s or 1)
+        pseudo = share_groups.position_client(request.group)
+        members = self._log(shard_of(pseudo, self.shards.n_shards), **{change: request})
+        mine = share_groups.assign(members, self.shards.n_shards).get(request.member, [])
+        return spb.ShareGroupResponse(members=members, shards=mine, position_clientid=pseudo)
+
+    def JoinShareGroup(self, request: spb.ShareGroupRequest) -> spb.ShareGroupResponse:
+        if not request.lease_s:
+            raise errors.error(Reason.INVALID_REQUEST, "lease_s is 0: a member joins for 1 to 3600 seconds")
+        return self._share_group(request, "share_join")
+
+    def LeaveShareGroup(self, request: spb.ShareGroupRequest) -> spb.ShareGroupResponse:
+        return self._share_group(request, "share_leave")

@@ -34,6 +34,7 @@ from mqds.server.storage import Engine, GenerationInfo, ShardStorage, StorePart
 from mqds.server.storage.deletes import Cursor, DeleteSpec, StepResult
 from mqds.server.storage.expiry import NEVER
 from mqds.server.storage.retention import policy_of
+from mqds.server.storage.share_groups import MAX_MEMBERS
 from mqds.v1 import sessions_pb2 as spb
 
 if TYPE_CHECKING:
@@ -322,6 +323,19 @@ class VnodeReplica:
             return sessions.forget_session(cmd.forget_session.clientid, applied_index=index)
         if kind == "expire":
             return sessions.expire(now, cmd.expire.max_count, applied_index=index)
+        if kind == "share_join":
+            j = cmd.share_join
+            groups = self.storage.share_groups
+            members = groups.join(j.group, j.topic_filter, j.member, j.lease_s, now, applied_index=index)
+            if members is None:
+                return errors.error(
+                    Reason.INVALID_REQUEST,
+                    f"share group {j.group!r} of {j.topic_filter!r} has {MAX_MEMBERS} members, the most it may have",
+                )
+            return members
+        if kind == "share_leave":
+            lv = cmd.share_leave
+            return self.storage.share_groups.leave(lv.group, lv.topic_filter, lv.member, now, applied_index=index)
         raise errors.error(Reason.INTERNAL, f"shard {self.shard}: a log entry holds an unknown session command")
 
     def snapshot(self) -> bytes:

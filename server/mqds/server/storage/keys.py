@@ -34,6 +34,8 @@ default                ``q:`` u64 timestamp                        empty: a queu
                                                                    message stored at this timestamp
 default                ``f:`` topic filter                         u64 queue floor: every message up to this
                                                                    timestamp matching the filter is acknowledged
+default                ``h:`` u16 len, group, u16 len, filter,     u64 lease end: a member of a share group
+                       member                                      (``share_groups.py``)
 gen-NNNNNNNN           ``D`` u32 stream, u64 timestamp             message: a serialised ``mqds.v1.Message``
                                                                    without ``timestamp_us`` and ``shard``
 gen-NNNNNNNN           ``I`` u32 stream, u8 level, 8-byte hash,    postings: which messages of one stored batch
@@ -118,6 +120,7 @@ RETAINED_EXPIRY_PREFIX = b"x:"
 SESSION_EXPIRY_PREFIX = b"y:"
 QUEUE_ACK_PREFIX = b"q:"
 QUEUE_FLOOR_PREFIX = b"f:"
+SHARE_MEMBER_PREFIX = b"h:"
 
 MAX_INDEXED_LEVELS = 16
 
@@ -302,6 +305,11 @@ def subscriptions_prefix(clientid: str) -> bytes:
 def positions_prefix(clientid: str) -> bytes:
     """The prefix of a client's ``a:`` keys (read positions); the topic filter follows it."""
     return POSITION_PREFIX + _sized(clientid)
+
+
+def share_group_prefix(group: str, topic_filter: str) -> bytes:
+    """The prefix of a share group's ``h:`` keys (one per member; the member's name follows it)."""
+    return SHARE_MEMBER_PREFIX + _sized(group) + _sized(topic_filter)
 
 
 def position_key(clientid: str, topic_filter: str) -> bytes:

@@ -42,6 +42,7 @@ from mqds.server.storage.generations import Generation, GenerationInfo, Generati
 from mqds.server.storage.iterators import IteratorState
 from mqds.server.storage.reads import ReadResult, StreamRef
 from mqds.server.storage.sessions import SessionState
+from mqds.server.storage.share_groups import ShareGroups
 from mqds.server.storage.trie import TopicTrie
 from mqds.server.wire import (
     decode_message,
@@ -133,6 +134,8 @@ class ShardStorage:
         self.trie = self._load(lts_threshold_top, lts_threshold, existing)
         self._routes = writes.Routes(self.trie)
         self.sessions = SessionState(self)
+        self.share_groups = ShareGroups(self)
+        """The members of the share groups kept in this shard (shared subscriptions)."""
         """Client state, subscriptions, retained messages and read positions kept in this shard."""
 
     @property

@@ -94,7 +94,7 @@ class DropGeneration(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class SessionCommand(_message.Message):
-    __slots__ = ("now_us", "connected", "disconnected", "subscribe", "unsubscribe", "retain", "ack", "forget_position", "start_position", "forget_session", "expire")
+    __slots__ = ("now_us", "connected", "disconnected", "subscribe", "unsubscribe", "retain", "ack", "forget_position", "start_position", "forget_session", "expire", "share_join", "share_leave")
     NOW_US_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     DISCONNECTED_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,8 @@ class SessionCommand(_message.Message):
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     FORGET_SESSION_FIELD_NUMBER: _ClassVar[int]
     EXPIRE_FIELD_NUMBER: _ClassVar[int]
+    SHARE_JOIN_FIELD_NUMBER: _ClassVar[int]
+    SHARE_LEAVE_FIELD_NUMBER: _ClassVar[int]
     now_us: int
     connected: _sessions_pb2.ClientConnectedRequest
     disconnected: _sessions_pb2.ClientDisconnectedRequest
@@ -117,7 +119,9 @@ class SessionCommand(_message.Message):
     start_position: _sessions_pb2.StartReadPositionRequest
     forget_session: _sessions_pb2.ForgetSessionRequest
     expire: Expire
-    def __init__(self, now_us: _Optional[int] = ..., connected: _Optional[_Union[_sessions_pb2.ClientConnectedRequest, _Mapping]] = ..., disconnected: _Optional[_Union[_sessions_pb2.ClientDisconnectedRequest, _Mapping]] = ..., subscribe: _Optional[_Union[_sessions_pb2.SubscribeRequest, _Mapping]] = ..., unsubscribe: _Optional[_Union[_sessions_pb2.UnsubscribeRequest, _Mapping]] = ..., retain: _Optional[_Union[_storage_pb2.Message, _Mapping]] = ..., ack: _Optional[_Union[_sessions_pb2.AckRequest, _Mapping]] = ..., forget_position: _Optional[_Union[_sessions_pb2.ForgetReadPositionRequest, _Mapping]] = ..., start_position: _Optional[_Union[_sessions_pb2.StartReadPositionRequest, _Mapping]] = ..., forget_session: _Optional[_Union[_sessions_pb2.ForgetSessionRequest, _Mapping]] = ..., expire: _Optional[_Union[Expire, _Mapping]] = ...) -> None: ...
+    share_join: _sessions_pb2.ShareGroupRequest
+    share_leave: _sessions_pb2.ShareGroupRequest
+    def __init__(self, now_us: _Optional[int] = ..., connected: _Optional[_Union[_sessions_pb2.ClientConnectedRequest, _Mapping]] = ..., disconnected: _Optional[_Union[_sessions_pb2.ClientDisconnectedRequest, _Mapping]] = ..., subscribe: _Optional[_Union[_sessions_pb2.SubscribeRequest, _Mapping]] = ..., unsubscribe: _Optional[_Union[_sessions_pb2.UnsubscribeRequest, _Mapping]] = ..., retain: _Optional[_Union[_storage_pb2.Message, _Mapping]] = ..., ack: _Optional[_Union[_sessions_pb2.AckRequest, _Mapping]] = ..., forget_position: _Optional[_Union[_sessions_pb2.ForgetReadPositionRequest, _Mapping]] = ..., start_position: _Optional[_Union[_sessions_pb2.StartReadPositionRequest, _Mapping]] = ..., forget_session: _Optional[_Union[_sessions_pb2.ForgetSessionRequest, _Mapping]] = ..., expire: _Optional[_Union[Expire, _Mapping]] = ..., share_join: _Optional[_Union[_sessions_pb2.ShareGroupRequest, _Mapping]] = ..., share_leave: _Optional[_Union[_sessions_pb2.ShareGroupRequest, _Mapping]] = ...) -> None: ...
 
 class Expire(_message.Message):
     __slots__ = ("max_count",)
