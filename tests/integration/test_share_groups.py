@@ -17,6 +17,7 @@ import pytest
 
 from mqds.client import Client, Message, SharedSubscription
 from mqds.client.errors import InvalidArgumentError
+from mqds.protocol.sharding import shard_of
 from mqds.tools.localproc import LocalCluster
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import sessions_pb2_grpc as spb_grpc
@@ -97,6 +98,22 @@ def test_joining_leaving_and_an_ended_lease_move_shards_without_losing_anything(
         # Only what a had fetched and not acknowledged when its shards moved could come twice.
         twice = {p for p, n in seen.items() if n > 1}
         assert twice <= {m.payload for m in unacked}
+        # The leader of the shard that keeps the group (and its read positions) dies: the group goes on
+        # on the new leader, and so does its position (nothing delivered again, nothing skipped).
+        home = shard_of("$share/movers", N_SHARDS)
+        leader = cluster.leader(home)
+        assert leader is not None
+        cluster.kill(leader)
+        try:
+            e = SharedSubscription(c, "movers", "work/#", "m-e")
+            assert e.join().members == ["m-a", "m-e"]
+            a.join()
+            more = publish(c, "work/x", 100, start=800)
+            after: Counter[bytes] = Counter()
+            drain([a, e], more, after)
+            assert set(after) == more and max(after.values()) == 1
+        finally:
+            cluster.start_node(leader)
     cluster.assert_replicas_identical()
 
 
