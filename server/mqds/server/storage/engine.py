@@ -20,6 +20,7 @@ from rocksdict import (
     Env,
     Options,
     Rdict,
+    ReadOptions,
     WriteBufferManager,
     WriteOptions,
 )
@@ -118,9 +119,31 @@ class Engine:
         return opts
 
 
+def prefix_end(prefix: bytes) -> bytes | None:
+    """The first key after every key that starts with ``prefix`` (None: no such key, the prefix is all 0xFF).
+
+    >>> prefix_end(b"s:ab"), prefix_end(b"a\\xff"), prefix_end(b"\\xff")
+    (b's:ac', b'b', None)
+    """
+    trimmed = prefix.rstrip(b"\xff")
+    if not trimmed:
+        return None
+    return trimmed[:-1] + bytes([trimmed[-1] + 1])
+
+
 def scan(cf: Rdict, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-    """The keys of ``cf`` (a database or a column family) that start with ``prefix``, in order, with their values."""
-    for key, value in cf.items(from_key=prefix):
+    """The keys of ``cf`` (a database or a column family) that start with ``prefix``, in order, with their values.
+
+    The iterator is bounded to the prefix: without a bound, RocksDB looks for
+    the next live key past the prefix, stepping over every deleted key on its
+    way (expired sessions leave thousands in the metadata family), and a
+    lookup of one client's keys cost milliseconds.
+    """
+    end = prefix_end(prefix)
+    bounded = ReadOptions()  # kept in this frame while the scan runs: the iterator does not hold it
+    if end is not None:
+        bounded.set_iterate_upper_bound(end)
+    for key, value in cf.items(from_key=prefix, read_opt=bounded):
         if not key.startswith(prefix):
             return
         yield key, value
