@@ -148,6 +148,30 @@ REQUESTS: tuple[Request, ...] = (
         must_refuse=True,
     ),
     Request("garbage:Sessions/FetchMessagesShared", "Sessions", "FetchMessagesShared", _garbage(2)),
+    Request(
+        "delete-no-credentials",
+        "Storage",
+        "DeleteMessages",
+        lambda h: pb.DeleteMessagesRequest(shard=0, topic_filter="chaos/#").SerializeToString(),
+        must_refuse=True,
+    ),
+    Request(
+        "set-retention-no-credentials",
+        "Cluster",
+        "SetRetention",
+        lambda h: clpb.SetRetentionRequest(
+            policy=clpb.RetentionPolicy(rules=[clpb.RetentionRule(topic_filter="chaos/#", period_s=1)])
+        ).SerializeToString(),
+        must_refuse=True,
+    ),
+    Request(
+        "share-group-bad-name",
+        "Sessions",
+        "JoinShareGroup",
+        lambda h: spb.ShareGroupRequest(group="a/+", topic_filter="#", member="m", lease_s=5).SerializeToString(),
+        must_refuse=True,
+    ),
+    Request("garbage:Sessions/JoinShareGroup", "Sessions", "JoinShareGroup", _garbage(1)),
     Request("garbage:Storage/StoreBatch", "Storage", "StoreBatch", _garbage(0)),
     Request("garbage:Storage/Next", "Storage", "Next", _garbage(1)),
     Request("garbage:Storage/GetStreams", "Storage", "GetStreams", _garbage(2)),
@@ -228,6 +252,26 @@ REQUESTS: tuple[Request, ...] = (
         secret=True,
         must_refuse=True,
     ),
+    Request(
+        "secret:delete-everything-unconfirmed",
+        "Storage",
+        "DeleteMessages",
+        lambda h: pb.DeleteMessagesRequest(shard=0, topic_filter="#").SerializeToString(),
+        secret=True,
+        must_refuse=True,
+    ),
+    Request(
+        "secret:set-retention-bad-rule",
+        "Cluster",
+        "SetRetention",
+        lambda h: clpb.SetRetentionRequest(
+            policy=clpb.RetentionPolicy(rules=[clpb.RetentionRule(topic_filter="chaos/#/x", period_s=1)])
+        ).SerializeToString(),
+        secret=True,
+        must_refuse=True,
+    ),
+    Request("secret:garbage:Storage/DeleteMessages", "Storage", "DeleteMessages", _garbage(2), secret=True),
+    Request("secret:garbage:Cluster/SetRetention", "Cluster", "SetRetention", _garbage(0), secret=True),
     Request("secret:garbage:Cluster/JoinNode", "Cluster", "JoinNode", _garbage(0), secret=True),
     Request("secret:garbage:Storage/DropGeneration", "Storage", "DropGeneration", _garbage(1), secret=True),
 )
