@@ -17,6 +17,7 @@ from typing import TypeVar
 import grpc
 import pytest
 
+from mqds.cli import main
 from mqds.client import Client, ConnectionSettings, Message, aio
 from mqds.client.errors import InvalidArgumentError, MqdsError
 from mqds.protocol.sharding import shard_of
@@ -179,3 +180,22 @@ def test_the_asyncio_client_deletes_a_senders_messages(cluster: LocalCluster) ->
 
     deleted, left = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert deleted == 5 and left == ["kept"] * 5
+
+
+def test_the_command_line_deletes_and_reports_per_shard(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with admin(cluster) as c:
+        c.store_batch([Message(topic=f"del5/{i % 3}", payload=b"x", sender=f"p{i}") for i in range(30)])
+    endpoints = ",".join(cluster.addresses)
+    monkeypatch.delenv("MQDS_CLUSTER_SECRET", raising=False)
+    assert main(["--endpoints", endpoints, "delete", "del5/1"]) == 1  # no proof: refused
+    assert "cluster secret" in capsys.readouterr().err
+    assert main(["--endpoints", endpoints, "delete", "#"]) == 2  # everything, unconfirmed
+    assert "--all" in capsys.readouterr().err
+    monkeypatch.setenv("MQDS_CLUSTER_SECRET", cluster.secret)
+    assert main(["--endpoints", endpoints, "delete", "del5/1"]) == 0
+    out = capsys.readouterr()
+    assert "deleted 10 messages" in out.out and "SHARD" in out.out and "shard 0:" in out.err
+    with admin(cluster) as c:
+        assert sorted({m.topic for m in c.replay("del5/#")}) == ["del5/0", "del5/2"]
