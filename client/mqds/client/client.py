@@ -19,10 +19,9 @@ from mqds.client import retention as retention_calls
 from mqds.client.batch import MessageBatch
 from mqds.client.broker_state import BrokerStateCalls
 from mqds.client.connection import DEFAULT_MAX_MESSAGE_BYTES, ConnectionSettings, parse_endpoints, resolve_settings
-from mqds.client.deletes import DeleteReport, DeleteRun, Progress
 from mqds.client.follow import FollowCore, FollowPosition
 from mqds.client.follow_sync import FollowMux, Subscription
-from mqds.client.model import Fence, Generation, Iterator, Message, NextResult, Rank, Stream
+from mqds.client.model import Fence, Iterator, Message, NextResult, Rank, Stream
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.pipeline import PipelineLimits, resolve_limits
 from mqds.client.pipeline_sync import SyncPipeline
@@ -30,10 +29,10 @@ from mqds.client.replay import merged
 from mqds.client.replay import read_ahead as read_ahead_batches
 from mqds.client.retry import time_left
 from mqds.client.routing import Backoff, Fanout, Router, ShardFailures
+from mqds.client.storage_admin import StorageAdminCalls
 from mqds.protocol import errors
 from mqds.protocol.errors import GenerationDroppedError, MqdsError, Reason
 from mqds.v1 import cluster_pb2 as clpb
-from mqds.v1 import storage_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ _READ_AHEAD_DEPTH = 4
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "Client", "ShardFailures", "parse_endpoints"]
 
 
-class Client(BrokerStateCalls):
+class Client(BrokerStateCalls, StorageAdminCalls):
     """Stores and replays MQTT messages on an mqds cluster.
 
     ``endpoints`` is a list of ``"host:port"`` strings (any subset of the
@@ -514,55 +513,3 @@ class Client(BrokerStateCalls):
             return read
 
         return read_ahead_batches([group(streams) for streams in order], read_ahead, _READ_AHEAD_DEPTH)
-
-    # -- generations ---------------------------------------------------------
-
-    def add_generation(self, shard: int | None = None, timeout_s: float | None = None) -> list[Generation]:
-        """Start a new generation in ``shard``, or in every shard; return the new ones."""
-        return self._fanout_call(ops.add_generation(shard), timeout_s)
-
-    def list_generations(
-        self, shard: int | None = None, *, stale_ok: bool = False, timeout_s: float | None = None
-    ) -> list[Generation]:
-        """The generations of ``shard``, or of every shard, in order."""
-        return self._fanout_call(ops.list_generations(shard, stale_ok), timeout_s)
-
-    def drop_generation(self, shard: int, generation: int, timeout_s: float | None = None) -> Generation:
-        """Drop a closed generation of a shard and free its disk; return it as it was."""
-        return self._shard_call(ops.drop_generation(shard, generation), timeout_s)
-
-    # -- deletes -------------------------------------------------------------
-
-    def delete_messages(
-        self,
-        topic_filter: str,
-        *,
-        sender: str = "",
-        since_us: int = 0,
-        until_us: int = 0,
-        confirm_all: bool = False,
-        timeout_s: float | None = None,
-        progress: Progress | None = None,
-    ) -> DeleteReport:
-        """Delete stored messages: those matching ``topic_filter``, of ``sender`` if given, stored in
-        ``[since_us, until_us)`` (0: no bound; without ``until_us``, what each shard stored before the
-        delete reached it). Needs the admin role (a node's cluster secret or an admin token).
-
-        A sender's messages are deleted in its one shard, others in every shard, one after another;
-        each shard's leader logs the delete in bounded steps that every replica applies, so readers,
-        iterators and push subscribers see the messages gone at once. ``timeout_s`` bounds each call,
-        not the whole delete: a node answers within it with what it did and where to go on, and
-        ``progress(shard, answer)`` is called with each answer. Deleting everything (``#``, no sender,
-        no time range) needs ``confirm_all``. Returns what was deleted, per shard.
-        """
-        run = DeleteRun(
-            self._n_shards(self._deadline(timeout_s)), topic_filter, sender, since_us, until_us, confirm_all, progress
-        )
-        while (call := run.next_call()) is not None:
-            shard, request = call
-            run.record(self._shard_call(ShardCall("DeleteMessages", shard, request, _same), timeout_s))
-        return run.report
-
-
-def _same(response: pb.DeleteMessagesResponse) -> pb.DeleteMessagesResponse:
-    return response

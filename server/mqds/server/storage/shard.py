@@ -11,8 +11,9 @@ write batch, which also records the applied log index when one is given.
 delegates each concept to a module of its own: ``engine.py`` (RocksDB
 options shared by a node's shards), ``writes.py`` (a stored batch as one
 write batch), ``dedup.py`` (exactly-once storing), ``generations.py``
-(opening, adding and dropping generations), ``deletes.py`` (a delete's
-bounded steps), ``reads.py`` (streams and
+(opening, adding and dropping generations), ``shard_deletes.py`` (delete
+and retention steps, inherited; ``deletes.py``, ``retention.py`` and
+``compaction.py`` behind it), ``reads.py`` (streams and
 scans), ``wire.py`` (messages in protobuf wire form). The names they define
 that callers use are importable from here too.
 
@@ -34,7 +35,7 @@ from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.server.durable import make_dirs
 from mqds.server.storage import dedup as dedups
-from mqds.server.storage import deletes, keys, reads, retention, writes
+from mqds.server.storage import keys, reads, writes
 from mqds.server.storage.compaction import PendingRanges
 from mqds.server.storage.dedup import DEDUP_PRUNE_PERIOD_US, DEDUP_WINDOW_US
 from mqds.server.storage.engine import Engine, EngineOptions, scan
@@ -42,6 +43,7 @@ from mqds.server.storage.generations import Generation, GenerationInfo, Generati
 from mqds.server.storage.iterators import IteratorState
 from mqds.server.storage.reads import ReadResult, StreamRef
 from mqds.server.storage.sessions import SessionState
+from mqds.server.storage.shard_deletes import ShardDeletes
 from mqds.server.storage.share_groups import ShareGroups
 from mqds.server.storage.trie import TopicTrie
 from mqds.server.wire import (
@@ -99,7 +101,7 @@ class DiskUsage:
     """Bytes in memtables, all families together: written, not flushed to SST files yet."""
 
 
-class ShardStorage:
+class ShardStorage(ShardDeletes):
     """The storage of one shard: generations, streams, iterators."""
 
     def __init__(
@@ -381,79 +383,6 @@ class ShardStorage:
             for cf in [self._db] + [gen.cf for gen in self._generations.by_number.values()]:
                 cf.flush(False)
             return info
-
-    def delete_messages(
-        self,
-        spec: deletes.DeleteSpec,
-        cursor: deletes.Cursor | None,
-        max_keys: int,
-        *,
-        applied_index: int | None = None,
-    ) -> deletes.StepResult:
-        """One step of a delete (``deletes.py``): at most ``max_keys`` keys scanned, the matches deleted.
-
-        ``spec.until_us`` 0: up to what is stored now (the first step fixes
-        it; the result carries it for the next steps).
-        """
-        with self._lock:
-            if not spec.until_us:
-                spec = deletes.DeleteSpec(spec.topic_filter, spec.sender, spec.since_us, self.last_ts + 1)
-            batch = WriteBatch(raw_mode=True)
-            gens = [self._gens[n] for n in sorted(self._gens)]
-            result = deletes.step(self.trie, gens, spec, cursor, max_keys, batch)
-            self._write(batch, False, applied_index)
-        self._compact_soon(result)
-        return result
-
-    def apply_retention(
-        self,
-        policy: retention.Policy,
-        now_us: int,
-        after_us: int,
-        cursor: deletes.Cursor | None,
-        max_keys: int,
-        *,
-        applied_index: int | None = None,
-    ) -> deletes.StepResult:
-        """One step of a retention pass (``retention.py``): what the policy's periods ended by ``now_us``."""
-        with self._lock:
-            batch = WriteBatch(raw_mode=True)
-            gens = [self._gens[n] for n in sorted(self._gens)]
-            result = retention.step(self.trie, gens, policy, now_us, after_us, cursor, max_keys, batch)
-            self._write(batch, False, applied_index)
-        self._compact_soon(result)
-        return result
-
-    def _compact_soon(self, result: deletes.StepResult) -> None:
-        """Have the node's compaction thread compact what a step deleted (``compaction.py``)."""
-        schedule = False
-        for generation, begin, end in result.ranges:
-            schedule |= self._pending_compactions.add(generation, begin, end)
-        if schedule:
-            self._engine.compactions.submit(self._compact_pending)
-
-    def _compact_pending(self) -> None:
-        """On the compaction thread: compact each waiting range, outside the shard's lock (close waits)."""
-        with self._compact_lock:
-            for number, (begin, end) in self._pending_compactions.take().items():
-                with self._lock:
-                    if self._db is None:
-                        return
-                    gen = self._gens.get(number)
-                if gen is None:  # dropped meanwhile: its files are gone anyway
-                    continue
-                try:
-                    gen.cf.compact_range(begin, end)
-                except Exception as err:  # the disk comes back later, with other compactions
-                    log.warning("shard %d: compacting generation %d after a delete failed: %s", self.shard, number, err)
-
-    def retention_due(self, policy: retention.Policy, now_us: int, after_us: int) -> tuple[list[int], bool]:
-        """The closed generations the policy lets drop whole, and whether a pass may find messages to remove."""
-        with self._lock:
-            gens = [self._gens[n] for n in sorted(self._gens)]
-            drops = [g.number for g in gens if retention.droppable(g, self.trie, policy, now_us)]
-            kept = [g for g in gens if g.number not in drops]
-            return drops, retention.may_have_expired(kept, self.trie, policy, now_us, after_us)
 
     def applied_part(self, index: int) -> int:
         """The last part of log entry ``index`` already written (-1 for none).

@@ -1,0 +1,91 @@
+"""The storage administration calls of the synchronous client: generations and deletes.
+
+A part of :class:`mqds.client.Client` (it inherits :class:`StorageAdminCalls`),
+kept apart so the client's module holds its calls' machinery and reads and
+writes, and this one the calls an operator makes.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TypeVar
+
+from mqds.client import operations as ops
+from mqds.client.deletes import DeleteReport, DeleteRun, Progress
+from mqds.client.model import Generation
+from mqds.client.operations import FanoutCall, ShardCall
+from mqds.v1 import storage_pb2 as pb
+
+T = TypeVar("T")
+
+
+class StorageAdminCalls(abc.ABC):
+    """Generations and deletes; :class:`mqds.client.Client` implements the calls below."""
+
+    @abc.abstractmethod
+    def _deadline(self, timeout_s: float | None) -> float:
+        """The monotonic time a call of ``timeout_s`` (None: the client's default) must end by."""
+
+    @abc.abstractmethod
+    def _shard_call(self, call: ShardCall[T], timeout_s: float | None, deadline: float | None = None) -> T:
+        """A call to one shard's leader."""
+
+    @abc.abstractmethod
+    def _fanout_call(self, call: FanoutCall[T], timeout_s: float | None) -> list[T]:
+        """A call to every shard's leader, merged."""
+
+    @abc.abstractmethod
+    def _n_shards(self, deadline: float) -> int:
+        """The cluster's shard count (waiting for a first map until ``deadline``)."""
+
+    # -- generations ---------------------------------------------------------
+
+    def add_generation(self, shard: int | None = None, timeout_s: float | None = None) -> list[Generation]:
+        """Start a new generation in ``shard``, or in every shard; return the new ones."""
+        return self._fanout_call(ops.add_generation(shard), timeout_s)
+
+    def list_generations(
+        self, shard: int | None = None, *, stale_ok: bool = False, timeout_s: float | None = None
+    ) -> list[Generation]:
+        """The generations of ``shard``, or of every shard, in order."""
+        return self._fanout_call(ops.list_generations(shard, stale_ok), timeout_s)
+
+    def drop_generation(self, shard: int, generation: int, timeout_s: float | None = None) -> Generation:
+        """Drop a closed generation of a shard and free its disk; return it as it was."""
+        return self._shard_call(ops.drop_generation(shard, generation), timeout_s)
+
+    # -- deletes -------------------------------------------------------------
+
+    def delete_messages(
+        self,
+        topic_filter: str,
+        *,
+        sender: str = "",
+        since_us: int = 0,
+        until_us: int = 0,
+        confirm_all: bool = False,
+        timeout_s: float | None = None,
+        progress: Progress | None = None,
+    ) -> DeleteReport:
+        """Delete stored messages: those matching ``topic_filter``, of ``sender`` if given, stored in
+        ``[since_us, until_us)`` (0: no bound; without ``until_us``, what each shard stored before the
+        delete reached it). Needs the admin role (a node's cluster secret or an admin token).
+
+        A sender's messages are deleted in its one shard, others in every shard, one after another;
+        each shard's leader logs the delete in bounded steps that every replica applies, so readers,
+        iterators and push subscribers see the messages gone at once. ``timeout_s`` bounds each call,
+        not the whole delete: a node answers within it with what it did and where to go on, and
+        ``progress(shard, answer)`` is called with each answer. Deleting everything (``#``, no sender,
+        no time range) needs ``confirm_all``. Returns what was deleted, per shard.
+        """
+        run = DeleteRun(
+            self._n_shards(self._deadline(timeout_s)), topic_filter, sender, since_us, until_us, confirm_all, progress
+        )
+        while (call := run.next_call()) is not None:
+            shard, request = call
+            run.record(self._shard_call(ShardCall("DeleteMessages", shard, request, _same), timeout_s))
+        return run.report
+
+
+def _same(response: pb.DeleteMessagesResponse) -> pb.DeleteMessagesResponse:
+    return response

@@ -1,0 +1,116 @@
+"""The deletes of a shard: delete and retention steps, what a retention check finds, compactions after them.
+
+A part of :class:`mqds.server.storage.shard.ShardStorage` (it inherits
+:class:`ShardDeletes`), which owns the database, the lock and the write path;
+``deletes.py`` and ``retention.py`` decide what a step deletes, and
+``compaction.py`` gives the disk back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from rocksdict import WriteBatch
+
+from mqds.server.storage import deletes, retention
+from mqds.server.storage.compaction import PendingRanges
+from mqds.server.storage.engine import Engine
+from mqds.server.storage.generations import Generation
+from mqds.server.storage.trie import TopicTrie
+
+log = logging.getLogger(__name__)
+
+
+class ShardDeletes:
+    """Delete and retention steps of one shard (``ShardStorage`` provides the attributes below)."""
+
+    shard: int
+    trie: TopicTrie
+    last_ts: int
+    _lock: threading.RLock
+    _compact_lock: threading.Lock
+    _pending_compactions: PendingRanges
+    _engine: Engine
+    _db: Any
+
+    @property
+    def _gens(self) -> dict[int, Generation]:
+        raise NotImplementedError
+
+    def _write(self, batch: WriteBatch, sync: bool, applied_index: int | None) -> None:
+        raise NotImplementedError
+
+    def delete_messages(
+        self,
+        spec: deletes.DeleteSpec,
+        cursor: deletes.Cursor | None,
+        max_keys: int,
+        *,
+        applied_index: int | None = None,
+    ) -> deletes.StepResult:
+        """One step of a delete (``deletes.py``): at most ``max_keys`` keys scanned, the matches deleted.
+
+        ``spec.until_us`` 0: up to what is stored now (the first step fixes
+        it; the result carries it for the next steps).
+        """
+        with self._lock:
+            if not spec.until_us:
+                spec = deletes.DeleteSpec(spec.topic_filter, spec.sender, spec.since_us, self.last_ts + 1)
+            batch = WriteBatch(raw_mode=True)
+            gens = [self._gens[n] for n in sorted(self._gens)]
+            result = deletes.step(self.trie, gens, spec, cursor, max_keys, batch)
+            self._write(batch, False, applied_index)
+        self._compact_soon(result)
+        return result
+
+    def apply_retention(
+        self,
+        policy: retention.Policy,
+        now_us: int,
+        after_us: int,
+        cursor: deletes.Cursor | None,
+        max_keys: int,
+        *,
+        applied_index: int | None = None,
+    ) -> deletes.StepResult:
+        """One step of a retention pass (``retention.py``): what the policy's periods ended by ``now_us``."""
+        with self._lock:
+            batch = WriteBatch(raw_mode=True)
+            gens = [self._gens[n] for n in sorted(self._gens)]
+            result = retention.step(self.trie, gens, policy, now_us, after_us, cursor, max_keys, batch)
+            self._write(batch, False, applied_index)
+        self._compact_soon(result)
+        return result
+
+    def _compact_soon(self, result: deletes.StepResult) -> None:
+        """Have the node's compaction thread compact what a step deleted (``compaction.py``)."""
+        schedule = False
+        for generation, begin, end in result.ranges:
+            schedule |= self._pending_compactions.add(generation, begin, end)
+        if schedule:
+            self._engine.compactions.submit(self._compact_pending)
+
+    def _compact_pending(self) -> None:
+        """On the compaction thread: compact each waiting range, outside the shard's lock (close waits)."""
+        with self._compact_lock:
+            for number, (begin, end) in self._pending_compactions.take().items():
+                with self._lock:
+                    if self._db is None:
+                        return
+                    gen = self._gens.get(number)
+                if gen is None:  # dropped meanwhile: its files are gone anyway
+                    continue
+                try:
+                    gen.cf.compact_range(begin, end)
+                except Exception as err:  # the disk comes back later, with other compactions
+                    log.warning("shard %d: compacting generation %d after a delete failed: %s", self.shard, number, err)
+
+    def retention_due(self, policy: retention.Policy, now_us: int, after_us: int) -> tuple[list[int], bool]:
+        """The closed generations the policy lets drop whole, and whether a pass may find messages to remove."""
+        with self._lock:
+            gens = [self._gens[n] for n in sorted(self._gens)]
+            drops = [g.number for g in gens if retention.droppable(g, self.trie, policy, now_us)]
+            kept = [g for g in gens if g.number not in drops]
+            return drops, retention.may_have_expired(kept, self.trie, policy, now_us, after_us)
