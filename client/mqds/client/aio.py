@@ -46,7 +46,6 @@ from mqds.client.retry import Backoff, time_left
 from mqds.protocol import errors
 from mqds.protocol.errors import GenerationDroppedError, MqdsError, Reason
 from mqds.v1 import cluster_pb2 as clpb
-from mqds.v1 import storage_pb2 as pb
 
 __all__ = ["AsyncRouter", "Client"]
 
@@ -438,10 +437,5 @@ class Client(AsyncBrokerStateCalls):
             progress,
         )
         while (call := run.next_call()) is not None:
-            shard, request = call
-            run.record(await self._shard_call(ShardCall("DeleteMessages", shard, request, _same), timeout_s))
+            run.record(await self._shard_call(call, timeout_s))
         return run.report
-
-
-def _same(response: pb.DeleteMessagesResponse) -> pb.DeleteMessagesResponse:
-    return response

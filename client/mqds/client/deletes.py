@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mqds.client.operations import ShardCall
 from mqds.protocol.deletes import check_delete
 from mqds.protocol.sharding import shard_of
 from mqds.v1 import storage_pb2 as pb
@@ -84,8 +85,8 @@ class DeleteRun:
         self._progress = progress
         self.report = DeleteReport()
 
-    def next_call(self) -> tuple[int, pb.DeleteMessagesRequest] | None:
-        """The shard and request to send next; None once every shard is done."""
+    def next_call(self) -> ShardCall[pb.DeleteMessagesResponse] | None:
+        """The call to send next (to its shard's leader); None once every shard is done."""
         if self._position >= len(self._shards):
             return None
         shard = self._shards[self._position]
@@ -94,7 +95,7 @@ class DeleteRun:
         request.shard = shard
         if self._cursor is not None:
             request.cursor.CopyFrom(self._cursor)
-        return shard, request
+        return ShardCall("DeleteMessages", shard, request, _answer)
 
     def record(self, response: pb.DeleteMessagesResponse) -> None:
         """The answer to the request ``next_call`` gave."""
@@ -122,3 +123,8 @@ class DeleteRun:
         self._totals = pb.DeleteMessagesResponse()
         self._cursor = None
         self._position += 1
+
+
+def _answer(response: pb.DeleteMessagesResponse) -> pb.DeleteMessagesResponse:
+    """A ``DeleteMessages`` answer as it is: ``DeleteRun.record`` reads it."""
+    return response

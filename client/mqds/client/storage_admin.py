@@ -14,7 +14,6 @@ from mqds.client import operations as ops
 from mqds.client.deletes import DeleteReport, DeleteRun, Progress
 from mqds.client.model import Generation
 from mqds.client.operations import FanoutCall, ShardCall
-from mqds.v1 import storage_pb2 as pb
 
 T = TypeVar("T")
 
@@ -82,10 +81,5 @@ class StorageAdminCalls(abc.ABC):
             self._n_shards(self._deadline(timeout_s)), topic_filter, sender, since_us, until_us, confirm_all, progress
         )
         while (call := run.next_call()) is not None:
-            shard, request = call
-            run.record(self._shard_call(ShardCall("DeleteMessages", shard, request, _same), timeout_s))
+            run.record(self._shard_call(call, timeout_s))
         return run.report
-
-
-def _same(response: pb.DeleteMessagesResponse) -> pb.DeleteMessagesResponse:
-    return response

@@ -32,15 +32,13 @@ from prometheus_client import Counter
 from mqds.protocol.errors import MqdsError
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.hosting import Hosting
-from mqds.server.storage.deletes import StepResult
+from mqds.server.storage.deletes import STEP_KEYS, StepResult
 from mqds.server.storage.retention import policy_of
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import storage_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-STEP_KEYS = 5_000
-"""Data keys one retention step reads at most."""
 STEPS_PER_ROUND = 20
 """Steps one vnode's pass logs in one maintenance round; the pass goes on in the next."""
 
@@ -147,9 +145,7 @@ class RetentionRules:
                 self._passes.pop(shard, None)
                 self._done[shard] = (running.now_us, key, term)
                 break
-            running.cursor = pb.DeleteCursor(
-                generation=result.cursor.generation, stream=result.cursor.stream, next_ts=result.cursor.next_ts
-            )
+            running.cursor = result.cursor.message()
         if removed:
             self.expired.labels(str(shard), "message").inc(removed)
             log.info(

@@ -24,7 +24,7 @@ from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.server.auth import time_left
 from mqds.server.cluster.v1 import commands_pb2 as cpb
-from mqds.server.storage.deletes import StepResult
+from mqds.server.storage.deletes import STEP_KEYS, StepResult
 from mqds.v1 import storage_pb2 as pb
 
 if TYPE_CHECKING:
@@ -32,8 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STEP_KEYS = 5_000
-"""Data keys one step reads at most: a step holds the shard's storage lock while it scans (a few ms)."""
 CALL_MAX_S = 10.0
 """A call logs steps for at most this long, then answers with a cursor (the client calls again)."""
 
@@ -46,11 +44,11 @@ def check_request(request: pb.DeleteMessagesRequest, n_shards: int) -> None:
         raise errors.error(
             Reason.UNKNOWN_SHARD, f"shard {request.shard} does not exist; shards are 0 to {n_shards - 1}"
         )
-    if request.sender and shard_of(request.sender, n_shards) != request.shard:
+    home = shard_of(request.sender, n_shards) if request.sender else request.shard
+    if home != request.shard:
         raise errors.error(
             Reason.INVALID_REQUEST,
-            f"sender {request.sender!r} stores its messages in shard {shard_of(request.sender, n_shards)}, "
-            f"not shard {request.shard}",
+            f"sender {request.sender!r} stores its messages in shard {home}, not shard {request.shard}",
         )
 
 
@@ -95,12 +93,7 @@ def delete_messages(shards: Shards, request: pb.DeleteMessagesRequest) -> pb.Del
         if result.cursor is None:
             response.ClearField("cursor")
             break
-        cursor = pb.DeleteCursor(
-            generation=result.cursor.generation,
-            stream=result.cursor.stream,
-            next_ts=result.cursor.next_ts,
-            until_us=result.until_us,
-        )
+        cursor = result.cursor.message(result.until_us)
         response.cursor.CopyFrom(cursor)
         if request.max_steps and response.steps >= request.max_steps:
             break

@@ -247,37 +247,42 @@ class VnodeReplica:
 
     def _apply_retention(self, cmd: cpb.ApplyRetention, index: int | None) -> StepResult:
         """One step of a retention pass, with the policy the leader logged."""
-        storage = self.storage
-        if not storage.initialized:
-            if index is not None:
-                storage.record_applied(index)
-            return StepResult(until_us=cmd.now_us)
-        cursor = None
-        if cmd.HasField("cursor"):
-            cursor = Cursor(cmd.cursor.generation, cmd.cursor.stream, cmd.cursor.next_ts)
         policy = policy_of(cmd.policy)
-        result = storage.apply_retention(
-            policy, cmd.now_us, cmd.after_us, cursor, max(1, cmd.max_keys), applied_index=index
+        return self._apply_deletes(
+            cmd,
+            cmd.now_us,
+            lambda storage, cursor: storage.apply_retention(
+                policy, cmd.now_us, cmd.after_us, cursor, max(1, cmd.max_keys), applied_index=index
+            ),
+            index,
         )
-        if result.messages:
-            self.feed.reset(storage.last_ts)
-            self.catchup.reset()
-        return result
 
     def _apply_delete(self, cmd: cpb.DeleteMessages, index: int | None) -> StepResult:
-        """One step of a delete; push subscribers and shared catch-up reads see its messages gone at once."""
+        """One step of a delete."""
+        spec = DeleteSpec(cmd.topic_filter, cmd.sender, cmd.since_us, cmd.until_us)
+        return self._apply_deletes(
+            cmd,
+            cmd.until_us,
+            lambda storage, cursor: storage.delete_messages(spec, cursor, max(1, cmd.max_keys), applied_index=index),
+            index,
+        )
+
+    def _apply_deletes(
+        self,
+        cmd: cpb.DeleteMessages | cpb.ApplyRetention,
+        until_us: int,
+        step: Callable[[ShardStorage, Cursor | None], StepResult],
+        index: int | None,
+    ) -> StepResult:
+        """A delete or retention step from the command's cursor; push subscribers and shared catch-up reads
+        see its messages gone at once (the feed's ring and the catch-up segments may hold them)."""
         storage = self.storage
         if not storage.initialized:
             if index is not None:
                 storage.record_applied(index)
-            return StepResult(until_us=cmd.until_us)
-        spec = DeleteSpec(cmd.topic_filter, cmd.sender, cmd.since_us, cmd.until_us)
-        cursor = None
-        if cmd.HasField("cursor"):
-            cursor = Cursor(cmd.cursor.generation, cmd.cursor.stream, cmd.cursor.next_ts)
-        result = storage.delete_messages(spec, cursor, max(1, cmd.max_keys), applied_index=index)
+            return StepResult(until_us=until_us)
+        result = step(storage, Cursor.of(cmd.cursor) if cmd.HasField("cursor") else None)
         if result.messages:
-            # The feed's ring and the catch-up segments may hold what was just deleted.
             self.feed.reset(storage.last_ts)
             self.catchup.reset()
         return result

@@ -34,6 +34,7 @@ from rocksdict import ReadOptions, WriteBatch
 
 from mqds.protocol.topics import matches_levels
 from mqds.server.storage import keys
+from mqds.server.storage.engine import prefix_end
 from mqds.server.storage.generations import Generation
 from mqds.server.storage.reads import StreamRef, find_streams
 from mqds.server.storage.trie import TopicTrie, filter_constraints
@@ -50,6 +51,11 @@ class DeleteSpec:
     until_us: int
 
 
+STEP_KEYS = 5_000
+"""Data keys one step of a delete or of a retention pass reads at most: a step holds the shard's storage
+lock while it scans (a few ms)."""
+
+
 @dataclass(frozen=True)
 class Cursor:
     """Where the next step starts: the stream of a generation, at a timestamp."""
@@ -57,6 +63,15 @@ class Cursor:
     generation: int
     stream: int
     next_ts: int
+
+    @classmethod
+    def of(cls, message: pb.DeleteCursor) -> Cursor:
+        """The cursor a logged command carries (``mqds.v1.DeleteCursor``)."""
+        return cls(message.generation, message.stream, message.next_ts)
+
+    def message(self, until_us: int = 0) -> pb.DeleteCursor:
+        """As ``mqds.v1.DeleteCursor``, for an answer or the next command (``until_us``: the delete's bound)."""
+        return pb.DeleteCursor(generation=self.generation, stream=self.stream, next_ts=self.next_ts, until_us=until_us)
 
 
 @dataclass
@@ -235,7 +250,9 @@ def _covers(gen: Generation, start: int, until_us: int) -> bool:
 def _index_range(stream: int) -> tuple[bytes, bytes]:
     """The first index key of a stream and the first key after them all."""
     prefix = keys.INDEX_TAG + keys.u32(stream)
-    return prefix, keys.INDEX_TAG + keys.u32(stream + 1) if stream < 0xFFFFFFFF else bytes([keys.INDEX_TAG[0] + 1])
+    end = prefix_end(prefix)
+    assert end is not None  # the prefix starts with the index tag, not 0xFF
+    return prefix, end
 
 
 def _delete_index(gen: Generation, stream: int, batch: WriteBatch) -> int:

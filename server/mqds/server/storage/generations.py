@@ -198,8 +198,12 @@ class Generations:
         r = gen.record
         return GenerationInfo(self.shard, gen.number, r.since_us, r.until_us, r.created_at_us)
 
+    def in_order(self) -> list[Generation]:
+        """The open generations, oldest first."""
+        return [self.by_number[n] for n in sorted(self.by_number)]
+
     def infos(self) -> list[GenerationInfo]:
-        return [self.info(self.by_number[n]) for n in sorted(self.by_number)]
+        return [self.info(gen) for gen in self.in_order()]
 
     def get(self, number: int) -> Generation:
         """The generation ``number``; GENERATION_DROPPED or UNKNOWN_GENERATION if there is none."""

@@ -114,9 +114,6 @@ class Policy:
             longest_expiring=max(expiring) if expiring else KEEP,
         )
 
-    def may_expire(self) -> bool:
-        return self.default_us != KEEP or any(r.period_us != KEEP for r in self.rules)
-
     @classmethod
     def of_seconds(cls, rules: Sequence[tuple[str, int]], default_s: int) -> Policy:
         """A policy from (filter, seconds) rules and a default in seconds (0: kept)."""

@@ -464,10 +464,7 @@ class ShardStorage(ShardDeletes):
         """Streams with data that may match the filter, by generation then stream id."""
         with self._lock:
             # Under the lock: a drop may remove streams from the trie.
-            by_number = self._generations.by_number
-            return reads.find_streams(
-                self.trie, [by_number[n] for n in sorted(by_number)], filter_levels, start_time_us
-            )
+            return reads.find_streams(self.trie, self._generations.in_order(), filter_levels, start_time_us)
 
     def make_iterator(self, generation: int, stream: int, topic_filter: str, start_time_us: int) -> IteratorState:
         with self._lock:

@@ -17,7 +17,7 @@ from rocksdict import WriteBatch
 from mqds.server.storage import deletes, retention
 from mqds.server.storage.compaction import PendingRanges
 from mqds.server.storage.engine import Engine
-from mqds.server.storage.generations import Generation
+from mqds.server.storage.generations import Generations
 from mqds.server.storage.trie import TopicTrie
 
 log = logging.getLogger(__name__)
@@ -35,9 +35,7 @@ class ShardDeletes:
     _engine: Engine
     _db: Any
 
-    @property
-    def _gens(self) -> dict[int, Generation]:
-        raise NotImplementedError
+    _generations: Generations
 
     def _write(self, batch: WriteBatch, sync: bool, applied_index: int | None) -> None:
         raise NotImplementedError
@@ -59,8 +57,7 @@ class ShardDeletes:
             if not spec.until_us:
                 spec = deletes.DeleteSpec(spec.topic_filter, spec.sender, spec.since_us, self.last_ts + 1)
             batch = WriteBatch(raw_mode=True)
-            gens = [self._gens[n] for n in sorted(self._gens)]
-            result = deletes.step(self.trie, gens, spec, cursor, max_keys, batch)
+            result = deletes.step(self.trie, self._generations.in_order(), spec, cursor, max_keys, batch)
             self._write(batch, False, applied_index)
         self._compact_soon(result)
         return result
@@ -78,7 +75,7 @@ class ShardDeletes:
         """One step of a retention pass (``retention.py``): what the policy's periods ended by ``now_us``."""
         with self._lock:
             batch = WriteBatch(raw_mode=True)
-            gens = [self._gens[n] for n in sorted(self._gens)]
+            gens = self._generations.in_order()
             result = retention.step(self.trie, gens, policy, now_us, after_us, cursor, max_keys, batch)
             self._write(batch, False, applied_index)
         self._compact_soon(result)
@@ -99,7 +96,7 @@ class ShardDeletes:
                 with self._lock:
                     if self._db is None:
                         return
-                    gen = self._gens.get(number)
+                    gen = self._generations.by_number.get(number)
                 if gen is None:  # dropped meanwhile: its files are gone anyway
                     continue
                 try:
@@ -110,7 +107,7 @@ class ShardDeletes:
     def retention_due(self, policy: retention.Policy, now_us: int, after_us: int) -> tuple[list[int], bool]:
         """The closed generations the policy lets drop whole, and whether a pass may find messages to remove."""
         with self._lock:
-            gens = [self._gens[n] for n in sorted(self._gens)]
+            gens = self._generations.in_order()
             drops = [g.number for g in gens if retention.droppable(g, self.trie, policy, now_us)]
             kept = [g for g in gens if g.number not in drops]
             return drops, retention.may_have_expired(kept, self.trie, policy, now_us, after_us)
