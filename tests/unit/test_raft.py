@@ -22,6 +22,7 @@ from mqds.server.raft import group as raft_group
 from mqds.server.raft import journal as journal_mod
 from mqds.server.raft.group import Outgoing, PeerNode, RaftGroup, RaftTiming, decode_manifest, encode_manifest
 from mqds.server.raft.journal import JournalCorrupt, NodeLog
+from mqds.server.raft.timing import IDLE_KEEP_BYTES, IdleLog
 from mqds.server.raft.transport import FrameQueue
 
 # -- journal -------------------------------------------------------------------
@@ -303,6 +304,37 @@ def test_an_idle_group_does_not_keep_old_segments(tmp_path: Path) -> None:
     log.close()
     again = NodeLog(str(tmp_path))
     assert [e[0] for e in again.journal(2)] == [b"\x00idle", b"\x00idle too"]
+    again.close()
+
+
+def test_a_log_whose_groups_all_compacted_starts_a_segment_early_and_gives_back_the_old(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node whose traffic stopped kept up to a whole segment (256 MiB) of dead entries; now it starts a new one."""
+    monkeypatch.setattr(journal_mod, "EARLY_ROLL_BYTES", 20_000, raising=False)
+    log = NodeLog(str(tmp_path), copy_bytes=1_000)  # segments of the default size: never full here
+    a, b = log.journal(1), log.journal(2)
+    for i in range(1, 200):
+        for j in (a, b):
+            j.add(b"\x00" + bytes(100), i, 1)
+            j.sync()
+    assert [p.name for p in tmp_path.glob("wal-*")] == ["wal-00000001"]
+    a.deleteEntriesTo(len(a) - 2)  # one group compacted, the other still holds 20 KB: nothing to do yet
+    a.setCurrentTerm(2, "n1")
+    a.sync()
+    assert [p.name for p in tmp_path.glob("wal-*")] == ["wal-00000001"]
+    b.deleteEntriesTo(len(b) - 2)  # now every group's entries fit in the copy: a new segment, the old one goes
+    b.sync()
+    log._reaper.wait_idle(10)
+    left = sorted(tmp_path.glob("wal-*"))
+    assert [p.name for p in left] == ["wal-00000002"] and left[0].stat().st_size < 2_000, left
+    expected = {g: [(e[1], e[0]) for e in j] for g, j in ((1, a), (2, b))}
+    log.close()
+    again = NodeLog(str(tmp_path))
+    reopened = {g: again.journal(g) for g in (1, 2)}
+    for g in (1, 2):
+        assert [(e[1], e[0]) for e in reopened[g]] == expected[g]
+    assert reopened[1].getVotedForNodeId() == "n1"
     again.close()
 
 
@@ -1046,3 +1078,16 @@ def test_a_replica_cut_off_from_every_peer_sleeps_instead_of_spinning(tmp_path: 
     group._cycle()
     assert group.raftCurrentTerm == 1 and group.role == raft_group.ROLE_CANDIDATE
     group.stop()
+
+
+def test_a_log_that_stopped_growing_is_compacted_once_per_idle_spell() -> None:
+    idle = IdleLog(after_s=30)
+    big = IDLE_KEEP_BYTES + 1
+    assert not idle.due(10, big, now=0.0)  # the log just reached index 10
+    assert not idle.due(10, big, now=29.0)
+    assert idle.due(10, big, now=30.5)  # idle for 30 s with more than a little in it
+    assert not idle.due(10, big, now=90.0)  # once: the compaction may leave a large last entry
+    assert not idle.due(11, big, now=91.0)  # it grew again: a new spell
+    assert not idle.due(11, IDLE_KEEP_BYTES, now=200.0)  # little in it: left as it is
+    assert idle.due(11, big, now=201.0)
+    assert not IdleLog(after_s=0).due(5, big, now=0.0) and not IdleLog(after_s=0).due(5, big, now=1e9)

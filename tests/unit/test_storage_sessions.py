@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -301,3 +302,34 @@ def test_a_disconnect_may_change_the_interval_and_a_late_reconnect_starts_afresh
     assert sessions.subscriptions("c") == []
     assert not sessions.expiry_due(10**15)
     assert sessions.client_state("c") is not None
+
+
+def _files_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file() and f.suffix in (".sst", ".log"))
+
+
+def test_the_disk_expired_sessions_took_comes_back(tmp_path: Path, shard: ShardStorage) -> None:
+    """Sessions that end give their disk back: their records, their tombstones and RocksDB's log of them.
+
+    Nothing else would: a broker's short-lived clientids write only to the
+    metadata family, so no flush or compaction of it would come by itself.
+    """
+    sessions = shard.sessions
+    second = 1_000_000
+    shard_dir = tmp_path / "shard"
+    baseline = _files_bytes(shard_dir)
+    for i in range(6_000):
+        clientid = f"soak-{i:06d}-" + "x" * 40
+        sessions.client_connected(clientid, "broker-1", 1 * second, 5)
+        sessions.subscribe(clientid, f"devices/{i}/#", 1)
+        sessions.client_disconnected(clientid, "broker-1", 2 * second)
+    loaded = _files_bytes(shard_dir)
+    assert loaded > baseline + 1_000_000
+    removed = 0
+    while step := sessions.expire(10 * second, 1_000)[1]:
+        removed += step
+    assert removed == 6_000
+    deadline = time.monotonic() + 30
+    while _files_bytes(shard_dir) > baseline + 200_000 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _files_bytes(shard_dir) <= baseline + 200_000, (baseline, loaded, _files_bytes(shard_dir))

@@ -61,7 +61,7 @@ from mqds.server.raft.snapshot import Manifest as Manifest
 from mqds.server.raft.snapshot import ManifestFiles
 from mqds.server.raft.snapshot import decode_manifest as decode_manifest
 from mqds.server.raft.snapshot import encode_manifest as encode_manifest
-from mqds.server.raft.timing import ElectionTimers, RaftTiming, syncobj_timers
+from mqds.server.raft.timing import ElectionTimers, IdleLog, RaftTiming, raft_clock, syncobj_timers
 from mqds.server.raft.transfer import LeadershipTransfer
 
 log = logging.getLogger(__name__)
@@ -157,6 +157,7 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         """New (term, leader) pairs this replica learned of, the first one after it started not counted."""
         self._seen_leader: str | None = None
         self._seen_term = -1
+        self._idle_log = IdleLog(self.timing.idle_compaction_s)
         self._init_apply_progress()
         self._role = ROLE_FOLLOWER
         make_dirs(directory)
@@ -441,7 +442,9 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
                 self.leader_changes += 1
             self._seen_leader, self._seen_term = leader.id, self.raftCurrentTerm
         self._serve_reads()
-        if self.journal.size_bytes > self.timing.log_max_bytes:
+        if self.journal.size_bytes > self.timing.log_max_bytes or self._idle_log.due(
+            self.last_log_index, self.journal.size_bytes, raft_clock()
+        ):
             self.forceLogCompaction()
         current = set(self.members)
         if current != self._members_recorded:

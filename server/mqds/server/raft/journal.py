@@ -23,7 +23,12 @@ every group's state: STATE, then for a group with little in its log
 ``raft_log_max_bytes`` if less; an idle group keeps a couple of entries
 after compacting) CLEAR and its entries, and for a busy one just HEAD at its
 first live entry. So starting a segment costs little, instead of a rewrite of every live entry
-(which stalled every group's sync for a second or more under load). An older
+(which stalled every group's sync for a second or more under load). A segment
+also starts early, past ``EARLY_ROLL_BYTES``, when every group has so little
+in its log that all of it is copied (at most an eighth of the segment): then
+every older segment is dead at once. Groups compact when they go idle
+(``timing.IdleLog``), so a node whose traffic stopped gives back its log
+instead of keeping up to ``segment_bytes`` of dead entries. An older
 segment is dropped once it and every segment before it hold only dead
 entries: for each group, below what it has durably kept (compacted after a
 snapshot), or followed by a CLEAR in a later segment. Dropping renames it
@@ -104,6 +109,8 @@ DEFAULT_SEGMENT_BYTES = 256 * 1024 * 1024
 # A group with at most this many bytes of entries has them copied into a new
 # segment (so a group that went idle does not keep old segments forever).
 COPY_BYTES = 1024 * 1024
+# A segment past this size starts a new one early when every group's entries fit in the copy.
+EARLY_ROLL_BYTES = 1024 * 1024
 
 
 class NodeLog:
@@ -302,12 +309,20 @@ class NodeLog:
             self._floors[group] = floor
             if cleared:
                 self._cleared_in[group] = active
-        if self._active_size > self.segment_bytes:
+        if self._active_size > self.segment_bytes or (self._look_for_dead and self._little_left()):
             self._rotate()
             self._look_for_dead = True
         if self._look_for_dead and len(self._segment_entries) > 1:
             self._delete_dead_segments()
         self._look_for_dead = False
+
+    def _little_left(self) -> bool:
+        """Whether starting a segment now would copy every group's entries, and little (an eighth of the active one)."""
+        if self._active_size <= EARLY_ROLL_BYTES:
+            return False
+        sizes = [journal.size_bytes for journal in list(self._journals.values())]
+        sizes.extend(sum(len(e[0]) for e in r.entries) for r in self._recovered.values())
+        return all(size <= self.copy_bytes for size in sizes) and sum(sizes) <= self._active_size // 8
 
     def _rotate(self) -> None:
         """Start a segment with every group's state, and the entries of groups holding at most ``copy_bytes``."""

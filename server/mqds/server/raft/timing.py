@@ -32,6 +32,8 @@ class RaftTiming:
     """Compact at least this often when anything was applied."""
     max_entry_bytes: int = 65 * 1024 * 1024
     """Largest command; pysyncobj would chunk (and pickle) larger ones."""
+    idle_compaction_s: float = 30.0
+    """Compact a log that has not grown for this long (``IdleLog``), whatever it holds (0: never)."""
 
 
 def syncobj_timers(t: RaftTiming) -> dict[str, Any]:
@@ -44,6 +46,40 @@ def syncobj_timers(t: RaftTiming) -> dict[str, Any]:
         "connectionTimeout": max(3.5, t.election_timeout_max_s),
         "logCompactionMinTime": t.compaction_interval_s,
     }
+
+
+IDLE_KEEP_BYTES = 64 * 1024
+"""An idle group's log holding at most this much is left as it is."""
+
+
+class IdleLog:
+    """When a group's log has stopped growing long enough to compact what it holds.
+
+    A group compacts at ``log_max_bytes``, or after ``compaction_interval_s``:
+    one that goes idle below that kept its entries, and so the node's log
+    segment holding them (``journal.py``), for up to ten minutes. A soak of
+    short-lived clientids left each node's Raft log at tens of MiB after
+    every session had ended. Compacting an idle group costs a RocksDB log
+    sync and a small manifest, once per idle spell.
+    """
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s = after_s
+        self._index = -1
+        self._since = 0.0
+        self._compacted = -1
+
+    def due(self, last_index: int, size_bytes: int, now: float) -> bool:
+        """Whether to compact: the log ended at ``last_index`` ``after_s`` ago and holds over ``IDLE_KEEP_BYTES``."""
+        if last_index != self._index:
+            self._index, self._since = last_index, now
+            return False
+        if not self.after_s or now - self._since < self.after_s or self._compacted == last_index:
+            return False
+        if size_bytes <= IDLE_KEEP_BYTES:
+            return False
+        self._compacted = last_index  # once per idle spell, whatever the compaction leaves
+        return True
 
 
 class ElectionTimers(SyncObj):

@@ -9,9 +9,15 @@ column family, and the node's one compaction thread (``Engine.compactions``)
 compacts it soon after, outside the shard's lock (writes and reads go on).
 Requests for the same generation made meanwhile are merged into one range.
 
-Per-message tombstones elsewhere (expired sessions and retained messages in
-the metadata family) are left to RocksDB's deletion collector
-(``Engine.cf_options``), which marks a file with many of them for compaction.
+The metadata family gets the same once what expiry removed from it
+(sessions, retained messages: ``ShardDeletes.metadata_deleted``) outweighs
+what it still holds: a whole compaction of the family (pending under
+:data:`METADATA`), which also flushes its memtable, so RocksDB's log goes
+too. A soak of short-lived clientids kept every one of their records and
+tombstones on disk before (98.9 MiB after 100,000 clients whose keys were
+all gone). Smaller batches of tombstones are left to RocksDB's deletion
+collector (``Engine.cf_options``), which marks a file with many of them for
+compaction.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from collections.abc import Callable
 from concurrent import futures
 
 log = logging.getLogger(__name__)
+
+METADATA = -1
+"""The pending "generation" that stands for the metadata (``default``) family, compacted whole."""
 
 
 class CompactionThread:

@@ -28,6 +28,10 @@ from rocksdict import (
 from mqds.server.storage.compaction import CompactionThread
 
 
+INFO_LOG_BYTES = 256 * 1024
+"""Size at which a shard's RocksDB info log (``LOG``) rolls over; two old ones are kept."""
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """RocksDB tuning shared by all shards of a node."""
@@ -92,7 +96,10 @@ class Engine:
         opts.set_write_buffer_manager(self._write_buffers)
         opts.set_env(self._env)
         opts.set_max_background_jobs(2)
+        # RocksDB's info log (LOG) rolls at this size and keeps two old ones: at most 768 KiB a shard.
+        # Unrolled, it grew with every flush and compaction for as long as the node ran.
         opts.set_keep_log_file_num(2)
+        opts.set_max_log_file_size(INFO_LOG_BYTES)
         opts.set_max_total_wal_size(64 * 1024 * 1024)
         if self.options.bytes_per_sync:
             # RocksDB's WAL is not synced (the Raft log is) and its SST files

@@ -228,7 +228,10 @@ class SessionState:
             batch.delete(index_key, meta)
             batch.delete(keys.client_key(clientid), meta)
             self._delete_session_keys(batch, clientid)
+        deleted = batch.len()
         self._commit(batch, applied_index)
+        if deleted:
+            self._storage.metadata_deleted(deleted)
         return len(retained), len(sessions)
 
     def ack_pubsub(

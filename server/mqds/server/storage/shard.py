@@ -125,6 +125,8 @@ class ShardStorage(ShardDeletes):
         self._dedup_pruned = 0
         self._compact_lock = threading.Lock()
         self._pending_compactions = PendingRanges()
+        self._meta_deleted = 0
+        """Keys expiry deleted from the metadata family since it was last compacted (``metadata_deleted``)."""
         self.keys_read = 0
         """Keys read by ``next`` since the shard was opened (a cost measure)."""
 

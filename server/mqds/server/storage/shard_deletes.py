@@ -15,12 +15,15 @@ from typing import Any
 from rocksdict import WriteBatch
 
 from mqds.server.storage import deletes, retention
-from mqds.server.storage.compaction import PendingRanges
+from mqds.server.storage.compaction import METADATA, PendingRanges
 from mqds.server.storage.engine import Engine
 from mqds.server.storage.generations import Generations
 from mqds.server.storage.trie import TopicTrie
 
 log = logging.getLogger(__name__)
+
+META_COMPACT_MIN_KEYS = 1_000
+"""Keys expiry must have deleted from the metadata family before it is compacted (and half what is left)."""
 
 
 class ShardDeletes:
@@ -32,6 +35,7 @@ class ShardDeletes:
     _lock: threading.RLock
     _compact_lock: threading.Lock
     _pending_compactions: PendingRanges
+    _meta_deleted: int
     _engine: Engine
     _db: Any
 
@@ -59,7 +63,7 @@ class ShardDeletes:
             batch = WriteBatch(raw_mode=True)
             result = deletes.step(self.trie, self._generations.in_order(), spec, cursor, max_keys, batch)
             self._write(batch, False, applied_index)
-        self._compact_soon(result)
+        self._compact_soon(result.ranges)
         return result
 
     def apply_retention(
@@ -78,13 +82,30 @@ class ShardDeletes:
             gens = self._generations.in_order()
             result = retention.step(self.trie, gens, policy, now_us, after_us, cursor, max_keys, batch)
             self._write(batch, False, applied_index)
-        self._compact_soon(result)
+        self._compact_soon(result.ranges)
         return result
 
-    def _compact_soon(self, result: deletes.StepResult) -> None:
+    def metadata_deleted(self, count: int) -> None:
+        """Expiry deleted ``count`` keys of the metadata family: compact it once they outweigh what it holds.
+
+        Amortised: a compaction rewrites what is live, so it waits until
+        the keys deleted since the last one are at least half of RocksDB's
+        estimate of the family's keys (and ``META_COMPACT_MIN_KEYS``).
+        Called by the apply of an expiry step (one at a time), after its write.
+        """
+        self._meta_deleted += count
+        if self._meta_deleted < META_COMPACT_MIN_KEYS:
+            return
+        live = self._db.property_int_value("rocksdb.estimate-num-keys") or 0
+        if self._meta_deleted * 2 < live:
+            return
+        self._meta_deleted = 0
+        self._compact_soon([(METADATA, b"", b"")])
+
+    def _compact_soon(self, ranges: list[tuple[int, bytes, bytes]]) -> None:
         """Have the node's compaction thread compact what a step deleted (``compaction.py``)."""
         schedule = False
-        for generation, begin, end in result.ranges:
+        for generation, begin, end in ranges:
             schedule |= self._pending_compactions.add(generation, begin, end)
         if schedule:
             self._engine.compactions.submit(self._compact_pending)
@@ -97,12 +118,16 @@ class ShardDeletes:
                     if self._db is None:
                         return
                     gen = self._generations.by_number.get(number)
-                if gen is None:  # dropped meanwhile: its files are gone anyway
+                    cf = self._db if number == METADATA else getattr(gen, "cf", None)
+                if cf is None:  # dropped meanwhile: its files are gone anyway
                     continue
                 try:
-                    gen.cf.compact_range(begin, end)
+                    if number == METADATA:
+                        cf.compact_range(None, None)
+                    else:
+                        cf.compact_range(begin, end)
                 except Exception as err:  # the disk comes back later, with other compactions
-                    log.warning("shard %d: compacting generation %d after a delete failed: %s", self.shard, number, err)
+                    log.warning("shard %d: compacting %s after deletes failed: %s", self.shard, _family(number), err)
 
     def retention_due(self, policy: retention.Policy, now_us: int, after_us: int) -> tuple[list[int], bool]:
         """The closed generations the policy lets drop whole, and whether a pass may find messages to remove."""
@@ -111,3 +136,7 @@ class ShardDeletes:
             drops = [g.number for g in gens if retention.droppable(g, self.trie, policy, now_us)]
             kept = [g for g in gens if g.number not in drops]
             return drops, retention.may_have_expired(kept, self.trie, policy, now_us, after_us)
+
+
+def _family(number: int) -> str:
+    return "the metadata family" if number == METADATA else f"generation {number}"
