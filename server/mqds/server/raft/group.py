@@ -442,9 +442,7 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
                 self.leader_changes += 1
             self._seen_leader, self._seen_term = leader.id, self.raftCurrentTerm
         self._serve_reads()
-        if self.journal.size_bytes > self.timing.log_max_bytes or self._idle_log.due(
-            self.last_log_index, self.journal.size_bytes, raft_clock()
-        ):
+        if self.journal.size_bytes > self.timing.log_max_bytes or self._idle_compaction_due():
             self.forceLogCompaction()
         current = set(self.members)
         if current != self._members_recorded:
@@ -457,6 +455,18 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
             # answers, handled in a later cycle (after this sync), and is
             # applied, and answered, only after this sync in any case.
             self._send_outbox()
+
+    def _idle_compaction_due(self) -> bool:
+        """Whether the log stopped growing long enough to compact (``IdleLog``).
+
+        A leader waits until every follower has the whole log: one that was
+        down would otherwise need a snapshot (a copy of the shard) where a few
+        entries would do.
+        """
+        last = self.last_log_index
+        if self._role == ROLE_LEADER and any(self.match_index(str(n.id)) < last for n in self.otherNodes):
+            return False
+        return self._idle_log.due(last, self.journal.size_bytes, raft_clock())
 
     def cycle_after_sync(self) -> None:
         """The rest of a cycle, once its log records are durable: send what it produced, then apply."""

@@ -27,7 +27,6 @@ from rocksdict import (
 
 from mqds.server.storage.compaction import CompactionThread
 
-
 INFO_LOG_BYTES = 256 * 1024
 """Size at which a shard's RocksDB info log (``LOG``) rolls over; two old ones are kept."""
 
