@@ -36,6 +36,7 @@ from mqds.server.storage.expiry import NEVER
 from mqds.server.storage.retention import policy_of
 from mqds.server.storage.share_groups import MAX_MEMBERS
 from mqds.v1 import sessions_pb2 as spb
+from mqds.v1 import storage_pb2 as pb
 
 if TYPE_CHECKING:
     from mqds.server.raft.group import RaftGroup
@@ -243,7 +244,30 @@ class VnodeReplica:
             return self._apply_delete(cmd.delete_messages, index)
         if kind == "apply_retention":
             return self._apply_retention(cmd.apply_retention, index)
+        if kind == "import_shard":
+            return self._apply_import(cmd.import_shard, index)
         raise errors.error(Reason.INTERNAL, f"shard {self.shard}: a log entry holds an unknown command")
+
+    def _apply_import(self, cmd: pb.ImportShardRequest, index: int | None) -> Any:
+        """A step of a restore (``storage/restore.py``), checked by the leader that logged it.
+
+        Push subscribers and shared catch-up reads start again from what the
+        shard holds after ``begin`` and after ``finish``.
+        """
+        storage = self.storage
+        step = cmd.WhichOneof("kind")
+        if step == "records":
+            r = cmd.records
+            return storage.restore_records(r.column_family, r.keys, r.values, applied_index=index)
+        if step == "begin":
+            result: Any = storage.restore_begin(applied_index=index)
+        elif step == "finish":
+            result = storage.restore_finish(cmd.finish.last_ts, applied_index=index)
+        else:
+            raise errors.error(Reason.INVALID_REQUEST, f"shard {self.shard}: an import step of no known kind")
+        self.feed.reset(storage.last_ts)
+        self.catchup.reset()
+        return result
 
     def _apply_retention(self, cmd: cpb.ApplyRetention, index: int | None) -> StepResult:
         """One step of a retention pass, with the policy the leader logged."""

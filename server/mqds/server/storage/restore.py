@@ -1,0 +1,184 @@
+"""A shard restored from a backup: records written as exported (``export.py``), then the views reloaded.
+
+A part of :class:`mqds.server.storage.shard.ShardStorage` (it inherits
+:class:`ShardRestore`). A restore is three kinds of logged command, applied
+alike by every replica (``cluster/vnode.py``):
+
+- ``begin`` refuses a shard that holds messages or broker state, and clears
+  the rest (an empty first generation, the trie of a shard that stored and
+  lost nothing): the backup's keys replace them;
+- ``records`` writes one column family's keys and values as they are,
+  creating a generation's column family when it is not there yet;
+- ``finish`` sets the last timestamp to the backup's fence and reads the
+  shard's views (generations, topic trie, counters) again from the
+  database, as opening it does.
+
+The Raft state (``m:applied``, ``m:applied_part``) is the restored
+replica's own and never written from a backup.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from rocksdict import Rdict, WriteBatch
+
+from mqds.protocol import errors
+from mqds.protocol.errors import MqdsError, Reason
+from mqds.server.storage import keys
+from mqds.server.storage.engine import Engine
+from mqds.server.storage.generations import GenerationInfo, Generations
+
+DEFAULT_CF = "default"
+
+_KEPT = frozenset({keys.META_FORMAT, keys.META_SHARD, keys.META_LTS, keys.META_APPLIED, keys.META_APPLIED_PART})
+"""What ``begin`` keeps of the metadata family: its identity, trie thresholds and Raft state.
+
+The backup's records replace the first two; the Raft state is the replica's own."""
+_PROTECTED = frozenset({keys.META_APPLIED, keys.META_APPLIED_PART})
+"""Keys a restore never writes."""
+BROKER_STATE = (
+    (keys.CLIENT_PREFIX, "client state"),
+    (keys.NODE_CLIENT_PREFIX, "online clients"),
+    (keys.SUBSCRIPTION_PREFIX, "subscriptions"),
+    (keys.POSITION_PREFIX, "read positions"),
+    (keys.RETAINED_PREFIX, "retained messages"),
+    (keys.QUEUE_ACK_PREFIX, "queue acknowledgements"),
+    (keys.QUEUE_FLOOR_PREFIX, "queue floors"),
+    (keys.SHARE_MEMBER_PREFIX, "share groups"),
+    (keys.DEDUP_PREFIX, "records of stored batches"),
+)
+
+
+def check_records(shard: int, column_family: str, keys_: Sequence[bytes], values: Sequence[bytes]) -> None:
+    """Refuse records a restore must not write (INVALID_REQUEST, saying which)."""
+    if len(keys_) != len(values):
+        raise errors.error(Reason.INVALID_REQUEST, f"{len(keys_)} keys but {len(values)} values")
+    if column_family != DEFAULT_CF and keys.parse_generation_cf(column_family) is None:
+        raise errors.error(
+            Reason.INVALID_REQUEST,
+            f"column family {column_family!r} is neither 'default' nor a generation's (gen-NNNNNNNN)",
+        )
+    for key, value in zip(keys_, values, strict=True):
+        if not key:
+            raise errors.error(Reason.INVALID_REQUEST, "a record has an empty key")
+        if column_family != DEFAULT_CF:
+            if key[:1] not in (keys.DATA_TAG, keys.INDEX_TAG) or len(key) < keys.DATA_KEY_LEN:
+                raise errors.error(Reason.INVALID_REQUEST, f"{key[:16]!r} is not a key of a generation")
+            continue
+        if key in _PROTECTED:
+            raise errors.error(Reason.INVALID_REQUEST, f"{key!r} is the replica's Raft state: never restored")
+        if key == keys.META_SHARD and (len(value) != 4 or keys.read_u32(value) != shard):
+            raise errors.error(Reason.INVALID_REQUEST, f"the records are of another shard than shard {shard}")
+        if key == keys.META_FORMAT and (len(value) != 2 or keys.read_u16(value) not in keys.READABLE_FORMATS):
+            raise errors.error(Reason.INVALID_REQUEST, "the records' storage format is not one this node reads")
+        if key.startswith(keys.GENERATION_PREFIX):
+            try:
+                keys.GenerationRecord.decode(value)
+            except Exception as err:
+                raise errors.error(Reason.INVALID_REQUEST, f"generation record {key!r}: {err}") from None
+
+
+def _all_keys(cf: Rdict) -> list[bytes]:
+    return [key for key, _ in cf.items()]
+
+
+def _first_key(cf: Rdict) -> bytes | None:
+    for key, _ in cf.items():
+        return bytes(key)
+    return None
+
+
+class ShardRestore:
+    """Restore steps of one shard (``ShardStorage`` provides the attributes below)."""
+
+    shard: int
+    path: str
+    last_ts: int
+    _lock: threading.RLock
+    _engine: Engine
+    _db: Any
+    _meta_handle: Any
+    _generations: Generations
+
+    def _write(self, batch: WriteBatch, sync: bool, applied_index: int | None) -> None:
+        raise NotImplementedError
+
+    def reload(self) -> None:
+        raise NotImplementedError
+
+    def generations(self) -> list[GenerationInfo]:
+        raise NotImplementedError
+
+    def holds(self) -> str | None:
+        """What the shard holds that a restore would overwrite (messages, broker state), or None."""
+        with self._lock:
+            for gen in self._generations.in_order():
+                if _first_key(gen.cf) is not None:
+                    return f"messages in generation {gen.number}"
+            for prefix, what in BROKER_STATE:
+                for key in self._db.keys(from_key=prefix):
+                    if key.startswith(prefix):
+                        return what
+                    break
+            return None
+
+    def restore_begin(self, *, applied_index: int | None = None) -> MqdsError | None:
+        """Clear an empty shard for a restore; the refusal (SHARD_NOT_EMPTY) when it is not empty."""
+        with self._lock:
+            what = self.holds()
+            if what is not None:
+                if applied_index is not None:
+                    self._write(WriteBatch(raw_mode=True), False, applied_index)
+                return errors.error(
+                    Reason.SHARD_NOT_EMPTY,
+                    f"shard {self.shard} holds {what}: a backup is restored into a new, empty cluster only",
+                )
+            batch = WriteBatch(raw_mode=True)
+            for key in _all_keys(self._db):
+                if key not in _KEPT:
+                    batch.delete(key, self._meta_handle)
+            names = [keys.generation_cf(n) for n in sorted(self._generations.by_number)]
+            self._generations.by_number.clear()
+            self._write(batch, True, applied_index)
+            for name in names:
+                self._db.drop_column_family(name)
+            self.reload()
+            return None
+
+    def restore_records(
+        self,
+        column_family: str,
+        keys_: Sequence[bytes],
+        values: Sequence[bytes],
+        *,
+        applied_index: int | None = None,
+    ) -> int:
+        """Write records of one column family as they are (creating a generation's family); how many."""
+        with self._lock:
+            handle = self._meta_handle if column_family == DEFAULT_CF else self._family_handle(column_family)
+            batch = WriteBatch(raw_mode=True)
+            for key, value in zip(keys_, values, strict=True):
+                batch.put(key, value, handle)
+            self._write(batch, False, applied_index)
+            return len(keys_)
+
+    def _family_handle(self, name: str) -> object:
+        db: Rdict = self._db
+        try:
+            return db.get_column_family_handle(name)
+        except Exception:  # not there yet: created, the same on every replica
+            created = db.create_column_family(name, self._engine.cf_options())
+            del created
+            return db.get_column_family_handle(name)
+
+    def restore_finish(self, last_ts: int, *, applied_index: int | None = None) -> list[GenerationInfo]:
+        """Set the last timestamp to the backup's fence and read the views again; the generations restored."""
+        with self._lock:
+            batch = WriteBatch(raw_mode=True)
+            batch.put(keys.META_LAST_TS, keys.u64(last_ts), self._meta_handle)
+            self._write(batch, True, applied_index)
+            self.reload()
+            return self.generations()
