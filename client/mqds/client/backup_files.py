@@ -204,6 +204,9 @@ class Place:
             if found.rstrip("/") not in listed:
                 self.fs.rm(found)
                 removed += 1
+        for run_dir in self.fs.ls(data, detail=False):  # the directories of runs no file is left of
+            if not any(path.startswith(run_dir.rstrip("/") + "/") for path in listed):
+                self.fs.rm(run_dir, recursive=True)
         return removed
 
 

@@ -1,0 +1,124 @@
+"""A shard exported from a checkpoint at a fence, and restored into another: the key-exact copy a backup makes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from storage_support import msg, replay
+
+from mqds.protocol.errors import Reason
+from mqds.server.storage import keys
+from mqds.server.storage.deletes import DeleteSpec
+from mqds.server.storage.export import CheckpointExport, ExportedGeneration
+from mqds.server.storage.restore import check_records
+from mqds.server.storage.shard import Engine, ShardStorage
+
+
+def export(shard: ShardStorage, where: Path, fence: int | None, skip: dict[int, ExportedGeneration] | None = None):
+    path = str(where / f"cp-{len(list(where.iterdir()))}")
+    shard.checkpoint(path)
+    out = CheckpointExport(path, fence, skip or {})
+    try:
+        sections = [(s.column_family, s.generation, s.skipped, list(s.records)) for s in out.sections()]
+        return out.fence_us, out.generations, sections
+    finally:
+        out.close()
+
+
+def restore(target: ShardStorage, sections, fence: int) -> None:
+    assert target.restore_begin(applied_index=1) is None
+    for name, _, skipped, records in sections:
+        assert not skipped
+        if records:
+            check_records(target.shard, name, [k for k, _ in records], [v for _, v in records])
+            target.restore_records(name, [k for k, _ in records], [v for _, v in records], applied_index=2)
+    target.restore_finish(fence, applied_index=3)
+
+
+def rows(shard: ShardStorage) -> list[tuple[int, str, bytes]]:
+    return [(r.ts, r.message.topic, r.message.payload) for r in replay(shard, "#")]
+
+
+def test_export_at_a_fence_restores_the_shard_as_it_stood(tmp_path: Path) -> None:
+    engine = Engine()
+    src = ShardStorage(str(tmp_path / "src"), 0, engine)
+    dst = ShardStorage(str(tmp_path / "dst"), 0, engine)
+    cps = tmp_path / "cps"
+    cps.mkdir()
+    try:
+        src.initialize(500)
+        src.store([msg("a/1", b"one"), msg("a/2", b"two")], 1_000, dedup=(b"p", 1))
+        src.add_generation(2_000)
+        second = src.store([msg("a/1", b"three")], 3_000, dedup=(b"p", 2))
+        src.sessions.subscribe("c1", "a/#", 1)
+        fence = src.last_ts
+        # After the fence: a batch, a rotation and its generation, and the batch's dedup record.
+        src.store([msg("a/3", b"late")], 4_000, dedup=(b"p", 3))
+        src.add_generation(5_000)
+        src.store([msg("a/1", b"later")], 6_000)
+        got_fence, gens, sections = export(src, cps, fence)
+        assert got_fence == fence
+        assert [g.number for g in gens] == [1, 2] and gens[0].closed and not gens[1].closed
+        names = [name for name, *_ in sections]
+        assert names == ["default", "gen-00000001", "gen-00000002"]
+        meta = dict(sections[0][3])
+        assert keys.META_APPLIED not in meta and meta[keys.META_LAST_TS] == keys.u64(fence)
+        assert keys.generation_key(3) not in meta
+        assert keys.dedup_key(b"p", 3) not in meta and keys.dedup_key(b"p", 2) in meta
+        restore(dst, sections, fence)
+        assert rows(dst) == [r for r in rows(src) if r[0] <= fence]
+        assert [(g.generation, g.until_us) for g in dst.generations()] == [(1, gens[0].until_us), (2, None)]
+        assert dst.last_ts == fence and dst.applied_index == 3
+        assert dst.sessions.subscriptions("c1") == [("a/#", 1)]
+        # Storing goes on after the fence in the restored current generation; a batch resent is stored once.
+        assert dst.store([msg("a/1", b"new")], 7_000) > fence
+        assert dst.store([msg("a/1", b"three")], 7_500, dedup=(b"p", 2)) == second
+        assert dst.store([msg("a/3", b"late")], 7_600, dedup=(b"p", 3)) > 7_000
+        # Restoring over it is refused: it holds messages now.
+        refused = dst.restore_begin(applied_index=4)
+        assert refused is not None and refused.reason is Reason.SHARD_NOT_EMPTY
+        assert "messages in generation" in refused.message and dst.applied_index == 4
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_a_delete_in_a_closed_generation_changes_its_identity(tmp_path: Path) -> None:
+    src = ShardStorage(str(tmp_path / "src"), 0, Engine())
+    cps = tmp_path / "cps"
+    cps.mkdir()
+    try:
+        src.initialize(500)
+        src.store([msg("a/1", sender="x"), msg("a/2", sender="y")], 1_000)
+        src.add_generation(2_000)
+        src.store([msg("a/1", sender="x")], 3_000)
+        _, gens, _ = export(src, cps, None)
+        closed = gens[0]
+        assert closed.closed and closed.changes == 0
+        # Offered as held: skipped, no records read.
+        _, _, sections = export(src, cps, None, {1: closed})
+        assert sections[1][2] is True and sections[1][3] == []
+        src.delete_messages(DeleteSpec("a/#", "x", 0, 0), None, 100)
+        _, gens, sections = export(src, cps, None, {1: closed})
+        assert gens[0].changes == 1 and gens[1].changes == 1
+        assert sections[1][2] is False and len([k for k, _ in sections[1][3] if k[:1] == b"D"]) == 1
+    finally:
+        src.close()
+
+
+@pytest.mark.parametrize(
+    ("family", "key", "value", "why"),
+    [
+        ("default", b"m:applied", b"\0" * 8, "Raft state"),
+        ("default", b"m:applied_part", b"\0" * 12, "Raft state"),
+        ("default", b"m:shard", keys.u32(3), "another shard"),
+        ("default", b"g:\0\0\0\1", b"junk", "generation record"),
+        ("gen-00000001", b"Xjunkjunkjunkjunk", b"", "not a key of a generation"),
+        ("cf-1", b"k", b"v", "neither"),
+        ("default", b"", b"v", "empty key"),
+    ],
+)
+def test_records_a_restore_must_not_write_are_refused(family: str, key: bytes, value: bytes, why: str) -> None:
+    with pytest.raises(Exception, match=why):
+        check_records(0, family, [key], [value])
