@@ -604,9 +604,7 @@ def test_backup_component_is_a_job_with_a_volume_and_the_secret_as_a_file(tmp_pa
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     env = {e["name"]: e for e in container["env"]}
     # The real command line takes the Job's command, in the Job's environment.
-    opts = mqds_cli(
-        [container["command"][0], *container["args"]], {"MQDS_ENDPOINTS": env["MQDS_ENDPOINTS"]["value"]}
-    )
+    opts = mqds_cli([container["command"][0], *container["args"]], {"MQDS_ENDPOINTS": env["MQDS_ENDPOINTS"]["value"]})
     assert opts.command == "backup" and opts.endpoints == "mqds:7101"
     assert volumes[mounts[opts.to]["name"]]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
     # The cluster secret: a read-only file of the nodes' Secret, never an environment variable.
