@@ -65,6 +65,7 @@ def test_backup_under_load_restores_into_a_5_node_cluster(
         c.subscribe("bob", "bk/#", 2)
         c.retain(Message(topic="bk/dev1/state", payload=b"on", sender="s1", retain=True))
         c.start_read_position("bob", "bk/#")
+        c.set_retention([("bk/never/#", 365 * 86_400)], default_s=0)
         offline = c.fetch_offline("alice", "bk/+/t", max_count=50)
         assert len(offline) == 50
         c.ack("alice", "bk/+/t", offline[-1])
@@ -113,6 +114,7 @@ def test_backup_under_load_restores_into_a_5_node_cluster(
             [(m.topic, m.payload) for m in c.retained("bk/#")],
             c.read_position("bob", "bk/#"),
         )
+        source_retention = c.retention()
     # The backup checks out.
     assert main(["backup", "--verify", str(place)]) == 0
     assert "whole" in capsys.readouterr().out
@@ -143,6 +145,7 @@ def test_backup_under_load_restores_into_a_5_node_cluster(
                 t.read_position("bob", "bk/#"),
             )
             assert state_target == state_source
+            assert t.retention() == source_retention and source_retention is not None
             # The read position saved before the backup goes on: what comes next is after the ack.
             assert t.read_position("alice", "bk/+/t") == saved_position
             after_ack = t.fetch_offline("alice", "bk/+/t", max_count=5)

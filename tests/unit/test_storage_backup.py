@@ -112,9 +112,15 @@ def test_a_delete_in_a_closed_generation_changes_its_identity(tmp_path: Path) ->
     [
         ("default", b"m:applied", b"\0" * 8, "Raft state"),
         ("default", b"m:applied_part", b"\0" * 12, "Raft state"),
-        ("default", b"m:shard", keys.u32(3), "another shard"),
-        ("default", b"g:\0\0\0\1", b"junk", "generation record"),
+        ("default", b"m:shard", keys.u32(3), "of shard 3, not shard 0"),
+        ("default", b"m:format", keys.u16(9), "format 9"),
+        ("default", b"m:lts", b"\0" * 4, "4 bytes, not 8"),
+        ("default", b"g:\0\0\0\1", b"junk", "not a record of its kind"),
+        ("default", b"g:\0\0\0\1", b"\x07" + bytes(24), "version 7"),
+        ("default", b"t:\0\0", keys.u32(1), "not a trie edge"),
         ("gen-00000001", b"Xjunkjunkjunkjunk", b"", "not a key of a generation"),
+        ("gen-00000001", keys.data_key(1, 5), b"\xff\xff", "not a stored message"),
+        ("gen-00000001", keys.index_key(keys.index_prefix(1, 0, "a"), 5), b"\x09\0\0\0\0", "not a posting list"),
         ("cf-1", b"k", b"v", "neither"),
         ("default", b"", b"v", "empty key"),
     ],
@@ -122,3 +128,22 @@ def test_a_delete_in_a_closed_generation_changes_its_identity(tmp_path: Path) ->
 def test_records_a_restore_must_not_write_are_refused(family: str, key: bytes, value: bytes, why: str) -> None:
     with pytest.raises(Exception, match=why):
         check_records(0, family, [key], [value])
+
+
+def test_a_shard_that_never_stored_restores_as_one_and_stores_afterwards(tmp_path: Path) -> None:
+    engine = Engine()
+    src = ShardStorage(str(tmp_path / "src"), 0, engine)
+    dst = ShardStorage(str(tmp_path / "dst"), 0, engine)
+    cps = tmp_path / "cps"
+    cps.mkdir()
+    try:
+        dst.initialize(100)  # a new cluster's shard may hold an empty first generation: cleared
+        fence, gens, sections = export(src, cps, None)
+        assert (fence, gens) == (0, [])
+        restore(dst, sections, fence)
+        assert dst.generations() == [] and not dst.initialized and dst.holds() is None
+        dst.initialize(1_000)
+        assert dst.store([msg("a/1")], 1_000) == 1_000
+    finally:
+        src.close()
+        dst.close()

@@ -15,8 +15,8 @@ checksum), then that the cluster has the backup's shard count and that every
 shard is empty (``ImportShard`` begin, on every shard before any record is
 written), then writes each shard's records through its leader (logged in
 the shard's Raft group, so any cluster size and placement work), finishes
-each shard (its last timestamp is its fence) and sets the backup's
-retention policy.
+each shard (its last timestamp is its fence); the backup's retention policy
+is set before the records are written.
 
 Messages are exact at the fence; broker state (client state, subscriptions,
 retained messages, read positions) is as each shard's export found it, a
@@ -43,6 +43,7 @@ from mqds.client.backup_files import (
     Place,
     RecordWriter,
     ShardEntry,
+    check_file,
     read_records,
     verify,
 )
@@ -57,7 +58,7 @@ Progress = Callable[[int, int, bool], None]
 """progress(shard, bytes done in that shard so far, shard finished)."""
 CallError = Callable[[grpc.RpcError], MqdsError]
 
-IMPORT_CHUNK_BYTES = 512 * 1024
+IMPORT_CHUNK_BYTES = 1024 * 1024
 """Records per ImportShard call, in key and value bytes: well under any node's entry limit."""
 
 
@@ -110,15 +111,19 @@ def _export_order(router: Router, shard: int) -> list[str]:
     return [a for a in replicas if a != leader] + ([leader] if leader in replicas else [])
 
 
-def _skips(previous: Manifest | None, shard: int) -> dict[int, FileEntry]:
-    """The closed generations of ``shard`` the previous backup in this place holds, by number."""
+def _skips(place: Place, previous: Manifest | None, shard: int) -> dict[int, FileEntry]:
+    """The closed generations of ``shard`` the previous backup in this place holds, by number.
+
+    Only those whose file is there with the size the manifest gives: a file
+    lost or cut since is copied again (``--verify`` checks the checksums).
+    """
     if previous is None:
         return {}
     skips: dict[int, FileEntry] = {}
     for s in previous.shards:
         if s.shard == shard:
             for f in s.files:
-                if f.generation is not None and f.generation.until_us:
+                if f.generation is not None and f.generation.until_us and check_file(place, f, False) is None:
                     skips[f.generation.generation] = f
     return skips
 
@@ -288,7 +293,16 @@ def backup(
     with futures.ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="mqds-backup") as pool:
         jobs = {
             shard: pool.submit(
-                export_shard, router, call_error, place, run, shard, fence, _skips(previous, shard), deadline, tell
+                export_shard,
+                router,
+                call_error,
+                place,
+                run,
+                shard,
+                fence,
+                _skips(place, previous, shard),
+                deadline,
+                tell,
             )
             for shard, fence in sorted(fences.items())
         }
@@ -372,6 +386,12 @@ def restore(
             f"the backup has {manifest.n_shards} shards and the cluster {n_shards}: restore into a cluster made "
             f"with the backup's shard count (n_shards = {manifest.n_shards})"
         )
+    policy = None
+    if manifest.settings.get("retention") is not None:
+        try:
+            policy = json_format.ParseDict(manifest.settings["retention"], clpb.RetentionPolicy())
+        except json_format.ParseError as err:
+            raise BackupError(f"manifest.json: the retention policy is damaged: {err}") from None
     refused = []
     for shard in manifest.shards:
         try:
@@ -383,6 +403,10 @@ def restore(
     if refused:
         raise BackupError("the cluster is not empty, nothing was restored: " + "; ".join(refused))
     report = RestoreReport(place=source, n_shards=n_shards, seconds=0.0)
+    # The policy first: the leaders then keep what it keeps from the moment each shard is finished.
+    if policy is not None:
+        set_policy(router, call_error, policy, deadline)
+        report.retention_set = True
     tell = progress or (lambda shard, done, finished: None)
     with futures.ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="mqds-restore") as pool:
         jobs = [pool.submit(_restore_shard, router, call_error, place, s, deadline, tell) for s in manifest.shards]
@@ -392,10 +416,5 @@ def restore(
             report.records += records
             report.bytes += size
             report.generations += generations
-    retention = manifest.settings.get("retention")
-    if retention is not None:
-        policy = json_format.ParseDict(retention, clpb.RetentionPolicy())
-        set_policy(router, call_error, policy, deadline)
-        report.retention_set = True
     report.seconds = time.monotonic() - started
     return report

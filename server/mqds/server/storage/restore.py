@@ -19,6 +19,7 @@ replica's own and never written from a backup.
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +31,7 @@ from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.storage import keys
 from mqds.server.storage.engine import Engine
 from mqds.server.storage.generations import GenerationInfo, Generations
+from mqds.v1 import storage_pb2 as pb
 
 DEFAULT_CF = "default"
 
@@ -52,33 +54,89 @@ BROKER_STATE = (
 )
 
 
+_VALUE_SIZES = {
+    keys.META_FORMAT: 2,
+    keys.META_SHARD: 4,
+    keys.META_LAST_TS: 8,
+    keys.META_LTS: 8,
+    keys.META_NEXT_NODE: 4,
+    keys.META_DEDUP_PRUNED: 8,
+}
+"""Metadata keys whose value the shard reads with a fixed size (opening it would fail on another)."""
+_PREFIXED = (
+    # prefix, key length (0: any), value length (0: any)
+    (keys.GENERATION_PREFIX, 6, 25),
+    (keys.CHANGES_PREFIX, 6, 8),
+    (keys.PRESENCE_PREFIX, 10, 0),
+    (keys.TRIE_PREFIX, 0, 4),
+    (keys.DEDUP_PREFIX, 0, 20),
+)
+_INDEX_KEY_LEN = keys.INDEX_PREFIX_LEN + 8
+
+
+def _refuse(what: str) -> errors.MqdsError:
+    return errors.error(Reason.INVALID_REQUEST, what)
+
+
 def check_records(shard: int, column_family: str, keys_: Sequence[bytes], values: Sequence[bytes]) -> None:
-    """Refuse records a restore must not write (INVALID_REQUEST, saying which)."""
+    """Refuse records a restore must not write, or that the shard could not read (INVALID_REQUEST, saying which).
+
+    Checked on the leader before the records are logged, so every replica
+    applies what is logged without failing: the Raft state, another shard's
+    identity, and keys or values of the wrong shape for what the shard
+    reads at opening or when reading (generation records, trie edges,
+    messages, posting lists) are refused.
+    """
     if len(keys_) != len(values):
-        raise errors.error(Reason.INVALID_REQUEST, f"{len(keys_)} keys but {len(values)} values")
+        raise _refuse(f"{len(keys_)} keys but {len(values)} values")
     if column_family != DEFAULT_CF and keys.parse_generation_cf(column_family) is None:
-        raise errors.error(
-            Reason.INVALID_REQUEST,
-            f"column family {column_family!r} is neither 'default' nor a generation's (gen-NNNNNNNN)",
-        )
+        raise _refuse(f"column family {column_family!r} is neither 'default' nor a generation's (gen-NNNNNNNN)")
+    check = _check_default if column_family == DEFAULT_CF else _check_generation
     for key, value in zip(keys_, values, strict=True):
         if not key:
-            raise errors.error(Reason.INVALID_REQUEST, "a record has an empty key")
-        if column_family != DEFAULT_CF:
-            if key[:1] not in (keys.DATA_TAG, keys.INDEX_TAG) or len(key) < keys.DATA_KEY_LEN:
-                raise errors.error(Reason.INVALID_REQUEST, f"{key[:16]!r} is not a key of a generation")
-            continue
-        if key in _PROTECTED:
-            raise errors.error(Reason.INVALID_REQUEST, f"{key!r} is the replica's Raft state: never restored")
-        if key == keys.META_SHARD and (len(value) != 4 or keys.read_u32(value) != shard):
-            raise errors.error(Reason.INVALID_REQUEST, f"the records are of another shard than shard {shard}")
-        if key == keys.META_FORMAT and (len(value) != 2 or keys.read_u16(value) not in keys.READABLE_FORMATS):
-            raise errors.error(Reason.INVALID_REQUEST, "the records' storage format is not one this node reads")
-        if key.startswith(keys.GENERATION_PREFIX):
-            try:
-                keys.GenerationRecord.decode(value)
-            except Exception as err:
-                raise errors.error(Reason.INVALID_REQUEST, f"generation record {key!r}: {err}") from None
+            raise _refuse("a record has an empty key")
+        check(shard, key, value)
+
+
+def _check_default(shard: int, key: bytes, value: bytes) -> None:
+    if key in _PROTECTED:
+        raise _refuse(f"{key!r} is the replica's Raft state: never restored")
+    size = _VALUE_SIZES.get(key)
+    if size is not None and len(value) != size:
+        raise _refuse(f"{key!r} holds {len(value)} bytes, not {size}")
+    if key == keys.META_SHARD and keys.read_u32(value) != shard:
+        raise _refuse(f"the records are of shard {keys.read_u32(value)}, not shard {shard}")
+    if key == keys.META_FORMAT and keys.read_u16(value) not in keys.READABLE_FORMATS:
+        raise _refuse(f"the records' storage format {keys.read_u16(value)} is not one this node reads")
+    for prefix, key_len, value_len in _PREFIXED:
+        if key.startswith(prefix):
+            if (key_len and len(key) != key_len) or (value_len and len(value) != value_len):
+                raise _refuse(f"{key[:24]!r} = {len(value)} bytes is not a record of its kind ({prefix!r})")
+            if prefix == keys.GENERATION_PREFIX:
+                try:
+                    keys.GenerationRecord.decode(value)
+                except ValueError as err:
+                    raise _refuse(f"generation record {key!r}: {err}") from None
+            if prefix == keys.TRIE_PREFIX and len(key) < 6:
+                raise _refuse(f"{key!r} is not a trie edge")
+            return
+
+
+def _check_generation(shard: int, key: bytes, value: bytes) -> None:
+    tag = key[:1]
+    if tag == keys.DATA_TAG and len(key) == keys.DATA_KEY_LEN:
+        try:
+            pb.Message.FromString(value)
+        except Exception:  # DecodeError, or a RuntimeError from upb
+            raise _refuse(f"the value of data key {key.hex()} is not a stored message") from None
+        return
+    if tag == keys.INDEX_TAG and len(key) == _INDEX_KEY_LEN:
+        try:
+            keys.decode_postings(keys.read_u64(key[-8:]), value)
+        except (ValueError, struct.error) as err:
+            raise _refuse(f"the value of index key {key.hex()} is not a posting list: {err}") from None
+        return
+    raise _refuse(f"{key[:24]!r} is not a key of a generation")
 
 
 def _all_keys(cf: Rdict) -> list[bytes]:
