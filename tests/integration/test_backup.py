@@ -39,6 +39,7 @@ N_SHARDS = 4
 def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     with LocalCluster(tmp_path_factory.mktemp("backup-src") / "c", 3, n_shards=N_SHARDS) as c:
         c.start()
+        c.wait_leaders_settled()  # the leader balancer's first moves: the test compares exporters with leaders
         yield c
 
 
@@ -104,6 +105,9 @@ def test_backup_under_load_restores_into_a_5_node_cluster(
         assert "backed up 4 shards" in out and "MB/s" in out
         manifest = Place(str(place)).read_manifest()
         fences = {s.shard: s.fence_us for s in manifest.shards}
+        # Read from followers: a follower reaches the fence moments after the leader pinned it.
+        leaders = source.leaders()
+        assert all(s.node != leaders.get(s.shard) for s in manifest.shards), (leaders, manifest.shards)
         assert len(acked) > 20
         assert any((m.timestamp_us or 0) > fences[m.shard or 0] for m in acked), "the load went on past the fences"
         state_source = (

@@ -104,11 +104,20 @@ class RestoreReport:
         return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
 
-def _export_order(router: Router, shard: int) -> list[str]:
-    """The shard's replicas, followers first (a backup's reads keep off the leader where they can)."""
+FOLLOWER_WAIT_S = 2.0
+"""How long an export asks only the followers of a shard (one behind its fence answers REPLICA_BEHIND, and is
+asked again shortly) before the leader is asked too."""
+
+
+def _export_order(router: Router, shard: int, with_leader: bool) -> list[str]:
+    """The shard's replicas to ask: its followers, then (``with_leader``) its leader; every known node when
+    the map names none (a node that holds no replica says so, NOT_HOSTED, and the next is asked)."""
     leader = router.leader_of(shard)
-    replicas = router.replica_addresses(shard) or router.known_addresses()
-    return [a for a in replicas if a != leader] + ([leader] if leader in replicas else [])
+    replicas = router.replica_addresses(shard)
+    if not replicas:
+        return router.known_addresses()
+    followers = [a for a in replicas if a != leader]
+    return followers + ([leader] if leader in replicas and (with_leader or not followers) else [])
 
 
 def _skips(place: Place, previous: Manifest | None, shard: int) -> dict[int, FileEntry]:
@@ -239,9 +248,10 @@ def export_shard(
         shard=shard, fence_us=fence_us, stale_ok=True, skip=[_skip_message(f) for f in skips.values()]
     )
     last: MqdsError | None = None
-    pause = 0.2
+    pause = 0.05
+    leader_after = time.monotonic() + FOLLOWER_WAIT_S
     while time.monotonic() < deadline:
-        for address in _export_order(router, shard):
+        for address in _export_order(router, shard, time.monotonic() >= leader_after):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -253,9 +263,10 @@ def export_shard(
                 last = call_error(err)
                 if not last.retriable:
                     raise last from None
-        router.refresh_quietly(max(0.1, deadline - time.monotonic()))
+        if last is None or last.reason is not Reason.REPLICA_BEHIND:
+            router.refresh_quietly(max(0.1, deadline - time.monotonic()))
         time.sleep(pause)
-        pause = min(pause * 2, 2.0)
+        pause = min(pause * 2, 1.0)
     raise last or errors.error(Reason.DEADLINE_EXCEEDED, f"shard {shard}: no replica exported it in time")
 
 
