@@ -147,3 +147,16 @@ def test_a_shard_that_never_stored_restores_as_one_and_stores_afterwards(tmp_pat
     finally:
         src.close()
         dst.close()
+
+
+def test_a_restore_that_stopped_half_way_leaves_a_shard_that_is_not_empty(tmp_path: Path) -> None:
+    dst = ShardStorage(str(tmp_path / "dst"), 0, Engine())
+    try:
+        assert dst.restore_begin(applied_index=1) is None
+        # A generation's records written, the metadata's not yet: the views know no generation.
+        dst.restore_records("gen-00000004", [keys.data_key(1, 5)], [msg("a/1").SerializeToString()], applied_index=2)
+        assert dst.generations() == []
+        refused = dst.restore_begin(applied_index=3)
+        assert refused is not None and "messages in generation 4" in refused.message
+    finally:
+        dst.close()

@@ -173,9 +173,15 @@ class ShardRestore:
     def holds(self) -> str | None:
         """What the shard holds that a restore would overwrite (messages, broker state), or None."""
         with self._lock:
-            for gen in self._generations.in_order():
-                if _first_key(gen.cf) is not None:
-                    return f"messages in generation {gen.number}"
+            # Every generation family on disk, also those a restore that stopped half-way created before
+            # their records were read (the views know only the generations with records).
+            for name in self._generation_families():
+                cf = self._db.get_column_family(name)
+                try:
+                    if _first_key(cf) is not None:
+                        return f"messages in generation {keys.parse_generation_cf(name)}"
+                finally:
+                    del cf
             for prefix, what in BROKER_STATE:
                 for key in self._db.keys(from_key=prefix):
                     if key.startswith(prefix):
@@ -198,13 +204,16 @@ class ShardRestore:
             for key in _all_keys(self._db):
                 if key not in _KEPT:
                     batch.delete(key, self._meta_handle)
-            names = [keys.generation_cf(n) for n in sorted(self._generations.by_number)]
+            names = self._generation_families()
             self._generations.by_number.clear()
             self._write(batch, True, applied_index)
             for name in names:
                 self._db.drop_column_family(name)
             self.reload()
             return None
+
+    def _generation_families(self) -> list[str]:
+        return sorted(name for name in Rdict.list_cf(self.path) if keys.parse_generation_cf(name) is not None)
 
     def restore_records(
         self,
