@@ -117,3 +117,24 @@ def test_files_no_manifest_names_are_removed(tmp_path: Path) -> None:
     assert place.exists(stale.path)
     assert place.remove_unlisted(manifest) == 1
     assert not place.exists(stale.path) and not place.exists("data/r0") and verify(place).ok
+
+
+@pytest.mark.parametrize("scheme", ["file://", "memory://"])
+def test_a_place_may_be_any_fsspec_url(tmp_path: Path, scheme: str) -> None:
+    root = f"{scheme}{tmp_path}/u" if scheme == "file://" else f"memory://mqds-test-{tmp_path.name}"
+    place = Place(root)
+    manifest = Manifest(run="r1", created_at_us=1, n_shards=1, settings={})
+    shard = ShardEntry(shard=0, fence_us=1, applied_index=1, node="n1")
+    entry = write_file(place, "data/r1/shard-0000/default.rec", RECORDS)
+    shard.files.append(entry)
+    manifest.shards.append(shard)
+    place.write_manifest(manifest)
+    stale = write_file(place, "data/r0/shard-0000/default.rec", RECORDS)
+    assert place.remove_unlisted(manifest) == 1 and not place.exists(stale.path)
+    report = verify(Place(root))
+    assert report.ok and report.records == len(RECORDS)
+    with place.open(entry.path, "wb") as fh:
+        fh.write(b"MQDSREC1")
+    assert verify(Place(root)).problems == [
+        f"{entry.path} is 8 bytes, the manifest says {entry.bytes:,}",
+    ]
