@@ -7,12 +7,16 @@ from pathlib import Path
 import pytest
 from storage_support import msg, replay
 
-from mqds.protocol.errors import Reason
+from mqds.protocol.errors import MqdsError, Reason
+from mqds.server.cluster.v1 import commands_pb2 as cpb
+from mqds.server.cluster.vnode import VnodeReplica
 from mqds.server.storage import keys
 from mqds.server.storage.deletes import DeleteSpec
 from mqds.server.storage.export import CheckpointExport, ExportedGeneration
 from mqds.server.storage.restore import check_records
 from mqds.server.storage.shard import Engine, ShardStorage
+from mqds.v1 import sessions_pb2 as spb
+from mqds.v1 import storage_pb2 as pb
 
 
 def export(shard: ShardStorage, where: Path, fence: int | None, skip: dict[int, ExportedGeneration] | None = None):
@@ -160,3 +164,47 @@ def test_a_restore_that_stopped_half_way_leaves_a_shard_that_is_not_empty(tmp_pa
         assert refused is not None and "messages in generation 4" in refused.message
     finally:
         dst.close()
+
+
+def test_while_a_restore_runs_the_vnode_refuses_every_other_command(tmp_path: Path) -> None:
+    def open_replica() -> VnodeReplica:
+        return VnodeReplica(
+            0, str(tmp_path / "v0"), Engine(), node_id="n1", fetch_snapshot=lambda *_: 0, lts_threshold_top=100,
+            lts_threshold=10,
+        )  # fmt: skip
+
+    store = cpb.VnodeCommand(store=cpb.StoreMessages(now_us=5_000, messages=[msg("a/1")])).SerializeToString()
+    subscribe = cpb.VnodeCommand(
+        session=cpb.SessionCommand(now_us=5_000, subscribe=spb.SubscribeRequest(clientid="c", topic_filter="#"))
+    ).SerializeToString()
+
+    def step(replica: VnodeReplica, index: int, **kind: object) -> object:
+        body = cpb.VnodeCommand(import_shard=pb.ImportShardRequest(shard=0, **kind)).SerializeToString()
+        return replica.apply(body, index)
+
+    replica = open_replica()
+    try:
+        assert step(replica, 1, begin=pb.ImportBegin()) is None
+        for index, body in ((2, store), (3, subscribe)):
+            refused = replica.apply(body, index)
+            assert isinstance(refused, MqdsError) and refused.reason is Reason.SHARD_RESTORING
+            assert replica.applied_index == index
+        (batch,) = replica.apply_batch([store], 4)
+        assert isinstance(batch, MqdsError) and batch.reason is Reason.SHARD_RESTORING
+        assert step(replica, 5, records=pb.ImportRecords(column_family="default", keys=[b"c:x"], values=[b""])) == 1
+    finally:
+        replica.close()
+    # The mark is in the database: the replica opened again (a node restarted mid-restore) still refuses.
+    replica = open_replica()
+    try:
+        refused = replica.apply(store, 6)
+        assert isinstance(refused, MqdsError) and refused.reason is Reason.SHARD_RESTORING
+        step(replica, 7, finish=pb.ImportFinish(last_ts=4_000))
+        assert replica.apply(store, 8) == 5_000
+        assert replica.apply(subscribe, 9) is None
+        # A begin on a shard that holds data is refused and sets no mark.
+        refused = step(replica, 10, begin=pb.ImportBegin())
+        assert isinstance(refused, MqdsError) and refused.reason is Reason.SHARD_NOT_EMPTY
+        assert replica.apply(store, 11) == 5_001
+    finally:
+        replica.close()

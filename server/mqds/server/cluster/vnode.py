@@ -186,6 +186,10 @@ class VnodeReplica:
     def _apply_stores(self, commands: list[cpb.VnodeCommand], bodies: list[bytes], applied: int | None) -> list[Any]:
         """Store the messages of several store commands in one write; each one's first timestamp or refusal."""
         storage = self.storage
+        if storage.restoring:
+            if applied is not None:
+                storage.record_applied(applied)
+            return [self._restoring()] * len(commands)
         if not storage.initialized:
             storage.initialize(commands[0].store.now_us)
         parts = [
@@ -215,6 +219,10 @@ class VnodeReplica:
         """Apply one command; ``index`` is recorded as applied with its write (None: a part of an entry)."""
         storage = self.storage
         kind = cmd.WhichOneof("kind")
+        if storage.restoring and kind not in ("import_shard", "store"):
+            if index is not None:
+                storage.record_applied(index)
+            return self._restoring()
         if kind == "store":
             (result,) = self._apply_stores([cmd], [command], index)
             return result  # a reused sequence number is refused alike everywhere
@@ -247,6 +255,12 @@ class VnodeReplica:
         if kind == "import_shard":
             return self._apply_import(cmd.import_shard, index)
         raise errors.error(Reason.INTERNAL, f"shard {self.shard}: a log entry holds an unknown command")
+
+    def _restoring(self) -> MqdsError:
+        """The refusal of a command while a restore runs (the same on every replica: the mark is in the log)."""
+        return errors.error(
+            Reason.SHARD_RESTORING, f"shard {self.shard} is being restored from a backup; retry once it has finished"
+        )
 
     def _apply_import(self, cmd: pb.ImportShardRequest, index: int | None) -> Any:
         """A step of a restore (``storage/restore.py``), checked by the leader that logged it.

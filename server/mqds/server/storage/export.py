@@ -41,7 +41,7 @@ from rocksdict import AccessType, Options, Rdict
 from mqds.server.storage import keys
 
 DEFAULT_CF = "default"
-_LEFT_OUT = frozenset({keys.META_APPLIED, keys.META_APPLIED_PART})
+_LEFT_OUT = frozenset({keys.META_APPLIED, keys.META_APPLIED_PART, keys.META_RESTORING})
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ default                ``m:last_ts``                               u64 last time
 default                ``m:applied``                               u64 last applied Raft index
 default                ``m:lts``                                   u32 thresholds: top level, other levels
 default                ``m:next_node``                             u32 next free trie node id
+default                ``m:restoring``                             empty: a restore began and has not finished
+                                                                   (``restore.py``); other commands are refused
 default                ``g:`` u32 generation                       generation record (see ``GenerationRecord``)
 default                ``v:`` u32 generation                       u64 changes: delete or retention steps that
                                                                    removed keys of the generation (a backup's
@@ -108,6 +110,7 @@ META_APPLIED = b"m:applied"
 META_APPLIED_PART = b"m:applied_part"
 META_LTS = b"m:lts"
 META_NEXT_NODE = b"m:next_node"
+META_RESTORING = b"m:restoring"
 GENERATION_PREFIX = b"g:"
 CHANGES_PREFIX = b"v:"
 TRIE_PREFIX = b"t:"

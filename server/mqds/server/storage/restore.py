@@ -6,7 +6,10 @@ alike by every replica (``cluster/vnode.py``):
 
 - ``begin`` refuses a shard that holds messages or broker state, and clears
   the rest (an empty first generation, the trie of a shard that stored and
-  lost nothing): the backup's keys replace them;
+  lost nothing): the backup's keys replace them. It marks the shard as
+  being restored (``m:restoring``): until ``finish``, the vnode refuses
+  every other command (SHARD_RESTORING), so nothing written meanwhile
+  mixes with the backup's keys;
 - ``records`` writes one column family's keys and values as they are,
   creating a generation's column family when it is not there yet;
 - ``finish`` sets the last timestamp to the backup's fence and reads the
@@ -39,7 +42,7 @@ _KEPT = frozenset({keys.META_FORMAT, keys.META_SHARD, keys.META_LTS, keys.META_A
 """What ``begin`` keeps of the metadata family: its identity, trie thresholds and Raft state.
 
 The backup's records replace the first two; the Raft state is the replica's own."""
-_PROTECTED = frozenset({keys.META_APPLIED, keys.META_APPLIED_PART})
+_PROTECTED = frozenset({keys.META_APPLIED, keys.META_APPLIED_PART, keys.META_RESTORING})
 """Keys a restore never writes."""
 BROKER_STATE = (
     (keys.CLIENT_PREFIX, "client state"),
@@ -155,6 +158,8 @@ class ShardRestore:
     shard: int
     path: str
     last_ts: int
+    restoring: bool
+    """A restore began (``begin``) and has not finished: the vnode refuses every other command meanwhile."""
     _lock: threading.RLock
     _engine: Engine
     _db: Any
@@ -204,6 +209,7 @@ class ShardRestore:
             for key in _all_keys(self._db):
                 if key not in _KEPT:
                     batch.delete(key, self._meta_handle)
+            batch.put(keys.META_RESTORING, b"", self._meta_handle)
             names = self._generation_families()
             self._generations.by_number.clear()
             self._write(batch, True, applied_index)
@@ -246,6 +252,7 @@ class ShardRestore:
         with self._lock:
             batch = WriteBatch(raw_mode=True)
             batch.put(keys.META_LAST_TS, keys.u64(last_ts), self._meta_handle)
+            batch.delete(keys.META_RESTORING, self._meta_handle)
             self._write(batch, True, applied_index)
             self.reload()
             return self.generations()

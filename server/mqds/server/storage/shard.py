@@ -191,6 +191,7 @@ class ShardStorage(ShardDeletes, ShardRestore):
         self.applied_index = keys.read_u64(raw) if raw is not None else 0
         raw = db.get(keys.META_DEDUP_PRUNED)
         self._dedup_pruned = keys.read_u64(raw) if raw is not None else 0
+        self.restoring = db.get(keys.META_RESTORING) is not None
         self._generations.load(db, self._engine, cf_names)
         return trie
 
