@@ -126,6 +126,18 @@ def test_backup_under_load_restores_into_a_5_node_cluster(
     with LocalCluster(tmp_path / "target", 5, n_shards=N_SHARDS) as target:
         target.start()
         monkeypatch.setenv("MQDS_CLUSTER_SECRET", target.secret)
+        # One shard of the new cluster holds a subscription: nothing is restored, and the shards whose
+        # restore had begun take writes again at once (SHARD_RESTORING would be retried to the timeout).
+        intruder = next(f"intruder-{i}" for i in range(100) if shard_of(f"intruder-{i}", N_SHARDS) == 2)
+        probes = [next(f"p{s}-{i}" for i in range(1000) if shard_of(f"p{s}-{i}", N_SHARDS) == s) for s in (0, 1, 3)]
+        with admin(target) as t:
+            t.subscribe(intruder, "x/#")
+            with pytest.raises(BackupError, match="not empty, nothing was restored: shard 2 holds subscriptions"):
+                t.restore(str(place))
+            for probe in probes:
+                t.subscribe(probe, "x/#", timeout_s=10)
+                assert t.unsubscribe(probe, "x/#", timeout_s=10)
+            assert t.unsubscribe(intruder, "x/#")
         assert main(["--endpoints", ",".join(target.addresses), "restore", "--from", str(place)]) == 0
         assert "restored 4 shards" in capsys.readouterr().out
         with admin(target) as t:

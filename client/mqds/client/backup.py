@@ -346,6 +346,12 @@ def _import(router: Router, call_error: CallError, request: pb.ImportShardReques
     return router.call(request.shard, attempt, deadline)
 
 
+def _end_empty(router: Router, call_error: CallError, shards: list[int], deadline: float) -> None:
+    """End the restore of shards that began and got nothing (another shard refused): they take writes again."""
+    for shard in shards:
+        _import(router, call_error, pb.ImportShardRequest(shard=shard, finish=pb.ImportFinish(last_ts=0)), deadline)
+
+
 def _restore_shard(
     router: Router, call_error: CallError, place: Place, shard: ShardEntry, deadline: float, progress: Progress
 ) -> tuple[int, int, int]:
@@ -403,14 +409,20 @@ def restore(
             policy = json_format.ParseDict(manifest.settings["retention"], clpb.RetentionPolicy())
         except json_format.ParseError as err:
             raise BackupError(f"manifest.json: the retention policy is damaged: {err}") from None
-    refused = []
-    for shard in manifest.shards:
-        try:
-            _import(router, call_error, pb.ImportShardRequest(shard=shard.shard, begin=pb.ImportBegin()), deadline)
-        except MqdsError as err:
-            if err.reason is not Reason.SHARD_NOT_EMPTY:
-                raise
-            refused.append(err.message)
+    refused: list[str] = []
+    begun: list[int] = []
+    try:
+        for shard in manifest.shards:
+            try:
+                _import(router, call_error, pb.ImportShardRequest(shard=shard.shard, begin=pb.ImportBegin()), deadline)
+                begun.append(shard.shard)
+            except MqdsError as err:
+                if err.reason is not Reason.SHARD_NOT_EMPTY:
+                    raise
+                refused.append(err.message)
+    finally:
+        if refused or len(begun) < len(manifest.shards):
+            _end_empty(router, call_error, begun, deadline)
     if refused:
         raise BackupError("the cluster is not empty, nothing was restored: " + "; ".join(refused))
     report = RestoreReport(place=source, n_shards=n_shards, seconds=0.0)
