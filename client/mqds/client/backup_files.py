@@ -290,6 +290,11 @@ def verify(place: Place, *, checksums: bool = True) -> VerifyReport:
     return report
 
 
+def verify_place(url: str, *, checksums: bool = True) -> VerifyReport:
+    """Check the backup at ``url`` (a directory or fsspec URL) without restoring it: see :func:`verify`."""
+    return verify(Place(url), checksums=checksums)
+
+
 def check_file(place: Place, entry: FileEntry, checksum: bool) -> str | None:
     """What is wrong with one file of a backup, or None."""
     if not place.exists(entry.path):
