@@ -30,8 +30,6 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
-import fsspec
-
 MAGIC = b"MQDSREC1"
 FORMAT = "mqds-backup"
 VERSION = 1
@@ -162,6 +160,8 @@ class Place:
     """A backup's place: a directory or an fsspec URL."""
 
     def __init__(self, url: str) -> None:
+        import fsspec  # here: it takes a good part of a second to import, and most clients never back up
+
         self.url = url
         self.fs, self.root = fsspec.core.url_to_fs(url)
 
