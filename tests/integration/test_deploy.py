@@ -59,13 +59,15 @@ from deploy_support import (
     load_compose,
     local_path_env,
     map_path,
+    secret_data,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tls_certs import TestCA
 
 from mqds.broker.exhook.v3 import exhook_pb2 as expb
 from mqds.broker.exhook.v3 import exhook_pb2_grpc as expb_grpc
-from mqds.client import Client, Message
+from mqds.client import Client, ConnectionSettings, Message
+from mqds.client.backup_files import Place, verify
 from mqds.tools.localproc import wait_serving, wait_until
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
@@ -532,11 +534,13 @@ def test_statefulset_pods_form_a_cluster_and_pass_their_probes(pods: Pods) -> No
         scrape(pods.address(pods.pod(ordinal), port))
 
 
-def start_deployment(pods: Pods, objects: list[dict[str, Any]], name: str, base: Path) -> dict[str, Any]:
-    """The Deployment's one pod as a local process next to the StatefulSet's pods: its command, args and env;
-    its ConfigMap volumes as directories of their files; the client Service ``mqds`` (any ready node) mapped
-    to the first pod's address. Returns the container."""
-    deployment = find(objects, "Deployment", name)
+def start_deployment(
+    pods: Pods, objects: list[dict[str, Any]], name: str, base: Path, kind: str = "Deployment"
+) -> dict[str, Any]:
+    """The Deployment's (or Job's) one pod as a local process next to the StatefulSet's pods: its command, args
+    and env; its ConfigMap and Secret volumes as directories of their files, other volumes as empty ones; the
+    client Service ``mqds`` (any ready node) mapped to the first pod's address. Returns the container."""
+    deployment = find(objects, kind, name)
     pod_spec = deployment["spec"]["template"]["spec"]
     (container,) = pod_spec["containers"]
     pod = f"{name}-0"
@@ -548,6 +552,10 @@ def start_deployment(pods: Pods, objects: list[dict[str, Any]], name: str, base:
         if "configMap" in volume:
             for key, text in find(objects, "ConfigMap", volume["configMap"]["name"])["data"].items():
                 (local / key).write_text(text)
+        if "secret" in volume:
+            values = secret_data(find(objects, "Secret", volume["secret"]["secretName"]))
+            for item in volume["secret"].get("items") or [{"key": k, "path": k} for k in values]:
+                (local / item["path"]).write_text(values[item["key"]])
         mounts[mount["mountPath"]] = local
     client_service = find(objects, "Service", "mqds")
     (port,) = client_service["spec"]["ports"]
@@ -562,8 +570,29 @@ def start_deployment(pods: Pods, objects: list[dict[str, Any]], name: str, base:
     env.update(PATH=local_path_env(), HOSTNAME=pod, HOME=str(base / pod))
     argv = [map_path(loop.rewrite(word, pod), mounts) for word in argv]
     pods.processes.start(pod, argv, env, base / pod)
-    container["address"] = loop.address(pod, int(container["ports"][0]["containerPort"]))
+    if container.get("ports"):
+        container["address"] = loop.address(pod, int(container["ports"][0]["containerPort"]))
+    container["mounts"] = mounts
     return dict(container)
+
+
+def test_backup_job_backs_the_pods_up_into_its_volume(pods: Pods, tmp_path: Path) -> None:
+    objects = dev_with_components(tmp_path / "overlay", "backup")
+    assert find(objects, "StatefulSet") == pods.sts, "the same pods, with the component added"
+    secret = pods.unmapped_env[pods.pod(0)]["MQDS_CLUSTER_SECRET"]
+    with Client(pods.endpoints(), settings=ConnectionSettings(timeout_s=60, cluster_secret=secret)) as client:
+        client.store_batch([Message(topic=f"k8s/backup/{i}", payload=b"b", sender=f"k{i}") for i in range(50)])
+    container = start_deployment(pods, objects, "mqds-backup", tmp_path / "pods", kind="Job")
+    job = pods.processes.procs["mqds-backup-0"]
+    try:
+        assert job.wait(timeout=180) == 0, pods.processes.output("mqds-backup-0")
+    finally:
+        pods.processes.terminate("mqds-backup-0", 5)
+        del pods.processes.procs["mqds-backup-0"]  # done: the other tests check that the pods' processes run
+    assert "backed up" in pods.processes.output("mqds-backup-0")
+    volume = container["mounts"]["/backup"]
+    report = verify(Place(str(volume)))
+    assert report.ok and report.records >= 50, report.problems
 
 
 def test_broker_and_exhook_components_serve_next_to_the_pods(pods: Pods, tmp_path: Path) -> None:

@@ -37,6 +37,8 @@ def test_the_command_tree_has_every_command() -> None:
         "generations list",
         "generations add",
         "generations drop",
+        "backup",
+        "restore",
         "admin join",
         "admin leave",
         "admin forget",
@@ -187,3 +189,15 @@ def test_a_missing_argument_is_an_argparse_error(capsys: pytest.CaptureFixture[s
         main(["generations", "drop", "1"])
     assert exit_info.value.code == 2
     assert "the following arguments are required: GENERATION" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["backup"], "--to PLACE is required (or --verify PLACE)"),
+        (["backup", "--to", "a", "--verify", "b"], "give either --to PLACE or --verify PLACE"),
+    ],
+)
+def test_backup_usage_mistakes_are_named(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err

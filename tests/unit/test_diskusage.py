@@ -59,6 +59,20 @@ def test_measure_counts_each_replica_the_raft_log_and_the_whole_directory(tmp_pa
     assert 0 < usage.free_bytes <= usage.total_bytes
 
 
+def test_a_checkpoint_of_hard_links_in_tmp_takes_no_disk_of_its_own(tmp_path: Path) -> None:
+    sst = tmp_path / "shards" / "shard-0001" / "000001.sst"
+    sst.parent.mkdir(parents=True)
+    sst.write_bytes(os.urandom(400_000))
+    alone = measure(str(tmp_path))
+    checkpoint = tmp_path / "tmp" / "export-1-abc"
+    checkpoint.mkdir(parents=True)
+    os.link(sst, checkpoint / "000001.sst")  # what a RocksDB checkpoint makes
+    (checkpoint / "MANIFEST-000001").write_bytes(os.urandom(10_000))  # and a file of its own
+    linked = measure(str(tmp_path))
+    assert linked.group_bytes[1] == alone.group_bytes[1] >= 400_000
+    assert alone.data_bytes + 10_000 <= linked.data_bytes < alone.data_bytes + 100_000
+
+
 def test_metrics_report_the_measurement_and_the_refusal() -> None:
     disk = DiskUsage("n1", "unused", quota_bytes=1000, min_free_bytes=0)
     disk.decide(Usage(data_bytes=2000, free_bytes=5, total_bytes=10, wal_bytes=1, group_bytes={0: 7, META_GROUP: 3}))

@@ -401,7 +401,7 @@ def test_components_are_optional_and_documented(base: list[dict[str, Any]], dev:
     for objects in (base, dev):
         assert not [o for o in objects if o["kind"] in ("Deployment", "ServiceMonitor")]
     documented = (K8S / "README.md").read_text()
-    for component in ("tls", "monitoring", "broker", "exhook"):
+    for component in ("tls", "monitoring", "broker", "exhook", "backup"):
         kustomization = yaml.safe_load((COMPONENTS / component / "kustomization.yaml").read_text())
         assert kustomization["kind"] == "Component"
         assert (
@@ -587,3 +587,36 @@ def test_scale_down_refuses_the_last_node_and_a_bad_count() -> None:
             [str(K8S / "scale-down.sh"), "--replicas", replicas], env=env, capture_output=True, text=True, timeout=30
         )
         assert result.returncode == 2 and message in result.stderr
+
+
+def test_backup_component_is_a_job_with_a_volume_and_the_secret_as_a_file(tmp_path: Path) -> None:
+    objects = dev_with_components(tmp_path / "backup", "backup")
+    for obj in objects:
+        for version in KUBERNETES_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
+    job = find(objects, "Job", "mqds-backup")
+    claim = find(objects, "PersistentVolumeClaim", "mqds-backup")
+    sts = find(objects, "StatefulSet")
+    assert job["metadata"]["namespace"] == sts["metadata"]["namespace"] == claim["metadata"]["namespace"]
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    env = {e["name"]: e for e in container["env"]}
+    # The real command line takes the Job's command, in the Job's environment.
+    opts = mqds_cli([container["command"][0], *container["args"]], {"MQDS_ENDPOINTS": env["MQDS_ENDPOINTS"]["value"]})
+    assert opts.command == "backup" and opts.endpoints == "mqds:7101"
+    assert volumes[mounts[opts.to]["name"]]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    # The cluster secret: a read-only file of the nodes' Secret, never an environment variable.
+    secret_dir, secret_name = opts.cluster_secret_file.rsplit("/", 1)
+    secret_volume = volumes[mounts[secret_dir]["name"]]["secret"]
+    assert mounts[secret_dir]["readOnly"] and secret_volume["secretName"] == "mqds-cluster-secret"
+    assert secret_volume["items"] == [{"key": "cluster-secret", "path": secret_name}]
+    assert secret_volume["defaultMode"] == 0o440
+    assert "MQDS_CLUSTER_SECRET" not in env and env["MQDS_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"]
+    # Secure by default: no API token, non-root, read-only root, nothing to escalate.
+    assert pod["automountServiceAccountToken"] is False and pod["restartPolicy"] == "Never"
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["fsGroup"] == 10001
+    assert container["securityContext"]["readOnlyRootFilesystem"]
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert job["metadata"]["labels"]["app.kubernetes.io/name"] != "mqds"

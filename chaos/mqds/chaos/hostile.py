@@ -270,6 +270,24 @@ REQUESTS: tuple[Request, ...] = (
         secret=True,
         must_refuse=True,
     ),
+    Request(
+        "import-no-credentials",
+        "Storage",
+        "ImportShard",
+        lambda h: pb.ImportShardRequest(shard=0, begin=pb.ImportBegin()).SerializeToString(),
+        must_refuse=True,
+    ),
+    Request(
+        "secret:import-raft-state",
+        "Storage",
+        "ImportShard",
+        lambda h: pb.ImportShardRequest(
+            shard=0, records=pb.ImportRecords(column_family="default", keys=[b"m:applied"], values=[bytes(8)])
+        ).SerializeToString(),
+        secret=True,
+        must_refuse=True,
+    ),
+    Request("secret:garbage:Storage/ImportShard", "Storage", "ImportShard", _garbage(1), secret=True),
     Request("secret:garbage:Storage/DeleteMessages", "Storage", "DeleteMessages", _garbage(2), secret=True),
     Request("secret:garbage:Cluster/SetRetention", "Cluster", "SetRetention", _garbage(0), secret=True),
     Request("secret:garbage:Cluster/JoinNode", "Cluster", "JoinNode", _garbage(0), secret=True),

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from mqds.cli import (
     admin,
+    backup,
     bench,
     broker,
     delete,
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     generations.register(sub, connection)
     delete.register(sub, connection)
     retention.register(sub, connection)
+    backup.register(sub, connection)
     admin.register(sub, connection)
     local_cluster.register(sub)
     bench.register(sub, connection)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mqds.bench import TOPIC_PREFIX, LeaderKill, RunResult, publisher_ids, run_load
-from mqds.cli import bench_fanout, bench_mqtt, bench_sessions, bench_small, bench_storm, local_cluster
+from mqds.cli import bench_backup, bench_fanout, bench_mqtt, bench_sessions, bench_small, bench_storm, local_cluster
 from mqds.cli.bench_mqtt import _cpu_total
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, ProgressLine, bar, connection
 from mqds.client import Client
@@ -106,6 +106,8 @@ def run(opts: argparse.Namespace) -> int:
         opts.batch = 100 if opts.subscribers else 1000
     if opts.session_soak:
         return bench_sessions.run(opts)
+    if opts.backup:
+        return bench_backup.run(opts)
     if opts.reconnect_storm:
         if opts.start_cluster and opts.data_dir:
             raise CommandError("give --start-cluster or --data-dir, not both", EXIT_USAGE)
@@ -349,4 +351,5 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
     bench_mqtt.register_options(parser)
     bench_storm.register_options(parser)
     bench_sessions.register_options(parser)
+    bench_backup.register_options(parser)
     parser.set_defaults(run=run)

@@ -8,6 +8,9 @@
 """
 
 from mqds.client import aio, errors
+from mqds.client.backup import BackupReport, RestoreReport
+from mqds.client.backup_files import BackupError, VerifyReport
+from mqds.client.backup_files import verify_place as verify_backup
 from mqds.client.batch import MessageBatch
 from mqds.client.client import Client
 from mqds.client.connection import ConnectionSettings
@@ -31,6 +34,8 @@ from mqds.protocol.limits import SESSION_NEVER_EXPIRES
 
 __all__ = [
     "SESSION_NEVER_EXPIRES",
+    "BackupError",
+    "BackupReport",
     "Client",
     "ClientState",
     "ConnectionSettings",
@@ -46,11 +51,14 @@ __all__ = [
     "OfflineFetch",
     "Rank",
     "ReadPosition",
+    "RestoreReport",
     "ShardDeleted",
     "ShareAssignment",
     "SharedSubscription",
     "Stream",
     "Subscription",
+    "VerifyReport",
     "aio",
     "errors",
+    "verify_backup",
 ]

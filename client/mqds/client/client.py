@@ -131,6 +131,9 @@ class Client(BrokerStateCalls, StorageAdminCalls):
     def _n_shards(self, deadline: float) -> int:
         return self._router.ensure_map(time_left(deadline)).n_shards
 
+    def _routing(self) -> tuple[Router, Callable[[grpc.RpcError], MqdsError]]:
+        return self._router, self.settings.call_error
+
     def _shard_call(self, call: ShardCall[T], timeout_s: float | None, deadline: float | None = None) -> T:
         deadline = self._deadline(timeout_s) if deadline is None else deadline
         return call.parse(

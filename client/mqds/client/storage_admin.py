@@ -1,4 +1,4 @@
-"""The storage administration calls of the synchronous client: generations and deletes.
+"""The storage administration calls of the synchronous client: generations, deletes, backup and restore.
 
 A part of :class:`mqds.client.Client` (it inherits :class:`StorageAdminCalls`),
 kept apart so the client's module holds its calls' machinery and reads and
@@ -8,12 +8,17 @@ writes, and this one the calls an operator makes.
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 from typing import TypeVar
 
+from mqds.client import backup as backups
 from mqds.client import operations as ops
+from mqds.client.backup import BackupReport, RestoreReport
 from mqds.client.deletes import DeleteReport, DeleteRun, Progress
-from mqds.client.model import Generation
+from mqds.client.model import Fence, Generation
 from mqds.client.operations import FanoutCall, ShardCall
+from mqds.client.routing import Router
+from mqds.v1 import cluster_pb2 as clpb
 
 T = TypeVar("T")
 
@@ -36,6 +41,20 @@ class StorageAdminCalls(abc.ABC):
     @abc.abstractmethod
     def _n_shards(self, deadline: float) -> int:
         """The cluster's shard count (waiting for a first map until ``deadline``)."""
+
+    @abc.abstractmethod
+    def _routing(self) -> tuple[Router, backups.CallError]:
+        """The client's router and its translation of failed calls."""
+
+    @abc.abstractmethod
+    def get_fences(
+        self, shards: Iterable[int] | None = None, *, stale_ok: bool = False, timeout_s: float | None = None
+    ) -> list[Fence]:
+        """The read fence of each shard."""
+
+    @abc.abstractmethod
+    def retention(self, timeout_s: float | None = None) -> clpb.RetentionPolicy | None:
+        """The cluster's retention policy."""
 
     # -- generations ---------------------------------------------------------
 
@@ -83,3 +102,58 @@ class StorageAdminCalls(abc.ABC):
         while (call := run.next_call()) is not None:
             run.record(self._shard_call(call, timeout_s))
         return run.report
+
+    # -- backup and restore --------------------------------------------------
+
+    def backup(
+        self,
+        to: str,
+        *,
+        parallel: int = 2,
+        incremental: bool = True,
+        timeout_s: float = 3600.0,
+        progress: backups.Progress | None = None,
+    ) -> BackupReport:
+        """Back up the whole cluster into ``to`` (a directory or an fsspec URL): every shard at a fence
+        pinned now, the broker state and the retention policy, with a manifest of checksums written
+        last. ``parallel`` shards are exported at a time, each from a follower where one has reached
+        its fence. Into a place that holds a backup already, closed generations it has (unchanged
+        since) are not copied again unless ``incremental`` is False. Needs the admin role; see
+        :mod:`mqds.client.backup`."""
+        deadline = self._deadline(timeout_s)
+        fences = {f.shard: f.timestamp_us for f in self.get_fences(timeout_s=min(timeout_s, 60.0))}
+        router, call_error = self._routing()
+        return backups.backup(
+            router,
+            call_error,
+            to,
+            fences=fences,
+            retention=self.retention(min(timeout_s, 60.0)),
+            deadline=deadline,
+            parallel=parallel,
+            incremental=incremental,
+            progress=progress,
+        )
+
+    def restore(
+        self,
+        source: str,
+        *,
+        parallel: int = 2,
+        timeout_s: float = 3600.0,
+        progress: backups.Progress | None = None,
+    ) -> RestoreReport:
+        """Restore the backup at ``source`` into this cluster, which must be empty and have the backup's
+        shard count (any size and placement). The whole backup is checked first (checksums), and a
+        damaged or partial one is refused (``BackupError`` naming what is wrong). Needs the admin role."""
+        deadline = self._deadline(timeout_s)
+        router, call_error = self._routing()
+        return backups.restore(
+            router,
+            call_error,
+            source,
+            n_shards=self._n_shards(deadline),
+            deadline=deadline,
+            parallel=parallel,
+            progress=progress,
+        )

@@ -194,6 +194,12 @@ class Reason(enum.Enum):
     # returns (retention or a drop of generations frees it; reads, deletes
     # and broker state go on). Retried with backoff within the deadline.
     STORAGE_FULL = "STORAGE_FULL"
+    # A restore (Storage.ImportShard) found the shard holding messages or
+    # broker state: a backup is restored into an empty cluster only.
+    SHARD_NOT_EMPTY = "SHARD_NOT_EMPTY"
+    # The shard is being restored from a backup (mqds restore): it takes
+    # nothing else until the restore has finished. Retried with backoff.
+    SHARD_RESTORING = "SHARD_RESTORING"
     # Another membership change of the group is not committed yet.
     MEMBERSHIP_CHANGE_IN_PROGRESS = "MEMBERSHIP_CHANGE_IN_PROGRESS"
     # A node id that is not a member of the cluster.
@@ -261,6 +267,8 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.REPLICA_BEHIND: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, False, UnavailableError),
     Reason.OVERLOADED: ReasonInfo(grpc.StatusCode.RESOURCE_EXHAUSTED, True, False, UnavailableError),
     Reason.STORAGE_FULL: ReasonInfo(grpc.StatusCode.RESOURCE_EXHAUSTED, True, False, UnavailableError),
+    Reason.SHARD_RESTORING: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, False, UnavailableError),
+    Reason.SHARD_NOT_EMPTY: ReasonInfo(grpc.StatusCode.FAILED_PRECONDITION, False, False, FailedPreconditionError),
     Reason.MEMBERSHIP_CHANGE_IN_PROGRESS: ReasonInfo(grpc.StatusCode.ABORTED, True, False, FailedPreconditionError),
     Reason.UNKNOWN_NODE: ReasonInfo(_NF, False, False, NotFoundError),
     Reason.MEMBERSHIP_REFUSED: ReasonInfo(grpc.StatusCode.FAILED_PRECONDITION, False, False, FailedPreconditionError),

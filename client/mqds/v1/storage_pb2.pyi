@@ -386,3 +386,117 @@ class DeleteMessagesResponse(_message.Message):
     until_us: int
     cursor: DeleteCursor
     def __init__(self, shard: _Optional[int] = ..., deleted_messages: _Optional[int] = ..., deleted_index_keys: _Optional[int] = ..., scanned_keys: _Optional[int] = ..., steps: _Optional[int] = ..., until_us: _Optional[int] = ..., cursor: _Optional[_Union[DeleteCursor, _Mapping]] = ...) -> None: ...
+
+class ExportShardRequest(_message.Message):
+    __slots__ = ("shard", "fence_us", "stale_ok", "skip", "max_chunk_bytes")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    FENCE_US_FIELD_NUMBER: _ClassVar[int]
+    STALE_OK_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    fence_us: int
+    stale_ok: bool
+    skip: _containers.RepeatedCompositeFieldContainer[ExportedGeneration]
+    max_chunk_bytes: int
+    def __init__(self, shard: _Optional[int] = ..., fence_us: _Optional[int] = ..., stale_ok: _Optional[bool] = ..., skip: _Optional[_Iterable[_Union[ExportedGeneration, _Mapping]]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class ExportedGeneration(_message.Message):
+    __slots__ = ("generation", "since_us", "until_us", "created_at_us", "changes")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SINCE_US_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_US_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_US_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    since_us: int
+    until_us: int
+    created_at_us: int
+    changes: int
+    def __init__(self, generation: _Optional[int] = ..., since_us: _Optional[int] = ..., until_us: _Optional[int] = ..., created_at_us: _Optional[int] = ..., changes: _Optional[int] = ...) -> None: ...
+
+class ExportShardResponse(_message.Message):
+    __slots__ = ("section", "records", "done")
+    SECTION_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    section: ExportSection
+    records: ExportRecords
+    done: ExportDone
+    def __init__(self, section: _Optional[_Union[ExportSection, _Mapping]] = ..., records: _Optional[_Union[ExportRecords, _Mapping]] = ..., done: _Optional[_Union[ExportDone, _Mapping]] = ...) -> None: ...
+
+class ExportSection(_message.Message):
+    __slots__ = ("column_family", "generation", "skipped")
+    COLUMN_FAMILY_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    column_family: str
+    generation: ExportedGeneration
+    skipped: bool
+    def __init__(self, column_family: _Optional[str] = ..., generation: _Optional[_Union[ExportedGeneration, _Mapping]] = ..., skipped: _Optional[bool] = ...) -> None: ...
+
+class ExportRecords(_message.Message):
+    __slots__ = ("keys", "values")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    values: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., values: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ExportDone(_message.Message):
+    __slots__ = ("shard", "fence_us", "applied_index", "records", "bytes", "node")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    FENCE_US_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_INDEX_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    fence_us: int
+    applied_index: int
+    records: int
+    bytes: int
+    node: str
+    def __init__(self, shard: _Optional[int] = ..., fence_us: _Optional[int] = ..., applied_index: _Optional[int] = ..., records: _Optional[int] = ..., bytes: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
+
+class ImportShardRequest(_message.Message):
+    __slots__ = ("shard", "begin", "records", "finish")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    begin: ImportBegin
+    records: ImportRecords
+    finish: ImportFinish
+    def __init__(self, shard: _Optional[int] = ..., begin: _Optional[_Union[ImportBegin, _Mapping]] = ..., records: _Optional[_Union[ImportRecords, _Mapping]] = ..., finish: _Optional[_Union[ImportFinish, _Mapping]] = ...) -> None: ...
+
+class ImportBegin(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ImportRecords(_message.Message):
+    __slots__ = ("column_family", "keys", "values")
+    COLUMN_FAMILY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    column_family: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    values: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, column_family: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., values: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ImportFinish(_message.Message):
+    __slots__ = ("last_ts",)
+    LAST_TS_FIELD_NUMBER: _ClassVar[int]
+    last_ts: int
+    def __init__(self, last_ts: _Optional[int] = ...) -> None: ...
+
+class ImportShardResponse(_message.Message):
+    __slots__ = ("shard", "records", "generations")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    records: int
+    generations: _containers.RepeatedCompositeFieldContainer[Generation]
+    def __init__(self, shard: _Optional[int] = ..., records: _Optional[int] = ..., generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ...) -> None: ...

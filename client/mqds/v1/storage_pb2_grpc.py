@@ -89,6 +89,16 @@ class StorageStub:
                 request_serializer=mqds_dot_v1_dot_storage__pb2.DeleteMessagesRequest.SerializeToString,
                 response_deserializer=mqds_dot_v1_dot_storage__pb2.DeleteMessagesResponse.FromString,
                 _registered_method=True)
+        self.ExportShard = channel.unary_stream(
+                '/mqds.v1.Storage/ExportShard',
+                request_serializer=mqds_dot_v1_dot_storage__pb2.ExportShardRequest.SerializeToString,
+                response_deserializer=mqds_dot_v1_dot_storage__pb2.ExportShardResponse.FromString,
+                _registered_method=True)
+        self.ImportShard = channel.unary_unary(
+                '/mqds.v1.Storage/ImportShard',
+                request_serializer=mqds_dot_v1_dot_storage__pb2.ImportShardRequest.SerializeToString,
+                response_deserializer=mqds_dot_v1_dot_storage__pb2.ImportShardResponse.FromString,
+                _registered_method=True)
         self.Follow = channel.stream_stream(
                 '/mqds.v1.Storage/Follow',
                 request_serializer=mqds_dot_v1_dot_storage__pb2.FollowRequest.SerializeToString,
@@ -209,6 +219,33 @@ class StorageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportShard(self, request, context):
+        """Streams a consistent copy of one shard for a backup (mqds backup): its
+        metadata family (broker state, topic trie, generation records) and the
+        messages of each generation stored at or before fence_us, from one
+        RocksDB checkpoint of the answering replica. Any replica that has
+        applied up to the fence may answer (with stale_ok; otherwise the
+        leader); one behind it refuses with REPLICA_BEHIND. A closed generation
+        named in skip with the same identity and change count is announced but
+        not sent (an incremental backup has it already). Needs the admin role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportShard(self, request, context):
+        """Writes records of a backup into one shard of an empty cluster (mqds
+        restore), logged through the shard's Raft group so every replica holds
+        the same: `begin` checks the shard holds no messages and no broker state
+        (FAILED_PRECONDITION otherwise) and clears it, records are written as
+        they are, and `finish` sets the shard's last timestamp and has every
+        replica reload its views (generations, topic trie) from what it holds.
+        Needs the admin role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Follow(self, request_iterator, context):
         """Push subscriptions (follow a topic filter): the node sends the messages of a shard that match a
         topic filter as they are committed, with no polling. One call carries
@@ -282,6 +319,16 @@ def add_StorageServicer_to_server(servicer, server):
                     servicer.DeleteMessages,
                     request_deserializer=mqds_dot_v1_dot_storage__pb2.DeleteMessagesRequest.FromString,
                     response_serializer=mqds_dot_v1_dot_storage__pb2.DeleteMessagesResponse.SerializeToString,
+            ),
+            'ExportShard': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportShard,
+                    request_deserializer=mqds_dot_v1_dot_storage__pb2.ExportShardRequest.FromString,
+                    response_serializer=mqds_dot_v1_dot_storage__pb2.ExportShardResponse.SerializeToString,
+            ),
+            'ImportShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportShard,
+                    request_deserializer=mqds_dot_v1_dot_storage__pb2.ImportShardRequest.FromString,
+                    response_serializer=mqds_dot_v1_dot_storage__pb2.ImportShardResponse.SerializeToString,
             ),
             'Follow': grpc.stream_stream_rpc_method_handler(
                     servicer.Follow,
@@ -564,6 +611,60 @@ class Storage:
             '/mqds.v1.Storage/DeleteMessages',
             mqds_dot_v1_dot_storage__pb2.DeleteMessagesRequest.SerializeToString,
             mqds_dot_v1_dot_storage__pb2.DeleteMessagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mqds.v1.Storage/ExportShard',
+            mqds_dot_v1_dot_storage__pb2.ExportShardRequest.SerializeToString,
+            mqds_dot_v1_dot_storage__pb2.ExportShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mqds.v1.Storage/ImportShard',
+            mqds_dot_v1_dot_storage__pb2.ImportShardRequest.SerializeToString,
+            mqds_dot_v1_dot_storage__pb2.ImportShardResponse.FromString,
             options,
             channel_credentials,
             insecure,

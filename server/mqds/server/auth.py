@@ -12,7 +12,8 @@ Roles, each including the ones before it:
   the cluster map (analytics, Spark, dashboards);
 - ``broker``: also stores messages and writes broker state (client state,
   subscriptions, retained messages, acknowledgements);
-- ``admin``: also changes generations and membership.
+- ``admin``: also changes generations and membership, deletes, and
+  exports and imports whole shards (backup and restore).
 
 A node of the cluster (one presenting the cluster secret) is an admin. A call
 without a valid token gets UNAUTHENTICATED, a call its role does not allow
@@ -67,6 +68,9 @@ METHOD_ROLES: dict[str, str] = {
     "/mqds.v1.Storage/AddGeneration": ADMIN,
     "/mqds.v1.Storage/DropGeneration": ADMIN,
     "/mqds.v1.Storage/DeleteMessages": ADMIN,
+    # A backup's export holds every client's state and message: admins only, as the restore.
+    "/mqds.v1.Storage/ExportShard": ADMIN,
+    "/mqds.v1.Storage/ImportShard": ADMIN,
     **{
         f"/mqds.v1.Sessions/{m}": READ
         for m in (

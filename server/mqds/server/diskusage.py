@@ -67,17 +67,27 @@ def format_size(n: int) -> str:
     return f"{value:.1f} TiB"
 
 
-def allocated_bytes(path: str) -> int:
-    """Bytes the files under ``path`` take on disk (``st_blocks``), skipping what vanishes meanwhile."""
-    return sum(map(_size, _entries(path)))
+def allocated_bytes(path: str, linked: set[tuple[int, int]] | None = None) -> int:
+    """Bytes the files under ``path`` take on disk (``st_blocks``), skipping what vanishes meanwhile.
+
+    With ``linked``, a file of several hard links counts once: its (device, inode) is added to the set,
+    and a file already in it counts 0.
+    """
+    return sum(_size(entry, linked) for entry in _entries(path))
 
 
-def _size(entry: os.DirEntry[str]) -> int:
+def _size(entry: os.DirEntry[str], linked: set[tuple[int, int]] | None = None) -> int:
     """Bytes a file, or everything under a directory, takes on disk (0 for what vanished meanwhile)."""
     try:
         if entry.is_dir(follow_symlinks=False):
-            return allocated_bytes(entry.path)
-        return entry.stat(follow_symlinks=False).st_blocks * 512
+            return allocated_bytes(entry.path, linked)
+        stat = entry.stat(follow_symlinks=False)
+        if linked is not None and stat.st_nlink > 1:
+            key = (stat.st_dev, stat.st_ino)
+            if key in linked:
+                return 0
+            linked.add(key)
+        return stat.st_blocks * 512
     except FileNotFoundError:  # a compaction or a log segment removed it
         return 0
 
@@ -102,15 +112,18 @@ def measure(data_dir: str) -> Usage:
     """The disk usage of the node whose data directory is ``data_dir``: one walk of it, and the filesystem's."""
     groups: dict[int, int] = {}
     total = wal = 0
-    for entry in _entries(data_dir):
+    # A checkpoint being sent (a snapshot, a backup's export) in tmp/ is hard links to a replica's files:
+    # they take the disk once, counted with the replica (tmp/ is walked last).
+    linked: set[tuple[int, int]] = set()
+    for entry in sorted(_entries(data_dir), key=lambda e: e.name == "tmp"):
         if entry.name not in ("shards", "raft") or not entry.is_dir(follow_symlinks=False):
-            size = _size(entry)
+            size = _size(entry, linked)
             total += size
             if entry.name == "meta":
                 groups[META_GROUP] = size
             continue
         for child in _entries(entry.path):
-            size = _size(child)
+            size = _size(child, linked)
             total += size
             match = _SHARD_DIR.match(child.name)
             if match:

@@ -206,6 +206,8 @@ class Node:
             stream_window=config.store_stream_window,
             stream_idle_s=config.store_stream_idle_s,
             follow_limits=FollowLimits(config.follow_max_subscriptions, config.follow_max_batch),
+            scratch_dir=self.data_dir.tmp,
+            node_id=config.node_id,
         )
         tokens = load_tokens(config.auth_tokens_file) if config.auth_tokens_file else {}
         self._control_pool = futures.ThreadPoolExecutor(max_workers=_CONTROL_WORKERS, thread_name_prefix="grpc-control")

@@ -175,6 +175,36 @@ def _bidi(
     )
 
 
+def _server_stream(
+    method: Callable[..., Any],
+    request_cls: type[protobuf_message.Message],
+    metrics: MethodMetrics | None = None,
+    max_request_bytes: int | None = None,
+) -> grpc.RpcMethodHandler:
+    """A server-streaming handler: ``method(request)`` returns an iterator of answers (bytes or messages).
+
+    An ``MqdsError`` raised before or while answering ends the stream with
+    its status, after the answers sent before.
+    """
+    name = method.__name__
+
+    def handle(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        started = metrics.started(context) if metrics is not None else 0.0
+        try:
+            yield from method(check_parsed(request))
+        except Exception as err:
+            _abort(context, name, err, metrics)
+        finally:
+            if metrics is not None:
+                metrics.finished(started)
+
+    return grpc.unary_stream_rpc_method_handler(
+        handle,
+        request_deserializer=_parser(request_cls, False, max_request_bytes),
+        response_serializer=_serialize,
+    )
+
+
 def unary_handlers(
     descriptor: protobuf_descriptor.ServiceDescriptor,
     impl: Any,
@@ -187,8 +217,10 @@ def unary_handlers(
 
     A method of ``impl`` takes the parsed request, and the call context if it
     has a second parameter; a bidirectional-streaming method takes the
-    requests and the context and yields its answers (``_bidi``), with
-    ``streams`` (otherwise streaming methods are left to the caller). With ``metrics``, each call is timed and a refused
+    requests and the context and yields its answers (``_bidi``), and a
+    server-streaming one takes the request and returns its answers
+    (``_server_stream``), with ``streams`` (otherwise streaming methods are
+    left to the caller). With ``metrics``, each call is timed and a refused
     one counted, under the service's short name (``Storage``) and the method's.
     With ``max_request_bytes``, a larger request is refused (INVALID_REQUEST)
     before it is parsed.
@@ -199,6 +231,8 @@ def unary_handlers(
         counted = metrics.method(descriptor.name, method.name) if metrics is not None else None
         if method.client_streaming and method.server_streaming and streams:
             methods[method.name] = _bidi(getattr(impl, method.name), request_cls, counted, max_request_bytes)
+        elif method.server_streaming and not method.client_streaming and streams:
+            methods[method.name] = _server_stream(getattr(impl, method.name), request_cls, counted, max_request_bytes)
         elif not (method.client_streaming or method.server_streaming):
             methods[method.name] = _unary(getattr(impl, method.name), request_cls, counted, max_request_bytes)
     return methods

@@ -23,7 +23,7 @@ from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_filter, validate_topic
-from mqds.server.api import delete_service, follow, store_stream
+from mqds.server.api import backup_service, delete_service, follow, store_stream
 from mqds.server.api.handlers import takes_raw_request
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.group import PendingRead, Proposal
@@ -266,8 +266,13 @@ class StorageService(ShardsAPI):
         stream_window: int = 256,
         stream_idle_s: float = 300.0,
         follow_limits: follow.FollowLimits | None = None,
+        scratch_dir: str | None = None,
+        node_id: str = "",
     ) -> None:
         super().__init__(shards, max_answer_bytes=max_answer_bytes, max_entry_bytes=max_entry_bytes)
+        self.scratch_dir = scratch_dir
+        """Where exports put their checkpoints (the data directory's tmp); None: no exports."""
+        self.node_id = node_id
         self.follow_limits = follow_limits or follow.FollowLimits()
         self.stream_window = stream_window
         self.stream_idle_s = stream_idle_s
@@ -556,3 +561,11 @@ class StorageService(ShardsAPI):
 
     def DeleteMessages(self, request: pb.DeleteMessagesRequest) -> pb.DeleteMessagesResponse:
         return delete_service.delete_messages(self.shards, request)
+
+    def ExportShard(self, request: pb.ExportShardRequest) -> Iterator[pb.ExportShardResponse]:
+        if self.scratch_dir is None:
+            raise errors.error(Reason.INVALID_REQUEST, "this node takes no exports (it has no scratch directory)")
+        return backup_service.export_shard(self, request, self.scratch_dir, self.node_id)
+
+    def ImportShard(self, request: pb.ImportShardRequest) -> pb.ImportShardResponse:
+        return backup_service.import_shard(self, request)

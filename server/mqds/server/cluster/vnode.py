@@ -36,6 +36,7 @@ from mqds.server.storage.expiry import NEVER
 from mqds.server.storage.retention import policy_of
 from mqds.server.storage.share_groups import MAX_MEMBERS
 from mqds.v1 import sessions_pb2 as spb
+from mqds.v1 import storage_pb2 as pb
 
 if TYPE_CHECKING:
     from mqds.server.raft.group import RaftGroup
@@ -185,6 +186,10 @@ class VnodeReplica:
     def _apply_stores(self, commands: list[cpb.VnodeCommand], bodies: list[bytes], applied: int | None) -> list[Any]:
         """Store the messages of several store commands in one write; each one's first timestamp or refusal."""
         storage = self.storage
+        if storage.restoring:
+            if applied is not None:
+                storage.record_applied(applied)
+            return [self._restoring()] * len(commands)
         if not storage.initialized:
             storage.initialize(commands[0].store.now_us)
         parts = [
@@ -214,6 +219,10 @@ class VnodeReplica:
         """Apply one command; ``index`` is recorded as applied with its write (None: a part of an entry)."""
         storage = self.storage
         kind = cmd.WhichOneof("kind")
+        if storage.restoring and kind not in ("import_shard", "store"):
+            if index is not None:
+                storage.record_applied(index)
+            return self._restoring()
         if kind == "store":
             (result,) = self._apply_stores([cmd], [command], index)
             return result  # a reused sequence number is refused alike everywhere
@@ -243,7 +252,36 @@ class VnodeReplica:
             return self._apply_delete(cmd.delete_messages, index)
         if kind == "apply_retention":
             return self._apply_retention(cmd.apply_retention, index)
+        if kind == "import_shard":
+            return self._apply_import(cmd.import_shard, index)
         raise errors.error(Reason.INTERNAL, f"shard {self.shard}: a log entry holds an unknown command")
+
+    def _restoring(self) -> MqdsError:
+        """The refusal of a command while a restore runs (the same on every replica: the mark is in the log)."""
+        return errors.error(
+            Reason.SHARD_RESTORING, f"shard {self.shard} is being restored from a backup; retry once it has finished"
+        )
+
+    def _apply_import(self, cmd: pb.ImportShardRequest, index: int | None) -> Any:
+        """A step of a restore (``storage/restore.py``), checked by the leader that logged it.
+
+        Push subscribers and shared catch-up reads start again from what the
+        shard holds after ``begin`` and after ``finish``.
+        """
+        storage = self.storage
+        step = cmd.WhichOneof("kind")
+        if step == "records":
+            r = cmd.records
+            return storage.restore_records(r.column_family, r.keys, r.values, applied_index=index)
+        if step == "begin":
+            result: Any = storage.restore_begin(applied_index=index)
+        elif step == "finish":
+            result = storage.restore_finish(cmd.finish.last_ts, applied_index=index)
+        else:
+            raise errors.error(Reason.INVALID_REQUEST, f"shard {self.shard}: an import step of no known kind")
+        self.feed.reset(storage.last_ts)
+        self.catchup.reset()
+        return result
 
     def _apply_retention(self, cmd: cpb.ApplyRetention, index: int | None) -> StepResult:
         """One step of a retention pass, with the policy the leader logged."""

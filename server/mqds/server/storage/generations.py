@@ -159,6 +159,7 @@ class Generations:
         info = self.info(gen)
         batch = WriteBatch(raw_mode=True)
         batch.delete(keys.generation_key(number), meta)
+        batch.delete(keys.changes_key(number), meta)
         batch.delete_range(keys.presence_key(number, 0), keys.presence_key(number + 1, 0), meta)
         # Queue acknowledgements of the generation's messages go with them.
         until = gen.record.until_us or 0

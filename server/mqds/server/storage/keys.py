@@ -15,7 +15,12 @@ default                ``m:last_ts``                               u64 last time
 default                ``m:applied``                               u64 last applied Raft index
 default                ``m:lts``                                   u32 thresholds: top level, other levels
 default                ``m:next_node``                             u32 next free trie node id
+default                ``m:restoring``                             empty: a restore began and has not finished
+                                                                   (``restore.py``); other commands are refused
 default                ``g:`` u32 generation                       generation record (see ``GenerationRecord``)
+default                ``v:`` u32 generation                       u64 changes: delete or retention steps that
+                                                                   removed keys of the generation (a backup's
+                                                                   incremental copy compares it)
 default                ``t:`` u32 parent node, token (UTF-8)       u32 child node id
 default                ``p:`` u32 generation, u32 stream           empty: the stream has data in the generation
 default                ``d:`` u16 len, producer id, u64 sequence   ``DedupRecord``: a batch already stored
@@ -105,7 +110,9 @@ META_APPLIED = b"m:applied"
 META_APPLIED_PART = b"m:applied_part"
 META_LTS = b"m:lts"
 META_NEXT_NODE = b"m:next_node"
+META_RESTORING = b"m:restoring"
 GENERATION_PREFIX = b"g:"
+CHANGES_PREFIX = b"v:"
 TRIE_PREFIX = b"t:"
 PRESENCE_PREFIX = b"p:"
 DEDUP_PREFIX = b"d:"
@@ -176,6 +183,11 @@ def parse_generation_cf(name: str) -> int | None:
 
 def generation_key(generation: int) -> bytes:
     return GENERATION_PREFIX + u32(generation)
+
+
+def changes_key(generation: int) -> bytes:
+    """The key of a generation's change count (delete and retention steps that removed some of its keys)."""
+    return CHANGES_PREFIX + u32(generation)
 
 
 def trie_edge_key(parent: int, token: str) -> bytes:

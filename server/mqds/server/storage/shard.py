@@ -13,8 +13,9 @@ options shared by a node's shards), ``writes.py`` (a stored batch as one
 write batch), ``dedup.py`` (exactly-once storing), ``generations.py``
 (opening, adding and dropping generations), ``shard_deletes.py`` (delete
 and retention steps, inherited; ``deletes.py``, ``retention.py`` and
-``compaction.py`` behind it), ``reads.py`` (streams and
-scans), ``wire.py`` (messages in protobuf wire form). The names they define
+``compaction.py`` behind it), ``restore.py`` (a shard written from a
+backup, inherited; ``export.py`` reads one for a backup), ``reads.py``
+(streams and scans), ``wire.py`` (messages in protobuf wire form). The names they define
 that callers use are importable from here too.
 
 See ``keys.py`` for the key layout and ``DESIGN.md`` for the why.
@@ -42,6 +43,7 @@ from mqds.server.storage.engine import Engine, EngineOptions, scan
 from mqds.server.storage.generations import Generation, GenerationInfo, Generations
 from mqds.server.storage.iterators import IteratorState
 from mqds.server.storage.reads import ReadResult, StreamRef
+from mqds.server.storage.restore import ShardRestore
 from mqds.server.storage.sessions import SessionState
 from mqds.server.storage.shard_deletes import ShardDeletes
 from mqds.server.storage.share_groups import ShareGroups
@@ -101,7 +103,7 @@ class DiskUsage:
     """Bytes in memtables, all families together: written, not flushed to SST files yet."""
 
 
-class ShardStorage(ShardDeletes):
+class ShardStorage(ShardDeletes, ShardRestore):
     """The storage of one shard: generations, streams, iterators."""
 
     def __init__(
@@ -191,8 +193,19 @@ class ShardStorage(ShardDeletes):
         self.applied_index = keys.read_u64(raw) if raw is not None else 0
         raw = db.get(keys.META_DEDUP_PRUNED)
         self._dedup_pruned = keys.read_u64(raw) if raw is not None else 0
+        self.restoring = db.get(keys.META_RESTORING) is not None
         self._generations.load(db, self._engine, cf_names)
         return trie
+
+    def reload(self) -> None:
+        """Read the views (generations, topic trie, counters) again from the database, as opening does.
+
+        After a restore wrote the shard's keys (``restore.py``); thresholds come from the database.
+        """
+        with self._lock:
+            self._generations = Generations(self.shard)
+            self.trie = self._load(0, 0, Rdict.list_cf(self.path))
+            self._routes = writes.Routes(self.trie)
 
     @staticmethod
     def _scan(cf: Rdict, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from rocksdict import WriteBatch
 
-from mqds.server.storage import deletes, retention
+from mqds.server.storage import deletes, keys, retention
 from mqds.server.storage.compaction import METADATA, PendingRanges
 from mqds.server.storage.engine import Engine
 from mqds.server.storage.generations import Generations
@@ -62,6 +62,7 @@ class ShardDeletes:
                 spec = deletes.DeleteSpec(spec.topic_filter, spec.sender, spec.since_us, self.last_ts + 1)
             batch = WriteBatch(raw_mode=True)
             result = deletes.step(self.trie, self._generations.in_order(), spec, cursor, max_keys, batch)
+            self._count_changes(result, batch)
             self._write(batch, False, applied_index)
         self._compact_soon(result.ranges)
         return result
@@ -81,6 +82,7 @@ class ShardDeletes:
             batch = WriteBatch(raw_mode=True)
             gens = self._generations.in_order()
             result = retention.step(self.trie, gens, policy, now_us, after_us, cursor, max_keys, batch)
+            self._count_changes(result, batch)
             self._write(batch, False, applied_index)
         self._compact_soon(result.ranges)
         return result
@@ -101,6 +103,19 @@ class ShardDeletes:
             return
         self._meta_deleted = 0
         self._compact_soon([(METADATA, b"", b"")])
+
+    def _count_changes(self, result: deletes.StepResult, batch: WriteBatch) -> None:
+        """Count the step in each generation it removed keys of (``keys.changes_key``), in the step's write.
+
+        A backup copies a closed generation again only when its count moved
+        (``export.py``): closed generations take no new messages, but a delete
+        or a retention pass may remove some of theirs.
+        """
+        meta = self._db.get_column_family_handle("default")
+        for number in sorted({generation for generation, _, _ in result.ranges}):
+            key = keys.changes_key(number)
+            raw = self._db.get(key)
+            batch.put(key, keys.u64((keys.read_u64(raw) if raw is not None else 0) + 1), meta)
 
     def _compact_soon(self, ranges: list[tuple[int, bytes, bytes]]) -> None:
         """Have the node's compaction thread compact what a step deleted (``compaction.py``)."""

@@ -10,20 +10,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VnodeCommand(_message.Message):
-    __slots__ = ("store", "add_generation", "drop_generation", "session", "delete_messages", "apply_retention")
+    __slots__ = ("store", "add_generation", "drop_generation", "session", "delete_messages", "apply_retention", "import_shard")
     STORE_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_FIELD_NUMBER: _ClassVar[int]
     DROP_GENERATION_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     DELETE_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     APPLY_RETENTION_FIELD_NUMBER: _ClassVar[int]
+    IMPORT_SHARD_FIELD_NUMBER: _ClassVar[int]
     store: StoreMessages
     add_generation: AddGeneration
     drop_generation: DropGeneration
     session: SessionCommand
     delete_messages: DeleteMessages
     apply_retention: ApplyRetention
-    def __init__(self, store: _Optional[_Union[StoreMessages, _Mapping]] = ..., add_generation: _Optional[_Union[AddGeneration, _Mapping]] = ..., drop_generation: _Optional[_Union[DropGeneration, _Mapping]] = ..., session: _Optional[_Union[SessionCommand, _Mapping]] = ..., delete_messages: _Optional[_Union[DeleteMessages, _Mapping]] = ..., apply_retention: _Optional[_Union[ApplyRetention, _Mapping]] = ...) -> None: ...
+    import_shard: _storage_pb2.ImportShardRequest
+    def __init__(self, store: _Optional[_Union[StoreMessages, _Mapping]] = ..., add_generation: _Optional[_Union[AddGeneration, _Mapping]] = ..., drop_generation: _Optional[_Union[DropGeneration, _Mapping]] = ..., session: _Optional[_Union[SessionCommand, _Mapping]] = ..., delete_messages: _Optional[_Union[DeleteMessages, _Mapping]] = ..., apply_retention: _Optional[_Union[ApplyRetention, _Mapping]] = ..., import_shard: _Optional[_Union[_storage_pb2.ImportShardRequest, _Mapping]] = ...) -> None: ...
 
 class ApplyRetention(_message.Message):
     __slots__ = ("now_us", "policy", "after_us", "cursor", "max_keys")

@@ -1,0 +1,210 @@
+"""A shard exported from a checkpoint at a fence, and restored into another: the key-exact copy a backup makes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from storage_support import msg, replay
+
+from mqds.protocol.errors import MqdsError, Reason
+from mqds.server.cluster.v1 import commands_pb2 as cpb
+from mqds.server.cluster.vnode import VnodeReplica
+from mqds.server.storage import keys
+from mqds.server.storage.deletes import DeleteSpec
+from mqds.server.storage.export import CheckpointExport, ExportedGeneration
+from mqds.server.storage.restore import check_records
+from mqds.server.storage.shard import Engine, ShardStorage
+from mqds.v1 import sessions_pb2 as spb
+from mqds.v1 import storage_pb2 as pb
+
+
+def export(shard: ShardStorage, where: Path, fence: int | None, skip: dict[int, ExportedGeneration] | None = None):
+    path = str(where / f"cp-{len(list(where.iterdir()))}")
+    shard.checkpoint(path)
+    out = CheckpointExport(path, fence, skip or {})
+    try:
+        sections = [(s.column_family, s.generation, s.skipped, list(s.records)) for s in out.sections()]
+        return out.fence_us, out.generations, sections
+    finally:
+        out.close()
+
+
+def restore(target: ShardStorage, sections, fence: int) -> None:
+    assert target.restore_begin(applied_index=1) is None
+    for name, _, skipped, records in sections:
+        assert not skipped
+        if records:
+            check_records(target.shard, name, [k for k, _ in records], [v for _, v in records])
+            target.restore_records(name, [k for k, _ in records], [v for _, v in records], applied_index=2)
+    target.restore_finish(fence, applied_index=3)
+
+
+def rows(shard: ShardStorage) -> list[tuple[int, str, bytes]]:
+    return [(r.ts, r.message.topic, r.message.payload) for r in replay(shard, "#")]
+
+
+def test_export_at_a_fence_restores_the_shard_as_it_stood(tmp_path: Path) -> None:
+    engine = Engine()
+    src = ShardStorage(str(tmp_path / "src"), 0, engine)
+    dst = ShardStorage(str(tmp_path / "dst"), 0, engine)
+    cps = tmp_path / "cps"
+    cps.mkdir()
+    try:
+        src.initialize(500)
+        src.store([msg("a/1", b"one"), msg("a/2", b"two")], 1_000, dedup=(b"p", 1))
+        src.add_generation(2_000)
+        second = src.store([msg("a/1", b"three")], 3_000, dedup=(b"p", 2))
+        src.sessions.subscribe("c1", "a/#", 1)
+        fence = src.last_ts
+        # After the fence: a batch, a rotation and its generation, and the batch's dedup record.
+        src.store([msg("a/3", b"late")], 4_000, dedup=(b"p", 3))
+        src.add_generation(5_000)
+        src.store([msg("a/1", b"later")], 6_000)
+        got_fence, gens, sections = export(src, cps, fence)
+        assert got_fence == fence
+        assert [g.number for g in gens] == [1, 2] and gens[0].closed and not gens[1].closed
+        names = [name for name, *_ in sections]
+        assert names == ["default", "gen-00000001", "gen-00000002"]
+        meta = dict(sections[0][3])
+        assert keys.META_APPLIED not in meta and meta[keys.META_LAST_TS] == keys.u64(fence)
+        assert keys.generation_key(3) not in meta
+        assert keys.dedup_key(b"p", 3) not in meta and keys.dedup_key(b"p", 2) in meta
+        restore(dst, sections, fence)
+        assert rows(dst) == [r for r in rows(src) if r[0] <= fence]
+        assert [(g.generation, g.until_us) for g in dst.generations()] == [(1, gens[0].until_us), (2, None)]
+        assert dst.last_ts == fence and dst.applied_index == 3
+        assert dst.sessions.subscriptions("c1") == [("a/#", 1)]
+        # Storing goes on after the fence in the restored current generation; a batch resent is stored once.
+        assert dst.store([msg("a/1", b"new")], 7_000) > fence
+        assert dst.store([msg("a/1", b"three")], 7_500, dedup=(b"p", 2)) == second
+        assert dst.store([msg("a/3", b"late")], 7_600, dedup=(b"p", 3)) > 7_000
+        # Restoring over it is refused: it holds messages now.
+        refused = dst.restore_begin(applied_index=4)
+        assert refused is not None and refused.reason is Reason.SHARD_NOT_EMPTY
+        assert "messages in generation" in refused.message and dst.applied_index == 4
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_a_delete_in_a_closed_generation_changes_its_identity(tmp_path: Path) -> None:
+    src = ShardStorage(str(tmp_path / "src"), 0, Engine())
+    cps = tmp_path / "cps"
+    cps.mkdir()
+    try:
+        src.initialize(500)
+        src.store([msg("a/1", sender="x"), msg("a/2", sender="y")], 1_000)
+        src.add_generation(2_000)
+        src.store([msg("a/1", sender="x")], 3_000)
+        _, gens, _ = export(src, cps, None)
+        closed = gens[0]
+        assert closed.closed and closed.changes == 0
+        # Offered as held: skipped, no records read.
+        _, _, sections = export(src, cps, None, {1: closed})
+        assert sections[1][2] is True and sections[1][3] == []
+        src.delete_messages(DeleteSpec("a/#", "x", 0, 0), None, 100)
+        _, gens, sections = export(src, cps, None, {1: closed})
+        assert gens[0].changes == 1 and gens[1].changes == 1
+        assert sections[1][2] is False and len([k for k, _ in sections[1][3] if k[:1] == b"D"]) == 1
+    finally:
+        src.close()
+
+
+@pytest.mark.parametrize(
+    ("family", "key", "value", "why"),
+    [
+        ("default", b"m:applied", b"\0" * 8, "Raft state"),
+        ("default", b"m:applied_part", b"\0" * 12, "Raft state"),
+        ("default", b"m:shard", keys.u32(3), "of shard 3, not shard 0"),
+        ("default", b"m:format", keys.u16(9), "format 9"),
+        ("default", b"m:lts", b"\0" * 4, "4 bytes, not 8"),
+        ("default", b"g:\0\0\0\1", b"junk", "not a record of its kind"),
+        ("default", b"g:\0\0\0\1", b"\x07" + bytes(24), "version 7"),
+        ("default", b"t:\0\0", keys.u32(1), "not a trie edge"),
+        ("gen-00000001", b"Xjunkjunkjunkjunk", b"", "not a key of a generation"),
+        ("gen-00000001", keys.data_key(1, 5), b"\xff\xff", "not a stored message"),
+        ("gen-00000001", keys.index_key(keys.index_prefix(1, 0, "a"), 5), b"\x09\0\0\0\0", "not a posting list"),
+        ("cf-1", b"k", b"v", "neither"),
+        ("default", b"", b"v", "empty key"),
+    ],
+)
+def test_records_a_restore_must_not_write_are_refused(family: str, key: bytes, value: bytes, why: str) -> None:
+    with pytest.raises(Exception, match=why):
+        check_records(0, family, [key], [value])
+
+
+def test_a_shard_that_never_stored_restores_as_one_and_stores_afterwards(tmp_path: Path) -> None:
+    engine = Engine()
+    src = ShardStorage(str(tmp_path / "src"), 0, engine)
+    dst = ShardStorage(str(tmp_path / "dst"), 0, engine)
+    cps = tmp_path / "cps"
+    cps.mkdir()
+    try:
+        dst.initialize(100)  # a new cluster's shard may hold an empty first generation: cleared
+        fence, gens, sections = export(src, cps, None)
+        assert (fence, gens) == (0, [])
+        restore(dst, sections, fence)
+        assert dst.generations() == [] and not dst.initialized and dst.holds() is None
+        dst.initialize(1_000)
+        assert dst.store([msg("a/1")], 1_000) == 1_000
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_a_restore_that_stopped_half_way_leaves_a_shard_that_is_not_empty(tmp_path: Path) -> None:
+    dst = ShardStorage(str(tmp_path / "dst"), 0, Engine())
+    try:
+        assert dst.restore_begin(applied_index=1) is None
+        # A generation's records written, the metadata's not yet: the views know no generation.
+        dst.restore_records("gen-00000004", [keys.data_key(1, 5)], [msg("a/1").SerializeToString()], applied_index=2)
+        assert dst.generations() == []
+        refused = dst.restore_begin(applied_index=3)
+        assert refused is not None and "messages in generation 4" in refused.message
+    finally:
+        dst.close()
+
+
+def test_while_a_restore_runs_the_vnode_refuses_every_other_command(tmp_path: Path) -> None:
+    def open_replica() -> VnodeReplica:
+        return VnodeReplica(
+            0, str(tmp_path / "v0"), Engine(), node_id="n1", fetch_snapshot=lambda *_: 0, lts_threshold_top=100,
+            lts_threshold=10,
+        )  # fmt: skip
+
+    store = cpb.VnodeCommand(store=cpb.StoreMessages(now_us=5_000, messages=[msg("a/1")])).SerializeToString()
+    subscribe = cpb.VnodeCommand(
+        session=cpb.SessionCommand(now_us=5_000, subscribe=spb.SubscribeRequest(clientid="c", topic_filter="#"))
+    ).SerializeToString()
+
+    def step(replica: VnodeReplica, index: int, **kind: object) -> object:
+        body = cpb.VnodeCommand(import_shard=pb.ImportShardRequest(shard=0, **kind)).SerializeToString()
+        return replica.apply(body, index)
+
+    replica = open_replica()
+    try:
+        assert step(replica, 1, begin=pb.ImportBegin()) is None
+        for index, body in ((2, store), (3, subscribe)):
+            refused = replica.apply(body, index)
+            assert isinstance(refused, MqdsError) and refused.reason is Reason.SHARD_RESTORING
+            assert replica.applied_index == index
+        (batch,) = replica.apply_batch([store], 4)
+        assert isinstance(batch, MqdsError) and batch.reason is Reason.SHARD_RESTORING
+        assert step(replica, 5, records=pb.ImportRecords(column_family="default", keys=[b"c:x"], values=[b""])) == 1
+    finally:
+        replica.close()
+    # The mark is in the database: the replica opened again (a node restarted mid-restore) still refuses.
+    replica = open_replica()
+    try:
+        refused = replica.apply(store, 6)
+        assert isinstance(refused, MqdsError) and refused.reason is Reason.SHARD_RESTORING
+        step(replica, 7, finish=pb.ImportFinish(last_ts=4_000))
+        assert replica.apply(store, 8) == 5_000
+        assert replica.apply(subscribe, 9) is None
+        # A begin on a shard that holds data is refused and sets no mark.
+        refused = step(replica, 10, begin=pb.ImportBegin())
+        assert isinstance(refused, MqdsError) and refused.reason is Reason.SHARD_NOT_EMPTY
+        assert replica.apply(store, 11) == 5_001
+    finally:
+        replica.close()
