@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 
@@ -14,6 +16,7 @@ from mqds.client import errors as E
 from mqds.client.aio import AsyncRouter
 from mqds.client.routing import Router
 from mqds.tools.localproc import NodeProcess, free_port
+from mqds.tools.processes import thread_states
 from mqds.v1 import storage_pb2 as pb
 
 pytestmark = pytest.mark.integration
@@ -121,3 +124,27 @@ def test_a_missing_node_is_a_typed_error_naming_it() -> None:
             assert address in exc.value.message and "Connection refused" in exc.value.message
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_paused_node_has_stopped_every_thread_when_pause_returns(node: NodeProcess) -> None:
+    """Regression: the kernel stops a process's threads one by one as each next runs, so on a busy machine a
+    node thread already awake went on answering calls after SIGSTOP was sent; a "paused" node answered this
+    module's deadline calls in a few milliseconds. pause() now returns once every thread has stopped."""
+    assert node.pid is not None
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)
+    ]  # a busy machine, as under a full test run
+    try:
+        with Client(node.address, timeout_s=10) as client:
+            for _ in range(30):
+                client.list_generations()
+                node.pause()
+                try:
+                    states = thread_states(node.pid)
+                    assert states and all(state == "T" for state in states), states
+                finally:
+                    node.resume()
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()

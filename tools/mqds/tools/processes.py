@@ -33,6 +33,39 @@ def _server_executable() -> str:
 SERVER = _server_executable()
 
 
+PAUSE_WAIT_S = 10.0
+"""How long ``pause`` waits for every thread of a node to stop."""
+
+
+def thread_states(pid: int) -> list[str]:
+    """The state letter of every thread of ``pid`` (``/proc/PID/task/*/stat``); none once it is gone."""
+    states = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as stat:
+                # "tid (comm) S ...": the command may hold spaces and parentheses; the state follows the last ")".
+                states.append(stat.read().rsplit(b")", 1)[1].split()[0].decode())
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+    return states
+
+
+def wait_stopped(pid: int, timeout_s: float) -> None:
+    """Wait until every thread of ``pid`` is stopped (state T) or the process is gone; raise after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = thread_states(pid)
+        if all(state in ("T", "t", "Z", "X") for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} not stopped {timeout_s:.0f} s after SIGSTOP: thread states {states}")
+        time.sleep(0.001)
+
+
 def _process_alive(pid: int, marker: str) -> bool:
     """Whether ``pid`` runs and has ``marker`` as one of its arguments (a recycled pid does not)."""
     try:
@@ -215,10 +248,17 @@ class NodeProcess:
         return self.pid is not None and _process_alive(self.pid, str(self.data_dir))
 
     def pause(self) -> None:
-        """SIGSTOP: the process stays, but does nothing (a long GC pause, a frozen VM)."""
+        """SIGSTOP: the process stays, but does nothing (a long GC pause, a frozen VM).
+
+        Returns once every thread of it has stopped: the kernel stops a
+        process's threads one by one as each next runs, so on a busy machine a
+        thread that was already awake went on serving calls for a while after
+        ``kill`` returned (a test's "the node does not answer" call was answered).
+        """
         if self.running:
             assert self.pid is not None
             os.kill(self.pid, signal.SIGSTOP)
+            wait_stopped(self.pid, PAUSE_WAIT_S)
 
     def resume(self) -> None:
         if self.running:
