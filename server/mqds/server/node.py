@@ -36,7 +36,8 @@ from mqds.server.api.handlers import service_handler
 from mqds.server.api.raft_service import raft_handler
 from mqds.server.api.server import grpc_server
 from mqds.server.api.session_service import SessionService
-from mqds.server.api.storage_service import StorageService, now_us
+from mqds.server.api.shards_api import now_us
+from mqds.server.api.storage_service import StorageService
 from mqds.server.auth import ApiGuard, load_tokens
 from mqds.server.cluster import meta as meta_mod
 from mqds.server.cluster.membership import Membership

@@ -28,7 +28,7 @@ from mqds.server.storage.deletes import STEP_KEYS, StepResult
 from mqds.v1 import storage_pb2 as pb
 
 if TYPE_CHECKING:
-    from mqds.server.api.storage_service import Shards
+    from mqds.server.api.shards_api import Shards
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_topic
 from mqds.server.api import shared_fetch
-from mqds.server.api.storage_service import Shards, ShardsAPI, check_properties, now_us
+from mqds.server.api.shards_api import Shards, ShardsAPI, check_properties, now_us
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.storage.expiry import NEVER
 from mqds.server.storage.sessions import FetchFilter

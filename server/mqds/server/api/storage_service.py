@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
@@ -25,8 +25,9 @@ from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_filter, validate_topic
 from mqds.server.api import backup_service, delete_service, follow, store_stream
 from mqds.server.api.handlers import takes_raw_request
+from mqds.server.api.shards_api import Shards, ShardsAPI, check_properties, now_us
 from mqds.server.cluster.v1 import commands_pb2 as cpb
-from mqds.server.raft.group import PendingRead, Proposal
+from mqds.server.raft.group import Proposal
 from mqds.server.storage import GenerationInfo, IteratorDecodeError, IteratorState
 from mqds.server.wire import encode_rows, positions_bytes, repeated_field, store_command, times_field
 from mqds.v1 import storage_pb2 as pb
@@ -40,155 +41,12 @@ _TIMESTAMPS_TAG = b"\x22"  # NextResponse.timestamps, field 4, length-delimited
 
 
 MAX_PRODUCER_ID_BYTES = 128
-# MQTT 5 user properties of one message: how many, and their keys and values
-# together in UTF-8 bytes.
-MAX_USER_PROPERTIES = 1024
-MAX_USER_PROPERTY_BYTES = 65_536
-# What pysyncobj adds to a command in its log entry (the command type byte),
-# with room to spare: a command this much under the entry limit is sent whole.
-_ENTRY_OVERHEAD = 64
 # A fence can be this far (microseconds) after the node's clock: the shards'
 # clocks differ, but not by a day.
 _FENCE_AHEAD_US = 86_400 * 1_000_000
 # Bytes a Next or FetchMessages answer adds to each stored message (field
 # tags, lengths, timestamp and shard), so the budget covers them too.
 _PER_MESSAGE_BYTES = 24
-
-
-def now_us() -> int:
-    return time.time_ns() // 1000
-
-
-def check_properties(where: str, message: pb.Message) -> None:
-    """Refuse user properties over MAX_USER_PROPERTIES or MAX_USER_PROPERTY_BYTES (INVALID_MESSAGE)."""
-    properties = message.properties
-    if len(properties) > MAX_USER_PROPERTIES:
-        raise errors.error(
-            Reason.INVALID_MESSAGE,
-            f"{where}: {len(properties):,} user properties, over the limit of {MAX_USER_PROPERTIES:,}",
-        )
-    size = sum(len(p.key.encode("utf-8")) + len(p.value.encode("utf-8")) for p in properties)
-    if size > MAX_USER_PROPERTY_BYTES:
-        raise errors.error(
-            Reason.INVALID_MESSAGE,
-            f"{where}: user properties take {size:,} bytes (keys and values), over the limit of "
-            f"{MAX_USER_PROPERTY_BYTES:,}",
-        )
-
-
-class Replica(Protocol):
-    """A vnode replica as the API sees it (``mqds.server.cluster.vnode.VnodeReplica``)."""
-
-    def reading(self) -> Any: ...
-
-
-class Group(Protocol):
-    def propose(self, body: bytes) -> Proposal: ...
-
-
-class VnodeView(Protocol):
-    @property
-    def shard(self) -> int: ...
-
-    @property
-    def replica(self) -> Replica: ...
-
-    @property
-    def group(self) -> Group: ...
-
-
-class Shards(Protocol):
-    """What the node gives the API: its vnode replicas and the rules to reach them."""
-
-    @property
-    def n_shards(self) -> int: ...
-
-    @property
-    def write_timeout_s(self) -> float: ...
-
-    @property
-    def read_timeout_s(self) -> float: ...
-
-    def leader_vnode(self, shard: int) -> VnodeView: ...
-
-    def admit_messages(self, shard: int) -> None: ...
-
-    def vnode(self, shard: int) -> Any: ...
-
-    def begin_read(self, shard: int, stale_ok: bool) -> tuple[VnodeView, PendingRead | None]: ...
-
-
-class ShardsAPI:
-    """What the public services share: shard numbers checked, reads on leaders, proposals to them."""
-
-    def __init__(
-        self, shards: Shards, *, max_answer_bytes: int | None = None, max_entry_bytes: int | None = None
-    ) -> None:
-        self.shards = shards
-        self.max_answer_bytes = max_answer_bytes
-        """Largest answer built (max_answer_bytes); None = no limit."""
-        self.max_entry_bytes = max_entry_bytes
-        """The Raft entry limit: a larger command could not reach the followers; None = no check."""
-
-    def _shard_numbers(
-        self, shard: int, all_shards: bool, shards: Sequence[int] = (), field: str = "shards"
-    ) -> list[int]:
-        """The shards a request names, each once, in order; a list longer than ``n_shards`` is refused."""
-        n = self.shards.n_shards
-        if len(shards) > n:
-            raise errors.error(
-                Reason.INVALID_REQUEST,
-                f"{field} lists {len(shards):,} shard ids; at most {n} (the number of shards) are allowed, each once",
-            )
-        chosen = sorted(set(shards)) if shards else (list(range(n)) if all_shards else [shard])
-        for number in chosen:
-            if not 0 <= number < n:
-                raise errors.error(Reason.UNKNOWN_SHARD, f"shard {number} does not exist; shards are 0 to {n - 1}")
-        return chosen
-
-    def _check_answer(self, size: int, what: str, advice: str) -> None:
-        """Refuse an answer of ``size`` bytes over max_answer_bytes (INVALID_REQUEST), saying what to ask instead."""
-        if self.max_answer_bytes is not None and size > self.max_answer_bytes:
-            raise errors.error(
-                Reason.INVALID_REQUEST,
-                f"{what} would take more than {self.max_answer_bytes:,} bytes to answer (the node's "
-                f"max_answer_bytes); {advice}",
-            )
-
-    def _check_commands(self, commands: list[tuple[int, bytes]]) -> None:
-        """Refuse, before anything is proposed, a command the Raft log could not send to the followers."""
-        if self.max_entry_bytes is None:
-            return
-        limit = self.max_entry_bytes - _ENTRY_OVERHEAD
-        for shard, body in commands:
-            if len(body) > limit:
-                raise errors.error(
-                    Reason.INVALID_REQUEST,
-                    f"shard {shard}'s part of the request is {len(body):,} bytes as a Raft command, over the "
-                    f"limit of {limit:,} (max_request_bytes + 1 MiB, less overhead); split it into smaller calls",
-                )
-
-    def _read(self, shard_numbers: list[int], stale_ok: bool) -> list[VnodeView]:
-        """The vnodes to read, once each may be read (read index confirmed on all of them together)."""
-        started = [self.shards.begin_read(shard, stale_ok) for shard in shard_numbers]
-        for _, pending in started:
-            if pending is not None:
-                pending.wait(self.shards.read_timeout_s)
-        return [vnode for vnode, _ in started]
-
-    def _propose_all(self, commands: list[tuple[int, bytes]]) -> list[Any]:
-        """Propose one command per shard (leaders checked first); the results, in order."""
-        self._check_commands(commands)
-        vnodes = [self.shards.leader_vnode(shard) for shard, _ in commands]
-        proposals = [vnode.group.propose(body) for vnode, (_, body) in zip(vnodes, commands, strict=True)]
-        return [p.wait(self.shards.write_timeout_s) for p in proposals]
-
-    @staticmethod
-    def _filter(topic_filter: str) -> list[str]:
-        try:
-            return validate_filter(topic_filter)
-        except TopicError as err:
-            raise errors.error(Reason.INVALID_TOPIC_FILTER, str(err)) from None
 
 
 class StoreInFlight:

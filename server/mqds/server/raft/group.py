@@ -40,8 +40,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import pysyncobj.journal
-import pysyncobj.syncobj
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf
 
 from mqds.protocol import errors
@@ -56,6 +54,7 @@ from mqds.server.raft.names import META_GROUP as META_GROUP
 from mqds.server.raft.names import PeerNode, group_name
 from mqds.server.raft.outbox import GroupTransport, Outbox, carries_entries
 from mqds.server.raft.outbox import Outgoing as Outgoing
+from mqds.server.raft.pysyncobj_glue import NoPoller, SyncObjOverrides
 from mqds.server.raft.reads import ReadIndex
 from mqds.server.raft.snapshot import Manifest as Manifest
 from mqds.server.raft.snapshot import ManifestFiles
@@ -67,42 +66,15 @@ from mqds.server.raft.transfer import LeadershipTransfer
 log = logging.getLogger(__name__)
 
 
-_original_create_journal = pysyncobj.syncobj.createJournal
-
-
-def _create_journal(journal_file: Any) -> Any:
-    """Let a SyncObjConf carry a ready journal object in ``journalFile``."""
-    if isinstance(journal_file, pysyncobj.journal.Journal):
-        return journal_file
-    return _original_create_journal(journal_file)
-
-
-pysyncobj.syncobj.createJournal = _create_journal
-# pysyncobj wakes its own poller through a pipe on every command (a write and
-# a read syscall each); a group's thread is woken by ``_wake`` instead.
-pysyncobj.syncobj.PIPE_NOTIFIER_ENABLED = False
-
-
-class _NoPoller:
-    """pysyncobj polls its transport's sockets once a tick; ours has none (``transport.py`` carries the messages)."""
-
-    def subscribe(self, descr: Any, callback: Any, events: Any) -> None:
-        raise NotImplementedError("mqds groups have no sockets for pysyncobj's poller")
-
-    def unsubscribe(self, descr: Any) -> None:
-        pass
-
-    def poll(self, timeout: float) -> None:
-        pass
-
-
 ROLE_FOLLOWER, ROLE_CANDIDATE, ROLE_LEADER = 0, 1, 2
 ROLE_NAMES = {ROLE_FOLLOWER: "follower", ROLE_CANDIDATE: "candidate", ROLE_LEADER: "leader"}
 
 _MESSAGE, _CONNECTED, _DISCONNECTED, _TRANSFER = 0, 1, 2, 3
 
 
-class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, ManifestFiles, SyncObj):
+class RaftGroup(
+    ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, ManifestFiles, SyncObjOverrides, SyncObj
+):
     """A Raft group replicating ``machine``, with this node as one member."""
 
     def __init__(
@@ -187,7 +159,7 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         self._transport = GroupTransport(self)
         others = [PeerNode(m) for m in initial if m != node_id]
         super().__init__(PeerNode(node_id), others, conf, nodeClass=PeerNode, transport=self._transport)
-        self._poller = _NoPoller()
+        self._poller = NoPoller()
         if not others:
             # Alone in the group: nobody else can lead it, so campaign at once.
             self._heard_leader = True
@@ -531,22 +503,6 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         finally:
             self._transport.answering_entries = False
 
-    def _ack_without_rewind(self, node: PeerNode, message: dict[str, Any]) -> None:
-        """Take a follower's acknowledgement without moving its next index back.
-
-        pysyncobj sets a follower's next index to what the follower acknowledged,
-        so with several appends in flight (a leader sends new entries as soon as
-        they are proposed) every acknowledgement rewound it, the entries in flight
-        were sent again, and the follower truncated them from its journal and
-        wrote them a second time. The next index only moves back on a refusal
-        (``reset``), which a follower sends when an append does not fit its log.
-        """
-        next_index: dict[PeerNode, int] = self._SyncObj__raftNextIndex
-        before = next_index.get(node)
-        self._transport._onMessageReceived(node, message)
-        if before is not None and next_index.get(node, 0) < before:
-            next_index[node] = before
-
     def _state_changed(self, old: int, new: int) -> None:
         self._role = new
         if new == ROLE_CANDIDATE:
@@ -559,17 +515,3 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         """pysyncobj added a member: treat it as connected if the router is."""
         if self._outbox.is_connected(node_id):
             self._inbox.append((_CONNECTED, node_id, None))
-
-    # -- pysyncobj overrides (name-mangled private methods of SyncObj) -----------
-
-    def _SyncObj__applyLogEntries(self) -> bool:
-        """pysyncobj's tick would apply committed entries here; ``_cycle`` does after sending.
-
-        Its answer tells a leader whether to send append-entries at once:
-        pysyncobj's sends one after every apply, only to announce the new
-        commit index. We do not: followers learn it from the next
-        append-entries (the next write's, or the next heartbeat, within
-        ``heartbeat_s``), which halves the messages per write, and their
-        acknowledgements, while no client waits on a follower's apply.
-        """
-        return False

@@ -11,7 +11,8 @@ write batch, which also records the applied log index when one is given.
 delegates each concept to a module of its own: ``engine.py`` (RocksDB
 options shared by a node's shards), ``writes.py`` (a stored batch as one
 write batch), ``dedup.py`` (exactly-once storing), ``generations.py``
-(opening, adding and dropping generations), ``shard_deletes.py`` (delete
+(opening, adding and dropping generations), ``shard_files.py`` (the shard's size,
+WAL sync, checkpoints, flush and dump, inherited), ``shard_deletes.py`` (delete
 and retention steps, inherited; ``deletes.py``, ``retention.py`` and
 ``compaction.py`` behind it), ``restore.py`` (a shard written from a
 backup, inherited; ``export.py`` reads one for a backup), ``reads.py``
@@ -26,11 +27,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from rocksdict import Checkpoint, Rdict, WriteBatch
+from rocksdict import Rdict, WriteBatch
 
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
@@ -46,6 +46,7 @@ from mqds.server.storage.reads import ReadResult, StreamRef
 from mqds.server.storage.restore import ShardRestore
 from mqds.server.storage.sessions import SessionState
 from mqds.server.storage.shard_deletes import ShardDeletes
+from mqds.server.storage.shard_files import ShardFiles, ShardSize
 from mqds.server.storage.share_groups import ShareGroups
 from mqds.server.storage.trie import TopicTrie
 from mqds.server.wire import (
@@ -74,11 +75,11 @@ class StorePart:
 __all__ = [
     "DEDUP_PRUNE_PERIOD_US",
     "DEDUP_WINDOW_US",
-    "DiskUsage",
     "Engine",
     "EngineOptions",
     "GenerationInfo",
     "ReadResult",
+    "ShardSize",
     "ShardStorage",
     "StorePart",
     "StreamRef",
@@ -91,19 +92,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class DiskUsage:
-    """A shard's size as RocksDB accounts it (SST files; memtables are not on disk yet)."""
-
-    generation_bytes: dict[int, int]
-    """SST bytes of each generation's column family, by generation number."""
-    metadata_bytes: int
-    """SST bytes of the metadata family (trie, generation records, dedup memory, broker state)."""
-    memtable_bytes: int
-    """Bytes in memtables, all families together: written, not flushed to SST files yet."""
-
-
-class ShardStorage(ShardDeletes, ShardRestore):
+class ShardStorage(ShardDeletes, ShardRestore, ShardFiles):
     """The storage of one shard: generations, streams, iterators."""
 
     def __init__(
@@ -440,36 +429,6 @@ class ShardStorage(ShardDeletes, ShardRestore):
         """
         return len(self._generations.by_number)
 
-    def estimated_keys(self, number: int) -> int:
-        """RocksDB's estimate of the keys in a generation (messages and index entries); 0 if unknown."""
-        with self._lock:
-            gen = self._generations.by_number.get(number)
-            if gen is None:
-                return 0
-            try:
-                return int(gen.cf.property_int_value("rocksdb.estimate-num-keys") or 0)
-            except Exception:  # an estimate only
-                return 0
-
-    def disk_usage(self) -> DiskUsage:
-        """The shard's size from RocksDB's properties: cheap (no file walk), for the metrics scrape."""
-
-        def prop(cf: Rdict, name: str) -> int:
-            try:
-                return int(cf.property_int_value(name) or 0)
-            except Exception:  # a figure for monitoring: unknown counts as 0
-                return 0
-
-        with self._lock:
-            if self._db is None:
-                return DiskUsage({}, 0, 0)
-            by_number = self._generations.by_number
-            gens = {n: prop(g.cf, "rocksdb.total-sst-files-size") for n, g in sorted(by_number.items())}
-            memtables = prop(self._db, "rocksdb.cur-size-all-mem-tables") + sum(
-                prop(g.cf, "rocksdb.cur-size-all-mem-tables") for g in by_number.values()
-            )
-            return DiskUsage(gens, prop(self._db, "rocksdb.total-sst-files-size"), memtables)
-
     def expired_generations(self, now_us: int, retention_us: int) -> list[int]:
         """Closed generations whose interval ended before ``now_us - retention_us``."""
         with self._lock:
@@ -527,57 +486,7 @@ class ShardStorage(ShardDeletes, ShardRestore):
         finally:
             self.keys_read += cost.keys
 
-    # -- durability and copies ------------------------------------------------
-
-    def sync_wal(self) -> None:
-        """fsync RocksDB's write-ahead log: everything applied so far survives a machine crash."""
-        with self._lock:
-            try:
-                self._db.flush_wal(True)
-            except Exception as err:
-                raise errors.error(Reason.STORAGE_ERROR, f"shard {self.shard}: WAL sync failed: {err}") from err
-
-    def checkpoint(self, path: str) -> int:
-        """Write a consistent copy of the shard to ``path`` (hard links where possible); its applied index."""
-        with self._lock:
-            try:
-                Checkpoint(self._db).create_checkpoint(path)
-            except Exception as err:
-                raise errors.error(Reason.STORAGE_ERROR, f"shard {self.shard}: checkpoint failed: {err}") from err
-            return self.applied_index
-
     @property
     def initialized(self) -> bool:
         """True once the shard has a generation (the first logged command creates it)."""
         return bool(self._generations.by_number)
-
-    # -- inspection ----------------------------------------------------------
-
-    def flush(self, wait_s: float = 120) -> None:
-        """Flush every memtable to disk and wait (bounded) for background compactions."""
-        with self._lock:
-            cfs = [self._db] + [gen.cf for gen in self._generations.by_number.values()]
-            for cf in cfs:
-                cf.flush()
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            busy = sum(
-                self._db.property_int_value(name) or 0
-                for name in (
-                    "rocksdb.num-running-compactions",
-                    "rocksdb.num-running-flushes",
-                    "rocksdb.compaction-pending",
-                )
-            )
-            if not busy:
-                return
-            time.sleep(0.05)
-
-    def dump(self) -> Iterator[tuple[str, bytes, bytes]]:
-        """Every (column family, key, value), in a stable order: the shard's whole content."""
-        with self._lock:
-            by_number = self._generations.by_number
-            cfs = [("default", self._db)] + [(keys.generation_cf(n), by_number[n].cf) for n in sorted(by_number)]
-        for name, cf in cfs:
-            for key, value in cf.items():
-                yield name, key, value
