@@ -54,12 +54,17 @@ def thread_states(pid: int) -> list[str]:
     return states
 
 
+STOPPED_STATES = frozenset("TtDZX")
+"""Thread states that run no more user code once SIGSTOP is pending: stopped, or in the kernel
+(uninterruptible, such as a write to a slow or faulty disk: it stops on its way out), or gone."""
+
+
 def wait_stopped(pid: int, timeout_s: float) -> None:
-    """Wait until every thread of ``pid`` is stopped (state T) or the process is gone; raise after ``timeout_s``."""
+    """Wait until no thread of ``pid`` can run user code (``STOPPED_STATES``) or it is gone; raise after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         states = thread_states(pid)
-        if all(state in ("T", "t", "Z", "X") for state in states):
+        if all(state in STOPPED_STATES for state in states):
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"process {pid} not stopped {timeout_s:.0f} s after SIGSTOP: thread states {states}")
