@@ -60,7 +60,7 @@ STOPPED_STATES = frozenset("TtDZX")
 
 
 def wait_stopped(pid: int, timeout_s: float) -> None:
-    """Wait until no thread of ``pid`` can run user code (``STOPPED_STATES``) or it is gone; raise after ``timeout_s``."""
+    """Wait until no thread of ``pid`` can run user code (``STOPPED_STATES``) or it is gone; raise after the timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
         states = thread_states(pid)
