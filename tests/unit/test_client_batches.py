@@ -11,6 +11,7 @@ import pytest
 
 from mqds.client import Message, MessageBatch
 from mqds.client.batch import wire_times
+from mqds.client.next_answer import sized_next_answer
 from mqds.client.replay import merged, read_ahead
 from mqds.v1 import storage_pb2 as pb
 
@@ -142,6 +143,47 @@ def test_read_ahead_keeps_at_most_depth_items_per_source_and_ahead_sources_runni
     items.close()
 
 
+def test_read_ahead_bounded_in_bytes_holds_what_fits_and_one_item_at_least() -> None:
+    """Replays read ahead by bytes, not by a few batches: a source of small items runs far ahead within
+    the budget, one of items larger than the budget still hands on one at a time."""
+    taken: dict[str, list[str]] = {name: [] for name in "ab"}
+    weights = {"a": 10, "b": 40}
+    items = read_ahead(
+        [lambda n=name: _source(n, 100, taken[n]) for name in "ab"], 2, 50, max_bytes=25, weigh=lambda i: weights[i[0]]
+    )
+    assert next(items) == "a0"
+    time.sleep(0.3)
+    # a: a1 and a2 fit in 25 bytes, a3 waits for room; b: b0 although it weighs 40, b1 waits.
+    assert len(taken["a"]) <= 4 and len(taken["b"]) <= 2
+    assert [next(items) for _ in range(5)] == ["a1", "a2", "a3", "a4", "a5"]
+    items.close()
+
+
+def test_merged_batches_carry_their_share_of_the_answers_bytes() -> None:
+    rng = random.Random(5)
+    stamps = sorted(rng.sample(range(100_000), 3000))
+    owners = [rng.randrange(3) for _ in stamps]
+    sources = []
+    total = 0
+    for owner in range(3):
+        own = [ts for ts, o in zip(stamps, owners, strict=True) if o == owner]
+        batches = []
+        for cut in range(0, len(own), 400):
+            part = own[cut : cut + 400]
+            nbytes = 37 * len(part)  # as if each message took 37 bytes on the wire
+            total += nbytes
+            answer = pb.NextResponse()
+            for ts in part:
+                answer.messages.add(topic="t", sender=f"s{owner}", timestamp_us=ts)
+            batches.append(MessageBatch(answer.messages, part, nbytes))
+        sources.append(iter(batches))
+    out = list(merged(sources, 250))
+    assert sum(len(b) for b in out) == 3000
+    assert total - len(out) <= sum(b.nbytes for b in out) <= total
+    assert all(abs(b.nbytes - 37 * len(b)) <= 1 for b in out)
+    assert out[0][:100].nbytes == out[0].nbytes * 100 // len(out[0])
+
+
 def test_a_source_error_comes_in_its_place_after_the_items_before_it() -> None:
     items = read_ahead([lambda: _source("a", 2), lambda: _source("b", 5, fail_at=1)], 2, 2)
     assert next(items) == "a0" and next(items) == "a1" and next(items) == "b0"
@@ -167,3 +209,10 @@ def test_closing_a_read_ahead_stops_its_readers() -> None:
     assert closed.wait(2), "the reader kept its source open after the replay was closed"
     with pytest.raises(ValueError, match="ahead and depth of 1 or more"):
         next(read_ahead([endless], 0, 1))
+
+
+def test_a_next_answer_comes_with_its_size_on_the_wire() -> None:
+    answer = _answer(7)
+    raw = answer.SerializeToString()
+    parsed, nbytes = sized_next_answer(raw)
+    assert parsed == answer and nbytes == len(raw)

@@ -103,3 +103,26 @@ def test_read_ahead_is_bounded_and_closing_it_cancels_its_tasks() -> None:
         return done
 
     assert asyncio.run(run()) == ["closed"], "the task kept reading after the replay was closed"
+
+
+def test_read_ahead_bounded_in_bytes_holds_what_fits_and_one_item_at_least() -> None:
+    taken: dict[str, list[str]] = {name: [] for name in "ab"}
+    weights = {"a": 10, "b": 40}
+
+    async def run() -> list[str]:
+        items = read_ahead(
+            [lambda n=name: _source(n, 100, taken[n]) for name in "ab"],
+            2,
+            50,
+            max_bytes=25,
+            weigh=lambda item: weights[item[0]],
+        )
+        assert await anext(items) == "a0"
+        await asyncio.sleep(0.1)
+        # a: a1 and a2 fit in 25 bytes, a3 waits for room; b: b0 although it weighs 40, b1 waits.
+        assert len(taken["a"]) <= 4 and len(taken["b"]) <= 2
+        got = [await anext(items) for _ in range(5)]
+        await items.aclose()
+        return got
+
+    assert asyncio.run(run()) == ["a1", "a2", "a3", "a4", "a5"]

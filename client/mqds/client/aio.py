@@ -40,6 +40,7 @@ from mqds.client.model import Fence, Generation, Iterator, Message, NextResult, 
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.pipeline import PipelineLimits, resolve_limits
 from mqds.client.pipeline_aio import AsyncPipeline
+from mqds.client.replay import GROUP_BYTES, GROUP_DEPTH, WEIGH_BATCH
 from mqds.client.replay_aio import merged as merged_batches
 from mqds.client.replay_aio import read_ahead as read_ahead_batches
 from mqds.client.retry import Backoff, time_left
@@ -50,9 +51,6 @@ from mqds.v1 import cluster_pb2 as clpb
 __all__ = ["AsyncRouter", "Client"]
 
 T = TypeVar("T")
-
-_READ_AHEAD_DEPTH = 4
-"""Batches a replay's reading task keeps waiting for the caller, per rank group."""
 
 
 class Client(AsyncBrokerStateCalls):
@@ -374,7 +372,7 @@ class Client(AsyncBrokerStateCalls):
         """What :meth:`replay` returns, in :class:`MessageBatch` es (see the sync ``Client.replay_batches``).
 
         Up to ``read_ahead`` shards (or generations) are read at once, in
-        tasks, each at most 4 batches ahead of the caller; ``on_dropped`` as
+        tasks, each at most 16 MiB of answers ahead of the caller; ``on_dropped`` as
         in the sync client.
         """
         order = ops.replay_order(await self.get_streams(topic_filter, start_time_us, stale_ok=stale_ok))
@@ -394,7 +392,8 @@ class Client(AsyncBrokerStateCalls):
 
             return read
 
-        async for batch in read_ahead_batches([group(streams) for streams in order], read_ahead, _READ_AHEAD_DEPTH):
+        groups = [group(streams) for streams in order]
+        async for batch in read_ahead_batches(groups, read_ahead, GROUP_DEPTH, GROUP_BYTES, WEIGH_BATCH):
             yield batch
 
     # -- generations ---------------------------------------------------------

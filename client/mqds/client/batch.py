@@ -32,11 +32,18 @@ class MessageBatch(Sequence[Message]):
     field without building them. Equal to any sequence of the same messages.
     """
 
-    __slots__ = ("_items", "_times")
+    __slots__ = ("_items", "_nbytes", "_times")
 
-    def __init__(self, items: Sequence[pb.Message] = (), times: Sequence[int] | None = None) -> None:
+    def __init__(self, items: Sequence[pb.Message] = (), times: Sequence[int] | None = None, nbytes: int = 0) -> None:
         self._items = items
         self._times = times
+        self._nbytes = nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """The size on the wire of the answer(s) the messages came in, in bytes: a batch cut from several
+        answers, or a slice, counts its share (0 when not known: a batch built here, not read)."""
+        return self._nbytes
 
     @property
     def wire(self) -> Sequence[pb.Message]:
@@ -64,7 +71,9 @@ class MessageBatch(Sequence[Message]):
 
     def __getitem__(self, index: int | slice) -> Message | MessageBatch:
         if isinstance(index, slice):
-            return MessageBatch(list(self._items[index]), None if self._times is None else self._times[index])
+            items = list(self._items[index])
+            share = self._nbytes * len(items) // len(self._items) if self._items else 0
+            return MessageBatch(items, None if self._times is None else self._times[index], share)
         return Message.from_pb(self._items[index])
 
     def __iter__(self) -> Iterator[Message]:

@@ -25,7 +25,7 @@ from mqds.client.model import Fence, Iterator, Message, NextResult, Rank, Stream
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.pipeline import PipelineLimits, resolve_limits
 from mqds.client.pipeline_sync import SyncPipeline
-from mqds.client.replay import merged
+from mqds.client.replay import GROUP_BYTES, GROUP_DEPTH, WEIGH_BATCH, merged
 from mqds.client.replay import read_ahead as read_ahead_batches
 from mqds.client.retry import time_left
 from mqds.client.routing import Backoff, Fanout, Router, ShardFailures
@@ -37,9 +37,6 @@ from mqds.v1 import cluster_pb2 as clpb
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# Batches each replay reader keeps ready ahead of the caller.
-_READ_AHEAD_DEPTH = 4
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "Client", "ShardFailures", "parse_endpoints"]
 
@@ -490,7 +487,7 @@ class Client(BrokerStateCalls, StorageAdminCalls):
         """What :meth:`replay` returns, in :class:`MessageBatch` es: no ``Message`` object unless asked for.
 
         Up to ``read_ahead`` shards (or generations) are read at once, in
-        threads, each at most 4 batches ahead of the caller; batches come
+        threads, each at most 16 MiB of answers ahead of the caller; batches come
         in the same order as :meth:`replay`'s messages, at most
         ``batch_size`` messages each. Closing the iterator stops the reads.
 
@@ -515,4 +512,6 @@ class Client(BrokerStateCalls, StorageAdminCalls):
 
             return read
 
-        return read_ahead_batches([group(streams) for streams in order], read_ahead, _READ_AHEAD_DEPTH)
+        return read_ahead_batches(
+            [group(streams) for streams in order], read_ahead, GROUP_DEPTH, GROUP_BYTES, WEIGH_BATCH
+        )

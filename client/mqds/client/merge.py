@@ -28,12 +28,14 @@ from mqds.client.batch import MessageBatch
 class Rest:
     """What a source has not yet handed on of its current batch: ``wire[start:]``, ``times[start:]``."""
 
-    __slots__ = ("start", "times", "wire")
+    __slots__ = ("per_message", "start", "times", "wire")
 
     def __init__(self, batch: MessageBatch) -> None:
         self.wire: Sequence[Any] = batch.wire
         self.times: Sequence[int] = batch.times
         self.start = 0
+        self.per_message = batch.nbytes / len(self.times) if len(self.times) else 0.0
+        """The batch's bytes on the wire per message: what a cut counts for each message it takes."""
 
     def __bool__(self) -> bool:
         return self.start < len(self.times)
@@ -117,11 +119,13 @@ def cut(rests: list[Rest], batch_size: int) -> list[MessageBatch]:
     horizon = min(rest.times[-1] for rest in rests)
     parts = Parts()
     stamps: list[int] = []
+    nbytes = 0.0
     for rest in rests:
         upto = bisect.bisect_right(rest.times, horizon, rest.start)
         if upto > rest.start:
             parts.add(rest.wire, rest.start, upto - rest.start)
             stamps.extend(rest.times[rest.start : upto])
+            nbytes += (upto - rest.start) * rest.per_message
             rest.start = upto
     if len(parts.parts) == 1:
         order: Sequence[int] = range(len(stamps))
@@ -131,5 +135,5 @@ def cut(rests: list[Rest], batch_size: int) -> list[MessageBatch]:
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
         times = itemgetter(*chunk)(stamps) if len(chunk) > 1 else (stamps[chunk[0]],)
-        out.append(MessageBatch(Gathered(parts, chunk), times))
+        out.append(MessageBatch(Gathered(parts, chunk), times, int(nbytes * len(chunk) / len(order))))
     return out

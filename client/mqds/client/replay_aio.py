@@ -2,10 +2,11 @@
 
 The asyncio twin of ``replay.py``: up to ``ahead`` rank groups (shards, or
 generations of one) are read at once, each by a task that keeps at most
-``depth`` batches waiting in its queue, while the caller takes them in rank
-order; a group's streams are merged with the same batch-at-a-time step
-(``merge.cut``). A group's error is raised where the caller
-reaches it; closing the iterator early cancels the tasks.
+``depth`` batches waiting in its queue (and with ``max_bytes``, batches
+weighing at most that much together, one at least), while the caller takes
+them in rank order; a group's streams are merged with the same
+batch-at-a-time step (``merge.cut``). A group's error is raised where the
+caller reaches it; closing the iterator early cancels the tasks.
 """
 
 from __future__ import annotations
@@ -32,34 +33,80 @@ class _Failed:
         self.error = error
 
 
-async def _fill(source: Callable[[], AsyncIterator[T]], out: asyncio.Queue[object]) -> None:
+class _Room:
+    """The bytes a source's task holds for the caller, at most ``max_bytes`` (one item at least)."""
+
+    def __init__(self, max_bytes: int | None) -> None:
+        self.max_bytes = max_bytes
+        self.held = 0
+        self.changed = asyncio.Condition()
+
+    async def reserve(self, weight: int) -> None:
+        if self.max_bytes is None or not weight:
+            return
+        limit = self.max_bytes
+        async with self.changed:
+            await self.changed.wait_for(lambda: not self.held or self.held + weight <= limit)
+            self.held += weight
+
+    async def release(self, weight: int) -> None:
+        if self.max_bytes is None or not weight:
+            return
+        async with self.changed:
+            self.held -= weight
+            self.changed.notify()
+
+
+async def _fill(
+    source: Callable[[], AsyncIterator[T]],
+    out: asyncio.Queue[tuple[object, int]],
+    room: _Room,
+    weigh: Callable[[T], int] | None,
+) -> None:
     try:
         async for item in source():
-            await out.put(item)
-        await out.put(_END)
+            weight = 0 if weigh is None else weigh(item)
+            await room.reserve(weight)
+            await out.put((item, weight))
+        await out.put((_END, 0))
     except asyncio.CancelledError:
         raise
     except BaseException as err:  # handed to the caller, raised where it takes this source's items
-        await out.put(_Failed(err))
+        await out.put((_Failed(err), 0))
 
 
-async def read_ahead(sources: Iterable[Callable[[], AsyncIterator[T]]], ahead: int, depth: int) -> AsyncIterator[T]:
-    """Every item of every source, source after source, with up to ``ahead`` sources read at once."""
+async def read_ahead(
+    sources: Iterable[Callable[[], AsyncIterator[T]]],
+    ahead: int,
+    depth: int,
+    max_bytes: int | None = None,
+    weigh: Callable[[T], int] | None = None,
+) -> AsyncIterator[T]:
+    """Every item of every source, source after source, with up to ``ahead`` sources read at once.
+
+    Each source's task keeps at most ``depth`` items waiting and, with
+    ``max_bytes`` and ``weigh``, items weighing at most ``max_bytes`` together.
+    """
     if ahead < 1 or depth < 1:
         raise ValueError(f"read-ahead needs ahead and depth of 1 or more, got {ahead} and {depth}")
     pending = iter(sources)
-    running: deque[tuple[asyncio.Task[None], asyncio.Queue[object]]] = deque()
+    running: deque[tuple[asyncio.Task[None], asyncio.Queue[tuple[object, int]], _Room]] = deque()
 
     def start(source: Callable[[], AsyncIterator[T]]) -> None:
-        out: asyncio.Queue[object] = asyncio.Queue(maxsize=depth)
-        running.append((asyncio.ensure_future(_fill(source, out)), out))
+        out: asyncio.Queue[tuple[object, int]] = asyncio.Queue(maxsize=depth)
+        room = _Room(max_bytes)
+        running.append((asyncio.ensure_future(_fill(source, out, room, weigh)), out, room))
 
     for first in itertools.islice(pending, ahead):
         start(first)
     try:
         while running:
-            _, out = running[0]
-            while (item := await out.get()) is not _END:
+            _, out, room = running[0]
+            while True:
+                item, weight = await out.get()
+                if item is _END:
+                    break
+                await room.release(weight)
                 if isinstance(item, _Failed):
                     raise item.error
                 yield item  # type: ignore[misc]  # not a marker: one of the source's items
@@ -68,9 +115,9 @@ async def read_ahead(sources: Iterable[Callable[[], AsyncIterator[T]]], ahead: i
             if following is not None:
                 start(following)
     finally:
-        for task, _ in running:
+        for task, _, _ in running:
             task.cancel()
-        for task, _ in running:
+        for task, _, _ in running:
             with contextlib.suppress(BaseException):
                 await task
 

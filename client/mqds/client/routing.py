@@ -30,6 +30,7 @@ import grpc
 
 from mqds.client.connection import ConnectionSettings
 from mqds.client.fanout import Fanout, ShardFailures
+from mqds.client.next_answer import with_sized_next
 from mqds.client.retry import Backoff, MapWait, ShardRetry
 from mqds.client.routing_table import CREDENTIAL_CODES, MapRefresh, RoutingTable
 from mqds.protocol.cluster_view import ClusterView
@@ -104,7 +105,8 @@ class Router:
             return channel
 
     def storage(self, address: str) -> pb_grpc.StorageStub:
-        return pb_grpc.StorageStub(self.channel(address))
+        channel = self.channel(address)
+        return with_sized_next(pb_grpc.StorageStub(channel), channel)
 
     def sessions(self, address: str) -> spb_grpc.SessionsStub:
         return spb_grpc.SessionsStub(self.channel(address))
