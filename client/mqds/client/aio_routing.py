@@ -20,15 +20,12 @@ import grpc
 
 from mqds.client.connection import ConnectionSettings
 from mqds.client.fanout import Fanout
-from mqds.client.next_answer import with_sized_next
 from mqds.client.retry import Backoff, MapWait, ShardRetry
 from mqds.client.routing_table import CREDENTIAL_CODES, MapRefresh, RoutingTable
+from mqds.client.stubs import StubCache
 from mqds.protocol.cluster_view import ClusterView
 from mqds.protocol.errors import MqdsError
 from mqds.v1 import cluster_pb2 as clpb
-from mqds.v1 import cluster_pb2_grpc as clpb_grpc
-from mqds.v1 import sessions_pb2_grpc as spb_grpc
-from mqds.v1 import storage_pb2_grpc as pb_grpc
 
 __all__ = ["AsyncRouter"]
 
@@ -38,7 +35,7 @@ log = logging.getLogger("mqds.client.aio")
 T = TypeVar("T")
 
 
-class AsyncRouter:
+class AsyncRouter(StubCache):
     """Channels (``grpc.aio``) to every node, the cluster map, and calls that find the right node.
 
     The asyncio counterpart of :class:`mqds.client.routing.Router`, with the
@@ -54,6 +51,7 @@ class AsyncRouter:
         self._credentials = settings.channel_credentials()
         self._options = settings.channel_options()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs = {}
         self._refresh_lock = asyncio.Lock()
 
     # -- channels --------------------------------------------------------------
@@ -65,17 +63,8 @@ class AsyncRouter:
             self._channels[address] = channel
         return channel
 
-    def storage(self, address: str) -> pb_grpc.StorageStub:
-        channel = self.channel(address)
-        return with_sized_next(pb_grpc.StorageStub(channel), channel)
-
-    def sessions(self, address: str) -> spb_grpc.SessionsStub:
-        return spb_grpc.SessionsStub(self.channel(address))
-
-    def cluster(self, address: str) -> clpb_grpc.ClusterStub:
-        return clpb_grpc.ClusterStub(self.channel(address))
-
     async def close(self) -> None:
+        self.forget_stubs()
         channels = list(self._channels.values())
         self._channels.clear()
         for channel in channels:

@@ -30,15 +30,12 @@ import grpc
 
 from mqds.client.connection import ConnectionSettings
 from mqds.client.fanout import Fanout, ShardFailures
-from mqds.client.next_answer import with_sized_next
 from mqds.client.retry import Backoff, MapWait, ShardRetry
 from mqds.client.routing_table import CREDENTIAL_CODES, MapRefresh, RoutingTable
+from mqds.client.stubs import StubCache
 from mqds.protocol.cluster_view import ClusterView
 from mqds.protocol.errors import MqdsError
 from mqds.v1 import cluster_pb2 as clpb
-from mqds.v1 import cluster_pb2_grpc as clpb_grpc
-from mqds.v1 import sessions_pb2_grpc as spb_grpc
-from mqds.v1 import storage_pb2_grpc as pb_grpc
 
 __all__ = [
     "CREDENTIAL_CODES",
@@ -58,7 +55,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Router:
+class Router(StubCache):
     """Channels to every node, the cluster map, and calls that find the right node (blocking I/O, threads).
 
     ``settings`` give the channels' TLS, keepalive and size limits, and the
@@ -83,6 +80,7 @@ class Router:
         self._options = list({**dict(self.settings.channel_options()), **dict(channel_options)}.items())
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
+        self._stubs = {}
         self._refresh_lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="mqds-client")
 
@@ -104,19 +102,10 @@ class Router:
                 self._channels[address] = channel
             return channel
 
-    def storage(self, address: str) -> pb_grpc.StorageStub:
-        channel = self.channel(address)
-        return with_sized_next(pb_grpc.StorageStub(channel), channel)
-
-    def sessions(self, address: str) -> spb_grpc.SessionsStub:
-        return spb_grpc.SessionsStub(self.channel(address))
-
-    def cluster(self, address: str) -> clpb_grpc.ClusterStub:
-        return clpb_grpc.ClusterStub(self.channel(address))
-
     def close(self) -> None:
         self._pool.shutdown(wait=False)
         with self._lock:
+            self.forget_stubs()
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()

@@ -1,0 +1,46 @@
+"""The stubs a router calls nodes through: one of each service per node address, built once.
+
+A stub builds a callable for every method of its service when it is made
+(about 0.1 ms for Storage's); made anew for every call, that was a tenth of a
+millisecond of the client's CPU on each one. They live as long as the
+router's channels (``forget_stubs`` when those close). Shared by the sync and
+asyncio routers, whose ``channel`` gives the channel to build them on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mqds.client.next_answer import with_sized_next
+from mqds.v1 import cluster_pb2_grpc as clpb_grpc
+from mqds.v1 import sessions_pb2_grpc as spb_grpc
+from mqds.v1 import storage_pb2_grpc as pb_grpc
+
+
+class StubCache:
+    """``storage``, ``sessions`` and ``cluster`` stubs of a node, from the router's ``channel(address)``."""
+
+    _stubs: dict[tuple[str, str], Any]
+
+    def channel(self, address: str) -> Any:
+        raise NotImplementedError
+
+    def _stub(self, service: str, address: str, build: Callable[[Any], Any]) -> Any:
+        stub = self._stubs.get((service, address))
+        if stub is None:  # two threads may both build one: the same stub either way
+            stub = self._stubs.setdefault((service, address), build(self.channel(address)))
+        return stub
+
+    def storage(self, address: str) -> pb_grpc.StorageStub:
+        return self._stub("storage", address, lambda channel: with_sized_next(pb_grpc.StorageStub(channel), channel))
+
+    def sessions(self, address: str) -> spb_grpc.SessionsStub:
+        return self._stub("sessions", address, spb_grpc.SessionsStub)
+
+    def cluster(self, address: str) -> clpb_grpc.ClusterStub:
+        return self._stub("cluster", address, clpb_grpc.ClusterStub)
+
+    def forget_stubs(self) -> None:
+        """Drop every stub (their channels are closing)."""
+        self._stubs.clear()
