@@ -129,7 +129,7 @@ def test_a_missing_node_is_a_typed_error_naming_it() -> None:
 def test_a_paused_node_has_stopped_every_thread_when_pause_returns(node: NodeProcess) -> None:
     """Regression: the kernel stops a process's threads one by one as each next runs, so on a busy machine a
     node thread already awake went on answering calls after SIGSTOP was sent; a "paused" node answered this
-    module's deadline calls in a few milliseconds. pause() now returns once every thread has stopped."""
+    module's deadline calls in a few milliseconds. pause() now returns once no thread can run the node's code."""
     assert node.pid is not None
     spinners = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)

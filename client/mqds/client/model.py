@@ -145,8 +145,6 @@ class NextResult:
     messages: MessageBatch
     iterator: Iterator
     end_of_stream: bool
-    nbytes: int = 0
-    """The answer's size on the wire, in bytes (what reading ahead counts against its budget)."""
 
 
 @dataclass(frozen=True)

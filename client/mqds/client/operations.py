@@ -103,11 +103,11 @@ def make_iterator(stream: Stream, topic_filter: str, start_time_us: int, stale_o
 
 def _next_result(answer: tuple[pb.NextResponse, int]) -> NextResult:
     response, nbytes = answer
-    return NextResult(_batch_of(response, nbytes), Iterator.from_pb(response.iterator), response.end_of_stream, nbytes)
+    return NextResult(_batch_of(response, nbytes), Iterator.from_pb(response.iterator), response.end_of_stream)
 
 
-def _batch_of(response: pb.NextResponse, nbytes: int = 0) -> MessageBatch:
-    """A ``Next`` answer's messages, with the timestamps the node sent beside them when it did."""
+def _batch_of(response: pb.NextResponse, nbytes: int) -> MessageBatch:
+    """A ``Next`` answer's messages, with the timestamps the node sent beside them when it did, and its size."""
     stamps = response.timestamps
     times = wire_times(stamps) if len(stamps) == 8 * len(response.messages) and stamps else None
     return MessageBatch(response.messages, times, nbytes)

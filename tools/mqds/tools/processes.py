@@ -255,10 +255,11 @@ class NodeProcess:
     def pause(self) -> None:
         """SIGSTOP: the process stays, but does nothing (a long GC pause, a frozen VM).
 
-        Returns once every thread of it has stopped: the kernel stops a
-        process's threads one by one as each next runs, so on a busy machine a
-        thread that was already awake went on serving calls for a while after
-        ``kill`` returned (a test's "the node does not answer" call was answered).
+        Returns once no thread of it can run its code (``wait_stopped``): the
+        kernel stops a process's threads one by one as each next runs, so on a
+        busy machine a thread that was already awake went on serving calls for
+        a while after ``kill`` returned (a test's "the node does not answer"
+        call was answered).
         """
         if self.running:
             assert self.pid is not None
