@@ -257,6 +257,15 @@ def run_build_stage(stage: Stage, context: Path, root: Path, shim: Path, deps: P
         elif inst.keyword == "COPY":
             assert "from" not in inst.flags
             copy_instruction(inst.args, context, workdir, root)
+        elif inst.keyword == "RUN" and inst.args.startswith("apt-get "):
+            # The base image's system packages: checked, not run (it would change this machine). The
+            # compiler it installs is one this machine has (make install builds the same C part).
+            assert re.fullmatch(
+                r"apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev "
+                r"&& rm -rf /var/lib/apt/lists/\*",
+                inst.args,
+            ), inst.args
+            assert shutil.which("gcc"), "the build stage installs gcc: this machine needs one to build as it does"
         elif inst.keyword == "RUN":
             result = subprocess.run(
                 ["/bin/sh", "-ec", rooted(inst.args, root)],
@@ -308,6 +317,14 @@ def test_dockerfile_builds_here_and_its_entrypoint_serves(tmp_path: Path) -> Non
         check=True,
     ).stdout.split()
     assert all(path.startswith(str(root / "opt" / "mqds" / "lib")) for path in where), where
+    native = subprocess.run(
+        [str(venv_python), "-c", "from mqds.server import wire; print(wire.NATIVE)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.strip()
+    assert native == "True", "the image's node encodes answers in C (the build stage compiles it)"
     check = subprocess.run(
         [str(shim / "python"), "-m", "pip", "--python", str(venv_python), "check"],
         capture_output=True,

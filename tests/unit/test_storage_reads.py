@@ -164,8 +164,7 @@ def test_rows_encode_to_the_same_answer_as_timestamped_entries(shard_no: int) ->
     sizes = [0, 1, 115, 116, 4_094, 4_095, 4_096, 20_000]
     entries = [(ts, msg("a/b", b"\x07" * size).SerializeToString()) for ts in stamps for size in sizes]
     rows = [(keys.data_key(9, ts), stored) for ts, stored in entries]
-    times: list[bytes] = []
-    body = encode_rows(b"\x0a", rows, shard_no, times)
+    body, times = encode_rows(b"\x0a", rows, shard_no)
     assert body == encode_messages(b"\x0a", entries, shard_no)
     answer = pb.NextResponse.FromString(body + times_field(b"\x22", times))
     got = answer.messages
@@ -174,7 +173,8 @@ def test_rows_encode_to_the_same_answer_as_timestamped_entries(shard_no: int) ->
     ]
     # NextResponse.timestamps: the same timestamps, 8 bytes little-endian each, as the client reads them.
     assert list(wire_times(answer.timestamps)) == [m.timestamp_us for m in got]
-    assert times_field(b"\x22", []) == b""
+    assert times_field(b"\x22", b"") == b""
+    assert encode_rows(b"\x0a", [], shard_no) == (b"", b"")
 
 
 @pytest.mark.parametrize("stream", [0, 7, 2**32 - 1])

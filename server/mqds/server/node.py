@@ -30,6 +30,7 @@ from concurrent import futures
 from typing import Any
 
 from mqds.protocol.errors import MqdsError
+from mqds.server import wire
 from mqds.server.api.cluster_service import ClusterAPI
 from mqds.server.api.follow import FollowLimits
 from mqds.server.api.handlers import service_handler
@@ -314,6 +315,11 @@ class Node:
             self.config.advertised,
             self.config.data_dir,
         )
+        if not wire.NATIVE:
+            log.warning(
+                "answers are encoded in Python, not C: the read path's C part (mqds.server._wire_native) was not "
+                "built (no C compiler when the package was installed) or MQDS_PURE_PYTHON is set; reads cost more CPU"
+            )
 
     def wait(self) -> None:
         self._stopping.wait()

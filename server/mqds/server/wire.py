@@ -9,7 +9,9 @@ message on the read path.
 
 from __future__ import annotations
 
+import os
 import struct
+from collections.abc import Callable
 
 from mqds.protocol.wire import varint
 from mqds.v1 import storage_pb2 as pb
@@ -48,23 +50,15 @@ _HEADS: dict[tuple[bytes, int], list[bytes]] = {}
 _HEAD_SIZES = 4096
 
 
-def encode_rows(tag: bytes, rows: list[tuple[bytes, bytes]], shard: int, times: list[bytes]) -> bytes:
-    """Stored rows (data key, stored bytes) as a repeated mqds.v1.Message field with number ``tag``.
-
-    The same bytes as ``encode_messages``, built without decoding a timestamp:
-    a data key ends with it big-endian, and fixed64 is the same eight bytes
-    reversed. Each message is five parts joined once at the end (no copy of
-    a message per field appended); the field's tag and length come from a
-    table by stored size. Each message's timestamp (8 bytes little-endian, as
-    fixed64 has it) is appended to ``times`` too (``NextResponse.timestamps``).
-    """
-    tail = shard_field(shard)
+def encode_rows_python(tag: bytes, rows: list[tuple[bytes, bytes]], tail: bytes) -> tuple[bytes, bytes]:
+    """:func:`encode_rows` in Python: the reference the C version (``_wire_native``) is tested against."""
     extra = 1 + 8 + len(tail)
     heads = _HEADS.get((tag, extra))
     if heads is None:
         heads = _HEADS.setdefault((tag, extra), [tag + varint(size + extra) for size in range(_HEAD_SIZES)])
     parts: list[bytes] = []
     add = parts.extend
+    times: list[bytes] = []
     stamp = times.append
     for key, stored in rows:
         size = len(stored)
@@ -73,17 +67,49 @@ def encode_rows(tag: bytes, rows: list[tuple[bytes, bytes]], shard: int, times: 
         ts = key[12:4:-1]
         add((head, stored, _TS_TAG, ts, tail))
         stamp(ts)
-    return b"".join(parts)
+    return b"".join(parts), b"".join(times)
 
 
-def times_field(tag: bytes, times: list[bytes]) -> bytes:
-    """Timestamps that :func:`encode_rows` collected (8 bytes little-endian each) as one field ``tag``.
+def _native_encode_rows() -> Callable[[bytes, list[tuple[bytes, bytes]], bytes], tuple[bytes, bytes]] | None:
+    """The C version of :func:`encode_rows_python`, where it was built and ``MQDS_PURE_PYTHON`` is not set."""
+    if os.environ.get("MQDS_PURE_PYTHON"):
+        return None
+    try:
+        from mqds.server import _wire_native  # type: ignore[attr-defined]  # built by pip (pyproject ext-modules)
+    except ImportError:
+        return None
+    encode: Callable[[bytes, list[tuple[bytes, bytes]], bytes], tuple[bytes, bytes]] = _wire_native.encode_rows
+    return encode
+
+
+_ENCODE_ROWS = _native_encode_rows() or encode_rows_python
+NATIVE = _ENCODE_ROWS is not encode_rows_python
+"""Whether the read path encodes in C; a node that does not logs a warning when it starts."""
+
+
+def encode_rows(tag: bytes, rows: list[tuple[bytes, bytes]], shard: int) -> tuple[bytes, bytes]:
+    """Stored rows (data key, stored bytes) as a repeated mqds.v1.Message field with number ``tag``.
+
+    The same bytes as ``encode_messages``, built without decoding a timestamp:
+    a data key ends with it big-endian, and fixed64 is the same eight bytes
+    reversed. Also each message's timestamp, 8 bytes little-endian as fixed64
+    has it, joined (``NextResponse.timestamps``' content).
+
+    This is the replay's encoding: in C (``_wire_native.c``, built with the
+    package where a compiler is present), about 0.03 µs a message where the
+    Python loop takes 0.3-0.5; the Python one otherwise, or with the
+    environment variable ``MQDS_PURE_PYTHON`` set.
+    """
+    return _ENCODE_ROWS(tag, rows, shard_field(shard))
+
+
+def times_field(tag: bytes, stamps: bytes) -> bytes:
+    """Timestamps that :func:`encode_rows` returned (8 bytes little-endian each) as one field ``tag``.
 
     ``NextResponse.timestamps``; nothing when there are none.
     """
-    if not times:
+    if not stamps:
         return b""
-    stamps = b"".join(times)
     return tag + varint(len(stamps)) + stamps
 
 

@@ -358,8 +358,7 @@ class StorageService(ShardsAPI):
         with vnode.replica.reading() as storage:
             result = storage.next(state, batch, fence, budget)
             shard = storage.shard
-            times: list[bytes] = []
-            body = encode_rows(_MESSAGES_TAG, result.rows, shard, times)
+            body, times = encode_rows(_MESSAGES_TAG, result.rows, shard)
         token_bytes = pb.IteratorToken(
             shard=shard, generation=state.generation, state=result.state.encode()
         ).SerializeToString()

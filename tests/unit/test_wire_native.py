@@ -1,0 +1,84 @@
+"""The read path's answer encoding in C (``mqds.server._wire_native``) against the Python one.
+
+``make install`` builds the C part wherever a C compiler is present (pip install -e), so these
+tests fail, rather than skip, when a compiler is there and the module is not.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mqds.server import wire
+from mqds.server.storage import keys
+
+try:
+    from mqds.server import _wire_native  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - only without a compiler
+    _wire_native = None
+
+pytestmark = pytest.mark.skipif(
+    _wire_native is None and shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason="no C compiler here: the package installed without its C part, and nodes encode in Python",
+)
+
+row_lists = st.lists(
+    st.tuples(
+        st.integers(0, 2**32 - 1),
+        st.integers(0, 2**64 - 1),
+        # Sizes across the varint boundaries of the field's length (1, 2 and 3 bytes).
+        st.one_of(st.binary(max_size=300), st.integers(16_370, 16_400).map(lambda n: b"\x05" * n)),
+    ),
+    max_size=40,
+)
+
+
+def test_the_c_encoding_is_built_and_used() -> None:
+    assert _wire_native is not None, "make install builds mqds.server._wire_native where a C compiler is present"
+    assert wire.NATIVE
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=row_lists, shard=st.integers(0, 2**32 - 1), tag=st.sampled_from([b"\x0a", b"\x1a", b"\xa2\x01"]))
+def test_c_and_python_encode_the_same_bytes(rows: list[tuple[int, int, bytes]], shard: int, tag: bytes) -> None:
+    engine_rows = [(keys.data_key(stream, ts), stored) for stream, ts, stored in rows]
+    tail = wire.shard_field(shard)
+    assert _wire_native.encode_rows(tag, engine_rows, tail) == wire.encode_rows_python(tag, engine_rows, tail)
+
+
+@pytest.mark.parametrize(
+    ("rows", "error", "words"),
+    [
+        ([(b"D" + b"\x00" * 11, b"x")], ValueError, "a data key is 13 bytes, not 12"),
+        ([(keys.data_key(1, 2), "text")], TypeError, "key and value must be bytes"),
+        ([[keys.data_key(1, 2), b"x"]], TypeError, "is not a (key, value) tuple"),
+        ([(keys.data_key(1, 2), b"x", b"y")], TypeError, "is not a (key, value) tuple"),
+    ],
+)
+def test_bad_rows_are_refused_with_an_error_not_a_crash(rows: list[object], error: type, words: str) -> None:
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        _wire_native.encode_rows(b"\x0a", rows, b"")
+    with pytest.raises(TypeError):
+        _wire_native.encode_rows(b"\x0a", tuple(rows), b"")  # a list, nothing else
+
+
+def test_pure_python_is_chosen_with_the_environment_variable() -> None:
+    code = "from mqds.server import wire; print(wire.NATIVE, wire._ENCODE_ROWS.__name__)"
+    env_runs = {
+        flag: subprocess.run(
+            [sys.executable, "-c", code],
+            env={"MQDS_PURE_PYTHON": "1"} if flag else {},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout.split()
+        for flag in (True, False)
+    }
+    assert env_runs[True] == ["False", "encode_rows_python"]
+    assert env_runs[False] == ["True", "encode_rows"]
