@@ -35,6 +35,7 @@ from mqds.cli import (
 )
 from mqds.cli.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CommandError
 from mqds.protocol.errors import InvalidArgumentError, MqdsError
+from mqds.protocol.malloc import tune_malloc
 
 DEFAULT_ENDPOINTS = "127.0.0.1:7101"
 
@@ -126,6 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # (Not where stderr is no file, as when a test calls main() under output capture.)
         with contextlib.suppress(ValueError, OSError):
             faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if argv is None:
+        # A process of its own (not a test calling main()): answers of megabytes come from malloc's
+        # heaps, not pages faulted in and unmapped per answer (mqds.protocol.malloc).
+        tune_malloc()
     args = list(sys.argv[1:] if argv is None else argv)
     opts = build_parser().parse_args(args)
     name = " ".join(["mqds", opts.command, *([opts.action] if getattr(opts, "action", None) else [])])

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from types import FrameType
 from typing import TextIO
 
+from mqds.server import runtime
 from mqds.server.config import ConfigError, NodeConfig, load_config
 from mqds.server.node import Node, StartupError
 
@@ -59,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(config.to_toml())
         return 0
     configure_logging(config)
+    runtime.tune_process()
     try:
         node = Node(config)
     except StartupError as err:
@@ -72,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     node.start()
+    runtime.freeze_startup_objects()
     # Printed once the port is bound and the node serves: scripts wait for it.
     print(f"mqds-server {config.node_id} ready on {config.listen}", flush=True)
     node.wait()
