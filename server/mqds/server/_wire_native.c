@@ -9,8 +9,9 @@
  * stamps: each row's timestamp, 8 bytes little-endian (NextResponse.timestamps' content)
  *
  * Exactly the bytes of the Python implementation (tests/unit/test_wire_native.py checks them
- * against each other). The copy runs without the GIL: the rows list and its bytes are this
- * call's, and bytes objects never change.
+ * against each other). The copy runs without the GIL, over a tuple of the rows taken first: it
+ * holds every row, rows are tuples and bytes never change, so nothing it reads can change or
+ * be freed meanwhile, whatever other threads do to the list.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -38,45 +39,49 @@ static char *put_varint(char *out, unsigned long long v) {
 }
 
 static PyObject *encode_rows(PyObject *self, PyObject *args) {
+    (void)self;
     const char *tag, *tail;
     Py_ssize_t tag_len, tail_len;
     PyObject *rows;
     if (!PyArg_ParseTuple(args, "y#O!y#:encode_rows", &tag, &tag_len, &PyList_Type, &rows, &tail, &tail_len))
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(rows);
+    PyObject *held = PyList_AsTuple(rows);
+    if (held == NULL)
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(held);
     Py_ssize_t extra = 1 + 8 + tail_len;
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *row = PyList_GET_ITEM(rows, i);
+        PyObject *row = PyTuple_GET_ITEM(held, i);
         if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 2) {
             PyErr_Format(PyExc_TypeError, "row %zd is not a (key, value) tuple", i);
-            return NULL;
+            goto fail;
         }
         PyObject *key = PyTuple_GET_ITEM(row, 0), *value = PyTuple_GET_ITEM(row, 1);
         if (!PyBytes_Check(key) || !PyBytes_Check(value)) {
             PyErr_Format(PyExc_TypeError, "row %zd: key and value must be bytes", i);
-            return NULL;
+            goto fail;
         }
         if (PyBytes_GET_SIZE(key) != KEY_SIZE) {
             PyErr_Format(PyExc_ValueError, "row %zd: a data key is %d bytes, not %zd", i, KEY_SIZE,
                          PyBytes_GET_SIZE(key));
-            return NULL;
+            goto fail;
         }
         Py_ssize_t item = PyBytes_GET_SIZE(value) + extra;
         total += tag_len + varint_size((unsigned long long)item) + item;
     }
     PyObject *body = PyBytes_FromStringAndSize(NULL, total);
     if (body == NULL)
-        return NULL;
+        goto fail;
     PyObject *stamps = PyBytes_FromStringAndSize(NULL, 8 * n);
     if (stamps == NULL) {
         Py_DECREF(body);
-        return NULL;
+        goto fail;
     }
     char *out = PyBytes_AS_STRING(body), *stamp = PyBytes_AS_STRING(stamps);
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *row = PyList_GET_ITEM(rows, i);
+        PyObject *row = PyTuple_GET_ITEM(held, i);
         const char *key = PyBytes_AS_STRING(PyTuple_GET_ITEM(row, 0));
         PyObject *value = PyTuple_GET_ITEM(row, 1);
         Py_ssize_t size = PyBytes_GET_SIZE(value);
@@ -94,10 +99,14 @@ static PyObject *encode_rows(PyObject *self, PyObject *args) {
         out += tail_len;
     }
     Py_END_ALLOW_THREADS
+    Py_DECREF(held);
     PyObject *result = PyTuple_Pack(2, body, stamps);
     Py_DECREF(body);
     Py_DECREF(stamps);
     return result;
+fail:
+    Py_DECREF(held);
+    return NULL;
 }
 
 static PyMethodDef methods[] = {
@@ -106,6 +115,8 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_wire_native", NULL, -1, methods};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_wire_native", "The read path's answer encoding in C.", -1, methods, NULL, NULL, NULL, NULL,
+};
 
 PyMODINIT_FUNC PyInit__wire_native(void) { return PyModule_Create(&module); }

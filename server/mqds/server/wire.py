@@ -75,7 +75,7 @@ def _native_encode_rows() -> Callable[[bytes, list[tuple[bytes, bytes]], bytes],
     if os.environ.get("MQDS_PURE_PYTHON"):
         return None
     try:
-        from mqds.server import _wire_native  # type: ignore[attr-defined]  # built by pip (pyproject ext-modules)
+        from mqds.server import _wire_native  # type: ignore[attr-defined]  # built by pip (setup.py)
     except ImportError:
         return None
     encode: Callable[[bytes, list[tuple[bytes, bytes]], bytes], tuple[bytes, bytes]] = _wire_native.encode_rows
