@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -82,3 +83,31 @@ def test_pure_python_is_chosen_with_the_environment_variable() -> None:
     }
     assert env_runs[True] == ["False", "encode_rows_python"]
     assert env_runs[False] == ["True", "encode_rows"]
+
+
+def test_a_list_another_thread_changes_meanwhile_is_encoded_as_it_was_when_the_call_began() -> None:
+    """The copy runs without the GIL, over the rows as they were: never over rows replaced and freed meanwhile."""
+    rows = [(keys.data_key(1, ts), bytes([ts % 256]) * 300) for ts in range(20_000)]
+    key = keys.data_key(1, 10_000)
+    short, long = b"\x01" * 10, b"\x02" * 40_000
+    tail = wire.shard_field(2)
+    expected = set()
+    for value in (short, long):
+        rows[10_000] = (key, value)
+        expected.add(wire.encode_rows_python(b"\x0a", rows, tail))
+    stop = threading.Event()
+
+    def churn() -> None:
+        # A new tuple and new bytes each time: the ones replaced are freed at once.
+        while not stop.is_set():
+            rows[10_000] = (key, bytes(short))
+            rows[10_000] = (key, bytes(long))
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(30):
+            assert _wire_native.encode_rows(b"\x0a", rows, tail) in expected
+    finally:
+        stop.set()
+        thread.join()
