@@ -31,67 +31,39 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
 from mqds.protocol import errors
-from mqds.protocol.cluster_view import ClusterView
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.cluster import meta as meta_mod
 from mqds.server.cluster import placement
 from mqds.server.cluster.v1 import commands_pb2 as cpb
+from mqds.server.cluster.vnode_steps import STEP_TIMEOUT_S, VnodeSteps, VnodeStepsNode
 from mqds.server.raft.group import META_GROUP, RaftGroup
-from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.v1 import cluster_pb2 as clpb
 
 if TYPE_CHECKING:
-    from mqds.server.cluster.vnode import Vnode
-    from mqds.server.config import NodeConfig
-    from mqds.server.raft.transport import ClusterAuth, PeerRouter
-    from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
-    from mqds.v1 import cluster_pb2_grpc as clpb_grpc
+    from mqds.server.raft.transport import PeerRouter
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
-# How long one step of a move may take (a catch-up may need a big snapshot).
-STEP_TIMEOUT_S = 1800.0
-_POLL_S = 0.2
-
-
-class MembershipNode(Protocol):
+class MembershipNode(VnodeStepsNode, Protocol):
     """What membership changes use of the node they run on (``mqds.server.node.Node``)."""
 
     @property
     def node_id(self) -> str: ...
 
     @property
-    def config(self) -> NodeConfig: ...
-
-    @property
-    def meta(self) -> meta_mod.MetaMachine | None: ...
-
-    @property
     def meta_group(self) -> RaftGroup | None: ...
-
-    @property
-    def vnodes(self) -> Mapping[int, Vnode]: ...
 
     @property
     def router(self) -> PeerRouter: ...
 
-    @property
-    def auth(self) -> ClusterAuth: ...
-
     def cluster_map(self) -> clpb.ClusterMap: ...
-
-    def cluster_stub(self, node_id: str) -> clpb_grpc.ClusterStub: ...
-
-    def internal_stub(self, node_id: str) -> rpb_grpc.RaftStub: ...
 
 
 class Membership:
@@ -99,6 +71,7 @@ class Membership:
 
     def __init__(self, node: MembershipNode) -> None:
         self.node = node
+        self.steps = VnodeSteps(node, self._meta_leader)
         self._lock = threading.Lock()
         # What the last periodic check found apart (see repair_if_needed).
         self._suspects: set[Divergence] = set()
@@ -221,7 +194,7 @@ class Membership:
         assert group is not None
         if add == (node_id in group.members):
             return
-        self._retry(lambda: group.change_membership(add, node_id).wait(self.node.config.write_timeout_s))
+        self.steps.retry(lambda: group.change_membership(add, node_id).wait(self.node.config.write_timeout_s))
 
     def _converge(self) -> list[str]:
         done: list[str] = []
@@ -247,10 +220,10 @@ class Membership:
                 self._set_replicas(shard, replicas)
         moved = []
         for shard, replicas in sorted(balanced.items()):
-            leader = self._vnode_leader(shard)
+            leader = self.steps.leader(shard)
             target = replicas[0]
             if leader != target:
-                self._retry(functools.partial(self._transfer, shard, target))
+                self.steps.retry(functools.partial(self.steps.transfer, shard, target))
                 moved.append(f"shard {shard}: {leader} -> {target}")
         return moved
 
@@ -338,10 +311,10 @@ class Membership:
                     self._set_replicas(shard, [r for r in replicas if r != node_id])
                     done.append(f"repaired shard {shard}: {node_id} dropped from the placement (not in the Raft group)")
                     continue
-                if self._status(node_id, shard) is None:
+                if self.steps.status(node_id, shard) is None:
                     continue  # down, or its replica is not open yet: the next check looks again
-                self._retry(functools.partial(self._change, shard, node_id, add=True))
-                self._wait_caught_up(shard, node_id)
+                self.steps.retry(functools.partial(self.steps.change, shard, node_id, add=True))
+                self.steps.wait_caught_up(shard, node_id)
                 done.append(f"repaired shard {shard}: {node_id} added to the Raft group (placed there)")
             else:
                 if node_id in replicas:
@@ -359,8 +332,8 @@ class Membership:
         if target:
             if target not in replicas:
                 self._set_replicas(shard, [*replicas, target])
-            self._retry(lambda: self._change(shard, target, add=True))
-            self._wait_caught_up(shard, target)
+            self.steps.retry(lambda: self.steps.change(shard, target, add=True))
+            self.steps.wait_caught_up(shard, target)
         if source:
             self._remove_replica(shard, source, prefer=target)
         final = placement.apply_move({shard: replicas}, move)[shard]
@@ -384,126 +357,19 @@ class Membership:
         def step() -> None:
             nonlocal tries
             tries += 1
-            if self._vnode_leader(shard) == source:
+            if self.steps.leader(shard) == source:
                 # After a failed try any caught-up replica will do.
-                self._transfer(shard, prefer if tries == 1 else "")
+                self.steps.transfer(shard, prefer if tries == 1 else "")
             try:
-                self._change(shard, source, add=False)
+                self.steps.change(shard, source, add=False)
             except MqdsError as err:
-                if err.reason is Reason.MEMBERSHIP_REFUSED and self._vnode_leader(shard) == source:
+                if err.reason is Reason.MEMBERSHIP_REFUSED and self.steps.leader(shard) == source:
                     raise errors.error(
                         Reason.NO_LEADER, f"shard {shard}: leadership came back to {source} before its removal"
                     ) from err
                 raise
 
-        self._retry(step)
-
-    # -- talking to vnode leaders --------------------------------------------------
-
-    def _vnode_leader(self, shard: int) -> str:
-        """The current leader of a vnode, asked of the nodes that host it."""
-        deadline = time.monotonic() + STEP_TIMEOUT_S
-        while True:
-            local = self.node.vnodes.get(shard)
-            if local is not None and local.group.leader_id:
-                return local.group.leader_id
-            view = ClusterView()
-            for replica in meta_mod.placement_of(self._map())[shard]:
-                try:
-                    view.merge(
-                        self.node.cluster_stub(replica).GetClusterMap(
-                            clpb.GetClusterMapRequest(), timeout=2, metadata=self.node.auth.metadata()
-                        )
-                    )
-                except (grpc.RpcError, MqdsError):
-                    continue
-            if shard in view.leaders:
-                return view.leaders[shard][1]
-            self._meta_leader()
-            if time.monotonic() > deadline:
-                raise errors.error(Reason.NO_LEADER, f"shard {shard} has no leader")
-            time.sleep(_POLL_S)
-
-    def _status(self, node_id: str, shard: int) -> clpb.ReplicaStatus | None:
-        try:
-            status = self.node.cluster_stub(node_id).GetNodeStatus(
-                clpb.GetNodeStatusRequest(), timeout=5, metadata=self.node.auth.metadata()
-            )
-        except grpc.RpcError:
-            return None
-        return next((r for r in status.replicas if r.group == shard), None)
-
-    def _change(self, shard: int, node_id: str, add: bool) -> None:
-        leader = self._vnode_leader(shard)
-        stub = self.node.internal_stub(leader)
-        kind = rpb.MembershipChange.KIND_ADD if add else rpb.MembershipChange.KIND_REMOVE
-        try:
-            stub.ChangeMembership(
-                rpb.ChangeMembershipRequest(group=shard, kind=kind, node_id=node_id),
-                timeout=self.node.config.write_timeout_s + 5,
-                metadata=self.node.auth.metadata(),
-            )
-        except grpc.RpcError as err:
-            raise errors.from_rpc_error(err) from None
-
-    def _transfer(self, shard: int, target: str) -> None:
-        """Move leadership of ``shard`` to ``target`` (any other member when empty) and wait for it."""
-        leader = self._vnode_leader(shard)
-        if leader == target:
-            return
-        try:
-            self.node.internal_stub(leader).TransferLeadership(
-                rpb.TransferLeadershipRequest(group=shard, node_id=target),
-                timeout=10,
-                metadata=self.node.auth.metadata(),
-            )
-        except grpc.RpcError as err:
-            raise errors.from_rpc_error(err) from None
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            now = self._vnode_leader(shard)
-            if now == target or (not target and now != leader):
-                return
-            time.sleep(_POLL_S)
-        raise errors.error(Reason.NO_LEADER, f"shard {shard}: leadership did not move to {target or 'another replica'}")
-
-    def _wait_caught_up(self, shard: int, target: str) -> None:
-        """Until the target holds and applied everything committed when the wait began."""
-        deadline = time.monotonic() + STEP_TIMEOUT_S
-        last_report = time.monotonic()
-        goal: int | None = None
-        while time.monotonic() < deadline:
-            self._meta_leader()
-            leader = self._vnode_leader(shard)
-            status = self._status(leader, shard)
-            if status is not None and target in status.members:
-                if goal is None:
-                    goal = status.commit_index
-                match = status.match_index.get(target, 0)
-                if match >= goal:
-                    target_status = self._status(target, shard)
-                    if target_status is not None and target_status.last_applied >= goal:
-                        return
-                if time.monotonic() - last_report > 5:
-                    log.info("shard %d: %s catching up (%d of %d)", shard, target, match, goal)
-                    last_report = time.monotonic()
-            time.sleep(_POLL_S)
-        raise errors.error(Reason.DEADLINE_EXCEEDED, f"shard {shard}: {target} did not catch up in time")
-
-    def _retry(self, step: Callable[[], T]) -> T:
-        """Run a step until it works, retrying what is worth retrying, within STEP_TIMEOUT_S."""
-        deadline = time.monotonic() + STEP_TIMEOUT_S
-        delay = _POLL_S
-        while True:
-            self._meta_leader()  # a node that lost leadership stops here, and the caller retries on the new one
-            try:
-                return step()
-            except MqdsError as err:
-                if not err.retriable or time.monotonic() > deadline:
-                    raise
-                log.info("retrying after: %s", err)
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        self.steps.retry(step)
 
 
 @dataclass(frozen=True)
