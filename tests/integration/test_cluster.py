@@ -19,7 +19,7 @@ from mqds.client import errors as E
 from mqds.protocol.errors import from_rpc_error
 from mqds.protocol.sharding import shard_of
 from mqds.server.cluster.v1 import commands_pb2 as cpb
-from mqds.server.raft.transport import NODE_HEADER, SECRET_HEADER
+from mqds.server.raft.cluster_auth import NODE_HEADER, SECRET_HEADER
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
 from mqds.tools.localproc import LocalCluster, free_port, wait_until

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mqds.client import Client, Message
 from mqds.protocol.errors import Reason, from_rpc_error
 from mqds.protocol.sharding import shard_of
-from mqds.server.raft.transport import SECRET_HEADER
+from mqds.server.raft.cluster_auth import SECRET_HEADER
 from mqds.server.storage import IteratorState
 from mqds.tools.localproc import LocalCluster
 from mqds.v1 import sessions_pb2 as spb

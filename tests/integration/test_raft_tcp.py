@@ -21,7 +21,7 @@ import pytest
 
 from mqds.client import Client, Message
 from mqds.server.raft import tcp_wire
-from mqds.server.raft.transport import NODE_HEADER, SECRET_HEADER
+from mqds.server.raft.cluster_auth import NODE_HEADER, SECRET_HEADER
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
 from mqds.tools.localproc import LocalCluster

@@ -26,7 +26,7 @@ from mqds.chaos.faultfs import FaultFs, FaultFsError
 from mqds.chaos.network import HookNetwork, NetnsNetwork
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError
-from mqds.server.raft.transport import NODE_HEADER, SECRET_HEADER
+from mqds.server.raft.cluster_auth import NODE_HEADER, SECRET_HEADER
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
 from mqds.tools.localproc import LocalCluster, NodeProcess

@@ -41,7 +41,7 @@ from mqds.client import ConnectionSettings
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError
 from mqds.protocol.sharding import shard_of
-from mqds.server.raft.transport import NODE_HEADER, SECRET_HEADER
+from mqds.server.raft.cluster_auth import NODE_HEADER, SECRET_HEADER
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb

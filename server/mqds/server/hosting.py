@@ -34,9 +34,10 @@ from mqds.server.config import NodeConfig
 from mqds.server.datadir import DataDir
 from mqds.server.diskusage import DiskUsage
 from mqds.server.peers import Peers
+from mqds.server.raft.cluster_auth import ClusterAuth
 from mqds.server.raft.group import META_GROUP, ROLE_LEADER, PendingRead, RaftGroup, RaftTiming
 from mqds.server.raft.journal import NodeLog
-from mqds.server.raft.transport import ClusterAuth, PeerRouter
+from mqds.server.raft.transport import PeerRouter
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.storage import Engine
 from mqds.v1 import cluster_pb2 as clpb

@@ -37,7 +37,8 @@ from mqds.server.config import NodeConfig
 from mqds.server.health import Health
 from mqds.server.hosting import Hosting, add_generation_command
 from mqds.server.peers import Peers
-from mqds.server.raft.transport import ClusterAuth, PeerRouter
+from mqds.server.raft.cluster_auth import ClusterAuth
+from mqds.server.raft.transport import PeerRouter
 from mqds.server.retention_rules import RetentionRules
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc

@@ -53,9 +53,10 @@ from mqds.server.maintenance import Maintenance
 from mqds.server.metrics import NodeMetrics
 from mqds.server.peers import Peers
 from mqds.server.raft import tcp_wire
+from mqds.server.raft.cluster_auth import ClusterAuth
 from mqds.server.raft.group import RaftGroup, RaftTiming
 from mqds.server.raft.journal import COPY_BYTES, NodeLog
-from mqds.server.raft.transport import ClusterAuth, PeerRouter
+from mqds.server.raft.transport import PeerRouter
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
 from mqds.server.snapshots import Snapshots

@@ -28,7 +28,7 @@ from mqds.server.durable import fsync_dir
 from mqds.server.hosting import Vnode
 from mqds.server.metrics import NodeMetrics
 from mqds.server.peers import Peers
-from mqds.server.raft.transport import ClusterAuth
+from mqds.server.raft.cluster_auth import ClusterAuth
 from mqds.server.raft.v1 import raft_pb2 as rpb
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-from mqds.server.raft.transport import NODE_HEADER, SECRET_HEADER
+from mqds.server.raft.cluster_auth import NODE_HEADER, SECRET_HEADER
 
 
 class SecretMetadata(grpc.UnaryUnaryClientInterceptor):

@@ -30,8 +30,8 @@ from typing import Any
 import grpc
 
 from mqds.client import Client, ConnectionSettings
+from mqds.server.raft.cluster_auth import NODE_HEADER, SECRET_HEADER
 from mqds.server.raft.group import META_GROUP
-from mqds.server.raft.transport import NODE_HEADER, SECRET_HEADER
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
 from mqds.tools.channels import SecretMetadata

@@ -27,8 +27,9 @@ if TYPE_CHECKING:
     from mqds.server.cluster.vnode import Vnode
     from mqds.server.config import NodeConfig
     from mqds.server.metrics import RequestMetrics
+    from mqds.server.raft.cluster_auth import ClusterAuth
     from mqds.server.raft.group import RaftGroup
-    from mqds.server.raft.transport import ClusterAuth, PeerRouter
+    from mqds.server.raft.transport import PeerRouter
 
 log = logging.getLogger(__name__)
 

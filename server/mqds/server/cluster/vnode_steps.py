@@ -30,7 +30,7 @@ from mqds.v1 import cluster_pb2 as clpb
 if TYPE_CHECKING:
     from mqds.server.cluster.vnode import Vnode
     from mqds.server.config import NodeConfig
-    from mqds.server.raft.transport import ClusterAuth
+    from mqds.server.raft.cluster_auth import ClusterAuth
     from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
     from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 
