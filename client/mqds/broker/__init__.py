@@ -11,7 +11,8 @@ Importing this package needs only the mqds client; YAML files need PyYAML
 """
 
 from mqds.broker.actions import BrokerHooks, Delivery
-from mqds.broker.hooks import ACTIONS, HOOKS, HookConfig, HookConfigError, OfflineOpts, Rule, load_config, parse_config
+from mqds.broker.catalogue import ACTIONS, HOOKS
+from mqds.broker.hooks import HookConfig, HookConfigError, OfflineOpts, Rule, load_config, parse_config
 
 __all__ = [
     "ACTIONS",

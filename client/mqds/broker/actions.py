@@ -53,7 +53,8 @@ import socket
 from collections.abc import Awaitable, Iterable
 from typing import Any
 
-from mqds.broker.hooks import HOOKS, HookConfig, Mode, Rule
+from mqds.broker.catalogue import HOOKS, Mode
+from mqds.broker.hooks import HookConfig, Rule
 from mqds.broker.offline import DEFAULT_WINDOW_S, OfflineFetches
 from mqds.broker.subscriptions import Delivery, check_clientid, check_qos, real_filter
 from mqds.client import aio

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mqds.broker.hooks import Mode
+from mqds.broker.catalogue import Mode
 from mqds.client.model import Message
 
 __all__ = ["Delivery", "check_clientid", "check_qos", "real_filter"]
