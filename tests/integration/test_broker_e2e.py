@@ -174,21 +174,29 @@ def test_broker_command_explains_itself_and_refuses_bad_input(tmp_path: Path) ->
     assert busy.returncode == 1 and "the broker did not start" in busy.stderr and "Traceback" not in busy.stderr
 
 
-def state_when(cluster: Cluster, clientid: str, online: bool) -> ClientState:
+def state_when(cluster: Cluster, broker: BrokerProcess, clientid: str, online: bool) -> ClientState:
+    """The client's recorded state once it says ``online``: within 25 s, past the broker's 20 s call deadline
+    (its one call that records a connect or a disconnect may retry that long on a loaded machine)."""
+
     def check() -> ClientState | None:
         state = cluster.client.client_state(clientid)
         return state if state is not None and state.online == online else None
 
-    return wait_until(f"{clientid} recorded {'online' if online else 'offline'}", check, 10)
+    try:
+        return wait_until(f"{clientid} recorded {'online' if online else 'offline'}", check, 25)
+    except TimeoutError as err:
+        raise TimeoutError(f"{err}; the broker's output:\n{broker.output()[-3000:]}") from None
 
 
-def test_client_state_follows_connect_and_disconnect(cluster: Cluster, connect: Callable[..., Mqtt]) -> None:
+def test_client_state_follows_connect_and_disconnect(
+    cluster: Cluster, broker: BrokerProcess, connect: Callable[..., Mqtt]
+) -> None:
     client = connect("e2e-state")
-    state = state_when(cluster, "e2e-state", online=True)
+    state = state_when(cluster, broker, "e2e-state", online=True)
     assert state.node == NODE and state.online_at_us > 0 and state.offline_at_us == 0
     assert "e2e-state" in cluster.client.clients_on_node(NODE)
     client.close()
-    state = state_when(cluster, "e2e-state", online=False)
+    state = state_when(cluster, broker, "e2e-state", online=False)
     assert state.node == NODE and state.offline_at_us >= state.online_at_us
     assert "e2e-state" not in cluster.client.clients_on_node(NODE)
 
