@@ -16,7 +16,7 @@ from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.cluster import membership as membership_mod
 from mqds.server.cluster import meta as meta_mod
-from mqds.server.cluster import placement
+from mqds.server.cluster import placement, vnode_steps
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.v1 import cluster_pb2 as clpb
 
@@ -68,27 +68,27 @@ class FakeNode:
         self.proposed: list[list[str]] = []
 
 
-class Bouncing(membership_mod.Membership):
-    """A Membership whose vnode hands leadership back to ``source`` ``bounces`` times."""
+class BouncingSteps(vnode_steps.VnodeSteps):
+    """A vnode whose Raft group hands leadership back to ``source`` ``bounces`` times."""
 
-    def __init__(self, node: FakeNode, vnode: FakeVnode, source: str, bounces: int) -> None:
-        super().__init__(node)  # type: ignore[arg-type]
+    def __init__(self, moves: membership_mod.Membership, vnode: FakeVnode, source: str, bounces: int) -> None:
+        super().__init__(moves.node, moves._meta_leader)
         self.vnode = vnode
         self.source = source
         self.bounces = bounces
         self.transfers: list[str] = []
 
-    def _vnode_leader(self, shard: int) -> str:
+    def leader(self, shard: int) -> str:
         return self.vnode.leader
 
-    def _wait_caught_up(self, shard: int, target: str) -> None:
+    def wait_caught_up(self, shard: int, target: str) -> None:
         assert target in self.vnode.members
 
-    def _transfer(self, shard: int, target: str) -> None:
+    def transfer(self, shard: int, target: str) -> None:
         self.transfers.append(target)
         self.vnode.leader = target or next(m for m in self.vnode.members if m != self.vnode.leader)
 
-    def _change(self, shard: int, node_id: str, add: bool) -> None:
+    def change(self, shard: int, node_id: str, add: bool) -> None:
         if add:
             self.vnode.members.append(node_id)
             return
@@ -101,29 +101,40 @@ class Bouncing(membership_mod.Membership):
         self.vnode.members.remove(node_id)
 
 
+def bouncing(
+    node: FakeNode, vnode: FakeVnode, source: str, bounces: int, steps: type[BouncingSteps] = BouncingSteps
+) -> membership_mod.Membership:
+    """A Membership of ``node`` whose steps on the vnode are ``steps``."""
+    moves = membership_mod.Membership(node)  # type: ignore[arg-type]
+    moves.steps = steps(moves, vnode, source, bounces)
+    return moves
+
+
 @pytest.fixture(autouse=True)
 def no_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(membership_mod.time, "sleep", lambda _s: None)
+    monkeypatch.setattr(vnode_steps.time, "sleep", lambda _s: None)
 
 
 def test_a_move_succeeds_when_leadership_returns_to_the_source_before_its_removal() -> None:
     node = FakeNode(["a", "b", "c"])
     vnode = FakeVnode(["a", "b", "c"], leader="a")
-    moves = Bouncing(node, vnode, source="a", bounces=2)
+    moves = bouncing(node, vnode, source="a", bounces=2)
     moves._execute(placement.Move(shard=0, source="a", target="d"))
     assert vnode.members == ["b", "c", "d"]
     assert vnode.leader != "a"
     # The target takes the source's place, so it becomes the preferred leader.
     assert meta_mod.placement_of(node.meta.map)[0] == ["d", "b", "c"]
     # The first transfer aims at the new replica; after a bounce any replica will do.
-    assert moves.transfers[0] == "d"
-    assert moves.transfers[1:] == ["", ""]
+    transfers = moves.steps.transfers  # type: ignore[attr-defined]
+    assert transfers[0] == "d"
+    assert transfers[1:] == ["", ""]
 
 
 def test_the_source_stops_being_the_preferred_leader_before_leadership_moves() -> None:
     node = FakeNode(["a", "b", "c"])
     vnode = FakeVnode(["a", "b", "c"], leader="a")
-    Bouncing(node, vnode, source="a", bounces=0)._execute(placement.Move(shard=0, source="a", target="d"))
+    bouncing(node, vnode, source="a", bounces=0)._execute(placement.Move(shard=0, source="a", target="d"))
     # Added first, then reordered so the balancer no longer hands leadership to "a".
     assert node.proposed[0] == ["a", "b", "c", "d"]
     assert node.proposed[1][0] != "a" and node.proposed[1][-1] == "a"
@@ -133,14 +144,16 @@ def test_a_refusal_for_another_reason_is_not_retried() -> None:
     node = FakeNode(["a", "b", "c"])
     vnode = FakeVnode(["a", "b", "c"], leader="b")
 
-    class Refusing(Bouncing):
-        def _change(self, shard: int, node_id: str, add: bool) -> None:
+    class Refusing(BouncingSteps):
+        def change(self, shard: int, node_id: str, add: bool) -> None:
             if not add:
                 raise errors.error(Reason.MEMBERSHIP_REFUSED, "refused for a reason of its own")
-            super()._change(shard, node_id, add)
+            super().change(shard, node_id, add)
 
     with pytest.raises(MqdsError) as caught:
-        Refusing(node, vnode, source="a", bounces=0)._execute(placement.Move(shard=0, source="a", target="d"))
+        bouncing(node, vnode, source="a", bounces=0, steps=Refusing)._execute(
+            placement.Move(shard=0, source="a", target="d")
+        )
     assert caught.value.reason == Reason.MEMBERSHIP_REFUSED
 
 
@@ -151,7 +164,7 @@ def test_a_node_that_loses_metadata_leadership_stops_the_move() -> None:
     node = FakeNode(["a", "b", "c"], leads_for=1)
     vnode = FakeVnode(["a", "b", "c"], leader="b")
     with pytest.raises(MqdsError) as caught:
-        Bouncing(node, vnode, source="a", bounces=0)._execute(placement.Move(shard=0, source="a", target="d"))
+        bouncing(node, vnode, source="a", bounces=0)._execute(placement.Move(shard=0, source="a", target="d"))
     assert caught.value.reason == Reason.NOT_LEADER and caught.value.retriable
     assert node.proposed == [["a", "b", "c", "d"]], "nothing was written after leadership was lost"
     assert vnode.members == ["a", "b", "c"], "no Raft membership change after leadership was lost"
