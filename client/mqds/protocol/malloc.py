@@ -6,7 +6,8 @@ and hands free memory at a heap's top back to the system past its trim
 threshold. A process that builds or receives an answer of a few megabytes
 every few milliseconds then takes a page fault for every 4 KiB of it, the
 kernel zeroing each page, and unmaps it again: 8% of a replaying node's CPU and
-9% of the replaying client's (docs/performance.md, "2026-11-29: the answers in C").
+9% of the replaying client's (docs/performance.md, "2026-11-29 (later): the answers
+in C; malloc and the collector").
 
 ``tune_malloc`` serves blocks up to ``MMAP_THRESHOLD`` from the heaps and lets
 each heap keep ``TRIM_THRESHOLD`` free for the next answer. It is process-wide,

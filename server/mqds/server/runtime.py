@@ -12,7 +12,8 @@ message. Left at their defaults:
 
 So the node sets malloc's thresholds, raises the young generation's threshold,
 and once it serves freezes the objects it started with out of the collector's
-reach (``gc.freeze``). Figures: docs/performance.md, "2026-11-29: the answers in C".
+reach (``gc.freeze``). Figures: docs/performance.md,
+"2026-11-29 (later): the answers in C; malloc and the collector".
 """
 
 from __future__ import annotations
