@@ -86,7 +86,7 @@ chaos: $(STAMP)
 # deploy/ and k8s/: manifests validated offline, and their commands run as local processes.
 .PHONY: test-deploy image
 test-deploy: $(STAMP)
-	$(BIN)/python -m pytest tests/unit/test_manifests.py tests/integration/test_deploy.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit/test_manifests.py tests/integration/test_dockerfile.py tests/integration/test_deploy.py $(PYTEST_ARGS)
 
 image:
 	docker build -f deploy/Dockerfile -t mqds:0.1.0 .

@@ -1,7 +1,6 @@
-"""deploy/ and k8s/ run for real here, without a container engine or a Kubernetes cluster.
+"""deploy/docker-compose.yml and k8s/ run for real here, without a container engine or a Kubernetes cluster
+(the image itself: test_dockerfile.py).
 
-* The Dockerfile's build commands run as a script (container paths under a temporary root) and
-  the image's entrypoint, environment and HEALTHCHECK start and probe a node.
 * The compose file's three node services start as local processes with their commands and
   environments, and form a cluster that the Prometheus targets point at.
 * The dev overlay's StatefulSet gives three pods' commands and environments (downward API,
@@ -16,24 +15,19 @@ The substitutions that put containers on loopback are documented in tests/deploy
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
-import sys
-import sysconfig
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
-import paho.mqtt.client as mqtt
 import pytest
 import yaml
+from deploy_checks import READY, accepts, check_broker_serves, container_port, scrape
 from deploy_support import (
     DEPLOY,
     K8S,
@@ -41,17 +35,12 @@ from deploy_support import (
     VENV_BIN,
     Loopback,
     Processes,
-    Stage,
     compose_environment,
     container_env,
-    copy_context,
     dev_overlay,
     dev_with_components,
-    dockerfile,
     expand_k8s,
     find,
-    healthcheck_command,
-    image_distributions,
     image_file,
     image_stage,
     kustomize,
@@ -75,7 +64,6 @@ from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MQDS = str(VENV_BIN / "mqds")
-READY = "mqds.v1.Storage"
 
 
 def health(address: str, service: str) -> str:
@@ -90,17 +78,6 @@ def health(address: str, service: str) -> str:
 def cluster_map(address: str) -> clpb.ClusterMap:
     with grpc.insecure_channel(address) as channel:
         return clpb_grpc.ClusterStub(channel).GetClusterMap(clpb.GetClusterMapRequest(), timeout=5)
-
-
-def mqds_status(endpoints: list[str]) -> str:
-    result = subprocess.run(
-        [MQDS, "--endpoints", ",".join(endpoints), "--timeout", "20", "status"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
 
 
 def wait_status_ok(endpoints: list[str], timeout_s: float = 60) -> str:
@@ -124,15 +101,6 @@ def store_and_replay(endpoints: list[str], topic: str) -> None:
         assert sorted(m.payload for m in client.replay(f"{topic}/#")) == [f"m{i}".encode() for i in range(8)]
 
 
-def scrape(address: str) -> str:
-    """GET /metrics (MQDS_METRICS_LISTEN): Prometheus text with mqds_ metrics."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
-        assert reply.status == 200
-        text = str(reply.read().decode())
-    assert re.search(r"^mqds_\w+", text, re.M), text[:2000]
-    return text
-
-
 def settings_value(argv: list[str], env: dict[str, str], name: str) -> str:
     """A node's setting as mqds-server reads it: a --flag wins over MQDS_<NAME>."""
     flag = "--" + name.replace("_", "-")
@@ -142,42 +110,6 @@ def settings_value(argv: list[str], env: dict[str, str], name: str) -> str:
         if word.startswith(flag + "="):
             return word.split("=", 1)[1]
     return env.get("MQDS_" + name.upper(), "")
-
-
-def container_port(address: str) -> int:
-    return int(address.rpartition(":")[2])
-
-
-def accepts(address: str) -> bool:
-    """A tcpSocket probe: the port accepts a connection."""
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=2).close()
-    except OSError:
-        return False
-    return True
-
-
-def check_broker_serves(address: str, endpoints: list[str], topic: str) -> None:
-    """An MQTT client connects (CONNACK: accepted) and publishes at QoS 1; the message lands in the cluster."""
-    host, _, port = address.rpartition(":")
-    connected: list[object] = []
-    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"deploy-{topic}")
-    client.on_connect = lambda _c, _u, _f, reason, _p: connected.append(reason)
-    client.connect(host, int(port), keepalive=30)
-    client.loop_start()
-    try:
-        wait_until("CONNACK", lambda: connected or None, 15)
-        assert not connected[0].is_failure, f"CONNACK {connected[0]}"
-        sent = client.publish(f"{topic}/a", b"via the broker", qos=1)
-        sent.wait_for_publish(15)
-        assert sent.is_published()
-    finally:
-        client.disconnect()
-        client.loop_stop()
-    with Client(endpoints, timeout_s=30) as mqds:
-        stored = wait_until(f"{topic}/a stored", lambda: list(mqds.replay(f"{topic}/#")) or None, 30)
-    assert [(m.topic, m.payload) for m in stored] == [(f"{topic}/a", b"via the broker")]
 
 
 def check_exhook_serves(address: str, endpoints: list[str], clientid: str) -> None:
@@ -194,194 +126,6 @@ def check_exhook_serves(address: str, endpoints: list[str], clientid: str) -> No
     with Client(endpoints, timeout_s=30) as mqds:
         state = mqds.client_state(clientid)
     assert state is not None and state.online and state.node == "emqx@e1"
-
-
-# -- the Dockerfile -----------------------------------------------------------------------------
-
-
-def rooted(text: str, root: Path) -> str:
-    """Absolute container paths in ``text`` under ``root`` (/opt/mqds -> ROOT/opt/mqds)."""
-    return re.sub(r"(?<![\w./$-])/(?=\w)", str(root) + "/", text)
-
-
-def copy_instruction(args: str, context: Path, workdir: Path, root: Path) -> None:
-    """COPY SRC... DEST from the build context, as Docker does: a directory's contents go into DEST."""
-    *sources, dest = args.split()
-    target = Path(rooted(dest, root)) if dest.startswith("/") else workdir / dest
-    for source in sources:
-        src = context / source
-        if src.is_dir():
-            target.mkdir(parents=True, exist_ok=True)
-            subprocess.run(["cp", "-a", f"{src}/.", str(target)], check=True, timeout=60)
-        elif dest.endswith("/") or len(sources) > 1:
-            target.mkdir(parents=True, exist_ok=True)
-            subprocess.run(["cp", "-a", str(src), str(target / src.name)], check=True, timeout=60)
-        else:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            subprocess.run(["cp", "-a", str(src), str(target)], check=True, timeout=60)
-
-
-def dependency_farm(directory: Path) -> Path:
-    """A directory of links to the test virtualenv's copies of the third-party distributions the image's
-    pip command installs (image_distributions: its projects, the extras it names, their requirements),
-    and nothing else: what the image lacks, the test's image lacks too."""
-    site = Path(sysconfig.get_paths()["purelib"])
-    directory.mkdir(parents=True)
-    for name in sorted(image_distributions()):
-        if name.startswith("mqds-"):
-            continue  # built from the sources by the Dockerfile's pip command
-        try:
-            dist = importlib.metadata.distribution(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        tops = {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
-        for top in tops:
-            if (site / top).exists() and not (directory / top).exists():
-                (directory / top).symlink_to(site / top)
-    return directory
-
-
-def run_build_stage(stage: Stage, context: Path, root: Path, shim: Path, deps: Path) -> None:
-    """The build stage's WORKDIR, COPY and RUN instructions, in order, with paths under ``root``.
-
-    Dependencies come from the test's virtualenv instead of PyPI (PIP_NO_DEPS and a .pth into each new
-    virtualenv); the packages themselves are built from the copied sources by the Dockerfile's pip
-    command, in pip's usual isolated build environment."""
-    env = {k: rooted(v, root) for k, v in stage.env().items()}
-    env.update(PATH=f"{shim}:/usr/bin:/bin", HOME=str(root / "root"), PIP_NO_DEPS="1")
-    workdir = root
-    for inst in stage.instructions:
-        if inst.keyword == "WORKDIR":
-            workdir = Path(rooted(inst.args, root))
-            workdir.mkdir(parents=True, exist_ok=True)
-        elif inst.keyword == "COPY":
-            assert "from" not in inst.flags
-            copy_instruction(inst.args, context, workdir, root)
-        elif inst.keyword == "RUN" and inst.args.startswith("apt-get "):
-            # The base image's system packages: checked, not run (it would change this machine). The
-            # compiler it installs is one this machine has (make install builds the same C part).
-            assert re.fullmatch(
-                r"apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev "
-                r"&& rm -rf /var/lib/apt/lists/\*",
-                inst.args,
-            ), inst.args
-            assert shutil.which("gcc"), "the build stage installs gcc: this machine needs one to build as it does"
-        elif inst.keyword == "RUN":
-            result = subprocess.run(
-                ["/bin/sh", "-ec", rooted(inst.args, root)],
-                cwd=workdir,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            assert result.returncode == 0, f"RUN {inst.args}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-            for cfg in root.glob("opt/*/pyvenv.cfg"):
-                purelib = next(cfg.parent.glob("lib/python3*/site-packages"))
-                (purelib / "zz_test_dependencies.pth").write_text(f"{deps}\n")
-        else:
-            assert inst.keyword == "ENV", f"the test does not run {inst.keyword} in the build stage"
-
-
-def test_dockerfile_builds_here_and_its_entrypoint_serves(tmp_path: Path) -> None:
-    build, image = dockerfile()[0], image_stage()
-    root = tmp_path / "fs"
-    context = copy_context(tmp_path / "context")
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    # The base image's python (with pip): this test's interpreter, the same version as python:3.11-slim's.
-    (shim / "python").symlink_to(sys.executable)
-    run_build_stage(build, context, root, shim, dependency_farm(tmp_path / "deps"))
-
-    # The final stage: COPY --from=build of the same path (one root here: nothing to copy), and
-    # system setup that the test checks and does not run (it would add a user to this machine).
-    for inst in image.instructions:
-        if inst.keyword == "COPY":
-            assert inst.flags.get("from") == build.name
-            source, dest = inst.args.split()
-            assert source == dest, "a virtualenv only works at the path it was built at"
-            assert Path(rooted(source, root)).is_dir()
-        if inst.keyword == "RUN":
-            for command in re.split(r"\s*&&\s*", inst.args):
-                program = command.split()[0]
-                assert program in ("groupadd", "useradd", "mkdir", "chown"), command
-                if program == "mkdir":
-                    subprocess.run(rooted(command, root), shell=True, check=True, timeout=30)
-
-    venv_python = Path(rooted("/opt/mqds/bin/python", root))
-    # Where the packages are, and whether the node encodes answers in C (the build stage compiles it).
-    probe = "import mqds.client; from mqds.server import wire; print(wire.__file__, mqds.client.__file__, wire.NATIVE)"
-    *where, native = subprocess.run(
-        [str(venv_python), "-c", probe], capture_output=True, text=True, timeout=60, check=True
-    ).stdout.split()
-    assert all(path.startswith(str(root / "opt" / "mqds" / "lib")) for path in where), where
-    assert native == "True", "the image's node encodes answers in C"
-    check = subprocess.run(
-        [str(shim / "python"), "-m", "pip", "--python", str(venv_python), "check"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout
-    assert not [line for line in check.splitlines() if line.startswith("mqds-")], check
-
-    # The container: the image's ENV, WORKDIR, ENTRYPOINT and HEALTHCHECK; its ports on loopback.
-    loop = Loopback(lambda host: None)
-    env = {k: loop.rewrite(rooted(v, root), "node") for k, v in image.env().items()}
-    env["PATH"] = env["PATH"].replace("$PATH", "/usr/local/bin:/usr/bin:/bin")
-    workdir = Path(rooted(image.required("WORKDIR").args, root))
-    env.update(HOME=str(workdir), HOSTNAME="mqds-image-test")
-    volume = yaml.safe_load(image.required("VOLUME").args)
-    assert env["MQDS_DATA_DIR"] in [rooted(v, root) for v in volume]
-    entrypoint = image.required("ENTRYPOINT").exec_form()
-    assert image.last("CMD") is None
-    processes = Processes(tmp_path / "logs")
-    try:
-        proc = processes.start("image", entrypoint, env, workdir)
-        address = loop.address("node", container_port(image.env()["MQDS_LISTEN"]))
-        assert wait_serving(address, 60, READY), processes.output("image")
-        exe = Path(os.readlink(f"/proc/{proc.pid}/exe")) if Path("/proc").is_dir() else None
-        assert exe is None or exe.name.startswith("python")
-        assert str(root) in Path(f"/proc/{proc.pid}/cmdline").read_text(), "the image's mqds-server runs"
-        assert list((workdir / "shards").iterdir()), "data goes to the volume"
-        probe = [rooted(word, root) for word in healthcheck_command(image)]
-        for extra in ([], ["--service", READY]):
-            result = subprocess.run([*probe, *extra], env=env, capture_output=True, text=True, timeout=30)
-            assert result.returncode == 0, result.stderr
-        cli = subprocess.run(
-            [rooted("/opt/mqds/bin/mqds", root), "--endpoints", address, "status"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert cli.returncode == 0 and "OK:" in cli.stdout, cli.stdout + cli.stderr
-        scrape(loop.address("node", container_port(image.env()["MQDS_METRICS_LISTEN"])))
-        # The image's `mqds broker` (amqtt, the broker extra) stores in that node; it reads YAML rules.
-        broker_port = loop.address("broker", 1883)
-        processes.start(
-            "broker",
-            [
-                rooted("/opt/mqds/bin/mqds", root),
-                "broker",
-                "--listen",
-                broker_port,
-                "--endpoints",
-                address,
-                "--hooks",
-                str(DEPLOY / "hooks" / "cassandra-style.yaml"),
-            ],
-            env,
-            workdir,
-        )
-        wait_until("the image's mqds broker accepting", lambda: processes.assert_running() or accepts(broker_port), 60)
-        processes.assert_running()
-        check_broker_serves(broker_port, [address], "image-broker")
-        assert processes.terminate("broker") == 0, processes.output("broker")
-        assert processes.terminate("image") == 0, processes.output("image")
-        down = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=30)
-        assert down.returncode == 1 and "healthcheck:" in down.stderr
-    finally:
-        processes.kill_all()
 
 
 # -- docker-compose -----------------------------------------------------------------------------
