@@ -69,20 +69,35 @@ class _Secret(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
         return continuation(details._replace(metadata=metadata), request)
 
 
+# While a shard elects (or the balancer hands its leadership back), every
+# replica answers NO_LEADER: a retriable answer that any caller waits out, as
+# the client library does. Once failed CI: GetStreams right after a 24 MiB
+# batch found all three replicas between leaders.
+LEADER_WAIT_S = 15.0
+
+
 def call(channels: list[grpc.Channel], service: str, method: str, request: protobuf_message.Message) -> bytes:
-    """The answer's bytes from the first node that is not just a redirect (NOT_LEADER); raises the RpcError."""
+    """The answer's bytes from the shard's leader; raises the RpcError of any other refusal.
+
+    Redirects and "no leader now" are tried again on every node for up to
+    ``LEADER_WAIT_S``, then the last one is raised.
+    """
     raw = request.SerializeToString()
-    last: grpc.RpcError | None = None
-    for channel in channels:
-        stub = channel.unary_unary(f"/mqds.v1.{service}/{method}")
-        try:
-            return bytes(stub(raw, timeout=30))
-        except grpc.RpcError as err:
-            last = err
-            if from_rpc_error(err).reason not in (Reason.NOT_LEADER, Reason.NO_LEADER, Reason.NOT_HOSTED):
-                raise
-    assert last is not None
-    raise last
+    deadline = time.monotonic() + LEADER_WAIT_S
+    while True:
+        last: grpc.RpcError | None = None
+        for channel in channels:
+            stub = channel.unary_unary(f"/mqds.v1.{service}/{method}")
+            try:
+                return bytes(stub(raw, timeout=30))
+            except grpc.RpcError as err:
+                last = err
+                if from_rpc_error(err).reason not in (Reason.NOT_LEADER, Reason.NO_LEADER, Reason.NOT_HOSTED):
+                    raise
+        assert last is not None
+        if time.monotonic() >= deadline:
+            raise last
+        time.sleep(0.1)
 
 
 def refused(

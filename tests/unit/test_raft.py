@@ -720,6 +720,32 @@ def test_a_replica_that_is_not_retiring_takes_a_transfer(tmp_path: Path) -> None
     group.stop()
 
 
+def test_a_follower_gives_a_leader_busy_with_a_large_entry_time_before_campaigning(tmp_path: Path) -> None:
+    """The leader journals, applies and compacts a large entry too, sending nothing meanwhile.
+
+    A 60 MiB batch on a loaded 2-core machine kept leaders quiet past the
+    election timeout: every such write cost an election.
+    """
+    group, outbox = _follower(tmp_path)
+    timing = group.timing
+    assert group._SyncObj__raftElectionDeadline <= time.monotonic() + timing.election_timeout_max_s
+    large = bytes([codec.COMMAND_REGULAR]) + b"x" * (32 * 1024 * 1024)
+    group.deliver("n1", {**_HEARTBEAT, "entries": [(large, 2, 1)]}, 0)
+    group._cycle()
+    # A heartbeat right after (pysyncobj resets its deadline on each) does not shorten the wait.
+    group.deliver("n1", {**_HEARTBEAT, "prevLogIdx": 2, "prevLogTerm": 1}, 0)
+    group._cycle()
+    busy_s = len(large) / timing.busy_bytes_per_s
+    assert busy_s >= 1
+    assert group._SyncObj__raftElectionDeadline >= time.monotonic() + busy_s - 0.5 + timing.election_timeout_min_s
+    # Once that time has passed, a silent leader is given up on as ever.
+    group._leader_busy_until = 0.0
+    group._SyncObj__raftElectionDeadline = 0
+    group._cycle()
+    assert group.raftCurrentTerm == 2 and [m for _, _, m in outbox.sent if m["type"] == "request_vote"]
+    group.stop()
+
+
 def _leader(tmp_path: Path) -> tuple[RaftGroup, _Outbox]:
     group, _, outbox = _group(tmp_path, ["n1", "n2", "n3"])
     for peer in ("n1", "n2"):
@@ -731,6 +757,42 @@ def _leader(tmp_path: Path) -> tuple[RaftGroup, _Outbox]:
     group._cycle()
     assert group.is_leader
     return group, outbox
+
+
+def test_a_leader_busy_with_a_large_entry_does_not_step_down_for_its_own_silence(tmp_path: Path) -> None:
+    group, _ = _leader(tmp_path)
+    answered = group._SyncObj__lastResponseTime
+    # The followers answered its last append-entries 2.5 s ago; its thread has been applying
+    # since (3 s between two ticks), sending nothing they could answer.
+    now = time.monotonic()
+    for node in answered:
+        answered[node] = now - 2.5
+    group._last_tick_at = now - 3.0
+    group._cycle()
+    assert group.is_leader
+    # A leader that did send, and heard nothing back for longer than the timeout, steps down.
+    for node in answered:
+        answered[node] = time.monotonic() - 2.5
+    group._cycle()
+    assert not group.is_leader
+    group.stop()
+
+
+def test_a_leader_gives_followers_time_to_take_in_a_large_entry_before_stepping_down(tmp_path: Path) -> None:
+    group, _ = _leader(tmp_path)
+    answered = group._SyncObj__lastResponseTime
+    large = bytes([codec.COMMAND_REGULAR]) + b"x" * (32 * 1024 * 1024)
+    last, term = group.last_log_index, group.raftCurrentTerm
+    entries = {"type": "append_entries", "term": term, "commit_index": last, "prevLogIdx": last, "prevLogTerm": term}
+    # The followers last answered 1.5 s ago (past the fallback timeout); since, the leader sent
+    # them a large entry, which they are still taking in.
+    for node in answered:
+        answered[node] = time.monotonic() - 1.5
+        group._transport.send(node, {**entries, "entries": [(large, last + 1, term)]})
+    group._last_tick_at = time.monotonic()
+    group._cycle()
+    assert group.is_leader
+    group.stop()
 
 
 def _sent_since(outbox: _Outbox, start: int) -> list[tuple[str, dict[str, Any], bool]]:

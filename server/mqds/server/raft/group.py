@@ -403,6 +403,7 @@ class RaftGroup(
             elif kind == _TRANSFER:
                 self._begin_transfer(node_id, payload)
         self._hold_election()
+        self._excuse_own_silence()
         if self.proposals:
             self._log_proposals()
         self._onTick(0)
@@ -502,6 +503,8 @@ class RaftGroup(
             self._transport._onMessageReceived(PeerNode(node_id), message)
         finally:
             self._transport.answering_entries = False
+        if kind == "append_entries":
+            self._allow_for_leaders_work(node_id, sum(len(entry[0]) for entry in message.get("entries", ())))
 
     def _state_changed(self, old: int, new: int) -> None:
         self._role = new

@@ -125,7 +125,8 @@ class CommandApplier(SyncObj):
         if kind == codec.COMMAND_REGULAR:
             return self._apply_regular(command[1:], index)
         if kind == codec.COMMAND_BATCH:
-            return self._apply_regular(command[1:], index, batch=True)
+            # A view: the batch is split into its commands, which copies them anyway.
+            return self._apply_regular(memoryview(command)[1:], index, batch=True)
         if kind == codec.COMMAND_MEMBERSHIP:
             # After a restart the journal is replayed: apply the change again
             # (a no-op when already in effect).
@@ -134,7 +135,7 @@ class CommandApplier(SyncObj):
             self.machine.skip(index)
         return None
 
-    def _apply_regular(self, body: bytes, index: int, batch: bool = False) -> Any:
+    def _apply_regular(self, body: bytes | memoryview, index: int, batch: bool = False) -> Any:
         """``machine.apply`` (or ``apply_batch``), made total: a deterministic failure becomes the result.
 
         Whatever a committed entry holds, every replica must get past it the
@@ -154,7 +155,7 @@ class CommandApplier(SyncObj):
                     raise errors.error(Reason.INTERNAL, f"{self.name}: a batch entry, but the machine takes no batches")
                 result = apply_batch(batching.decode(body), index)
             else:
-                result = self.machine.apply(body, index)
+                result = self.machine.apply(body if isinstance(body, bytes) else bytes(body), index)
         except errors.MqdsError as err:
             if err.reason is Reason.STORAGE_ERROR:
                 self._disk_failed(err)

@@ -61,6 +61,8 @@ class Sender(Protocol):
     @property
     def declines_leadership(self) -> bool: ...
 
+    def sent_entries(self, node_id: str, entry_bytes: int) -> None: ...
+
     def on_member_added(self, node_id: str) -> None: ...
 
 
@@ -98,6 +100,9 @@ class GroupTransport(Transport):
             echo = group.echo_round
             beat = (message["term"], echo)
             lazy = not carries_entries(message) and self._last_beat.get(node.id) == beat
+            entries = message.get("entries")
+            if entries:
+                group.sent_entries(node.id, sum(len(entry[0]) for entry in entries))
             self._last_beat[node.id] = beat
         elif kind == "next_node_idx":
             echo = group.last_echo_from.get(node.id, 0)

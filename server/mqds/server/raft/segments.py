@@ -66,7 +66,10 @@ def record(group: int, kind: int, body: bytes = b"") -> bytes:
 
 
 def entry_record(group: int, index: int, term: int, command: bytes) -> bytes:
-    return record(group, ENTRY, _ENTRY.pack(index, term) + command)
+    """``record(group, ENTRY, index and term + command)``, with the command copied once, not three times."""
+    head = _HEAD.pack(group, ENTRY) + _ENTRY.pack(index, term)
+    crc = zlib.crc32(command, zlib.crc32(head))
+    return b"".join((_LEN.pack(len(head) + len(command)), head, command, _LEN.pack(crc)))
 
 
 def index_record(group: int, kind: int, index: int) -> bytes:

@@ -53,8 +53,12 @@ def encode_manifest(
         raw = member.encode("utf-8")
         parts += [_U16.pack(len(raw)), raw]
     parts += [_U32.pack(len(payload)), payload]
-    body = b"".join(parts)
-    return body + _U32.pack(zlib.crc32(body))
+    # The last entry may be a whole batch of tens of MiB: one copy, not two.
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    parts.append(_U32.pack(crc))
+    return b"".join(parts)
 
 
 @dataclass(frozen=True)

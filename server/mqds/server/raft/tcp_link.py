@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_PENDING_BYTES = 256 * 1024 * 1024
+_JOIN_BELOW_BYTES = 64 * 1024
+"""A frame smaller than this leaves with its header in one write; a larger one in two, uncopied."""
 LINK_ADDRESS_METHOD = "/mqds.server.raft.v1.Raft/LinkAddress"
 _CONNECT_TIMEOUT_S = 2.0
 _RECONNECT_MIN_S = 0.05
@@ -114,15 +116,20 @@ class TcpPeerLink:
     # -- writing (holding _lock) ------------------------------------------------------
 
     def _write(self, body: bytes) -> None:
-        data = memoryview(tcp_wire.frame_header(len(body)) + body)
+        header = tcp_wire.frame_header(len(body))
         self.sent_frames += 1
-        if not self._pending:
-            data = data[self._send(data) :]
-            if not data:
-                return
-            self._wake()  # the thread writes the rest when the socket drains
-        self._pending.append(data)
-        self._pending_bytes += len(data)
+        # A large frame's header goes as a write of its own: joining it to
+        # the body would copy the body (tens of MiB for a large batch).
+        parts = (header + body,) if len(body) < _JOIN_BELOW_BYTES else (header, body)
+        for part in parts:
+            data = memoryview(part)
+            if not self._pending:
+                data = data[self._send(data) :]
+                if not data:
+                    continue
+                self._wake()  # the thread writes the rest when the socket drains
+            self._pending.append(data)
+            self._pending_bytes += len(data)
         if self._pending_bytes > MAX_PENDING_BYTES:
             log.warning(
                 "raft link to %s: more than %d bytes unsent; dropping the connection", self.node_id, MAX_PENDING_BYTES

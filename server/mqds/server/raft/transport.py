@@ -78,8 +78,9 @@ CHANNEL_OPTIONS = [
 
 def envelope(group: int, raw_message: bytes) -> bytes:
     """A serialised ``Frame.messages`` item (tag included) for an encoded RaftMessage."""
-    body = b"\x08" + varint(group) + b"\x12" + varint(len(raw_message)) + raw_message
-    return b"\x0a" + varint(len(body)) + body
+    # One join: concatenating twice copied a message of tens of MiB twice.
+    head = b"\x08" + varint(group) + b"\x12" + varint(len(raw_message))
+    return b"".join((b"\x0a", varint(len(head) + len(raw_message)), head, raw_message))
 
 
 class FrameQueue:
