@@ -12,21 +12,46 @@ _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 now, and never one this process handed out before.
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_LOWEST = 20000
 
-    The kernel may give the same port to two binds in a row once the first
-    socket is closed: two nodes of one cluster were once given the same
-    port, and the second could not listen.
+
+def _below_ephemeral() -> int:
+    """Where the kernel's range for outgoing connections' ports begins (32768 by default)."""
+    try:
+        with open(_EPHEMERAL_RANGE) as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, below the ephemeral range, and never one this process handed out before.
+
+    A port the kernel picks (a bind to port 0) comes from the range it also
+    gives outgoing connections: with other tests connecting meanwhile, one
+    took a node's port between the pick and the node's bind ("address
+    already in use", a whole test module's cluster lost). Below that range
+    only a listener can take it. The kernel may also give the same port to
+    two binds in a row: two nodes of one cluster were once given the same
+    port, hence the set of ports handed out.
     """
+    top = _below_ephemeral()
+    rng = random.Random()
     with _handed_out_lock:
-        for _ in range(100):
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = int(sock.getsockname()[1])
-            if port not in _handed_out:
-                _handed_out.add(port)
-                return port
+        for _ in range(200):
+            if top - _LOWEST > 1000:
+                port = rng.randrange(_LOWEST, top)
+                if port in _handed_out or port_in_use(port):
+                    continue
+            else:  # an unusual ephemeral range: let the kernel pick
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", 0))
+                    port = int(sock.getsockname()[1])
+                if port in _handed_out:
+                    continue
+            _handed_out.add(port)
+            return port
     raise LocalClusterError("found no free port on 127.0.0.1 that was not handed out already")
 
 
@@ -46,7 +71,7 @@ def free_port_block(count: int, attempts: int = 200) -> int:
     rng = random.Random()
     for _ in range(attempts):
         # Below the usual ephemeral range (32768+), where outgoing connections take ports.
-        base = rng.randrange(20000, 32000 - count)
+        base = rng.randrange(_LOWEST, max(_LOWEST + 1, _below_ephemeral() - count))
         if not any(port_in_use(base + i) for i in range(count)):
             return base
     raise LocalClusterError(f"found no {count} consecutive free ports on 127.0.0.1")

@@ -1,0 +1,24 @@
+"""Ports for local nodes: never one an outgoing connection can take between the pick and the node's bind."""
+
+from __future__ import annotations
+
+import socket
+
+from mqds.tools import ports
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
+    picked = [ports.free_port() for _ in range(50)]
+    assert len(set(picked)) == len(picked)
+    # Outgoing connections take their local ports from the ephemeral range; a test module's
+    # cluster once lost a node to one that took its port first.
+    assert all(port < ports._below_ephemeral() for port in picked)
+    for port in picked[:5]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_a_block_of_ports_is_free_and_below_the_ephemeral_range() -> None:
+    base = ports.free_port_block(5)
+    assert base + 5 <= ports._below_ephemeral()
+    assert not any(ports.port_in_use(base + i) for i in range(5))
