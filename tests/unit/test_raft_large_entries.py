@@ -53,11 +53,20 @@ def _append_entries(draw: st.DrawFn) -> dict[str, Any]:
 @settings(max_examples=200)
 @given(_append_entries(), st.integers(0, 1 << 40))
 def test_append_entries_framed_by_hand_are_protobufs_bytes(message: dict[str, Any], echo: int) -> None:
-    raw = codec.encode(message, echo)
-    assert raw == codec.encode_message(message, echo).SerializeToString()
+    raw = codec._encode_append_entries(message, echo)
+    assert raw == codec.encode_message(message, echo).SerializeToString() == codec.encode(message, echo)
     parsed = rpb.RaftMessage.FromString(raw)
     assert parsed.echo == echo
     assert codec.decode_message(parsed) == message
+
+
+def test_a_large_append_entries_is_framed_by_hand() -> None:
+    command = bytes([codec.COMMAND_REGULAR]) + b"x" * (256 * 1024)
+    message = {"type": "append_entries", "term": 2, "commit_index": 1, "prevLogIdx": 1, "prevLogTerm": 1}
+    message["entries"] = [(command, 2, 2)]
+    raw = codec.encode(message, 3)
+    assert raw == codec.encode_message(message, 3).SerializeToString()
+    assert codec.decode(raw) == message
 
 
 @given(st.lists(st.binary(max_size=64), max_size=8), st.integers(0, 3))
@@ -68,8 +77,11 @@ def test_large_batches_framed_by_hand_are_protobufs_bytes(bodies: list[bytes], l
     assert batching.decode(body) == batching.decode(memoryview(b"\x04" + body)[1:]) == bodies
 
 
-@given(st.integers(0, (1 << 32) - 1), _U63, _U63, st.binary(max_size=2000))
-def test_an_entry_record_is_the_record_it_always_was(group: int, index: int, term: int, command: bytes) -> None:
+@given(st.integers(0, (1 << 32) - 1), _U63, _U63, st.binary(max_size=2000), st.integers(0, 1))
+def test_an_entry_record_is_the_record_it_always_was(
+    group: int, index: int, term: int, command: bytes, large: int
+) -> None:
+    command += b"L" * (segments._COPY_ONCE_BYTES * large)
     body = segments._ENTRY.pack(index, term) + command
     assert segments.entry_record(group, index, term, command) == segments.record(group, segments.ENTRY, body)
 

@@ -49,6 +49,9 @@ _U64 = struct.Struct("<Q")
 _STATE = struct.Struct("<QQ")
 _U16 = struct.Struct("<H")
 
+_COPY_ONCE_BYTES = 64 * 1024
+"""Entry records of commands this large are joined in one copy (``entry_record``)."""
+
 Entry = tuple[bytes, int, int]
 """A Raft log entry as pysyncobj holds it: command, index, term."""
 
@@ -66,7 +69,9 @@ def record(group: int, kind: int, body: bytes = b"") -> bytes:
 
 
 def entry_record(group: int, index: int, term: int, command: bytes) -> bytes:
-    """``record(group, ENTRY, index and term + command)``, with the command copied once, not three times."""
+    """``record(group, ENTRY, index and term + command)``; a large command is copied once, not three times."""
+    if len(command) < _COPY_ONCE_BYTES:
+        return record(group, ENTRY, _ENTRY.pack(index, term) + command)  # faster for small ones
     head = _HEAD.pack(group, ENTRY) + _ENTRY.pack(index, term)
     crc = zlib.crc32(command, zlib.crc32(head))
     return b"".join((_LEN.pack(len(head) + len(command)), head, command, _LEN.pack(crc)))
