@@ -265,6 +265,7 @@ def test_bench_prints_figures(cli_cluster: CliCluster) -> None:
     assert re.search(r"^  as objects\s+[\d,]+ msg/s", text.out, re.MULTILINE), text.out
     assert re.search(r"^  storage\s+[\d,]+ msg/s .*client replay is \d+% of it", text.out, re.MULTILINE), text.out
     assert "acknowledged" in text.err and "/2 s" in text.err  # the progress line
+    assert re.search(r"^leaders\s+\d+ new term\(s\) on \d+ of \d+ vnodes", text.out, re.MULTILINE), text.out
 
     as_json = cli_cluster.run(
         "bench", "--duration", "2", "--publishers", "1", "--batch", "50", "--json", "--skip-replay"
@@ -387,6 +388,7 @@ def test_bench_kills_a_leader_and_reports_the_failover(cli_cluster: CliCluster) 
     # Writes to the vnode stopped when its leader died and resumed after an election.
     assert 0 < report["failover_s"] < 6, report
     assert report["failed_batches"] > 0
+    assert report["new_terms"] >= 1, report  # the election the kill caused is counted
     harness = cli_cluster.harness()
     assert all(proc.running for proc in harness.nodes.values()), "the killed node was restarted"
     usage = mqds("--endpoints", cli_cluster.endpoints, "bench", "--kill-leader")

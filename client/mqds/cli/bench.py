@@ -147,6 +147,11 @@ def run(opts: argparse.Namespace) -> int:
     raise AssertionError("unreachable")
 
 
+def _terms(client: Client) -> dict[int, int]:
+    """Each vnode's Raft term as the cluster map has it now."""
+    return {vnode.shard: vnode.term for vnode in client.cluster_map().vnodes}
+
+
 def _bench(opts: argparse.Namespace, client: Client, endpoints: list[str], cluster: LocalCluster | None) -> int:
     n_shards = client.cluster_map().n_shards
 
@@ -166,6 +171,7 @@ def _bench(opts: argparse.Namespace, client: Client, endpoints: list[str], clust
         shard = shard_of(publisher_ids(opts.publishers, n_shards)[0], n_shards)
         kill = LeaderKill(shard, lambda: cluster.wait_for_leader(shard), cluster.kill)
         say(f"the leader of vnode {shard} will be killed (kill -9) a third of the way through")
+    terms_before = _terms(client)
     line = ProgressLine()
 
     def progress(acked: int, elapsed_s: float, duration_s: float) -> None:
@@ -216,6 +222,13 @@ def _bench(opts: argparse.Namespace, client: Client, endpoints: list[str], clust
         f"   (per store call of {opts.batch:,} messages, acknowledged after a majority's fsync"
         + (", from submit to acknowledgement)" if opts.in_flight else ")")
     )
+    new_terms = {shard: term - terms_before.get(shard, term) for shard, term in _terms(client).items()}
+    changed = sum(1 for added in new_terms.values() if added > 0)
+    report["new_terms"] = sum(new_terms.values())
+    say(
+        f"leaders       {report['new_terms']} new term(s) on {changed} of {len(new_terms)} vnodes during the load "
+        "(elections, and hand-overs by the balancer or a stopping node)"
+    )
     if kill is not None:
         failover = kill.failover_s(result)
         report["failover_s"] = round(failover, 3)
@@ -241,7 +254,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         description=(
             "Run PUBLISHERS processes that each store batches of SIZE-byte messages under their own clientid "
             f"(topics {TOPIC_PREFIX}/<clientid>/<n>), as fast as acknowledgements come back, for DURATION seconds; "
-            "print acknowledged messages/s and p50/p99/p999 store latency (a progress line runs on stderr), then "
+            "print acknowledged messages/s, p50/p99/p999 store latency (a progress line runs on stderr) and the "
+            "new Raft terms the vnodes went through meanwhile (JSON key new_terms: elections and hand-overs), then "
             f"how fast '{TOPIC_PREFIX}/#' replays what was written. The messages stay in the cluster. "
             "--in-flight N keeps N pipelined store calls outstanding per publisher instead of one blocking call. "
             "--small-writes runs the small-write scenarios against their targets instead (see its help); "
