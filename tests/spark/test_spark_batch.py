@@ -54,6 +54,34 @@ def generation_now(cluster: LocalCluster) -> dict[int, int]:
         return {g.shard: g.generation for g in client.list_generations() if g.current}
 
 
+def test_a_schema_of_some_columns_reads_just_those(
+    spark: SparkSession, cluster: LocalCluster, endpoints: str, prefix: str
+) -> None:
+    stored = publish(cluster, readings(prefix, 120))
+    # Spark prunes no columns for a Python source: the reader is told which ones in the schema.
+    some = (
+        spark.read.format("mqds")
+        .schema("shard int, timestamp timestamp, properties map<string,string>, sender string")
+        .option("endpoints", endpoints)
+        .option("topicFilter", f"{prefix}/#")
+        .load()
+    )
+    assert some.columns == ["shard", "timestamp", "properties", "sender"]
+    got = sorted(
+        (r[0], r[1], r[2], r[3])
+        for r in some.select("shard", F.expr("unix_micros(timestamp)"), "properties", "sender").collect()
+    )
+    assert got == sorted((m.shard, m.timestamp_us, dict(m.properties), m.sender) for m in stored)
+    assert some.count() == len(stored)
+    for bad, why in [
+        ("shard int, colour string", "'colour' is not one of its columns"),
+        ("shard long", "'shard' is int, not bigint"),
+        ("shard int, shard int", "'shard' named twice"),
+    ]:
+        with pytest.raises(PySparkException, match=re.escape(why)):
+            spark.read.format("mqds").schema(bad).option("endpoints", endpoints).load().count()
+
+
 def test_a_read_returns_exactly_what_was_written_with_filters_and_windows(
     spark: SparkSession, cluster: LocalCluster, endpoints: str, prefix: str
 ) -> None:

@@ -61,21 +61,42 @@ SCHEMA = StructType(
 """The rows of the source: one per stored message (docs/spark.md describes each column)."""
 
 
-def arrow_schema() -> pa.Schema:
-    """:data:`SCHEMA` as the Arrow schema Spark expects record batches of a Python source to have."""
-    return to_arrow_schema(SCHEMA, timezone="UTC")
+def arrow_schema(schema: StructType = SCHEMA) -> pa.Schema:
+    """``schema`` (by default :data:`SCHEMA`) as the Arrow schema Spark expects a Python source's batches to have."""
+    return to_arrow_schema(schema, timezone="UTC")
 
 
 def _options(source: DataSource, streaming: bool | None) -> SourceOptions:
     return parse_options(source.options, streaming=streaming)
 
 
-def _check_schema(schema: StructType) -> None:
-    if schema != SCHEMA:
+def _projection(schema: StructType) -> StructType:
+    """The columns to read: :data:`SCHEMA`, or some of its columns (names and types as there), in any order.
+
+    Spark prunes no columns for a Python source: a ``.schema(...)`` naming
+    fewer columns is how a query that needs only some of them skips
+    building (and Spark skips converting) the others.
+    """
+    if schema == SCHEMA:
+        return schema
+    known = {field.name: field.dataType.simpleString() for field in SCHEMA.fields}
+    names = [field.name for field in schema.fields]
+    problems = [
+        f"{field.name!r} is not one of its columns"
+        if field.name not in known
+        else f"{field.name!r} is {known[field.name]}, not {field.dataType.simpleString()}"
+        for field in schema.fields
+        if known.get(field.name) != field.dataType.simpleString()
+    ]
+    if not names:
+        problems.append("no column named")
+    problems += [f"{name!r} named twice" for name in sorted({n for n in names if names.count(n) > 1})]
+    if problems:
         raise OptionError(
-            f"the mqds source has a fixed schema ({SCHEMA.simpleString()}); do not pass .schema(...), "
-            "or pass exactly this one; select and cast columns after load()"
+            f"the mqds source reads {SCHEMA.simpleString()}, or some of those columns; the schema given "
+            f"does not fit: {'; '.join(problems)}"
         )
+    return schema
 
 
 class MqdsDataSource(DataSource):
@@ -97,12 +118,10 @@ class MqdsDataSource(DataSource):
         return SCHEMA
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        _check_schema(schema)
-        return MqdsBatchReader(_options(self, streaming=False), arrow_schema())
+        return MqdsBatchReader(_options(self, streaming=False), arrow_schema(_projection(schema)))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        _check_schema(schema)
-        return MqdsStreamReader(_options(self, streaming=True), arrow_schema())
+        return MqdsStreamReader(_options(self, streaming=True), arrow_schema(_projection(schema)))
 
 
 class MqdsPushdownDataSource(MqdsDataSource):
@@ -113,8 +132,7 @@ class MqdsPushdownDataSource(MqdsDataSource):
     """
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        _check_schema(schema)
-        return MqdsPushdownReader(_options(self, streaming=False), arrow_schema())
+        return MqdsPushdownReader(_options(self, streaming=False), arrow_schema(_projection(schema)))
 
 
 def register(spark: SparkSession, *, filter_pushdown: bool | None = None) -> type[MqdsDataSource]:

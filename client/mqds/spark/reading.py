@@ -138,13 +138,14 @@ def _properties_column(items: Sequence[Any], n: int, map_type: pa.DataType) -> p
 
 
 def to_record_batch(batches: Sequence[MessageBatch], shard: int, generation: int, schema: pa.Schema) -> pa.RecordBatch:
-    """Messages of one or more batches as one Arrow record batch of ``schema`` (:data:`mqds.spark.SCHEMA`).
+    """Messages of one or more batches as one Arrow record batch of ``schema``: :data:`mqds.spark.SCHEMA` or part of it.
 
     Built column by column with the batch's column methods (one C-level
-    pass over the protobuf messages each, no ``Message`` object per row);
-    the timestamps are the node's packed field itself (``MessageBatch.times``),
-    not read message by message. Properties become a map; a property name
-    that repeats keeps its last value.
+    pass over the protobuf messages each, no ``Message`` object per row),
+    only the columns ``schema`` names; the timestamps are the node's packed
+    field itself (``MessageBatch.times``), not read message by message.
+    Properties become a map; a property name that repeats keeps its last
+    value.
     """
     items: list[Any] = []
     stamps = bytearray()
@@ -153,19 +154,18 @@ def to_record_batch(batches: Sequence[MessageBatch], shard: int, generation: int
         stamps += _packed_times(batch)
     messages = MessageBatch(items)
     n = len(items)
-    types = [f.type for f in schema]
-    columns = [
-        pa.array(messages.topics(), types[0]),
-        pa.array(messages.payloads(), types[1]),
-        pa.array(messages.senders(), types[2]),
-        pa.array(messages.qos(), types[3]),
-        pa.array(messages.retain(), types[4]),
-        _properties_column(items, n, types[5]),
-        pa.Array.from_buffers(types[6], n, [None, pa.py_buffer(stamps)]),
-        pa.array(itertools.repeat(shard, n), types[7], size=n),
-        pa.array(itertools.repeat(generation, n), types[8], size=n),
-    ]
-    return pa.RecordBatch.from_arrays(columns, schema=schema)
+    column: dict[str, Callable[[pa.DataType], pa.Array]] = {
+        "topic": lambda t: pa.array(messages.topics(), t),
+        "payload": lambda t: pa.array(messages.payloads(), t),
+        "sender": lambda t: pa.array(messages.senders(), t),
+        "qos": lambda t: pa.array(messages.qos(), t),
+        "retain": lambda t: pa.array(messages.retain(), t),
+        "properties": lambda t: _properties_column(items, n, t),
+        "timestamp": lambda t: pa.Array.from_buffers(t, n, [None, pa.py_buffer(stamps)]),
+        "shard": lambda t: pa.array(itertools.repeat(shard, n), t, size=n),
+        "generation": lambda t: pa.array(itertools.repeat(generation, n), t, size=n),
+    }
+    return pa.RecordBatch.from_arrays([column[field.name](field.type) for field in schema], schema=schema)
 
 
 def _packed_times(batch: MessageBatch) -> bytes:
