@@ -10,6 +10,7 @@ import datetime
 import struct
 from typing import Any
 
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -77,3 +78,44 @@ def test_record_batch_rows_equal_the_messages(batches: list[tuple[list[dict[str,
         for r in rows
     ]
     assert record.to_pylist() == expected
+
+
+_COLUMNS = [field.name for field in arrow_schema()]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.lists(_message, max_size=6), st.booleans()), min_size=1, max_size=3),
+    st.lists(st.sampled_from(_COLUMNS), min_size=1, max_size=len(_COLUMNS), unique=True),
+)
+def test_a_schema_of_some_columns_gets_those_columns_of_the_same_rows(
+    batches: list[tuple[list[dict[str, Any]], bool]], names: list[str]
+) -> None:
+    full = arrow_schema()
+    some = pa.schema([full.field(name) for name in names])
+    made = [_batch(rows, packed) for rows, packed in batches]
+    record = to_record_batch(made, 5, 7, some)
+    assert record.schema == some
+    everything = to_record_batch(made, 5, 7, full).to_pylist()
+    assert record.to_pylist() == [{name: row[name] for name in names} for row in everything]
+
+
+class _Unread(MessageBatch):
+    """A batch whose messages must not be read (only its length and its packed timestamps)."""
+
+    @property
+    def wire(self) -> Any:
+        raise AssertionError("the messages were read")
+
+
+def test_timestamps_shards_and_generations_are_built_without_reading_the_messages() -> None:
+    rows = [
+        {"topic": "t", "payload": b"", "sender": "s", "qos": 0, "retain": False, "properties": [], "timestamp_us": t}
+        for t in (5, 9, 12)
+    ]
+    packed = _batch(rows, True)
+    unread = _Unread(packed.wire, packed.times)
+    some = pa.schema([arrow_schema().field(name) for name in ("shard", "timestamp", "generation")])
+    record = to_record_batch([unread], 3, 4, some)
+    assert [(r["shard"], r["generation"]) for r in record.to_pylist()] == [(3, 4)] * 3
+    assert record.column("timestamp").cast(pa.int64()).to_pylist() == [5, 9, 12]

@@ -137,6 +137,10 @@ def _properties_column(items: Sequence[Any], n: int, map_type: pa.DataType) -> p
     return pa.array(pairs, map_type)
 
 
+_WITHOUT_MESSAGES = frozenset({"timestamp", "shard", "generation"})
+"""Columns built without reading the messages (the packed timestamps, the slice's vnode and generation)."""
+
+
 def to_record_batch(batches: Sequence[MessageBatch], shard: int, generation: int, schema: pa.Schema) -> pa.RecordBatch:
     """Messages of one or more batches as one Arrow record batch of ``schema``: :data:`mqds.spark.SCHEMA` or part of it.
 
@@ -145,15 +149,19 @@ def to_record_batch(batches: Sequence[MessageBatch], shard: int, generation: int
     only the columns ``schema`` names; the timestamps are the node's packed
     field itself (``MessageBatch.times``), not read message by message.
     Properties become a map; a property name that repeats keeps its last
-    value.
+    value. A schema of only ``timestamp``, ``shard`` and ``generation``
+    touches no message at all.
     """
     items: list[Any] = []
     stamps = bytearray()
+    content = any(field.name not in _WITHOUT_MESSAGES for field in schema)
+    n = 0
     for batch in batches:
-        items.extend(batch.wire)
+        if content:
+            items.extend(batch.wire)
         stamps += _packed_times(batch)
+        n += len(batch)
     messages = MessageBatch(items)
-    n = len(items)
     column: dict[str, Callable[[pa.DataType], pa.Array]] = {
         "topic": lambda t: pa.array(messages.topics(), t),
         "payload": lambda t: pa.array(messages.payloads(), t),
