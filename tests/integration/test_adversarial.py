@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 
 from mqds.client import Client, Message
 from mqds.protocol.sharding import shard_of
+from mqds.server.auth import ADMIN, METHOD_ROLES
 from mqds.server.raft.cluster_auth import NODE_HEADER, SECRET_HEADER
 from mqds.server.raft.v1 import raft_pb2
 from mqds.tools.localproc import LocalCluster
@@ -47,14 +48,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 N_SHARDS = 2
 # Calls that change or destroy state when the request makes sense: they are
-# sent without credentials only, and must be refused.
-DESTRUCTIVE = {
-    "/mqds.v1.Storage/AddGeneration",
-    "/mqds.v1.Storage/DropGeneration",
-    "/mqds.v1.Cluster/JoinNode",
-    "/mqds.v1.Cluster/LeaveNode",
-    "/mqds.v1.Cluster/ForgetNode",
-    "/mqds.v1.Cluster/Rebalance",
+# sent without credentials only, and must be refused. Every admin method but
+# the export (a read) is one, taken from the node's own table, so a new admin
+# call cannot be fuzzed with the secret by mistake: DeleteMessages, SetRetention
+# and ImportShard, added after this list was first written, once deleted the
+# messages the test then looked for (a full make test, 2026-11-29).
+READ_ONLY_ADMIN = {"/mqds.v1.Storage/ExportShard"}
+DESTRUCTIVE = {method for method, role in METHOD_ROLES.items() if role == ADMIN} - READ_ONLY_ADMIN | {
     "/mqds.server.raft.v1.Raft/ChangeMembership",
     "/mqds.server.raft.v1.Raft/TransferLeadership",
     "/mqds.server.raft.v1.Raft/ProposeMeta",
