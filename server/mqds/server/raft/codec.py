@@ -169,12 +169,15 @@ def encode_message(message: dict[str, Any], echo: int = 0) -> rpb.RaftMessage:
     return out
 
 
+def command_bytes(message: dict[str, Any]) -> int:
+    """The bytes of the commands an append-entries carries (0 for any other message)."""
+    return sum(len(entry[0]) for entry in message.get("entries") or ())
+
+
 def encode(message: dict[str, Any], echo: int = 0) -> bytes:
     """A pysyncobj message dict as a serialised RaftMessage; ValueError for ones mqds never sends."""
-    if message["type"] == "append_entries" and "transmission" not in message:
-        entries = message.get("entries")
-        if entries and sum(len(entry[0]) for entry in entries) >= _FRAME_BY_HAND_BYTES:
-            return _encode_append_entries(message, echo)
+    if message["type"] == "append_entries" and command_bytes(message) >= _FRAME_BY_HAND_BYTES:
+        return _encode_append_entries(message, echo)  # a chunked one ("transmission") carries no entries
     return encode_message(message, echo).SerializeToString()
 
 

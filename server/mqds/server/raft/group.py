@@ -504,7 +504,7 @@ class RaftGroup(
         finally:
             self._transport.answering_entries = False
         if kind == "append_entries":
-            self._allow_for_leaders_work(node_id, sum(len(entry[0]) for entry in message.get("entries", ())))
+            self._allow_for_leaders_work(node_id, codec.command_bytes(message))
 
     def _state_changed(self, old: int, new: int) -> None:
         self._role = new

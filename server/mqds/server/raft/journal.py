@@ -111,8 +111,8 @@ DEFAULT_SEGMENT_BYTES = 256 * 1024 * 1024
 COPY_BYTES = 1024 * 1024
 # A segment past this size starts a new one early when every group's entries fit in the copy.
 EARLY_ROLL_BYTES = 1024 * 1024
-# os.writev takes at most this many buffers (IOV_MAX on Linux).
-_IOV_MAX = 1024
+# os.writev takes at most this many buffers.
+_IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 
 class NodeLog:

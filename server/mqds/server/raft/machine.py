@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from pysyncobj import SyncObj
 from pysyncobj.monotonic import monotonic as raft_clock
@@ -155,7 +155,7 @@ class CommandApplier(SyncObj):
                     raise errors.error(Reason.INTERNAL, f"{self.name}: a batch entry, but the machine takes no batches")
                 result = apply_batch(batching.decode(body), index)
             else:
-                result = self.machine.apply(body if isinstance(body, bytes) else bytes(body), index)
+                result = self.machine.apply(cast(bytes, body), index)  # a view only ever comes with batch
         except errors.MqdsError as err:
             if err.reason is Reason.STORAGE_ERROR:
                 self._disk_failed(err)

@@ -100,9 +100,8 @@ class GroupTransport(Transport):
             echo = group.echo_round
             beat = (message["term"], echo)
             lazy = not carries_entries(message) and self._last_beat.get(node.id) == beat
-            entries = message.get("entries")
-            if entries:
-                group.sent_entries(node.id, sum(len(entry[0]) for entry in entries))
+            if sent := codec.command_bytes(message):
+                group.sent_entries(node.id, sent)
             self._last_beat[node.id] = beat
         elif kind == "next_node_idx":
             echo = group.last_echo_from.get(node.id, 0)

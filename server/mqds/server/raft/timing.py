@@ -16,6 +16,8 @@ from typing import Any
 from pysyncobj import SyncObj
 from pysyncobj.monotonic import monotonic as raft_clock
 
+from mqds.server.raft.names import PeerNode
+
 
 @dataclass(frozen=True)
 class RaftTiming:
@@ -168,10 +170,10 @@ class ElectionTimers(SyncObj):
         if busy_s < self.timing.heartbeat_s:
             return
         answered = self._SyncObj__lastResponseTime
-        for node, at in answered.items():
-            if node.id == node_id:
-                # Counted as an answer when its busy time is over (pysyncobj only compares it).
-                answered[node] = max(at, raft_clock() + busy_s)
+        node = PeerNode(node_id)
+        if node in answered:
+            # Counted as an answer when its busy time is over (pysyncobj only compares it).
+            answered[node] = max(answered[node], raft_clock() + busy_s)
 
     def _hold_election(self) -> None:
         """Before a tick: keep a replica that must not campaign from reaching its election deadline."""
