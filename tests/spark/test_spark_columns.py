@@ -1,7 +1,9 @@
 """The Arrow columns the source builds from a node's answers: the same rows as the messages themselves.
 
-No Spark session: ``to_record_batch`` is plain pyarrow over protobuf
-messages, checked against each message read field by field.
+No Spark session: ``to_record_batch`` is plain pyarrow over the answers'
+bytes (read by the client's C extension) or over protobuf messages (batches
+that are not whole answers), checked against each message read field by
+field.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from hypothesis import strategies as st
 
 from mqds.client import MessageBatch
 from mqds.client.batch import wire_times
+from mqds.client.next_answer import next_result
 from mqds.spark import arrow_schema
-from mqds.spark.reading import to_record_batch
+from mqds.spark.columns import to_record_batch
 from mqds.v1 import storage_pb2 as pb
 
 pytestmark = pytest.mark.spark
@@ -36,7 +39,8 @@ _message: st.SearchStrategy[dict[str, Any]] = st.builds(
 )
 
 
-def _batch(rows: list[dict[str, Any]], packed: bool) -> MessageBatch:
+def _batch(rows: list[dict[str, Any]], packed: bool, answer: bool = False) -> MessageBatch:
+    """The rows as a batch of parsed messages, or (``answer``) as one read whole from a node's answer."""
     items = [
         pb.Message(
             topic=r["topic"],
@@ -49,16 +53,25 @@ def _batch(rows: list[dict[str, Any]], packed: bool) -> MessageBatch:
         )
         for r in rows
     ]
-    times = wire_times(b"".join(struct.pack("<Q", r["timestamp_us"]) for r in rows)) if packed else None
-    return MessageBatch(items, times)
+    stamps = b"".join(struct.pack("<Q", r["timestamp_us"]) for r in rows) if packed else b""
+    if answer:
+        batch = next_result(pb.NextResponse(messages=items, timestamps=stamps).SerializeToString()).messages
+        assert batch.answer is not None
+        return batch
+    return MessageBatch(items, wire_times(stamps) if packed else None)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.lists(_message, max_size=6), st.booleans()), min_size=1, max_size=4))
-def test_record_batch_rows_equal_the_messages(batches: list[tuple[list[dict[str, Any]], bool]]) -> None:
-    """Every field of every message lands in its row, over several batches, packed timestamps or not."""
+_batches = st.lists(st.tuples(st.lists(_message, max_size=6), st.booleans(), st.booleans()), min_size=1, max_size=4)
+"""Batches of messages; each with packed timestamps or not, read whole from an answer or not."""
+
+
+@settings(max_examples=80, deadline=None)
+@given(_batches)
+def test_record_batch_rows_equal_the_messages(batches: list[tuple[list[dict[str, Any]], bool, bool]]) -> None:
+    """Every field of every message lands in its row, over several batches, packed timestamps or not,
+    from the answers' bytes (all batches whole answers) or from protobuf messages (any that is not)."""
     schema = arrow_schema()
-    record = to_record_batch([_batch(rows, packed) for rows, packed in batches], 5, 7, schema)
+    record = to_record_batch([_batch(*batch) for batch in batches], 5, 7, schema)
     assert record.schema == schema
     epoch = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
     expected = [
@@ -74,7 +87,7 @@ def test_record_batch_rows_equal_the_messages(batches: list[tuple[list[dict[str,
             "shard": 5,
             "generation": 7,
         }
-        for rows, _ in batches
+        for rows, _, _ in batches
         for r in rows
     ]
     assert record.to_pylist() == expected
@@ -84,16 +97,13 @@ _COLUMNS = [field.name for field in arrow_schema()]
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    st.lists(st.tuples(st.lists(_message, max_size=6), st.booleans()), min_size=1, max_size=3),
-    st.lists(st.sampled_from(_COLUMNS), min_size=1, max_size=len(_COLUMNS), unique=True),
-)
+@given(_batches, st.lists(st.sampled_from(_COLUMNS), min_size=1, max_size=len(_COLUMNS), unique=True))
 def test_a_schema_of_some_columns_gets_those_columns_of_the_same_rows(
-    batches: list[tuple[list[dict[str, Any]], bool]], names: list[str]
+    batches: list[tuple[list[dict[str, Any]], bool, bool]], names: list[str]
 ) -> None:
     full = arrow_schema()
     some = pa.schema([full.field(name) for name in names])
-    made = [_batch(rows, packed) for rows, packed in batches]
+    made = [_batch(*batch) for batch in batches]
     record = to_record_batch(made, 5, 7, some)
     assert record.schema == some
     everything = to_record_batch(made, 5, 7, full).to_pylist()
@@ -109,7 +119,7 @@ class _Unread(MessageBatch):
 
 
 def test_timestamps_shards_and_generations_are_built_without_reading_the_messages() -> None:
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"topic": "t", "payload": b"", "sender": "s", "qos": 0, "retain": False, "properties": [], "timestamp_us": t}
         for t in (5, 9, 12)
     ]
@@ -119,3 +129,12 @@ def test_timestamps_shards_and_generations_are_built_without_reading_the_message
     record = to_record_batch([unread], 3, 4, some)
     assert [(r["shard"], r["generation"]) for r in record.to_pylist()] == [(3, 4)] * 3
     assert record.column("timestamp").cast(pa.int64()).to_pylist() == [5, 9, 12]
+
+
+def test_an_answer_with_a_topic_that_is_not_utf8_is_refused() -> None:
+    """The C reader copies bytes as they came; Arrow's validation refuses what protobuf would have."""
+    good = pb.NextResponse(messages=[pb.Message(topic="t/é", sender="s")]).SerializeToString()
+    damaged = good.replace("é".encode(), b"\xff\xfe")
+    batch = next_result(damaged).messages
+    with pytest.raises(pa.ArrowInvalid, match=r"(?i)utf-?8"):
+        to_record_batch([batch], 1, 1, arrow_schema())

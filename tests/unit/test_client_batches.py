@@ -11,7 +11,7 @@ import pytest
 
 from mqds.client import Message, MessageBatch
 from mqds.client.batch import wire_times
-from mqds.client.next_answer import sized_next_answer
+from mqds.client.next_answer import next_result, parsed_next_result
 from mqds.client.replay import merged, read_ahead
 from mqds.v1 import storage_pb2 as pb
 
@@ -213,6 +213,13 @@ def test_closing_a_read_ahead_stops_its_readers() -> None:
 
 def test_a_next_answer_comes_with_its_size_on_the_wire() -> None:
     answer = _answer(7)
+    answer.iterator.shard = 2
+    answer.iterator.generation = 3
+    answer.iterator.state = b"position"
+    answer.end_of_stream = True
     raw = answer.SerializeToString()
-    parsed, nbytes = sized_next_answer(raw)
-    assert parsed == answer and nbytes == len(raw)
+    for read in (next_result, parsed_next_result):
+        result = read(raw)
+        assert result.messages.nbytes == len(raw)
+        assert list(result.messages) == [Message.from_pb(m) for m in answer.messages]
+        assert result.iterator.to_pb() == answer.iterator and result.end_of_stream

@@ -7,6 +7,10 @@ keeps the parsed protobuf messages and builds objects as they are iterated
 or indexed, so a reader that counts, forwards or wants columns (the Spark
 source, benchmarks, ``mqds replay --count``) pays for the parse only, and a
 reader that wants objects gets them one at a time, as before.
+
+A batch read with the C extension (``mqds.client.wire_columns``) holds the
+answer's bytes themselves, not even parsed: protobuf parses them the first
+time a message is read, and a reader of columns reads them from the bytes.
 """
 
 from __future__ import annotations
@@ -32,12 +36,36 @@ class MessageBatch(Sequence[Message]):
     field without building them. Equal to any sequence of the same messages.
     """
 
-    __slots__ = ("_items", "_nbytes", "_times")
+    __slots__ = ("_answer", "_count", "_items", "_nbytes", "_times")
 
     def __init__(self, items: Sequence[pb.Message] = (), times: Sequence[int] | None = None, nbytes: int = 0) -> None:
-        self._items = items
+        self._items: Sequence[pb.Message] | None = items
         self._times = times
         self._nbytes = nbytes
+        self._answer: bytes | None = None
+        self._count = 0
+
+    @classmethod
+    def of_answer(cls, answer: bytes, count: int, times: Sequence[int] | None = None) -> MessageBatch:
+        """The ``count`` messages of a serialized ``NextResponse``, parsed when first read (``times``: as sent)."""
+        batch = cls((), times, len(answer))
+        batch._items = None
+        batch._answer = answer
+        batch._count = count
+        return batch
+
+    @property
+    def answer(self) -> bytes | None:
+        """The node's whole answer these messages came in (a serialized ``NextResponse``), when kept:
+        a batch read with the C extension. None for a batch cut from answers, or built here."""
+        return self._answer
+
+    def _messages(self) -> Sequence[pb.Message]:
+        items = self._items
+        if items is None:
+            assert self._answer is not None
+            items = self._items = pb.NextResponse.FromString(self._answer).messages
+        return items
 
     @property
     def nbytes(self) -> int:
@@ -48,20 +76,21 @@ class MessageBatch(Sequence[Message]):
     @property
     def wire(self) -> Sequence[pb.Message]:
         """The protobuf messages themselves (``mqds.v1.Message``), as parsed from the answer."""
-        return self._items
+        return self._messages()
 
     @property
     def times(self) -> Sequence[int]:
         """Each message's storage timestamp (µs), without reading the messages when the node sent them apart."""
         if self._times is None:
-            self._times = [m.timestamp_us for m in self._items]
+            self._times = [m.timestamp_us for m in self._messages()]
         return self._times
 
     def __len__(self) -> int:
-        return len(self._items)
+        items = self._items
+        return self._count if items is None else len(items)
 
     def __bool__(self) -> bool:
-        return len(self._items) > 0
+        return len(self) > 0
 
     @overload
     def __getitem__(self, index: int) -> Message: ...
@@ -70,18 +99,19 @@ class MessageBatch(Sequence[Message]):
     def __getitem__(self, index: slice) -> MessageBatch: ...
 
     def __getitem__(self, index: int | slice) -> Message | MessageBatch:
+        messages = self._messages()
         if isinstance(index, slice):
-            items = list(self._items[index])
-            share = self._nbytes * len(items) // len(self._items) if self._items else 0
+            items = list(messages[index])
+            share = self._nbytes * len(items) // len(messages) if messages else 0
             return MessageBatch(items, None if self._times is None else self._times[index], share)
-        return Message.from_pb(self._items[index])
+        return Message.from_pb(messages[index])
 
     def __iter__(self) -> Iterator[Message]:
-        return map(Message.from_pb, self._items)
+        return map(Message.from_pb, self._messages())
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
-            return len(other) == len(self._items) and all(a == b for a, b in zip(self, other, strict=True))
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
         return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]  # a view, compared by content
@@ -94,24 +124,24 @@ class MessageBatch(Sequence[Message]):
         return [*other, *self]
 
     def __repr__(self) -> str:
-        return f"MessageBatch({len(self._items)} messages)"
+        return f"MessageBatch({len(self)} messages)"
 
     # -- columns: one list per field, no Message objects -----------------------
 
     def topics(self) -> list[str]:
-        return list(map(_TOPIC, self._items))
+        return list(map(_TOPIC, self._messages()))
 
     def payloads(self) -> list[bytes]:
-        return list(map(_PAYLOAD, self._items))
+        return list(map(_PAYLOAD, self._messages()))
 
     def senders(self) -> list[str]:
-        return list(map(_SENDER, self._items))
+        return list(map(_SENDER, self._messages()))
 
     def qos(self) -> list[int]:
-        return list(map(_QOS, self._items))
+        return list(map(_QOS, self._messages()))
 
     def retain(self) -> list[bool]:
-        return list(map(_RETAIN, self._items))
+        return list(map(_RETAIN, self._messages()))
 
     def timestamps(self) -> list[int]:
         """Each message's storage timestamp (µs since the epoch)."""
@@ -119,13 +149,13 @@ class MessageBatch(Sequence[Message]):
 
     def properties(self) -> list[Properties]:
         """Each message's user properties as ``(name, value)`` pairs, in order."""
-        return [tuple((p.key, p.value) for p in m.properties) if m.properties else () for m in self._items]
+        return [tuple((p.key, p.value) for p in m.properties) if m.properties else () for m in self._messages()]
 
     def last_timestamp_us(self) -> int | None:
         """The last message's timestamp (None when the batch is empty)."""
-        if not self._items:
+        if not self:
             return None
-        return self._items[-1].timestamp_us if self._times is None else self._times[-1]
+        return self._messages()[-1].timestamp_us if self._times is None else self._times[-1]
 
 
 def wire_times(data: bytes) -> Sequence[int]:

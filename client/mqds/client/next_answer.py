@@ -1,27 +1,54 @@
-"""``Storage.Next`` answers with their size on the wire, for the clients' stubs (sync and asyncio).
+"""``Storage.Next`` answers as :class:`NextResult` s, for the clients' stubs (sync and asyncio).
 
-Reading ahead holds answers in memory until the caller takes them, and
-bounds them in bytes (``replay.read_ahead``); the size is known for free
-where the answer is parsed, and costs a pass over every message after.
+The stubs' deserializer of ``Next`` builds the result itself, from the
+answer's bytes:
+
+- with the C extension (:mod:`mqds.client.wire_columns`), only the envelope
+  is read (the count, iterator, ``end_of_stream`` and packed timestamps);
+  the messages stay as the bytes they came in, parsed by protobuf only if a
+  caller reads them one by one, and read as columns straight from the bytes
+  by one that wants columns (the Spark source);
+- without it, protobuf parses the whole answer, as before.
+
+Either way the result knows its size on the wire: reading ahead holds
+answers until the caller takes them and bounds them in bytes
+(``replay.read_ahead``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from mqds.client.batch import MessageBatch, wire_times
+from mqds.client.model import Iterator, NextResult
+from mqds.client.wire_columns import native
 from mqds.v1 import storage_pb2 as pb
 
 NEXT_METHOD = "/mqds.v1.Storage/Next"
 
 
-def sized_next_answer(raw: bytes) -> tuple[pb.NextResponse, int]:
-    """The deserializer of ``Storage.Next`` in the clients' stubs: the answer, and its size on the wire."""
-    return pb.NextResponse.FromString(raw), len(raw)
+def next_result(raw: bytes) -> NextResult:
+    """The deserializer of ``Storage.Next`` in the clients' stubs: the answer as a :class:`NextResult`."""
+    if native is None:
+        return parsed_next_result(raw)
+    count, iterator, end_of_stream, stamps = native.envelope(raw)
+    times = wire_times(stamps) if stamps and len(stamps) == 8 * count else None
+    messages = MessageBatch.of_answer(raw, count, times)
+    return NextResult(messages, Iterator.from_pb(pb.IteratorToken.FromString(iterator)), end_of_stream)
 
 
-def with_sized_next(stub: Any, channel: Any) -> Any:
-    """``stub`` (a StorageStub, sync or asyncio) with ``Next`` answering ``sized_next_answer``'s pairs."""
+def parsed_next_result(raw: bytes) -> NextResult:
+    """:func:`next_result` by protobuf alone: every message parsed (where the C extension is not built)."""
+    response = pb.NextResponse.FromString(raw)
+    stamps = response.timestamps
+    times = wire_times(stamps) if stamps and len(stamps) == 8 * len(response.messages) else None
+    batch = MessageBatch(response.messages, times, len(raw))
+    return NextResult(batch, Iterator.from_pb(response.iterator), response.end_of_stream)
+
+
+def with_next_results(stub: Any, channel: Any) -> Any:
+    """``stub`` (a StorageStub, sync or asyncio) with ``Next`` answering :func:`next_result`'s results."""
     stub.Next = channel.unary_unary(
-        NEXT_METHOD, request_serializer=pb.NextRequest.SerializeToString, response_deserializer=sized_next_answer
+        NEXT_METHOD, request_serializer=pb.NextRequest.SerializeToString, response_deserializer=next_result
     )
     return stub

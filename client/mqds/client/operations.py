@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from mqds.client.batch import MessageBatch, wire_times
 from mqds.client.model import (
     ClientState,
     Fence,
@@ -101,16 +100,9 @@ def make_iterator(stream: Stream, topic_filter: str, start_time_us: int, stale_o
     return ShardCall("MakeIterator", stream.shard, request, lambda r: Iterator.from_pb(r.iterator), stale_ok)
 
 
-def _next_result(answer: tuple[pb.NextResponse, int]) -> NextResult:
-    response, nbytes = answer
-    return NextResult(_batch_of(response, nbytes), Iterator.from_pb(response.iterator), response.end_of_stream)
-
-
-def _batch_of(response: pb.NextResponse, nbytes: int) -> MessageBatch:
-    """A ``Next`` answer's messages, with the timestamps the node sent beside them when it did, and its size."""
-    stamps = response.timestamps
-    times = wire_times(stamps) if len(stamps) == 8 * len(response.messages) and stamps else None
-    return MessageBatch(response.messages, times, nbytes)
+def _answered(result: NextResult) -> NextResult:
+    """``Next``'s parse: the stubs' deserializer already made the result (``mqds.client.next_answer``)."""
+    return result
 
 
 def next_batch(
@@ -119,7 +111,7 @@ def next_batch(
     request = pb.NextRequest(
         iterator=iterator.to_pb(), batch_size=batch_size, stale_ok=stale_ok, fence_us=fence_us or 0
     )
-    return ShardCall("Next", iterator.shard, request, _next_result, stale_ok)
+    return ShardCall("Next", iterator.shard, request, _answered, stale_ok)
 
 
 def get_fences(shards: Sequence[int] | None, stale_ok: bool) -> FanoutCall[Fence]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from mqds.client.next_answer import with_sized_next
+from mqds.client.next_answer import with_next_results
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 from mqds.v1 import sessions_pb2_grpc as spb_grpc
 from mqds.v1 import storage_pb2_grpc as pb_grpc
@@ -33,7 +33,7 @@ class StubCache:
         return stub
 
     def storage(self, address: str) -> pb_grpc.StorageStub:
-        return self._stub("storage", address, lambda channel: with_sized_next(pb_grpc.StorageStub(channel), channel))
+        return self._stub("storage", address, lambda channel: with_next_results(pb_grpc.StorageStub(channel), channel))
 
     def sessions(self, address: str) -> spb_grpc.SessionsStub:
         return self._stub("sessions", address, spb_grpc.SessionsStub)

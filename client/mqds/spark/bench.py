@@ -77,8 +77,16 @@ class Figure:
         return self.rows / self.seconds if self.seconds > 0 else 0.0
 
 
-def store(endpoints: list[str], prefix: str, messages: int, senders: int, size: int, batch: int, threads: int) -> float:
-    """Store ``messages`` messages under ``prefix`` as fast as acknowledged; the seconds it took."""
+def store(
+    endpoints: list[str], prefix: str, messages: int, senders: int, size: int, batch: int, threads: int, topics: int
+) -> float:
+    """Store ``messages`` messages under ``prefix`` as fast as acknowledged; the seconds it took.
+
+    Topics are ``<prefix>/<sender>/m<n>``, ``topics`` of them per sender, as
+    ``mqds bench`` writes ``bench/<clientid>/<n>``: the nodes learn a wildcard
+    for a level of more than 10 values in a vnode, so 100 (the default) make
+    one stream per sender and vnode, and 10 make ten.
+    """
     payload = bytes(range(256)) * (size // 256 + 1)
     payload = payload[:size]
     names = [f"spark-bench-{i}" for i in range(senders)]
@@ -90,7 +98,7 @@ def store(endpoints: list[str], prefix: str, messages: int, senders: int, size: 
         for start in range(0, messages, batch):
             sender = names[(start // batch) % senders]
             count = min(batch, messages - start)
-            yield [Message(f"{prefix}/{sender}/m{(start + i) % 10}", payload, sender, qos=1) for i in range(count)]
+            yield [Message(f"{prefix}/{sender}/m{(start + i) % topics}", payload, sender, qos=1) for i in range(count)]
 
     started = time.monotonic()
     with Client(endpoints, timeout_s=60) as client:
@@ -229,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=1_000_000, help="messages to store and read (1,000,000)")
     parser.add_argument("--size", type=int, default=100, help="payload bytes (100)")
     parser.add_argument("--senders", type=int, default=64, help="distinct senders (clientids), spread over vnodes (64)")
+    parser.add_argument(
+        "--topics-per-sender",
+        type=int,
+        default=100,
+        help="distinct topics per sender, <prefix>/<sender>/m<n> (100, as mqds bench writes: one stream per sender "
+        "and vnode; 10 or fewer make one stream per topic, ten times the calls)",
+    )
     parser.add_argument("--batch", type=int, default=1000, help="messages per store call (1000)")
     parser.add_argument("--threads", type=int, default=8, help="store calls in flight (8)")
     parser.add_argument(
@@ -252,9 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
     opts = parser.parse_args(argv)
-    if min(opts.messages, opts.senders, opts.batch, opts.threads, opts.shards, opts.counts) < 1 or opts.size < 0:
+    numbers = (opts.messages, opts.senders, opts.topics_per_sender, opts.batch, opts.threads, opts.shards, opts.counts)
+    if min(numbers) < 1 or opts.size < 0:
         parser.error(
-            "--messages, --senders, --batch, --threads, --shards and --counts must be at least 1, --size 0 or more"
+            "--messages, --senders, --topics-per-sender, --batch, --threads, --shards and --counts must be at least 1, "
+            "--size 0 or more"
         )
     prefix = f"sparkbench/{uuid.uuid4().hex[:8]}"
     with contextlib.ExitStack() as stack:
@@ -270,8 +287,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"starting a local 3-node cluster ({opts.shards} vnodes, 3 replicas each) ...", flush=True)
             cluster.start()
             endpoints = cluster.addresses
-        store(endpoints, f"{prefix}/warmup", WARMUP_MESSAGES, opts.senders, opts.size, opts.batch, opts.threads)
-        store_s = store(endpoints, f"{prefix}/data", opts.messages, opts.senders, opts.size, opts.batch, opts.threads)
+        shape = (opts.senders, opts.size, opts.batch, opts.threads, opts.topics_per_sender)
+        store(endpoints, f"{prefix}/warmup", WARMUP_MESSAGES, *shape)
+        store_s = store(endpoints, f"{prefix}/data", opts.messages, *shape)
+        with Client(endpoints, timeout_s=60) as client:
+            streams = len(client.get_streams(f"{prefix}/data/#"))
         figures, warmup, startup_s, partitions, streaming = measure(
             endpoints, prefix, opts.master, opts.stream_seconds, opts.counts
         )
@@ -280,8 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         [f.what, f"{f.rows:,}", f"{f.seconds:.1f}", f"{f.rows_per_s:,.0f}", _ms(f.cpu_ms_per_1000)] for f in figures
     ]
     print(
-        f"\nread {opts.messages:,} messages of {opts.size} bytes ({partitions} Spark partitions); Spark started in "
-        f"{startup_s:.1f} s and read {warmup.rows:,} other messages in {warmup.seconds:.1f} s first (not counted)"
+        f"\nread {opts.messages:,} messages of {opts.size} bytes in {streams:,} streams "
+        f"({partitions} Spark partitions); Spark started in {startup_s:.1f} s and read {warmup.rows:,} other "
+        f"messages in {warmup.seconds:.1f} s first (not counted)"
     )
     print(table(["READ", "ROWS", "SECONDS", "ROWS/S", "CPU MS/1K ROWS"], rows, right=(1, 2, 3, 4)))
     print("CPU: every process of the machine while the read ran (nodes, Spark's JVM and Python workers, the replay)")
@@ -302,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                     "spark_startup_s": round(startup_s, 2),
                     "warmup_s": round(warmup.seconds, 2),
                     "partitions": partitions,
+                    "streams": streams,
                     "reads": [
                         {
                             "what": f.what,

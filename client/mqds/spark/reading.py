@@ -3,21 +3,18 @@
 Each read goes to any replica that has applied up to the slice's fence
 (``stale_ok`` with ``fence_us``), so a killed leader costs a retry on the next
 replica, not the task, and a retried task returns the same rows. Rows are
-built column by column into Arrow record batches, which Spark takes without
-converting Python objects one by one.
+built column by column into Arrow record batches (:mod:`mqds.spark.columns`,
+from the answers' bytes), which Spark takes without converting Python
+objects one by one.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import struct
-import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from operator import attrgetter
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pyarrow as pa
 
@@ -25,14 +22,16 @@ from mqds.client import Client, ConnectionSettings, MessageBatch, NextResult, St
 from mqds.client import Iterator as StreamIterator
 from mqds.client.errors import GenerationDroppedError, NotFoundError
 from mqds.protocol.errors import Reason
+from mqds.spark.columns import to_record_batch
 from mqds.spark.plan import Slice, loss_error
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Rows per Arrow record batch handed to Spark.
+# Rows per Arrow record batch handed to Spark, unless its answers make ARROW_BYTES first.
 ARROW_ROWS = 8192
+ARROW_BYTES = 64 << 20
 
 _clients: dict[tuple[int, tuple[str, ...], ConnectionSettings], Client] = {}
 _clients_lock = threading.Lock()
@@ -121,84 +120,24 @@ def read_slice(client: Client, part: Slice, batch_size: int, fail_on_data_loss: 
             return
 
 
-def _properties_column(items: Sequence[Any], n: int, map_type: pa.DataType) -> pa.Array:
-    """The messages' user properties as one Arrow map array (a name that repeats keeps its last value).
-
-    Most messages have none: their lengths are counted by C code, and a
-    batch without any gets an array of empty maps from offsets alone.
-    """
-    props = list(map(attrgetter("properties"), items))
-    lengths = list(map(len, props))
-    if not any(lengths):
-        offsets = pa.array(itertools.repeat(0, n + 1), pa.int32(), size=n + 1)
-        empty = pa.array([], pa.string())
-        return pa.MapArray.from_arrays(offsets, empty, empty, type=map_type)
-    pairs = [list({q.key: q.value for q in p}.items()) if size else [] for p, size in zip(props, lengths, strict=True)]
-    return pa.array(pairs, map_type)
-
-
-_WITHOUT_MESSAGES = frozenset({"timestamp", "shard", "generation"})
-"""Columns built without reading the messages (the packed timestamps, the slice's vnode and generation)."""
-
-
-def to_record_batch(batches: Sequence[MessageBatch], shard: int, generation: int, schema: pa.Schema) -> pa.RecordBatch:
-    """Messages of one or more batches as one Arrow record batch of ``schema``: :data:`mqds.spark.SCHEMA` or part of it.
-
-    Built column by column with the batch's column methods (one C-level
-    pass over the protobuf messages each, no ``Message`` object per row),
-    only the columns ``schema`` names; the timestamps are the node's packed
-    field itself (``MessageBatch.times``), not read message by message.
-    Properties become a map; a property name that repeats keeps its last
-    value. A schema of only ``timestamp``, ``shard`` and ``generation``
-    touches no message at all.
-    """
-    items: list[Any] = []
-    stamps = bytearray()
-    content = any(field.name not in _WITHOUT_MESSAGES for field in schema)
-    n = 0
-    for batch in batches:
-        if content:
-            items.extend(batch.wire)
-        stamps += _packed_times(batch)
-        n += len(batch)
-    messages = MessageBatch(items)
-    column: dict[str, Callable[[pa.DataType], pa.Array]] = {
-        "topic": lambda t: pa.array(messages.topics(), t),
-        "payload": lambda t: pa.array(messages.payloads(), t),
-        "sender": lambda t: pa.array(messages.senders(), t),
-        "qos": lambda t: pa.array(messages.qos(), t),
-        "retain": lambda t: pa.array(messages.retain(), t),
-        "properties": lambda t: _properties_column(items, n, t),
-        "timestamp": lambda t: pa.Array.from_buffers(t, n, [None, pa.py_buffer(stamps)]),
-        "shard": lambda t: pa.array(itertools.repeat(shard, n), t, size=n),
-        "generation": lambda t: pa.array(itertools.repeat(generation, n), t, size=n),
-    }
-    return pa.RecordBatch.from_arrays([column[field.name](field.type) for field in schema], schema=schema)
-
-
-def _packed_times(batch: MessageBatch) -> bytes:
-    """The batch's timestamps as 8-byte little-endian integers (Arrow's layout on little-endian machines)."""
-    times = batch.times
-    if isinstance(times, memoryview) and sys.byteorder == "little":
-        return times.tobytes()
-    return struct.pack(f"<{len(times)}q", *times)
-
-
 def record_batches(
     client: Client, part: Slice, batch_size: int, fail_on_data_loss: bool, schema: pa.Schema
 ) -> Iterator[pa.RecordBatch]:
-    """The slice as Arrow record batches of at least :data:`ARROW_ROWS` rows (the last one may have fewer).
+    """The slice as Arrow record batches of at least :data:`ARROW_ROWS` rows or :data:`ARROW_BYTES` bytes
+    (the last one may be smaller).
 
     A batch the node sent is converted whole; smaller ones (a stream's
-    last) are gathered until they make :data:`ARROW_ROWS` rows.
+    last) are gathered until they make :data:`ARROW_ROWS` rows, or answers
+    of :data:`ARROW_BYTES` (large messages: a column's offsets are 32-bit).
     """
     pending: list[MessageBatch] = []
-    rows = 0
+    rows = nbytes = 0
     for messages in read_slice(client, part, batch_size, fail_on_data_loss):
         pending.append(messages)
         rows += len(messages)
-        if rows >= ARROW_ROWS:
+        nbytes += messages.nbytes
+        if rows >= ARROW_ROWS or nbytes >= ARROW_BYTES:
             yield to_record_batch(pending, part.shard, part.generation, schema)
-            pending, rows = [], 0
+            pending, rows, nbytes = [], 0, 0
     if pending:
         yield to_record_batch(pending, part.shard, part.generation, schema)
