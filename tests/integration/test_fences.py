@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from mqds.client import Client, Fence, Message, MessageBatch, aio
+from mqds.client import Client, Fence, Message, MessageBatch, Stream, aio
 from mqds.tools.localproc import LocalCluster
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc
@@ -140,3 +140,98 @@ def test_replay_reads_to_the_fences_of_its_start_while_writes_go_on(cluster: Loc
     aio_batches, aio_messages = asyncio.run(replay_aio())
     assert all(0 < len(b) <= 50 for b in aio_batches)
     assert [m for b in aio_batches for m in b] == everything and aio_messages == everything
+
+
+def _read_all(client: Client, stream: Stream, topic_filter: str, fence: int, first: bool) -> list[list[bytes]]:
+    """The stream's payloads up to the fence, batch by batch: started by ``first_batch`` or by ``make_iterator``."""
+    if first:
+        result = client.first_batch(stream, topic_filter, 0, 7, stale_ok=True, fence_us=fence)
+    else:
+        result = client.next(client.make_iterator(stream, topic_filter), 7, stale_ok=True, fence_us=fence)
+    batches = []
+    while True:
+        batches.append([m.payload for m in result.messages])
+        if result.end_of_stream:
+            return batches
+        result = client.next(result.iterator, 7, stale_ok=True, fence_us=fence)
+
+
+def test_a_streams_first_batch_comes_with_its_iterator_in_one_call(cluster: LocalCluster) -> None:
+    """``first_batch`` (NextRequest.start) reads what make_iterator then next read, and goes on from there."""
+    with Client(cluster.addresses, timeout_s=30) as client:
+        client.store_batch([Message(f"first/{i % 3}/v", str(i).encode(), sender=f"f{i % 5}") for i in range(90)])
+        fences = {f.shard: f.timestamp_us for f in client.get_fences()}
+        streams = [stream for _, stream in client.get_streams("first/#")]
+        assert streams
+        for stream in streams:
+            made = _read_all(client, stream, "first/#", fences[stream.shard], first=False)
+            assert _read_all(client, stream, "first/#", fences[stream.shard], first=True) == made
+        total = sum(len(b) for s in streams for b in _read_all(client, s, "first/#", fences[s.shard], first=True))
+        assert total == 90
+        # A narrower filter and a start time, as make_iterator takes them.
+        _, narrow = client.get_streams("first/1/v")[0]
+        fence = fences[narrow.shard]
+        whole = client.first_batch(narrow, "first/1/v", 0, 1000, stale_ok=True, fence_us=fence)
+        assert whole.end_of_stream and len(whole.messages) > 1
+        assert all(m.topic == "first/1/v" for m in whole.messages)
+        after = whole.messages[0].timestamp_us + 1
+        rest = client.first_batch(narrow, "first/1/v", after, 1000, fence_us=fence)
+        assert list(rest.messages) == list(whole.messages)[1:]
+
+    async def first_aio() -> list[bytes]:
+        async with aio.Client(cluster.addresses, timeout_s=30) as aclient:
+            result = await aclient.first_batch(streams[0], "first/#", 0, 1000, fence_us=fences[streams[0].shard])
+            return [m.payload for m in result.messages]
+
+    assert asyncio.run(first_aio()) == [
+        p for b in _read_all(client, streams[0], "first/#", fences[streams[0].shard], True) for p in b
+    ]
+
+
+def test_a_bad_start_is_refused_with_the_reason(cluster: LocalCluster) -> None:
+    with Client(cluster.addresses, timeout_s=30) as client:
+        client.store_batch([Message("badstart/x", b"1", sender="badstart")])
+        _, stream = client.get_streams("badstart/#")[0]
+        iterator = client.make_iterator(stream, "badstart/#")
+    stub = pb_grpc.StorageStub(grpc.insecure_channel(cluster.addresses[0]))
+    start = pb.IteratorStart(stream=stream.to_pb(), topic_filter="badstart/#")
+    cases = [
+        (pb.NextRequest(iterator=iterator.to_pb(), start=start, batch_size=1), "INVALID_ARGUMENT", "not both"),
+        (pb.NextRequest(start=pb.IteratorStart(topic_filter="badstart/#"), batch_size=1), "INVALID_ARGUMENT", "stream"),
+        (
+            pb.NextRequest(start=pb.IteratorStart(stream=stream.to_pb(), topic_filter="a/#/b"), batch_size=1),
+            "INVALID_ARGUMENT",
+            "#",
+        ),
+        (pb.NextRequest(start=start, batch_size=0), "INVALID_ARGUMENT", "batch_size"),
+    ]
+    unknown = pb.Stream(shard=stream.shard, generation=stream.generation, id=987_654, pattern="badstart/x")
+    cases.append(
+        (
+            pb.NextRequest(
+                start=pb.IteratorStart(stream=unknown, topic_filter="badstart/#"), batch_size=1, stale_ok=True
+            ),
+            "NOT_FOUND",
+            "no stream",
+        )
+    )
+    # A fence ahead of every replica: refused as retriable before the stream is looked up (a replica
+    # that far behind may not know it yet).
+    ahead = int(time.time() * 1_000_000) + 60_000_000
+    cases.append(
+        (
+            pb.NextRequest(
+                start=pb.IteratorStart(stream=unknown, topic_filter="badstart/#"),
+                batch_size=1,
+                stale_ok=True,
+                fence_us=ahead,
+            ),
+            "UNAVAILABLE",
+            "not yet the fence",
+        )
+    )
+    for request, code, words in cases:
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Next(request, timeout=10)
+        assert refused.value.code().name == code, (request, refused.value.details())
+        assert words in (refused.value.details() or ""), (request, refused.value.details())

@@ -293,6 +293,21 @@ class Client(AsyncBrokerStateCalls):
         """
         return await self._shard_call(ops.next_batch(iterator, batch_size, stale_ok, fence_us), timeout_s)
 
+    async def first_batch(
+        self,
+        stream: Stream,
+        topic_filter: str,
+        start_time_us: int = 0,
+        batch_size: int = 100,
+        *,
+        stale_ok: bool = False,
+        timeout_s: float | None = None,
+        fence_us: int | None = None,
+    ) -> NextResult:
+        """:meth:`make_iterator` and :meth:`next` in one call (see the sync ``Client.first_batch``)."""
+        call = ops.first_batch(stream, topic_filter, start_time_us, batch_size, stale_ok, fence_us)
+        return await self._shard_call(call, timeout_s)
+
     async def get_fences(
         self, shards: Iterable[int] | None = None, *, stale_ok: bool = False, timeout_s: float | None = None
     ) -> list[Fence]:
@@ -310,15 +325,16 @@ class Client(AsyncBrokerStateCalls):
         on_dropped: Callable[[Stream], None] | None = None,
     ) -> AsyncIterator[MessageBatch]:
         try:
-            iterator = await self.make_iterator(stream, topic_filter, start_time_us, stale_ok=stale_ok)
+            # Up to the fence every replica that applied it answers the same: no read-index round per call.
+            result = await self.first_batch(
+                stream, topic_filter, start_time_us, batch_size, stale_ok=True, fence_us=fence_us
+            )
             while True:
-                # Up to the fence every replica that applied it answers the same: no read-index round per call.
-                result = await self.next(iterator, batch_size, stale_ok=True, fence_us=fence_us)
                 if result.messages:
                     yield result.messages
-                iterator = result.iterator
                 if ops.stream_exhausted(result):
                     return
+                result = await self.next(result.iterator, batch_size, stale_ok=True, fence_us=fence_us)
         except GenerationDroppedError:
             if on_dropped is None:
                 raise

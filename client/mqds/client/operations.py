@@ -114,6 +114,15 @@ def next_batch(
     return ShardCall("Next", iterator.shard, request, _answered, stale_ok)
 
 
+def first_batch(
+    stream: Stream, topic_filter: str, start_time_us: int, batch_size: int, stale_ok: bool, fence_us: int | None = None
+) -> ShardCall[NextResult]:
+    """``make_iterator`` and the first ``next_batch`` in one call (``NextRequest.start``)."""
+    start = pb.IteratorStart(stream=stream.to_pb(), topic_filter=topic_filter, start_time_us=start_time_us)
+    request = pb.NextRequest(start=start, batch_size=batch_size, stale_ok=stale_ok, fence_us=fence_us or 0)
+    return ShardCall("Next", stream.shard, request, _answered, stale_ok)
+
+
 def get_fences(shards: Sequence[int] | None, stale_ok: bool) -> FanoutCall[Fence]:
     return FanoutCall(
         "GetFences",

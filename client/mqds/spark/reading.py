@@ -67,22 +67,22 @@ def any_replica_then_leader(call: Callable[[bool], T]) -> T:
 
 
 def _stream_batches(client: Client, part: Slice, stream: Stream, batch_size: int) -> Iterator[MessageBatch]:
-    def make(stale_ok: bool) -> StreamIterator:
-        return client.make_iterator(stream, part.topic_filter, part.start_us, stale_ok=stale_ok)
+    def first(stale_ok: bool) -> NextResult:
+        return client.first_batch(
+            stream, part.topic_filter, part.start_us, batch_size, stale_ok=stale_ok, fence_us=part.fence_us
+        )
 
-    iterator = any_replica_then_leader(make)
+    result = any_replica_then_leader(first)  # an iterator made and its first batch read, in one call
     while True:
-        position = iterator
-
-        def next_batch(stale_ok: bool, position: StreamIterator = position) -> NextResult:
-            return client.next(position, batch_size, stale_ok=stale_ok, fence_us=part.fence_us)
-
-        result = any_replica_then_leader(next_batch)
         if result.messages:
             yield result.messages
         if result.end_of_stream:
             return
-        iterator = result.iterator
+
+        def next_batch(stale_ok: bool, position: StreamIterator = result.iterator) -> NextResult:
+            return client.next(position, batch_size, stale_ok=stale_ok, fence_us=part.fence_us)
+
+        result = any_replica_then_leader(next_batch)
 
 
 def first_timestamp(client: Client, part: Slice) -> int | None:

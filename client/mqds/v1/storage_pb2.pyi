@@ -171,17 +171,29 @@ class MakeIteratorResponse(_message.Message):
     iterator: IteratorToken
     def __init__(self, iterator: _Optional[_Union[IteratorToken, _Mapping]] = ...) -> None: ...
 
+class IteratorStart(_message.Message):
+    __slots__ = ("stream", "topic_filter", "start_time_us")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    stream: Stream
+    topic_filter: str
+    start_time_us: int
+    def __init__(self, stream: _Optional[_Union[Stream, _Mapping]] = ..., topic_filter: _Optional[str] = ..., start_time_us: _Optional[int] = ...) -> None: ...
+
 class NextRequest(_message.Message):
-    __slots__ = ("iterator", "batch_size", "stale_ok", "fence_us")
+    __slots__ = ("iterator", "batch_size", "stale_ok", "fence_us", "start")
     ITERATOR_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     STALE_OK_FIELD_NUMBER: _ClassVar[int]
     FENCE_US_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     iterator: IteratorToken
     batch_size: int
     stale_ok: bool
     fence_us: int
-    def __init__(self, iterator: _Optional[_Union[IteratorToken, _Mapping]] = ..., batch_size: _Optional[int] = ..., stale_ok: _Optional[bool] = ..., fence_us: _Optional[int] = ...) -> None: ...
+    start: IteratorStart
+    def __init__(self, iterator: _Optional[_Union[IteratorToken, _Mapping]] = ..., batch_size: _Optional[int] = ..., stale_ok: _Optional[bool] = ..., fence_us: _Optional[int] = ..., start: _Optional[_Union[IteratorStart, _Mapping]] = ...) -> None: ...
 
 class NextResponse(_message.Message):
     __slots__ = ("messages", "iterator", "end_of_stream", "timestamps")

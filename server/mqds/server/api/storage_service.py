@@ -326,36 +326,41 @@ class StorageService(ShardsAPI):
     def Next(self, request: pb.NextRequest) -> bytes:
         if request.batch_size < 1:
             raise errors.error(Reason.INVALID_REQUEST, "batch_size must be at least 1")
-        token = request.iterator
-        try:
-            state = IteratorState.decode(token.state)
-        except IteratorDecodeError as err:
-            raise errors.error(Reason.INVALID_ITERATOR, str(err)) from None
-        try:
-            # The checksum catches damage, not forgery: the filter is checked too.
-            validate_filter(state.topic_filter)
-        except TopicError as err:
-            raise errors.error(Reason.INVALID_ITERATOR, f"iterator holds a bad topic filter: {err}") from None
         fence = request.fence_us or None
         if fence is not None and fence > self.clock() + _FENCE_AHEAD_US:
             raise errors.error(
                 Reason.INVALID_REQUEST,
                 f"fence_us {fence} is more than a day after this node's clock: pass a fence that GetFences returned",
             )
-        if (state.shard, state.generation) != (token.shard, token.generation):
-            raise errors.error(
-                Reason.INVALID_ITERATOR,
-                f"iterator token says shard {token.shard} generation {token.generation} but its state is for "
-                f"shard {state.shard} generation {state.generation}",
-            )
-        (vnode,) = self._read(self._shard_numbers(state.shard, False), request.stale_ok)
+        start = request.start if request.HasField("start") else None
+        if start is not None:
+            if request.HasField("iterator"):
+                raise errors.error(Reason.INVALID_REQUEST, "give iterator or start, not both")
+            if not start.HasField("stream"):
+                raise errors.error(
+                    Reason.INVALID_REQUEST, "start.stream is required: pass a stream returned by GetStreams"
+                )
+            self._filter(start.topic_filter)
+            shard = start.stream.shard
+            state = None
+        else:
+            state = self._iterator_state(request.iterator)
+            shard = state.shard
+        (vnode,) = self._read(self._shard_numbers(shard, False), request.stale_ok)
         batch = min(request.batch_size, self.max_next_batch)
-        # Past the budget the read stops (after one message at least) and the
-        # iterator it returns continues from there.
-        budget = None
-        if self.max_answer_bytes is not None:
-            budget = max(0, self.max_answer_bytes - 256 - len(token.state) - _PER_MESSAGE_BYTES * batch)
         with vnode.replica.reading() as storage:
+            if state is None:
+                assert start is not None
+                stream = start.stream
+                state = storage.make_iterator(
+                    stream.generation, stream.id, start.topic_filter, start.start_time_us, fence
+                )
+            # Past the budget the read stops (after one message at least) and the
+            # iterator it returns continues from there.
+            budget = None
+            if self.max_answer_bytes is not None:
+                token_size = len(request.iterator.state) if start is None else len(state.encode())
+                budget = max(0, self.max_answer_bytes - 256 - token_size - _PER_MESSAGE_BYTES * batch)
             result = storage.next(state, batch, fence, budget)
             shard = storage.shard
             body, times = encode_rows(_MESSAGES_TAG, result.rows, shard)
@@ -366,6 +371,26 @@ class StorageService(ShardsAPI):
         if result.end_of_stream:
             body += _END_OF_STREAM
         return body + times_field(_TIMESTAMPS_TAG, times)
+
+    @staticmethod
+    def _iterator_state(token: pb.IteratorToken) -> IteratorState:
+        """The position a client's iterator token holds, checked (INVALID_ITERATOR when it is not one of ours)."""
+        try:
+            state = IteratorState.decode(token.state)
+        except IteratorDecodeError as err:
+            raise errors.error(Reason.INVALID_ITERATOR, str(err)) from None
+        try:
+            # The checksum catches damage, not forgery: the filter is checked too.
+            validate_filter(state.topic_filter)
+        except TopicError as err:
+            raise errors.error(Reason.INVALID_ITERATOR, f"iterator holds a bad topic filter: {err}") from None
+        if (state.shard, state.generation) != (token.shard, token.generation):
+            raise errors.error(
+                Reason.INVALID_ITERATOR,
+                f"iterator token says shard {token.shard} generation {token.generation} but its state is for "
+                f"shard {state.shard} generation {state.generation}",
+            )
+        return state
 
     def AddGeneration(self, request: pb.AddGenerationRequest) -> pb.AddGenerationResponse:
         numbers = self._shard_numbers(request.shard, request.all_shards, request.shards)

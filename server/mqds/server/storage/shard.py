@@ -440,8 +440,21 @@ class ShardStorage(ShardDeletes, ShardRestore, ShardFiles):
             # Under the lock: a drop may remove streams from the trie.
             return reads.find_streams(self.trie, self._generations.in_order(), filter_levels, start_time_us)
 
-    def make_iterator(self, generation: int, stream: int, topic_filter: str, start_time_us: int) -> IteratorState:
+    def _check_fence(self, fence_us: int | None) -> None:
+        if fence_us is not None and self.last_ts < fence_us:
+            raise errors.error(
+                Reason.REPLICA_BEHIND,
+                f"this replica of shard {self.shard} has applied up to timestamp {self.last_ts}, "
+                f"not yet the fence {fence_us}",
+            )
+
+    def make_iterator(
+        self, generation: int, stream: int, topic_filter: str, start_time_us: int, fence_us: int | None = None
+    ) -> IteratorState:
+        """An iterator over ``stream`` of ``generation``; with ``fence_us``, refused (REPLICA_BEHIND) by a replica
+        that has not applied that far, which may not know the stream yet (as :meth:`next`)."""
         with self._lock:
+            self._check_fence(fence_us)
             self._generations.get(generation)
             if not self.trie.is_stream(stream):
                 raise errors.error(Reason.UNKNOWN_STREAM, f"shard {self.shard} has no stream {stream}")
@@ -466,12 +479,7 @@ class ShardStorage(ShardDeletes, ShardRestore, ShardFiles):
         with self._lock:
             # First: a replica this far behind may not know the stream (or the
             # generation) yet, and that must read as "ask another replica".
-            if fence_us is not None and self.last_ts < fence_us:
-                raise errors.error(
-                    Reason.REPLICA_BEHIND,
-                    f"this replica of shard {self.shard} has applied up to timestamp {self.last_ts}, "
-                    f"not yet the fence {fence_us}",
-                )
+            self._check_fence(fence_us)
             gen = self._generations.get(state.generation)
             if not self.trie.is_stream(state.stream):
                 raise errors.error(Reason.UNKNOWN_STREAM, f"shard {self.shard} has no stream {state.stream}")
