@@ -83,9 +83,10 @@ def store(
     """Store ``messages`` messages under ``prefix`` as fast as acknowledged; the seconds it took.
 
     Topics are ``<prefix>/<sender>/m<n>``, ``topics`` of them per sender, as
-    ``mqds bench`` writes ``bench/<clientid>/<n>``: the nodes learn a wildcard
-    for a level of more than 10 values in a vnode, so 100 (the default) make
-    one stream per sender and vnode, and 10 make ten.
+    ``mqds bench`` writes ``bench/<clientid>/<n>``: a vnode learns a wildcard
+    for a level once it has seen 10 values there, so with 100 (the default) a
+    sender's first ten topics get streams of their own and the rest share one;
+    with 10 or fewer every topic is a stream.
     """
     payload = bytes(range(256)) * (size // 256 + 1)
     payload = payload[:size]
@@ -241,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         "--topics-per-sender",
         type=int,
         default=100,
-        help="distinct topics per sender, <prefix>/<sender>/m<n> (100, as mqds bench writes: one stream per sender "
-        "and vnode; 10 or fewer make one stream per topic, ten times the calls)",
+        help="distinct topics per sender, <prefix>/<sender>/m<n> (100, as mqds bench writes them: a vnode gives the "
+        "first ten topics of a sender streams of their own and the rest one shared stream; 10 or fewer make a stream "
+        "per topic, and more calls)",
     )
     parser.add_argument("--batch", type=int, default=1000, help="messages per store call (1000)")
     parser.add_argument("--threads", type=int, default=8, help="store calls in flight (8)")
