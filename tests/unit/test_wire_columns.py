@@ -150,6 +150,7 @@ def test_the_envelope_is_protobufs_reading_of_it(messages: list[pb.Message], end
     result = next_result(raw)
     assert result.messages.answer == raw and len(result.messages) == len(messages)
     assert list(result.messages) == [Message.from_pb(m) for m in parsed.messages]
+    assert result.messages.answer is None, "parsed once, the batch should let its bytes go"
     assert list(result.messages.times) == [m.timestamp_us for m in messages]
 
 

@@ -56,15 +56,19 @@ class MessageBatch(Sequence[Message]):
 
     @property
     def answer(self) -> bytes | None:
-        """The node's whole answer these messages came in (a serialized ``NextResponse``), when kept:
-        a batch read with the C extension. None for a batch cut from answers, or built here."""
+        """The node's whole answer these messages came in (a serialized ``NextResponse``), while kept: a
+        batch read with the C extension, until a message of it is read one by one (then protobuf parsed
+        it). None for a batch cut from answers, or built here."""
         return self._answer
 
     def _messages(self) -> Sequence[pb.Message]:
         items = self._items
         if items is None:
-            assert self._answer is not None
-            items = self._items = pb.NextResponse.FromString(self._answer).messages
+            answer = self._answer
+            assert answer is not None
+            items = self._items = pb.NextResponse.FromString(answer).messages
+            # Parsed once: the bytes go, so a batch read ahead holds what its nbytes counts, not twice that.
+            self._answer = None
         return items
 
     @property
