@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from mqds.client import MessageBatch
 from mqds.client.batch import wire_times
 from mqds.client.next_answer import next_result
-from mqds.spark import arrow_schema
+from mqds.spark import arrow_schema, reading
 from mqds.spark.columns import to_record_batch
+from mqds.spark.plan import Slice
 from mqds.v1 import storage_pb2 as pb
 
 pytestmark = pytest.mark.spark
@@ -138,3 +139,22 @@ def test_an_answer_with_a_topic_that_is_not_utf8_is_refused() -> None:
     batch = next_result(damaged).messages
     with pytest.raises(pa.ArrowInvalid, match=r"(?i)utf-?8"):
         to_record_batch([batch], 1, 1, arrow_schema())
+
+
+def test_record_batches_are_cut_by_the_answers_bytes_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small answers of large messages make record batches of at most ARROW_BYTES of answers (plus one answer),
+    not ARROW_ROWS rows: 8,192 payloads of 1 MiB in one batch would pass the 2 GiB of a column's 32-bit offsets."""
+    quarter = reading.ARROW_BYTES // 4
+    answers = []
+    for i in range(10):
+        raw = pb.NextResponse(
+            messages=[pb.Message(topic="t", payload=bytes([i]), timestamp_us=i + 1)]
+        ).SerializeToString()
+        batch = next_result(raw).messages
+        batch._nbytes = quarter  # as if each answer held a 16 MiB payload
+        answers.append(batch)
+    monkeypatch.setattr(reading, "read_slice", lambda *args: iter(answers))
+    part = Slice(shard=1, generation=2, streams=(), topic_filter="#", start_us=0, fence_us=100)
+    records = list(reading.record_batches(None, part, 10, True, arrow_schema()))  # type: ignore[arg-type]
+    assert [r.num_rows for r in records] == [4, 4, 2]
+    assert [p for r in records for p in r.column("payload").to_pylist()] == [bytes([i]) for i in range(10)]
