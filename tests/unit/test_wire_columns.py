@@ -179,3 +179,14 @@ def test_wrong_input_types_are_type_errors() -> None:
         wc.columns(b"x")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         wc.envelope(42)  # type: ignore[arg-type]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_bytes_are_read_or_refused_with_value_error(data: bytes) -> None:
+    """Whatever a damaged or hostile answer holds, the C reader answers or raises ValueError; it never crashes."""
+    for read in (wc.envelope, lambda b: wc.columns([b, b])):
+        try:
+            read(data)
+        except ValueError as err:
+            assert "malformed Next answer" in str(err)
