@@ -35,6 +35,11 @@ class FakeClient(Client):
     def make_iterator(self, stream: Stream, topic_filter: str, start_time_us: int = 0, **_: Any) -> Any:
         return (stream.id, 0)
 
+    def first_batch(
+        self, stream: Stream, topic_filter: str, start_time_us: int = 0, batch_size: int = 100, **kw: Any
+    ) -> NextResult:
+        return self.next(self.make_iterator(stream, topic_filter, start_time_us), batch_size, **kw)
+
     def next(self, iterator: Any, batch_size: int = 100, *, fence_us: int | None = None, **_: Any) -> NextResult:
         batch = batch_size
         assert fence_us is not None
