@@ -190,3 +190,18 @@ def test_any_bytes_are_read_or_refused_with_value_error(data: bytes) -> None:
             read(data)
         except ValueError as err:
             assert "malformed Next answer" in str(err)
+
+
+def test_a_field_number_past_protobufs_range_is_refused() -> None:
+    """A tag whose field number does not fit 29 bits must not be read as a small one (2^32 + 1 as field 1)."""
+    message = pb.Message(topic="t").SerializeToString()
+    tag = ((1 << 32) + 1) << 3 | 2
+    varint = bytearray()
+    while tag >= 0x80:
+        varint.append(tag & 0x7F | 0x80)
+        tag >>= 7
+    varint.append(tag)
+    forged = bytes(varint) + bytes([len(message)]) + message
+    for read in (wc.envelope, lambda b: wc.columns([b])):
+        with pytest.raises(ValueError, match="field number"):
+            read(forged)

@@ -73,6 +73,15 @@ static int read_varint(cursor *c, uint64_t *out) {
     return bad("a varint is longer than 10 bytes");
 }
 
+/* A field's tag: its number (1 to 2^29 - 1, as protobuf allows; 0 is refused where it is read) and wire type. */
+static int read_tag(cursor *c, uint64_t *tag) {
+    if (read_varint(c, tag) < 0)
+        return -1;
+    if ((*tag >> 3) > 0x1FFFFFFF)
+        return bad("a field number past 2^29 - 1");
+    return 0;
+}
+
 static int read_len(cursor *c, span *out) {
     uint64_t n;
     if (read_varint(c, &n) < 0)
@@ -123,7 +132,7 @@ static int read_property(span body, span *key, span *value) {
     key->n = value->n = 0;
     while (c.p < c.end) {
         uint64_t tag = 0;
-        if (read_varint(&c, &tag) < 0)
+        if (read_tag(&c, &tag) < 0)
             return -1;
         unsigned field = (unsigned)(tag >> 3), wire = (unsigned)(tag & 7);
         if ((field == 1 || field == 2) && wire == 2) {
@@ -144,7 +153,7 @@ static int read_message(span body, message *m) {
     m->topic.p = m->payload.p = m->sender.p = body.p;
     while (c.p < c.end) {
         uint64_t tag = 0;
-        if (read_varint(&c, &tag) < 0)
+        if (read_tag(&c, &tag) < 0)
             return -1;
         unsigned field = (unsigned)(tag >> 3), wire = (unsigned)(tag & 7);
         span s;
@@ -199,7 +208,7 @@ static int walk_answer(span answer, message_fn each, void *ctx) {
     while (c.p < c.end) {
         uint64_t tag = 0;
         span s;
-        if (read_varint(&c, &tag) < 0)
+        if (read_tag(&c, &tag) < 0)
             return -1;
         unsigned field = (unsigned)(tag >> 3), wire = (unsigned)(tag & 7);
         if (field == 0)
@@ -232,7 +241,7 @@ static PyObject *envelope(PyObject *self, PyObject *arg) {
     while (c.p < c.end) {
         uint64_t tag = 0;
         span s;
-        if (read_varint(&c, &tag) < 0)
+        if (read_tag(&c, &tag) < 0)
             goto done;
         unsigned field = (unsigned)(tag >> 3), wire = (unsigned)(tag & 7);
         if (field == 0) {
