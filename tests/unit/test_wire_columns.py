@@ -51,7 +51,7 @@ _messages = st.lists(
 
 
 def _answer(messages: list[pb.Message], end: bool = False, packed: bool = True) -> bytes:
-    answer = pb.NextResponse(messages=messages, end_of_stream=end)
+    answer = pb.NextResponse(messages=messages, end_of_stream=end, streams_done=len(messages) % 3)
     answer.iterator.shard, answer.iterator.generation, answer.iterator.state = 3, 4, b"\x00pos"
     if packed:
         answer.timestamps = b"".join(struct.pack("<Q", m.timestamp_us) for m in messages)
@@ -144,8 +144,9 @@ def test_only_the_columns_asked_for_are_built(messages: list[pb.Message], want: 
 def test_the_envelope_is_protobufs_reading_of_it(messages: list[pb.Message], end: bool, packed: bool) -> None:
     raw = _answer(messages, end, packed)
     parsed = pb.NextResponse.FromString(raw)
-    count, iterator, end_of_stream, stamps = wc.envelope(raw)
+    count, iterator, end_of_stream, stamps, done = wc.envelope(raw)
     assert (count, end_of_stream, stamps) == (len(parsed.messages), parsed.end_of_stream, parsed.timestamps)
+    assert done == parsed.streams_done
     assert pb.IteratorToken.FromString(iterator) == parsed.iterator
     result = next_result(raw)
     assert result.messages.answer == raw and len(result.messages) == len(messages)
@@ -157,7 +158,7 @@ def test_the_envelope_is_protobufs_reading_of_it(messages: list[pb.Message], end
 def test_an_iterator_given_twice_is_merged_as_protobuf_merges_it() -> None:
     first = pb.NextResponse(iterator=pb.IteratorToken(shard=1, state=b"a")).SerializeToString()
     second = pb.NextResponse(iterator=pb.IteratorToken(generation=2, state=b"b")).SerializeToString()
-    _, iterator, _, _ = wc.envelope(first + second)
+    _, iterator, _, _, _ = wc.envelope(first + second)
     assert pb.IteratorToken.FromString(iterator) == pb.NextResponse.FromString(first + second).iterator
 
 

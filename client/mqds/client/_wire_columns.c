@@ -1,11 +1,12 @@
 /* Next answers read in C: their envelope without the messages, and the messages as columns.
  *
- * envelope(answer) -> (count, iterator, end_of_stream, timestamps)
+ * envelope(answer) -> (count, iterator, end_of_stream, timestamps, streams_done)
  *   answer:     a serialized mqds.v1.NextResponse (any bytes-like object)
  *   count:      how many messages (field 1) it holds; each one's framing is checked
  *   iterator:   the serialized IteratorToken (field 2; every occurrence joined, which is
  *               protobuf's merge of a message field given twice), b"" when absent
- *   end_of_stream, timestamps: fields 3 and 4 (the last occurrence wins, as in protobuf)
+ *   end_of_stream, timestamps, streams_done: fields 3, 4 and 5 (the last occurrence wins, as in
+ *               protobuf; streams_done keeps its low 32 bits, a uint32)
  *
  * columns(answers, want) -> tuple of 15 items (None for a column not wanted)
  *   answers: a list of serialized NextResponses; their messages, in order, are the rows
@@ -234,7 +235,7 @@ static PyObject *envelope(PyObject *self, PyObject *arg) {
         return NULL;
     cursor c = {(const unsigned char *)view.buf, (const unsigned char *)view.buf + view.len};
     Py_ssize_t count = 0, iterator_len = 0;
-    uint64_t end_of_stream = 0;
+    uint64_t end_of_stream = 0, streams_done = 0;
     span stamps = {c.p, 0};
     PyObject *iterator = NULL, *result = NULL;
     /* First pass: count, check the framing, size the iterator. */
@@ -261,12 +262,12 @@ static PyObject *envelope(PyObject *self, PyObject *arg) {
                 iterator_len += s.n;
             else
                 stamps = s;
-        } else if (field == 3) {
+        } else if (field == 3 || field == 5) {
             if (wire != 0) {
-                bad("end_of_stream has the wrong wire type");
+                bad("end_of_stream or streams_done has the wrong wire type");
                 goto done;
             }
-            if (read_varint(&c, &end_of_stream) < 0)
+            if (read_varint(&c, field == 3 ? &end_of_stream : &streams_done) < 0)
                 goto done;
         } else if (skip_field(&c, wire) < 0) {
             goto done;
@@ -292,8 +293,8 @@ static PyObject *envelope(PyObject *self, PyObject *arg) {
             }
         }
     }
-    result = Py_BuildValue("nOOy#", count, iterator, end_of_stream ? Py_True : Py_False, (const char *)stamps.p,
-                           stamps.n);
+    result = Py_BuildValue("nOOy#k", count, iterator, end_of_stream ? Py_True : Py_False, (const char *)stamps.p,
+                           stamps.n, (unsigned long)(uint32_t)streams_done);
 done:
     Py_XDECREF(iterator);
     PyBuffer_Release(&view);
@@ -553,7 +554,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"envelope", envelope, METH_O,
-     "envelope(answer) -> (count, iterator, end_of_stream, timestamps): a NextResponse without its messages"},
+     "envelope(answer) -> (count, iterator, end_of_stream, timestamps, streams_done): a NextResponse without its "
+     "messages"},
     {"columns", columns, METH_VARARGS,
      "columns(answers, want) -> (n, topic_offsets, topic_data, ..., timestamps): the answers' messages as "
      "Arrow buffers"},

@@ -9,7 +9,7 @@ WANT_RETAIN: int
 WANT_PROPERTIES: int
 WANT_TIMESTAMP: int
 
-def envelope(answer: ReadableBuffer, /) -> tuple[int, bytes, bool, bytes]: ...
+def envelope(answer: ReadableBuffer, /) -> tuple[int, bytes, bool, bytes, int]: ...
 def columns(
     answers: list[bytes], want: int, /
 ) -> tuple[

@@ -303,9 +303,10 @@ class Client(AsyncBrokerStateCalls):
         stale_ok: bool = False,
         timeout_s: float | None = None,
         fence_us: int | None = None,
+        then: Sequence[Stream] = (),
     ) -> NextResult:
         """:meth:`make_iterator` and :meth:`next` in one call (see the sync ``Client.first_batch``)."""
-        call = ops.first_batch(stream, topic_filter, start_time_us, batch_size, stale_ok, fence_us)
+        call = ops.first_batch(stream, topic_filter, start_time_us, batch_size, stale_ok, fence_us, then)
         return await self._shard_call(call, timeout_s)
 
     async def get_fences(

@@ -405,13 +405,19 @@ class Client(BrokerStateCalls, StorageAdminCalls):
         stale_ok: bool = False,
         timeout_s: float | None = None,
         fence_us: int | None = None,
+        then: Sequence[Stream] = (),
     ) -> NextResult:
         """:meth:`make_iterator` and :meth:`next` in one call: the stream's first batch and the iterator after it.
 
         Half the calls for a reader of many short streams (a replay, a Spark
-        slice); ``stale_ok`` and ``fence_us`` as in :meth:`next`.
+        slice); ``stale_ok`` and ``fence_us`` as in :meth:`next`. With ``then``
+        (streams of the same shard and generation; needs ``fence_us``), the
+        answer goes on into them once a stream is read to the fence:
+        ``streams_done`` says how many it finished, and ``iterator`` continues
+        the next one when ``end_of_stream`` is False. For a reader that does not
+        need messages in time order across streams (the Spark source).
         """
-        call = ops.first_batch(stream, topic_filter, start_time_us, batch_size, stale_ok, fence_us)
+        call = ops.first_batch(stream, topic_filter, start_time_us, batch_size, stale_ok, fence_us, then)
         return self._shard_call(call, timeout_s)
 
     def get_fences(

@@ -145,6 +145,9 @@ class NextResult:
     messages: MessageBatch
     iterator: Iterator
     end_of_stream: bool
+    streams_done: int = 0
+    """After ``first_batch``: how many of its streams the answer read to their end (its messages are
+    theirs, stream after stream); ``iterator`` continues the next one when ``end_of_stream`` is False."""
 
 
 @dataclass(frozen=True)

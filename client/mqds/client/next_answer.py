@@ -4,7 +4,8 @@ The stubs' deserializer of ``Next`` builds the result itself, from the
 answer's bytes:
 
 - with the C extension (:mod:`mqds.client.wire_columns`), only the envelope
-  is read (the count, iterator, ``end_of_stream`` and packed timestamps);
+  is read (the count, iterator, ``end_of_stream``, packed timestamps and
+  ``streams_done``);
   the messages stay as the bytes they came in, parsed by protobuf only if a
   caller reads them one by one, and read as columns straight from the bytes
   by one that wants columns (the Spark source);
@@ -31,10 +32,11 @@ def next_result(raw: bytes) -> NextResult:
     """The deserializer of ``Storage.Next`` in the clients' stubs: the answer as a :class:`NextResult`."""
     if native is None:
         return parsed_next_result(raw)
-    count, iterator, end_of_stream, stamps = native.envelope(raw)
+    count, iterator, end_of_stream, stamps, streams_done = native.envelope(raw)
     times = wire_times(stamps) if stamps and len(stamps) == 8 * count else None
     messages = MessageBatch.of_answer(raw, count, times)
-    return NextResult(messages, Iterator.from_pb(pb.IteratorToken.FromString(iterator)), end_of_stream)
+    position = Iterator.from_pb(pb.IteratorToken.FromString(iterator))
+    return NextResult(messages, position, end_of_stream, streams_done)
 
 
 def parsed_next_result(raw: bytes) -> NextResult:
@@ -43,7 +45,7 @@ def parsed_next_result(raw: bytes) -> NextResult:
     stamps = response.timestamps
     times = wire_times(stamps) if stamps and len(stamps) == 8 * len(response.messages) else None
     batch = MessageBatch(response.messages, times, len(raw))
-    return NextResult(batch, Iterator.from_pb(response.iterator), response.end_of_stream)
+    return NextResult(batch, Iterator.from_pb(response.iterator), response.end_of_stream, response.streams_done)
 
 
 def with_next_results(stub: Any, channel: Any) -> Any:

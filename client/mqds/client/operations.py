@@ -115,11 +115,26 @@ def next_batch(
 
 
 def first_batch(
-    stream: Stream, topic_filter: str, start_time_us: int, batch_size: int, stale_ok: bool, fence_us: int | None = None
+    stream: Stream,
+    topic_filter: str,
+    start_time_us: int,
+    batch_size: int,
+    stale_ok: bool,
+    fence_us: int | None = None,
+    then: Sequence[Stream] = (),
 ) -> ShardCall[NextResult]:
-    """``make_iterator`` and the first ``next_batch`` in one call (``NextRequest.start``)."""
-    start = pb.IteratorStart(stream=stream.to_pb(), topic_filter=topic_filter, start_time_us=start_time_us)
-    request = pb.NextRequest(start=start, batch_size=batch_size, stale_ok=stale_ok, fence_us=fence_us or 0)
+    """``make_iterator`` and the first ``next_batch`` in one call (``NextRequest.start``), and on into ``then``."""
+
+    def start(where: Stream) -> pb.IteratorStart:
+        return pb.IteratorStart(stream=where.to_pb(), topic_filter=topic_filter, start_time_us=start_time_us)
+
+    request = pb.NextRequest(
+        start=start(stream),
+        then=[start(where) for where in then],
+        batch_size=batch_size,
+        stale_ok=stale_ok,
+        fence_us=fence_us or 0,
+    )
     return ShardCall("Next", stream.shard, request, _answered, stale_ok)
 
 

@@ -6,8 +6,8 @@ an object per field (1.6 µs a message to make the Spark source's columns).
 The C extension ``mqds.client._wire_columns`` reads the answer's bytes
 directly:
 
-- :func:`envelope`: how many messages, the iterator, ``end_of_stream`` and
-  the packed timestamps, skipping over the messages (their framing checked);
+- :func:`envelope`: how many messages, the iterator, ``end_of_stream``, the
+  packed timestamps and ``streams_done``, skipping over the messages (their framing checked);
   so a reader that counts, or forwards the bytes, never parses them;
 - :func:`columns`: the messages of several answers as the buffers of Arrow
   arrays (offsets and data for strings, a bitmap for booleans, int32 and
@@ -47,6 +47,7 @@ class Envelope(NamedTuple):
     iterator: bytes  # a serialized IteratorToken
     end_of_stream: bool
     timestamps: bytes  # NextResponse.timestamps: 8 bytes little-endian a message (empty from old nodes)
+    streams_done: int  # NextResponse.streams_done: streams a read from a start finished
 
 
 class Columns(NamedTuple):

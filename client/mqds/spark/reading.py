@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import pyarrow as pa
@@ -28,6 +28,9 @@ from mqds.spark.plan import Slice, loss_error
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+MAX_THEN = 999
+"""Streams a read goes on into after the one it starts (a node takes at most 1,000: ``NextRequest.then``)."""
 
 # Rows per Arrow record batch handed to Spark, unless its answers make ARROW_BYTES first.
 ARROW_ROWS = 8192
@@ -66,23 +69,39 @@ def any_replica_then_leader(call: Callable[[bool], T]) -> T:
         return call(False)
 
 
-def _stream_batches(client: Client, part: Slice, stream: Stream, batch_size: int) -> Iterator[MessageBatch]:
-    def first(stale_ok: bool) -> NextResult:
-        return client.first_batch(
-            stream, part.topic_filter, part.start_us, batch_size, stale_ok=stale_ok, fence_us=part.fence_us
-        )
+def _stream_batches(client: Client, part: Slice, streams: Sequence[Stream], batch_size: int) -> Iterator[MessageBatch]:
+    """``streams`` (of the slice), read stream after stream: each call goes on into the next streams once one is
+    read to the fence (``first_batch`` with ``then``), so a slice of many short streams costs a call or two."""
+    i = 0
+    while i < len(streams):
+        rest = streams[i + 1 : i + 1 + MAX_THEN]
 
-    result = any_replica_then_leader(first)  # an iterator made and its first batch read, in one call
-    while True:
+        def first(stale_ok: bool, at: int = i, rest: Sequence[Stream] = rest) -> NextResult:
+            return client.first_batch(
+                streams[at],
+                part.topic_filter,
+                part.start_us,
+                batch_size,
+                stale_ok=stale_ok,
+                fence_us=part.fence_us,
+                then=rest,
+            )
+
+        result = any_replica_then_leader(first)
         if result.messages:
             yield result.messages
-        if result.end_of_stream:
-            return
+        # A node that reads no further than start says nothing of the streams done: the one it read, if ended.
+        i += max(result.streams_done, int(result.end_of_stream))
+        while not result.end_of_stream:  # stopped inside streams[i]: on with it alone
 
-        def next_batch(stale_ok: bool, position: StreamIterator = result.iterator) -> NextResult:
-            return client.next(position, batch_size, stale_ok=stale_ok, fence_us=part.fence_us)
+            def next_batch(stale_ok: bool, position: StreamIterator = result.iterator) -> NextResult:
+                return client.next(position, batch_size, stale_ok=stale_ok, fence_us=part.fence_us)
 
-        result = any_replica_then_leader(next_batch)
+            result = any_replica_then_leader(next_batch)
+            if result.messages:
+                yield result.messages
+            if result.end_of_stream:
+                i += 1
 
 
 def first_timestamp(client: Client, part: Slice) -> int | None:
@@ -94,7 +113,7 @@ def first_timestamp(client: Client, part: Slice) -> int | None:
     first: int | None = None
     for stream in part.streams:
         try:
-            batch = next(_stream_batches(client, part, stream, 1), None)
+            batch = next(_stream_batches(client, part, [stream], 1), None)
         except GenerationDroppedError:
             return part.start_us  # the read itself reports (or skips) the loss
         if batch:
@@ -104,20 +123,19 @@ def first_timestamp(client: Client, part: Slice) -> int | None:
 
 
 def read_slice(client: Client, part: Slice, batch_size: int, fail_on_data_loss: bool) -> Iterator[MessageBatch]:
-    """The slice's messages, stream by stream, in batches as the nodes return them.
+    """The slice's messages, stream by stream (several streams to a batch when they are short), in batches as the
+    nodes return them.
 
     A generation dropped while the read runs raises :class:`DataLossError`,
     or (``fail_on_data_loss`` false) ends the slice with what was read.
     """
-    for stream in part.streams:
-        try:
-            yield from _stream_batches(client, part, stream, batch_size)
-        except GenerationDroppedError as err:
-            what = f"vnode {part.shard} generation {part.generation}"
-            if fail_on_data_loss:
-                raise loss_error([what], "a generation was dropped while the read ran") from err
-            log.warning("mqds: %s was dropped while it was read; skipping the rest of it", what)
-            return
+    try:
+        yield from _stream_batches(client, part, part.streams, batch_size)
+    except GenerationDroppedError as err:
+        what = f"vnode {part.shard} generation {part.generation}"
+        if fail_on_data_loss:
+            raise loss_error([what], "a generation was dropped while the read ran") from err
+        log.warning("mqds: %s was dropped while it was read; skipping the rest of it", what)
 
 
 def record_batches(

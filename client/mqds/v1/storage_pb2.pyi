@@ -182,30 +182,34 @@ class IteratorStart(_message.Message):
     def __init__(self, stream: _Optional[_Union[Stream, _Mapping]] = ..., topic_filter: _Optional[str] = ..., start_time_us: _Optional[int] = ...) -> None: ...
 
 class NextRequest(_message.Message):
-    __slots__ = ("iterator", "batch_size", "stale_ok", "fence_us", "start")
+    __slots__ = ("iterator", "batch_size", "stale_ok", "fence_us", "start", "then")
     ITERATOR_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     STALE_OK_FIELD_NUMBER: _ClassVar[int]
     FENCE_US_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
+    THEN_FIELD_NUMBER: _ClassVar[int]
     iterator: IteratorToken
     batch_size: int
     stale_ok: bool
     fence_us: int
     start: IteratorStart
-    def __init__(self, iterator: _Optional[_Union[IteratorToken, _Mapping]] = ..., batch_size: _Optional[int] = ..., stale_ok: _Optional[bool] = ..., fence_us: _Optional[int] = ..., start: _Optional[_Union[IteratorStart, _Mapping]] = ...) -> None: ...
+    then: _containers.RepeatedCompositeFieldContainer[IteratorStart]
+    def __init__(self, iterator: _Optional[_Union[IteratorToken, _Mapping]] = ..., batch_size: _Optional[int] = ..., stale_ok: _Optional[bool] = ..., fence_us: _Optional[int] = ..., start: _Optional[_Union[IteratorStart, _Mapping]] = ..., then: _Optional[_Iterable[_Union[IteratorStart, _Mapping]]] = ...) -> None: ...
 
 class NextResponse(_message.Message):
-    __slots__ = ("messages", "iterator", "end_of_stream", "timestamps")
+    __slots__ = ("messages", "iterator", "end_of_stream", "timestamps", "streams_done")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ITERATOR_FIELD_NUMBER: _ClassVar[int]
     END_OF_STREAM_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMPS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_DONE_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     iterator: IteratorToken
     end_of_stream: bool
     timestamps: bytes
-    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., iterator: _Optional[_Union[IteratorToken, _Mapping]] = ..., end_of_stream: _Optional[bool] = ..., timestamps: _Optional[bytes] = ...) -> None: ...
+    streams_done: int
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., iterator: _Optional[_Union[IteratorToken, _Mapping]] = ..., end_of_stream: _Optional[bool] = ..., timestamps: _Optional[bytes] = ..., streams_done: _Optional[int] = ...) -> None: ...
 
 class Generation(_message.Message):
     __slots__ = ("shard", "generation", "since_us", "until_us", "created_at_us", "current")

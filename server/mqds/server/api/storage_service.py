@@ -23,6 +23,7 @@ from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_filter, validate_topic
+from mqds.protocol.wire import varint
 from mqds.server.api import backup_service, delete_service, follow, store_stream
 from mqds.server.api.handlers import takes_raw_request
 from mqds.server.api.shards_api import Shards, ShardsAPI, check_properties, now_us
@@ -38,6 +39,9 @@ _MESSAGES_TAG = b"\x0a"  # NextResponse.messages, field 1, length-delimited
 _ITERATOR_TAG = b"\x12"  # NextResponse.iterator, field 2, length-delimited
 _END_OF_STREAM = b"\x18\x01"  # NextResponse.end_of_stream = true
 _TIMESTAMPS_TAG = b"\x22"  # NextResponse.timestamps, field 4, length-delimited
+_STREAMS_DONE_TAG = b"\x28"  # NextResponse.streams_done, field 5, varint
+_MAX_THEN = 1000
+"""NextRequest.then's most streams."""
 
 
 MAX_PRODUCER_ID_BYTES = 128
@@ -332,45 +336,85 @@ class StorageService(ShardsAPI):
                 Reason.INVALID_REQUEST,
                 f"fence_us {fence} is more than a day after this node's clock: pass a fence that GetFences returned",
             )
-        start = request.start if request.HasField("start") else None
-        if start is not None:
-            if request.HasField("iterator"):
-                raise errors.error(Reason.INVALID_REQUEST, "give iterator or start, not both")
-            if not start.HasField("stream"):
+        starts = self._starts(request, fence)
+        state = None if starts else self._iterator_state(request.iterator)
+        shard = starts[0].stream.shard if starts else state.shard  # type: ignore[union-attr]  # one of the two
+        (vnode,) = self._read(self._shard_numbers(shard, False), request.stale_ok)
+        batch = min(request.batch_size, self.max_next_batch)
+        # Past the budget the read stops (after one message at least) and the
+        # iterator it returns continues from there.
+        budget = None
+        if self.max_answer_bytes is not None:
+            token_size = len(request.iterator.state) + 64 * bool(starts) + len(request.start.topic_filter)
+            budget = max(0, self.max_answer_bytes - 256 - token_size - _PER_MESSAGE_BYTES * batch)
+        rows: list[tuple[bytes, bytes]] = []
+        done = 0
+        with vnode.replica.reading() as storage:
+            while True:
+                if starts:
+                    where = starts[done]
+                    state = storage.make_iterator(
+                        where.stream.generation, where.stream.id, where.topic_filter, where.start_time_us, fence
+                    )
+                assert state is not None
+                result = storage.next(state, batch - len(rows), fence, budget)
+                size = sum(len(value) for _, value in result.rows)
+                if rows and budget is not None and size > budget:
+                    # A later stream whose first message alone passes what is left: not in this answer;
+                    # the iterator starts it, for the next call.
+                    position, ended = state, False
+                    break
+                rows += result.rows
+                position, ended = result.state, result.end_of_stream
+                if budget is not None:
+                    budget -= size
+                done += ended and bool(starts)
+                # On to the next stream while this one is read to the fence and there is room for more.
+                if not starts or not ended or done == len(starts) or len(rows) >= batch:
+                    break
+                if budget is not None and budget <= 0:
+                    break
+            shard = storage.shard
+            body, times = encode_rows(_MESSAGES_TAG, rows, shard)
+        token_bytes = pb.IteratorToken(
+            shard=shard, generation=position.generation, state=position.encode()
+        ).SerializeToString()
+        body += repeated_field(_ITERATOR_TAG, [token_bytes])
+        if ended:
+            body += _END_OF_STREAM
+        body += times_field(_TIMESTAMPS_TAG, times)
+        if done:
+            body += _STREAMS_DONE_TAG + varint(done)
+        return body
+
+    def _starts(self, request: pb.NextRequest, fence: int | None) -> list[pb.IteratorStart]:
+        """The streams a ``start`` (and ``then``) asks to read, checked; [] for a read from an iterator."""
+        if not request.HasField("start"):
+            if request.then:
+                raise errors.error(Reason.INVALID_REQUEST, "then goes with start: the streams to read after it")
+            return []
+        if request.HasField("iterator"):
+            raise errors.error(Reason.INVALID_REQUEST, "give iterator or start, not both")
+        if request.then and fence is None:
+            raise errors.error(
+                Reason.INVALID_REQUEST, "then needs fence_us: a stream is read to its end only up to a fence"
+            )
+        if len(request.then) > _MAX_THEN:
+            raise errors.error(Reason.INVALID_REQUEST, f"then holds {len(request.then)} streams; at most {_MAX_THEN}")
+        starts = [request.start, *request.then]
+        first = request.start.stream
+        for where in starts:
+            if not where.HasField("stream"):
                 raise errors.error(
                     Reason.INVALID_REQUEST, "start.stream is required: pass a stream returned by GetStreams"
                 )
-            self._filter(start.topic_filter)
-            shard = start.stream.shard
-            state = None
-        else:
-            state = self._iterator_state(request.iterator)
-            shard = state.shard
-        (vnode,) = self._read(self._shard_numbers(shard, False), request.stale_ok)
-        batch = min(request.batch_size, self.max_next_batch)
-        with vnode.replica.reading() as storage:
-            if state is None:
-                assert start is not None
-                stream = start.stream
-                state = storage.make_iterator(
-                    stream.generation, stream.id, start.topic_filter, start.start_time_us, fence
+            if (where.stream.shard, where.stream.generation) != (first.shard, first.generation):
+                raise errors.error(
+                    Reason.INVALID_REQUEST,
+                    f"then's streams must be of start's shard {first.shard} and generation {first.generation}",
                 )
-            # Past the budget the read stops (after one message at least) and the
-            # iterator it returns continues from there.
-            budget = None
-            if self.max_answer_bytes is not None:
-                token_size = len(request.iterator.state) if start is None else len(state.encode())
-                budget = max(0, self.max_answer_bytes - 256 - token_size - _PER_MESSAGE_BYTES * batch)
-            result = storage.next(state, batch, fence, budget)
-            shard = storage.shard
-            body, times = encode_rows(_MESSAGES_TAG, result.rows, shard)
-        token_bytes = pb.IteratorToken(
-            shard=shard, generation=state.generation, state=result.state.encode()
-        ).SerializeToString()
-        body += repeated_field(_ITERATOR_TAG, [token_bytes])
-        if result.end_of_stream:
-            body += _END_OF_STREAM
-        return body + times_field(_TIMESTAMPS_TAG, times)
+            self._filter(where.topic_filter)
+        return starts
 
     @staticmethod
     def _iterator_state(token: pb.IteratorToken) -> IteratorState:
