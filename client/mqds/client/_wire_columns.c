@@ -10,7 +10,8 @@
  *
  * columns(answers, want) -> tuple of 15 items (None for a column not wanted)
  *   answers: a list of serialized NextResponses; their messages, in order, are the rows
- *   want:    a bit mask of the columns to build (the WANT_* values below)
+ *   want:    a bit mask of the columns to build (the WANT_* values below, which
+ *            mqds.client.wire_columns gives Python)
  *   (n, topic_offsets, topic_data, payload_offsets, payload_data, sender_offsets, sender_data,
  *    qos, retain, property_offsets, key_offsets, key_data, value_offsets, value_data, timestamps)
  *   Each *_offsets is n + 1 int32 values (Arrow's string / binary layout); qos is n int32;
@@ -117,6 +118,21 @@ static int skip_field(cursor *c, unsigned wire) {
     default:
         return bad("an unsupported wire type");
     }
+}
+
+/* The next length-delimited field numbered `field` after the cursor, in a buffer whose framing was
+ * already checked: 1 and its content in `out`, or 0 at the end. */
+static int next_len_field(cursor *c, unsigned field, span *out) {
+    while (c->p < c->end) {
+        uint64_t tag = 0;
+        read_varint(c, &tag);
+        if ((tag >> 3) == field && (tag & 7) == 2) {
+            read_len(c, out);
+            return 1;
+        }
+        skip_field(c, (unsigned)(tag & 7));
+    }
+    return 0;
 }
 
 /* One Message's fields. Properties are not kept here: they are walked again when written. */
@@ -279,18 +295,11 @@ static PyObject *envelope(PyObject *self, PyObject *arg) {
     if (iterator_len) {
         /* Second pass: join the iterator's occurrences (the framing was checked above). */
         char *out = PyBytes_AS_STRING(iterator);
+        span s;
         c.p = (const unsigned char *)view.buf;
-        while (c.p < c.end) {
-            uint64_t tag = 0;
-            span s;
-            read_varint(&c, &tag);
-            if ((tag >> 3) == 2) {
-                read_len(&c, &s);
-                memcpy(out, s.p, (size_t)s.n);
-                out += s.n;
-            } else {
-                skip_field(&c, (unsigned)(tag & 7));
-            }
+        while (next_len_field(&c, 2, &s)) {
+            memcpy(out, s.p, (size_t)s.n);
+            out += s.n;
         }
     }
     result = Py_BuildValue("nOOy#k", count, iterator, end_of_stream ? Py_True : Py_False, (const char *)stamps.p,
@@ -321,20 +330,13 @@ static int size_one(void *ctx, span body) {
     if (m.n_properties && (z->want & WANT_PROPERTIES)) {
         /* An upper bound: a name given twice is counted each time. */
         cursor c = {body.p, body.p + body.n};
-        while (c.p < c.end) {
-            uint64_t tag = 0;
-            span s, key, value;
-            read_varint(&c, &tag);
-            if ((tag >> 3) == 6) {
-                read_len(&c, &s);
-                if (read_property(s, &key, &value) < 0)
-                    return -1;
-                z->n_properties++;
-                z->key_bytes += key.n;
-                z->value_bytes += value.n;
-            } else {
-                skip_field(&c, (unsigned)(tag & 7));
-            }
+        span s, key, value;
+        while (next_len_field(&c, 6, &s)) {
+            if (read_property(s, &key, &value) < 0)
+                return -1;
+            z->n_properties++;
+            z->key_bytes += key.n;
+            z->value_bytes += value.n;
         }
     }
     return 0;
@@ -377,17 +379,10 @@ static int put_properties(filling *f, span body, Py_ssize_t count) {
     }
     Py_ssize_t k = 0;
     cursor c = {body.p, body.p + body.n};
-    while (c.p < c.end) {
-        uint64_t tag = 0;
-        span s;
-        read_varint(&c, &tag);
-        if ((tag >> 3) == 6) {
-            read_len(&c, &s);
-            read_property(s, &f->pairs[2 * k], &f->pairs[2 * k + 1]);
-            k++;
-        } else {
-            skip_field(&c, (unsigned)(tag & 7));
-        }
+    span s;
+    while (next_len_field(&c, 6, &s)) {
+        read_property(s, &f->pairs[2 * k], &f->pairs[2 * k + 1]); /* checked when sized */
+        k++;
     }
     for (Py_ssize_t i = 0; i < k; i++) {
         span key = f->pairs[2 * i], value = f->pairs[2 * i + 1];
@@ -568,18 +563,5 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__wire_columns(void) {
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL)
-        return NULL;
-    if (PyModule_AddIntConstant(m, "WANT_TOPIC", WANT_TOPIC) < 0 ||
-        PyModule_AddIntConstant(m, "WANT_PAYLOAD", WANT_PAYLOAD) < 0 ||
-        PyModule_AddIntConstant(m, "WANT_SENDER", WANT_SENDER) < 0 ||
-        PyModule_AddIntConstant(m, "WANT_QOS", WANT_QOS) < 0 ||
-        PyModule_AddIntConstant(m, "WANT_RETAIN", WANT_RETAIN) < 0 ||
-        PyModule_AddIntConstant(m, "WANT_PROPERTIES", WANT_PROPERTIES) < 0 ||
-        PyModule_AddIntConstant(m, "WANT_TIMESTAMP", WANT_TIMESTAMP) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return PyModule_Create(&module);
 }

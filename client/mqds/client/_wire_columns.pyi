@@ -1,14 +1,6 @@
 # The C extension's signatures (_wire_columns.c); mqds.client.wire_columns documents them.
 from _typeshed import ReadableBuffer
 
-WANT_TOPIC: int
-WANT_PAYLOAD: int
-WANT_SENDER: int
-WANT_QOS: int
-WANT_RETAIN: int
-WANT_PROPERTIES: int
-WANT_TIMESTAMP: int
-
 def envelope(answer: ReadableBuffer, /) -> tuple[int, bytes, bool, bytes, int]: ...
 def columns(
     answers: list[bytes], want: int, /

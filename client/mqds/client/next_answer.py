@@ -18,11 +18,12 @@ answers until the caller takes them and bounds them in bytes
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from mqds.client.batch import MessageBatch, wire_times
 from mqds.client.model import Iterator, NextResult
-from mqds.client.wire_columns import native
+from mqds.client.wire_columns import envelope, native
 from mqds.v1 import storage_pb2 as pb
 
 NEXT_METHOD = "/mqds.v1.Storage/Next"
@@ -32,20 +33,22 @@ def next_result(raw: bytes) -> NextResult:
     """The deserializer of ``Storage.Next`` in the clients' stubs: the answer as a :class:`NextResult`."""
     if native is None:
         return parsed_next_result(raw)
-    count, iterator, end_of_stream, stamps, streams_done = native.envelope(raw)
-    times = wire_times(stamps) if stamps and len(stamps) == 8 * count else None
-    messages = MessageBatch.of_answer(raw, count, times)
-    position = Iterator.from_pb(pb.IteratorToken.FromString(iterator))
-    return NextResult(messages, position, end_of_stream, streams_done)
+    answer = envelope(raw)
+    messages = MessageBatch.of_answer(raw, answer.n, _times(answer.timestamps, answer.n))
+    position = Iterator.from_pb(pb.IteratorToken.FromString(answer.iterator))
+    return NextResult(messages, position, answer.end_of_stream, answer.streams_done)
 
 
 def parsed_next_result(raw: bytes) -> NextResult:
     """:func:`next_result` by protobuf alone: every message parsed (where the C extension is not built)."""
     response = pb.NextResponse.FromString(raw)
-    stamps = response.timestamps
-    times = wire_times(stamps) if stamps and len(stamps) == 8 * len(response.messages) else None
-    batch = MessageBatch(response.messages, times, len(raw))
+    batch = MessageBatch(response.messages, _times(response.timestamps, len(response.messages)), len(raw))
     return NextResult(batch, Iterator.from_pb(response.iterator), response.end_of_stream, response.streams_done)
+
+
+def _times(stamps: bytes, count: int) -> Sequence[int] | None:
+    """The packed timestamps the node sent beside ``count`` messages (None from a node that sent none)."""
+    return wire_times(stamps) if stamps and len(stamps) == 8 * count else None
 
 
 def with_next_results(stub: Any, channel: Any) -> Any:

@@ -30,6 +30,7 @@ try:
 except ImportError:  # built by make install; optional elsewhere
     native = None
 
+# The columns' bits for columns(): the C code's WANT_* values (_wire_columns.c).
 WANT_TOPIC = 1
 WANT_PAYLOAD = 2
 WANT_SENDER = 4
@@ -37,7 +38,7 @@ WANT_QOS = 8
 WANT_RETAIN = 16
 WANT_PROPERTIES = 32
 WANT_TIMESTAMP = 64
-WANT_ALL = 127
+WANT_ALL = WANT_TOPIC | WANT_PAYLOAD | WANT_SENDER | WANT_QOS | WANT_RETAIN | WANT_PROPERTIES | WANT_TIMESTAMP
 
 
 class Envelope(NamedTuple):

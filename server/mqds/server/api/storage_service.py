@@ -44,6 +44,11 @@ _MAX_THEN = 1000
 """NextRequest.then's most streams."""
 
 
+def _stored_bytes(rows: list[tuple[bytes, bytes]]) -> int:
+    """The stored messages' bytes of a read's rows (what an answer's byte budget counts)."""
+    return sum(len(value) for _, value in rows)
+
+
 MAX_PRODUCER_ID_BYTES = 128
 # A fence can be this far (microseconds) after the node's clock: the shards'
 # clocks differ, but not by a day.
@@ -345,7 +350,8 @@ class StorageService(ShardsAPI):
         # iterator it returns continues from there.
         budget = None
         if self.max_answer_bytes is not None:
-            token_size = len(request.iterator.state) + 64 * bool(starts) + len(request.start.topic_filter)
+            # The answer's iterator: the request's, or a new one holding one of the starts' filters.
+            token_size = len(request.iterator.state) + max((64 + len(w.topic_filter) for w in starts), default=0)
             budget = max(0, self.max_answer_bytes - 256 - token_size - _PER_MESSAGE_BYTES * batch)
         rows: list[tuple[bytes, bytes]] = []
         done = 0
@@ -358,22 +364,23 @@ class StorageService(ShardsAPI):
                     )
                 assert state is not None
                 result = storage.next(state, batch - len(rows), fence, budget)
-                size = sum(len(value) for _, value in result.rows)
-                if rows and budget is not None and size > budget:
+                # Sizes are summed only where a read goes on into another stream, not on a plain read's path.
+                size = _stored_bytes(result.rows) if rows and budget is not None else None
+                if size is not None and budget is not None and size > budget:
                     # A later stream whose first message alone passes what is left: not in this answer;
                     # the iterator starts it, for the next call.
                     position, ended = state, False
                     break
                 rows += result.rows
                 position, ended = result.state, result.end_of_stream
-                if budget is not None:
-                    budget -= size
                 done += ended and bool(starts)
                 # On to the next stream while this one is read to the fence and there is room for more.
                 if not starts or not ended or done == len(starts) or len(rows) >= batch:
                     break
-                if budget is not None and budget <= 0:
-                    break
+                if budget is not None:
+                    budget -= _stored_bytes(result.rows) if size is None else size
+                    if budget <= 0:
+                        break
             shard = storage.shard
             body, times = encode_rows(_MESSAGES_TAG, rows, shard)
         token_bytes = pb.IteratorToken(
