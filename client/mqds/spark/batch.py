@@ -34,7 +34,7 @@ from pyspark.sql.datasource import (
 from mqds.protocol.sharding import shard_of
 from mqds.spark.options import OptionError, SourceOptions, intersect_filters, prefix_as_filter, topic_as_filter
 from mqds.spark.plan import Slice, data_loss, dropped_ranges, loss_error, plan_slices
-from mqds.spark.reading import client_for, first_timestamp, record_batches
+from mqds.spark.reading import client_for, first_timestamp, record_batches, settle_worker
 from mqds.spark.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,10 @@ def read_partition(options: SourceOptions, partition: InputPartition, schema: pa
     """What a task runs, for batch and streaming reads alike.
 
     A read with nothing to plan still gets one task from Spark, with the
-    value None: it returns no rows.
+    value None: it returns no rows. The worker's heap is frozen at its first
+    task (:func:`~mqds.spark.reading.settle_worker`).
     """
+    settle_worker()
     parts: tuple[Slice, ...] | None = partition.value
     if parts is None:
         return
