@@ -9,12 +9,14 @@ with the reason.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
 
-from mqds.client import Client, Message, Stream
+from mqds.client import Client, Message, MessageBatch, Stream, aio
 from mqds.spark.plan import Slice
 from mqds.spark.reading import _stream_batches
 from mqds.tools.localproc import LocalCluster
@@ -123,3 +125,55 @@ def test_then_is_refused_where_it_cannot_mean_anything(cluster: LocalCluster, st
             stub.Next(request, timeout=10)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
         assert words in (refused.value.details() or ""), refused.value.details()
+
+
+def _counted(client: Any, calls: list[str]) -> None:
+    """Count the client's first_batch and next calls (the replay's reads)."""
+    for name in ("first_batch", "next"):
+        method = getattr(client, name)
+
+        def counting(*args: Any, _method: Any = method, _name: str = name, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _method(*args, **kwargs)
+
+        setattr(client, name, counting)
+
+
+def _check_replay(batches: list[MessageBatch], batch_size: int) -> None:
+    """Every message once, in the order stored (one store call: timestamps in message order), batches bounded."""
+    assert [int(m.payload.split(b":")[0]) for b in batches for m in b] == list(range(300))
+    times = [t for b in batches for t in b.times]
+    assert times == sorted(times) and len(set(times)) == 300
+    assert all(0 < len(b) <= batch_size for b in batches)
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 1000])
+def test_a_replay_reads_a_ranks_short_streams_in_few_calls_and_merges_them_by_time(
+    cluster: LocalCluster, stored: tuple[list[Stream], int], batch_size: int
+) -> None:
+    """A replay merges a generation's streams by time. Read with answers that go on from stream to stream (cut
+    into runs of increasing timestamps for the merge), the eleven interleaved streams come back in the order the
+    messages were stored, each once, in fewer calls than streams (before: a call per stream at least)."""
+    streams, _ = stored
+    calls: list[str] = []
+    with Client(cluster.addresses, timeout_s=30) as client:
+        _counted(client, calls)
+        batches = list(client.replay_batches("then/#", batch_size=batch_size))
+    _check_replay(batches, batch_size)
+    if batch_size == 1000:  # an answer has room for several streams (10,000 would reserve all of it for framing)
+        assert len(calls) < len(streams), calls
+
+
+def test_the_asyncio_replay_reads_a_ranks_short_streams_in_few_calls_too(
+    cluster: LocalCluster, stored: tuple[list[Stream], int]
+) -> None:
+    streams, _ = stored
+    calls: list[str] = []
+
+    async def replay() -> list[MessageBatch]:
+        async with aio.Client(cluster.addresses, timeout_s=30) as client:
+            _counted(client, calls)
+            return [b async for b in client.replay_batches("then/#", batch_size=1000)]
+
+    _check_replay(asyncio.run(replay()), 1000)
+    assert len(calls) < len(streams), calls

@@ -1,18 +1,25 @@
-"""MessageBatch (a view over parsed answers) and the replay's read-ahead: order, bounds, errors, early stop."""
+"""MessageBatch (a view over answers), the replay's read-ahead and merge: order, bounds, errors, early stop."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from mqds.client import Message, MessageBatch
+from mqds.client import Client, Message, MessageBatch, NextResult, Stream
+from mqds.client import Iterator as StreamIterator
 from mqds.client.batch import wire_times
+from mqds.client.merge import runs
 from mqds.client.next_answer import next_result, parsed_next_result
-from mqds.client.replay import merged, read_ahead
+from mqds.client.replay import merged, merged_from, read_ahead
+from mqds.protocol.errors import GenerationDroppedError, Reason
 from mqds.v1 import storage_pb2 as pb
 
 
@@ -223,3 +230,65 @@ def test_a_next_answer_comes_with_its_size_on_the_wire() -> None:
         assert result.messages.nbytes == len(raw)
         assert list(result.messages) == [Message.from_pb(m) for m in answer.messages]
         assert result.iterator.to_pb() == answer.iterator and result.end_of_stream
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_answers_that_went_on_from_stream_to_stream_merge_back_into_time_order(data: st.DataObject) -> None:
+    """A replay reads a rank's short streams in answers that hold them one after the other (``then``), cut into runs
+    of increasing timestamps; merged, every message comes once, in time order, however the streams interleave and
+    wherever the answers were cut (a stream split over two answers included)."""
+    stamps = data.draw(st.lists(st.integers(1, 10_000), min_size=1, max_size=200, unique=True))
+    n_streams = data.draw(st.integers(1, 8))
+    owner = [data.draw(st.integers(0, n_streams - 1)) for _ in stamps]
+    streams = [sorted(t for t, o in zip(stamps, owner, strict=True) if o == s) for s in range(n_streams)]
+    flat = [t for stream in streams for t in stream]  # how the node answers: stream after stream
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(flat) - 1), max_size=5)) if len(flat) > 1 else set())
+    answers = [flat[a:b] for a, b in itertools.pairwise([0, *cuts, len(flat)])]
+    live = [
+        (iter(()), rest)
+        for times in answers
+        for rest in runs(MessageBatch([pb.Message(timestamp_us=t) for t in times], times, 10 * len(times)))
+    ]
+    batch_size = data.draw(st.integers(1, 50))
+    out = list(merged_from(live, batch_size))
+    assert [t for b in out for t in b.times] == sorted(stamps)
+    assert [m.timestamp_us for b in out for m in b.wire] == sorted(stamps)
+    assert all(0 < len(b) <= batch_size for b in out)
+
+
+def _dropped() -> GenerationDroppedError:
+    return GenerationDroppedError(Reason.GENERATION_DROPPED, "generation 1 of shard 0 was dropped")
+
+
+def test_a_generation_dropped_while_a_rank_is_read_hands_its_unread_streams_to_on_dropped() -> None:
+    """A replay reads a rank's streams in answers that go on from one to the next; when retention drops the
+    generation meanwhile, what was read is merged and handed on, and every stream not read to its end goes to
+    ``on_dropped`` (or, without it, the error is raised)."""
+    streams = [Stream(shard=0, generation=1, id=i, pattern="t/+") for i in range(5)]
+    position = StreamIterator(shard=0, generation=1, state=b"at-stream-2")
+
+    class Replaying(Client):
+        def __init__(self) -> None:  # no cluster: only the rank's reads are exercised
+            self.calls: list[int] = []
+
+        def first_batch(self, stream: Stream, *args: Any, **kwargs: Any) -> NextResult:
+            self.calls.append(stream.id)
+            if stream.id == 3:
+                raise _dropped()
+            # Streams 0 and 1 read to their end, stream 2 begun: stream after stream, each in time order.
+            times = [5, 9, 2, 7, 4]
+            messages = MessageBatch([pb.Message(timestamp_us=t) for t in times], times, 50)
+            return NextResult(messages, position, end_of_stream=False, streams_done=2)
+
+        def next(self, iterator: StreamIterator, *args: Any, **kwargs: Any) -> NextResult:
+            assert iterator == position
+            raise _dropped()
+
+    client = Replaying()
+    dropped: list[Stream] = []
+    live = client._rank_sources(streams, "t/#", 0, 10, 1_000, dropped.append)
+    assert [t for b in merged_from(live, 10) for t in b.times] == [2, 4, 5, 7, 9]
+    assert client.calls == [0, 3] and dropped == streams[2:]
+    with pytest.raises(GenerationDroppedError):
+        Replaying()._rank_sources(streams, "t/#", 0, 10, 1_000, None)

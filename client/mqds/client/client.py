@@ -21,11 +21,13 @@ from mqds.client.broker_state import BrokerStateCalls
 from mqds.client.connection import DEFAULT_MAX_MESSAGE_BYTES, ConnectionSettings, parse_endpoints, resolve_settings
 from mqds.client.follow import FollowCore, FollowPosition
 from mqds.client.follow_sync import FollowMux, Subscription
+from mqds.client.merge import Rest, runs
 from mqds.client.model import Fence, Iterator, Message, NextResult, Rank, Stream
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.pipeline import PipelineLimits, resolve_limits
 from mqds.client.pipeline_sync import SyncPipeline
-from mqds.client.replay import GROUP_BYTES, GROUP_DEPTH, WEIGH_BATCH, merged
+from mqds.client.rank_read import RankCalls
+from mqds.client.replay import GROUP_BYTES, GROUP_DEPTH, WEIGH_BATCH, merged_from, next_rest
 from mqds.client.replay import read_ahead as read_ahead_batches
 from mqds.client.retry import time_left
 from mqds.client.routing import Backoff, Fanout, Router, ShardFailures
@@ -37,6 +39,9 @@ from mqds.v1 import cluster_pb2 as clpb
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+_READ: AbcIterator[MessageBatch] = iter(())
+"""The source of a run of an answer: nothing after it."""
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "Client", "ShardFailures", "parse_endpoints"]
 
@@ -414,8 +419,9 @@ class Client(BrokerStateCalls, StorageAdminCalls):
         (streams of the same shard and generation; needs ``fence_us``), the
         answer goes on into them once a stream is read to the fence:
         ``streams_done`` says how many it finished, and ``iterator`` continues
-        the next one when ``end_of_stream`` is False. For a reader that does not
-        need messages in time order across streams (the Spark source).
+        the next one when ``end_of_stream`` is False. The streams come one after
+        the other, not in time order across them: the Spark source takes them so,
+        a replay cuts them into runs and merges those (``merge.runs``).
         """
         call = ops.first_batch(stream, topic_filter, start_time_us, batch_size, stale_ok, fence_us, then)
         return self._shard_call(call, timeout_s)
@@ -439,16 +445,69 @@ class Client(BrokerStateCalls, StorageAdminCalls):
         try:
             # Up to the fence every replica that applied it answers the same: no read-index round per call.
             result = self.first_batch(stream, topic_filter, start_time_us, batch_size, stale_ok=True, fence_us=fence_us)
-            while True:
-                if result.messages:
-                    yield result.messages
-                if ops.stream_exhausted(result):
-                    return
-                result = self.next(result.iterator, batch_size, stale_ok=True, fence_us=fence_us)
         except GenerationDroppedError:
             if on_dropped is None:
                 raise
             on_dropped(stream)  # and the stream ends here
+            return
+        if result.messages:
+            yield result.messages
+        if not ops.stream_exhausted(result):
+            yield from self._read_on(stream, result.iterator, batch_size, fence_us, on_dropped)
+
+    def _read_on(
+        self,
+        stream: Stream,
+        position: Iterator,
+        batch_size: int,
+        fence_us: int,
+        on_dropped: Callable[[Stream], None] | None,
+    ) -> AbcIterator[MessageBatch]:
+        """The rest of ``stream`` from ``position`` up to the fence, batch by batch."""
+        try:
+            while True:
+                result = self.next(position, batch_size, stale_ok=True, fence_us=fence_us)
+                if result.messages:
+                    yield result.messages
+                if ops.stream_exhausted(result):
+                    return
+                position = result.iterator
+        except GenerationDroppedError:
+            if on_dropped is None:
+                raise
+            on_dropped(stream)  # and the stream ends here
+
+    def _rank_sources(
+        self,
+        streams: Sequence[Stream],
+        topic_filter: str,
+        start_time_us: int,
+        batch_size: int,
+        fence_us: int,
+        on_dropped: Callable[[Stream], None] | None,
+    ) -> list[tuple[AbcIterator[MessageBatch], Rest]]:
+        """The merge's sources for a rank of several streams, read in few calls (see :mod:`mqds.client.rank_read`)."""
+        calls = RankCalls(streams)
+        live: list[tuple[AbcIterator[MessageBatch], Rest]] = []
+        while (call := calls.next_call()) is not None:
+            first, then = call
+            try:
+                result = self.first_batch(
+                    first, topic_filter, start_time_us, batch_size, stale_ok=True, fence_us=fence_us, then=then
+                )
+            except GenerationDroppedError:
+                if on_dropped is None:
+                    raise
+                for stream in calls.remaining():  # the generation is gone: none of them can be read
+                    on_dropped(stream)
+                break
+            live += [(_READ, rest) for rest in runs(result.messages)]
+            stopped = calls.answered(result)
+            if stopped is not None:
+                source = self._read_on(stopped, result.iterator, batch_size, fence_us, on_dropped)
+                if (rest := next_rest(source)) is not None:
+                    live.append((source, rest))
+        return live
 
     def follow(
         self,
@@ -528,11 +587,13 @@ class Client(BrokerStateCalls, StorageAdminCalls):
             fence = fences[streams[0].shard]
 
             def read() -> AbcIterator[MessageBatch]:
-                sources = [
-                    self._stream_batches(s, topic_filter, start_time_us, batch_size, stale_ok, fence, on_dropped)
-                    for s in streams
-                ]
-                return merged(sources, batch_size)
+                if len(streams) == 1:
+                    yield from self._stream_batches(
+                        streams[0], topic_filter, start_time_us, batch_size, stale_ok, fence, on_dropped
+                    )
+                    return
+                sources = self._rank_sources(streams, topic_filter, start_time_us, batch_size, fence, on_dropped)
+                yield from merged_from(sources, batch_size)
 
             return read
 

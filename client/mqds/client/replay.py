@@ -165,14 +165,23 @@ def merged(sources: list[Iterator[MessageBatch]], batch_size: int) -> Iterator[M
     if len(sources) == 1:
         yield from sources[0]
         return
-    # Each live source with the rest of its current batch (never empty); an exhausted source leaves.
-    live = [(source, rest) for source in sources if (rest := _next_rest(source)) is not None]
+    live = [(source, rest) for source in sources if (rest := next_rest(source)) is not None]
+    yield from merged_from(live, batch_size)
+
+
+def merged_from(live: list[tuple[Iterator[MessageBatch], Rest]], batch_size: int) -> Iterator[MessageBatch]:
+    """:func:`merged` of sources whose first rests were taken already: each (source, non-empty rest of its batch).
+
+    A source may have nothing more after its rest (``iter(())``): a run of
+    an answer that read several streams (:func:`mqds.client.merge.runs`).
+    """
     while live:
         yield from cut([rest for _, rest in live], batch_size)
-        live = [(source, rest) for source, head in live if (rest := head if head else _next_rest(source)) is not None]
+        # An exhausted source leaves.
+        live = [(source, rest) for source, head in live if (rest := head if head else next_rest(source)) is not None]
 
 
-def _next_rest(source: Iterator[MessageBatch]) -> Rest | None:
+def next_rest(source: Iterator[MessageBatch]) -> Rest | None:
     """The source's next non-empty batch; None once it is exhausted."""
     for batch in source:
         if batch:

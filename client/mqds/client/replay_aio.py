@@ -128,16 +128,24 @@ async def merged(sources: list[AsyncIterator[MessageBatch]], batch_size: int) ->
         async for batch in sources[0]:
             yield batch
         return
-    live = [(source, rest) for source in sources if (rest := await _next_rest(source)) is not None]
+    live = [(source, rest) for source in sources if (rest := await next_rest(source)) is not None]
+    async for batch in merged_from(live, batch_size):
+        yield batch
+
+
+async def merged_from(
+    live: list[tuple[AsyncIterator[MessageBatch], Rest]], batch_size: int
+) -> AsyncIterator[MessageBatch]:
+    """``replay.merged_from``'s twin: sources whose first rests were taken already."""
     while live:
         for batch in cut([rest for _, rest in live], batch_size):
             yield batch
         live = [
-            (source, rest) for source, head in live if (rest := head if head else await _next_rest(source)) is not None
+            (source, rest) for source, head in live if (rest := head if head else await next_rest(source)) is not None
         ]
 
 
-async def _next_rest(source: AsyncIterator[MessageBatch]) -> Rest | None:
+async def next_rest(source: AsyncIterator[MessageBatch]) -> Rest | None:
     async for batch in source:
         if batch:
             return Rest(batch)
