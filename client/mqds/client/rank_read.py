@@ -14,7 +14,8 @@ What the merge holds is what it held before: the first batch of every
 stream of the rank.
 
 :class:`RankCalls` is the bookkeeping, the same for the sync and the
-asyncio client; they make the calls.
+asyncio client and the Spark source (which reads a slice's streams the
+same way, without the merge); they make the calls.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import pyarrow as pa
 from mqds.client import Client, ConnectionSettings, MessageBatch, NextResult, Stream
 from mqds.client import Iterator as StreamIterator
 from mqds.client.errors import GenerationDroppedError, NotFoundError
+from mqds.client.rank_read import RankCalls
 from mqds.protocol.errors import Reason
 from mqds.spark.columns import to_record_batch
 from mqds.spark.plan import Slice, loss_error
@@ -34,9 +35,6 @@ from mqds.spark.plan import Slice, loss_error
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-MAX_THEN = 999
-"""Streams a read goes on into after the one it starts (a node takes at most 1,000: ``NextRequest.then``)."""
 
 # Rows per Arrow record batch handed to Spark, unless its answers make ARROW_BYTES first.
 ARROW_ROWS = 8192
@@ -100,27 +98,25 @@ def any_replica_then_leader(call: Callable[[bool], T]) -> T:
 def _stream_batches(client: Client, part: Slice, streams: Sequence[Stream], batch_size: int) -> Iterator[MessageBatch]:
     """``streams`` (of the slice), read stream after stream: each call goes on into the next streams once one is
     read to the fence (``first_batch`` with ``then``), so a slice of many short streams costs a call or two."""
-    i = 0
-    while i < len(streams):
-        rest = streams[i + 1 : i + 1 + MAX_THEN]
+    calls = RankCalls(streams)
+    while (call := calls.next_call()) is not None:
 
-        def first(stale_ok: bool, at: int = i, rest: Sequence[Stream] = rest) -> NextResult:
+        def first(stale_ok: bool, start: Stream = call[0], then: Sequence[Stream] = call[1]) -> NextResult:
             return client.first_batch(
-                streams[at],
+                start,
                 part.topic_filter,
                 part.start_us,
                 batch_size,
                 stale_ok=stale_ok,
                 fence_us=part.fence_us,
-                then=rest,
+                then=then,
             )
 
         result = any_replica_then_leader(first)
         if result.messages:
             yield result.messages
-        # A node that reads no further than start says nothing of the streams done: the one it read, if ended.
-        i += max(result.streams_done, int(result.end_of_stream))
-        while not result.end_of_stream:  # stopped inside streams[i]: on with it alone
+        calls.answered(result)
+        while not result.end_of_stream:  # stopped inside a stream: on with it alone
 
             def next_batch(stale_ok: bool, position: StreamIterator = result.iterator) -> NextResult:
                 return client.next(position, batch_size, stale_ok=stale_ok, fence_us=part.fence_us)
@@ -128,8 +124,6 @@ def _stream_batches(client: Client, part: Slice, streams: Sequence[Stream], batc
             result = any_replica_then_leader(next_batch)
             if result.messages:
                 yield result.messages
-            if result.end_of_stream:
-                i += 1
 
 
 def first_timestamp(client: Client, part: Slice) -> int | None:
