@@ -13,12 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mqds.client import Client, Message, MessageBatch, NextResult, Stream
 from mqds.client import Iterator as StreamIterator
+from mqds.client import Message, MessageBatch, NextResult, Stream
 from mqds.client.batch import wire_times
 from mqds.client.merge import runs
 from mqds.client.next_answer import next_result, parsed_next_result
 from mqds.client.replay import merged, merged_from, read_ahead
+from mqds.client.stream_reads import RankRead, rank_sources
 from mqds.protocol.errors import GenerationDroppedError, Reason
 from mqds.v1 import storage_pb2 as pb
 
@@ -268,8 +269,8 @@ def test_a_generation_dropped_while_a_rank_is_read_hands_its_unread_streams_to_o
     streams = [Stream(shard=0, generation=1, id=i, pattern="t/+") for i in range(5)]
     position = StreamIterator(shard=0, generation=1, state=b"at-stream-2")
 
-    class Replaying(Client):
-        def __init__(self) -> None:  # no cluster: only the rank's reads are exercised
+    class Replaying:  # no cluster: a client's first_batch and next, which is all a rank's reads use
+        def __init__(self) -> None:
             self.calls: list[int] = []
 
         def first_batch(self, stream: Stream, *args: Any, **kwargs: Any) -> NextResult:
@@ -287,8 +288,8 @@ def test_a_generation_dropped_while_a_rank_is_read_hands_its_unread_streams_to_o
 
     client = Replaying()
     dropped: list[Stream] = []
-    live = client._rank_sources(streams, "t/#", 0, 10, 1_000, dropped.append)
+    live = rank_sources(client, RankRead("t/#", 0, 10, 1_000, dropped.append), streams)
     assert [t for b in merged_from(live, 10) for t in b.times] == [2, 4, 5, 7, 9]
     assert client.calls == [0, 3] and dropped == streams[2:]
     with pytest.raises(GenerationDroppedError):
-        Replaying()._rank_sources(streams, "t/#", 0, 10, 1_000, None)
+        rank_sources(Replaying(), RankRead("t/#", 0, 10, 1_000, None), streams)

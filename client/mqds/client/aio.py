@@ -36,29 +36,21 @@ from mqds.client.connection import ConnectionSettings, parse_endpoints, resolve_
 from mqds.client.deletes import DeleteReport, DeleteRun, Progress
 from mqds.client.follow import FollowCore, FollowPosition
 from mqds.client.follow_aio import AsyncFollowMux, AsyncSubscription
-from mqds.client.merge import Rest, runs
 from mqds.client.model import Fence, Generation, Iterator, Message, NextResult, Rank, Stream
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.pipeline import PipelineLimits, resolve_limits
 from mqds.client.pipeline_aio import AsyncPipeline
-from mqds.client.rank_read import RankCalls
 from mqds.client.replay import GROUP_BYTES, GROUP_DEPTH, WEIGH_BATCH
-from mqds.client.replay_aio import merged_from, next_rest
 from mqds.client.replay_aio import read_ahead as read_ahead_batches
 from mqds.client.retry import Backoff, time_left
+from mqds.client.stream_reads import RankRead, read_rank_aio
 from mqds.protocol import errors
-from mqds.protocol.errors import GenerationDroppedError, MqdsError, Reason
+from mqds.protocol.errors import MqdsError, Reason
 from mqds.v1 import cluster_pb2 as clpb
 
 __all__ = ["AsyncRouter", "Client"]
 
 T = TypeVar("T")
-
-
-async def _nothing() -> AsyncIterator[MessageBatch]:
-    """The source of a run of an answer: nothing after it."""
-    return
-    yield  # an async generator
 
 
 class Client(AsyncBrokerStateCalls):
@@ -323,86 +315,6 @@ class Client(AsyncBrokerStateCalls):
         """The read fence of each shard (or of ``shards``), in shard order: see :class:`Fence`."""
         return await self._fanout_call(ops.get_fences(None if shards is None else list(shards), stale_ok), timeout_s)
 
-    async def _stream_batches(
-        self,
-        stream: Stream,
-        topic_filter: str,
-        start_time_us: int,
-        batch_size: int,
-        stale_ok: bool,
-        fence_us: int,
-        on_dropped: Callable[[Stream], None] | None = None,
-    ) -> AsyncIterator[MessageBatch]:
-        try:
-            # Up to the fence every replica that applied it answers the same: no read-index round per call.
-            result = await self.first_batch(
-                stream, topic_filter, start_time_us, batch_size, stale_ok=True, fence_us=fence_us
-            )
-        except GenerationDroppedError:
-            if on_dropped is None:
-                raise
-            on_dropped(stream)  # and the stream ends here
-            return
-        if result.messages:
-            yield result.messages
-        if not ops.stream_exhausted(result):
-            async for batch in self._read_on(stream, result.iterator, batch_size, fence_us, on_dropped):
-                yield batch
-
-    async def _read_on(
-        self,
-        stream: Stream,
-        position: Iterator,
-        batch_size: int,
-        fence_us: int,
-        on_dropped: Callable[[Stream], None] | None,
-    ) -> AsyncIterator[MessageBatch]:
-        """The rest of ``stream`` from ``position`` up to the fence, batch by batch."""
-        try:
-            while True:
-                result = await self.next(position, batch_size, stale_ok=True, fence_us=fence_us)
-                if result.messages:
-                    yield result.messages
-                if ops.stream_exhausted(result):
-                    return
-                position = result.iterator
-        except GenerationDroppedError:
-            if on_dropped is None:
-                raise
-            on_dropped(stream)  # and the stream ends here
-
-    async def _rank_sources(
-        self,
-        streams: Sequence[Stream],
-        topic_filter: str,
-        start_time_us: int,
-        batch_size: int,
-        fence_us: int,
-        on_dropped: Callable[[Stream], None] | None,
-    ) -> list[tuple[AsyncIterator[MessageBatch], Rest]]:
-        """The sync client's ``_rank_sources``: a rank of several streams read in few calls."""
-        calls = RankCalls(streams)
-        live: list[tuple[AsyncIterator[MessageBatch], Rest]] = []
-        while (call := calls.next_call()) is not None:
-            first, then = call
-            try:
-                result = await self.first_batch(
-                    first, topic_filter, start_time_us, batch_size, stale_ok=True, fence_us=fence_us, then=then
-                )
-            except GenerationDroppedError:
-                if on_dropped is None:
-                    raise
-                for stream in calls.remaining():  # the generation is gone: none of them can be read
-                    on_dropped(stream)
-                break
-            live += [(_nothing(), rest) for rest in runs(result.messages)]
-            stopped = calls.answered(result)
-            if stopped is not None:
-                source = self._read_on(stopped, result.iterator, batch_size, fence_us, on_dropped)
-                if (rest := await next_rest(source)) is not None:
-                    live.append((source, rest))
-        return live
-
     async def follow(
         self,
         topic_filter: str,
@@ -460,22 +372,8 @@ class Client(AsyncBrokerStateCalls):
         fences = {f.shard: f.timestamp_us for f in await self.get_fences(shards, stale_ok=stale_ok)} if shards else {}
 
         def group(streams: list[Stream]) -> Callable[[], AsyncIterator[MessageBatch]]:
-            fence = fences[streams[0].shard]
-
-            async def read() -> AsyncIterator[MessageBatch]:
-                if len(streams) == 1:
-                    source = self._stream_batches(
-                        streams[0], topic_filter, start_time_us, batch_size, stale_ok, fence, on_dropped
-                    )
-                else:
-                    sources = await self._rank_sources(
-                        streams, topic_filter, start_time_us, batch_size, fence, on_dropped
-                    )
-                    source = merged_from(sources, batch_size)
-                async for batch in source:
-                    yield batch
-
-            return read
+            read = RankRead(topic_filter, start_time_us, batch_size, fences[streams[0].shard], on_dropped)
+            return lambda: read_rank_aio(self, read, streams)
 
         groups = [group(streams) for streams in order]
         async for batch in read_ahead_batches(groups, read_ahead, GROUP_DEPTH, GROUP_BYTES, WEIGH_BATCH):

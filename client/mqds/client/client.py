@@ -21,27 +21,24 @@ from mqds.client.broker_state import BrokerStateCalls
 from mqds.client.connection import DEFAULT_MAX_MESSAGE_BYTES, ConnectionSettings, parse_endpoints, resolve_settings
 from mqds.client.follow import FollowCore, FollowPosition
 from mqds.client.follow_sync import FollowMux, Subscription
-from mqds.client.merge import Rest, runs
 from mqds.client.model import Fence, Iterator, Message, NextResult, Rank, Stream
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.pipeline import PipelineLimits, resolve_limits
 from mqds.client.pipeline_sync import SyncPipeline
-from mqds.client.rank_read import RankCalls
-from mqds.client.replay import GROUP_BYTES, GROUP_DEPTH, WEIGH_BATCH, merged_from, next_rest
+from mqds.client.replay import GROUP_BYTES, GROUP_DEPTH, WEIGH_BATCH
 from mqds.client.replay import read_ahead as read_ahead_batches
 from mqds.client.retry import time_left
 from mqds.client.routing import Backoff, Fanout, Router, ShardFailures
 from mqds.client.storage_admin import StorageAdminCalls
+from mqds.client.stream_reads import RankRead, read_rank
 from mqds.protocol import errors
-from mqds.protocol.errors import GenerationDroppedError, MqdsError, Reason
+from mqds.protocol.errors import MqdsError, Reason
 from mqds.v1 import cluster_pb2 as clpb
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_READ: AbcIterator[MessageBatch] = iter(())
-"""The source of a run of an answer: nothing after it."""
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "Client", "ShardFailures", "parse_endpoints"]
 
@@ -432,83 +429,6 @@ class Client(BrokerStateCalls, StorageAdminCalls):
         """The read fence of each shard (or of ``shards``), in shard order: see :class:`Fence`."""
         return self._fanout_call(ops.get_fences(None if shards is None else list(shards), stale_ok), timeout_s)
 
-    def _stream_batches(
-        self,
-        stream: Stream,
-        topic_filter: str,
-        start_time_us: int,
-        batch_size: int,
-        stale_ok: bool,
-        fence_us: int,
-        on_dropped: Callable[[Stream], None] | None = None,
-    ) -> AbcIterator[MessageBatch]:
-        try:
-            # Up to the fence every replica that applied it answers the same: no read-index round per call.
-            result = self.first_batch(stream, topic_filter, start_time_us, batch_size, stale_ok=True, fence_us=fence_us)
-        except GenerationDroppedError:
-            if on_dropped is None:
-                raise
-            on_dropped(stream)  # and the stream ends here
-            return
-        if result.messages:
-            yield result.messages
-        if not ops.stream_exhausted(result):
-            yield from self._read_on(stream, result.iterator, batch_size, fence_us, on_dropped)
-
-    def _read_on(
-        self,
-        stream: Stream,
-        position: Iterator,
-        batch_size: int,
-        fence_us: int,
-        on_dropped: Callable[[Stream], None] | None,
-    ) -> AbcIterator[MessageBatch]:
-        """The rest of ``stream`` from ``position`` up to the fence, batch by batch."""
-        try:
-            while True:
-                result = self.next(position, batch_size, stale_ok=True, fence_us=fence_us)
-                if result.messages:
-                    yield result.messages
-                if ops.stream_exhausted(result):
-                    return
-                position = result.iterator
-        except GenerationDroppedError:
-            if on_dropped is None:
-                raise
-            on_dropped(stream)  # and the stream ends here
-
-    def _rank_sources(
-        self,
-        streams: Sequence[Stream],
-        topic_filter: str,
-        start_time_us: int,
-        batch_size: int,
-        fence_us: int,
-        on_dropped: Callable[[Stream], None] | None,
-    ) -> list[tuple[AbcIterator[MessageBatch], Rest]]:
-        """The merge's sources for a rank of several streams, read in few calls (see :mod:`mqds.client.rank_read`)."""
-        calls = RankCalls(streams)
-        live: list[tuple[AbcIterator[MessageBatch], Rest]] = []
-        while (call := calls.next_call()) is not None:
-            first, then = call
-            try:
-                result = self.first_batch(
-                    first, topic_filter, start_time_us, batch_size, stale_ok=True, fence_us=fence_us, then=then
-                )
-            except GenerationDroppedError:
-                if on_dropped is None:
-                    raise
-                for stream in calls.remaining():  # the generation is gone: none of them can be read
-                    on_dropped(stream)
-                break
-            live += [(_READ, rest) for rest in runs(result.messages)]
-            stopped = calls.answered(result)
-            if stopped is not None:
-                source = self._read_on(stopped, result.iterator, batch_size, fence_us, on_dropped)
-                if (rest := next_rest(source)) is not None:
-                    live.append((source, rest))
-        return live
-
     def follow(
         self,
         topic_filter: str,
@@ -584,18 +504,8 @@ class Client(BrokerStateCalls, StorageAdminCalls):
         fences = {f.shard: f.timestamp_us for f in self.get_fences(shards, stale_ok=stale_ok)} if shards else {}
 
         def group(streams: list[Stream]) -> Callable[[], AbcIterator[MessageBatch]]:
-            fence = fences[streams[0].shard]
-
-            def read() -> AbcIterator[MessageBatch]:
-                if len(streams) == 1:
-                    yield from self._stream_batches(
-                        streams[0], topic_filter, start_time_us, batch_size, stale_ok, fence, on_dropped
-                    )
-                    return
-                sources = self._rank_sources(streams, topic_filter, start_time_us, batch_size, fence, on_dropped)
-                yield from merged_from(sources, batch_size)
-
-            return read
+            read = RankRead(topic_filter, start_time_us, batch_size, fences[streams[0].shard], on_dropped)
+            return lambda: read_rank(self, read, streams)
 
         return read_ahead_batches(
             [group(streams) for streams in order], read_ahead, GROUP_DEPTH, GROUP_BYTES, WEIGH_BATCH
