@@ -6,10 +6,11 @@ subscriptions), each subscriber following ``bench/#`` on every shard from
 the run's start, served by the shard's replicas in turn (``stale_ok``). It
 counts the messages it is sent without decoding them into objects (the
 benchmark measures the nodes, not the client's decoding), grants the credit
-back as answers come, and samples the delivery latency of each answer's last
-message: the time it arrived less the timestamp its shard's leader gave it
-(taken just before the commit, so this slightly overstates the time from
-acknowledgement to delivery).
+back as answers come (one request for the subscriptions a shared answer was
+for), and samples the delivery latency of each answer's last message: the
+time it arrived less the timestamp its shard's leader gave it (taken just
+before the commit, so this slightly overstates the time from acknowledgement
+to delivery), weighted by the subscriptions the answer was for.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class SubscriberSpec:
     window: int
     per_call: int
     settings: ConnectionSettings | None
+    shared_answers: bool = True
+    """Whether the subscriptions take shared answers (``FollowStart.shared_answers``)."""
 
 
 class _FollowCall:
@@ -72,8 +75,10 @@ class _FollowCall:
                     continue
                 if not n:
                     continue
-                self.counter.add(n, answer.messages[n - 1].timestamp_us)
-                self.requests.put(pb.FollowRequest(credit=pb.FollowCredit(id=answer.id, messages=n)))
+                # A shared answer is each of its subscriptions' (``also``): each is counted, and granted again.
+                self.counter.add(n, answer.messages[n - 1].timestamp_us, 1 + len(answer.also))
+                credit = pb.FollowCredit(id=answer.id, messages=n, also=answer.also)
+                self.requests.put(pb.FollowRequest(credit=credit))
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.CANCELLED:
                 self.counter.failures += 1
@@ -87,25 +92,27 @@ class _Counter:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.delivered = 0
-        self.latencies: list[float] = []
+        self.latencies: list[tuple[float, int]] = []
+        """(latency in seconds, the subscriptions it was for), one per answer."""
         self.failures = 0
         self.counting = False
         self.last_at = 0.0
         self.shared: Any = None
         """The count every subscriber process adds to, which the parent watches."""
 
-    def add(self, n: int, timestamp_us: int) -> None:
+    def add(self, n: int, timestamp_us: int, subscriptions: int = 1) -> None:
+        """``n`` messages each delivered to ``subscriptions``, the last stored at ``timestamp_us``."""
         latency = time.time() - timestamp_us / 1e6
         with self.lock:
             if not self.counting:
                 return
-            self.delivered += n
+            self.delivered += n * subscriptions
             self.last_at = time.time()
             if len(self.latencies) < _MAX_SAMPLES:
-                self.latencies.append(latency)
+                self.latencies.append((latency, subscriptions))
         if self.shared is not None:
             with self.shared.get_lock():
-                self.shared.value += n
+                self.shared.value += n * subscriptions
 
 
 def subscribe(args: tuple[SubscriberSpec, Any]) -> None:
@@ -135,6 +142,7 @@ def subscribe(args: tuple[SubscriberSpec, Any]) -> None:
                 start_time_us=spec.start_us,
                 credit=spec.window,
                 stale_ok=True,
+                shared_answers=spec.shared_answers,
             )
             call.requests.put(pb.FollowRequest(start=start))
     shared.ready.put(1)

@@ -1,4 +1,5 @@
-"""Push subscriptions' pieces without a cluster: the replica's feed, ordered reads and drops, saved positions."""
+"""Push subscriptions' pieces without a cluster: the replica's feed, ordered reads and drops, saved positions,
+the client's routing of shared answers and merging of credits."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from storage_support import msg
 
 from mqds.client import FollowPosition
 from mqds.client import errors as E
+from mqds.client.follow import FollowRoutes, ShardPart, merge_credits
 from mqds.server.cluster.feed import ShardFeed
 from mqds.server.storage.ordered import dropped_after, ordered
 from mqds.server.storage.shard import ShardStorage
@@ -181,3 +183,73 @@ def test_a_position_of_another_cluster_filter_or_shard_count_is_refused() -> Non
         with pytest.raises(E.InvalidArgumentError, match=what) as err:
             position.check(cid, flt, n)
         assert err.value.reason.value == "INVALID_POSITION"
+
+
+requests = st.lists(
+    st.one_of(
+        st.builds(lambda i: pb.FollowRequest(start=pb.FollowStart(id=i, credit=1)), st.integers(1, 6)),
+        st.builds(
+            lambda i, n: pb.FollowRequest(credit=pb.FollowCredit(id=i, messages=n)),
+            st.integers(1, 6),
+            st.integers(1, 3),
+        ),
+        st.builds(lambda i: pb.FollowRequest(cancel=i), st.integers(1, 6)),
+    ),
+    max_size=30,
+)
+
+
+def replay_credit(sequence: list[pb.FollowRequest]) -> list[dict[int, int]]:
+    """The credit each id holds after each start or cancel (what a node applying the requests in order sees)."""
+    credit: dict[int, int] = {}
+    seen = []
+    for request in sequence:
+        kind = request.WhichOneof("kind")
+        if kind == "start":
+            credit[request.start.id] = 0
+        elif kind == "cancel":
+            credit.pop(request.cancel, None)
+        else:
+            for sid in (request.credit.id, *request.credit.also):
+                if sid in credit:
+                    credit[sid] += request.credit.messages
+            continue
+        seen.append(dict(credit))
+    seen.append(dict(credit))
+    return seen
+
+
+@given(requests)
+def test_merged_credits_grant_what_the_requests_did_and_never_pass_a_start_or_cancel(
+    sequence: list[pb.FollowRequest],
+) -> None:
+    originals = [pb.FollowRequest.FromString(r.SerializeToString()) for r in sequence]
+    merged = merge_credits(sequence)
+    assert replay_credit(merged) == replay_credit(originals)
+    assert len(merged) <= len(originals)
+
+
+def test_a_shared_answer_is_routed_to_each_subscription_it_names() -> None:
+    routes: FollowRoutes[str, str] = FollowRoutes()
+    parts = {name: ShardPart(0, 0) for name in "abc"}
+    for name, p in parts.items():
+        routes.add(name, p, "call", pb.FollowStart())
+    ids = {name: p.sub_id for name, p in parts.items()}
+    answer = pb.FollowResponse(id=ids["a"], also=[ids["b"], 999, ids["c"]], position_us=5)
+    assert [(sid, sub) for sid, sub, _ in routes.answered(answer)] == [
+        (ids["a"], "a"),
+        (ids["b"], "b"),
+        (ids["c"], "c"),
+    ]
+    failure = pb.FollowResponse(id=ids["b"], failure=pb.ShardFailure(reason="NOT_LEADER"))
+    assert [sub for _, sub, _ in routes.answered(failure)] == ["b"]
+    assert [sub for _, sub, _ in routes.answered(answer)] == ["a", "c"], "a failure ends its route"
+
+
+def test_the_feed_head_is_its_last_message() -> None:
+    feed = ShardFeed(0, 1 << 20)
+    assert feed.head == 0
+    feed.listen(lambda: None, lambda: 7)
+    assert feed.head == 7
+    feed.append(*part(10, "a", "b", "c"))
+    assert feed.head == 12

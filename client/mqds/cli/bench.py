@@ -330,6 +330,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         help="processes the --subscribers share (default 2)",
     )
     parser.add_argument(
+        "--separate-answers",
+        action="store_true",
+        help="with --subscribers: the subscriptions do not take shared answers, so the nodes send each of "
+        "them its own answer (the cost without FollowStart.shared_answers, for comparison)",
+    )
+    parser.add_argument(
         "--skip-replay",
         action="store_true",
         help="do not measure replay (by default: what the run wrote, replayed in batches and as Message objects, "

@@ -11,6 +11,11 @@ command controls the nodes: ``--start-cluster`` or ``--data-dir``) and the
 nodes' memory. ``--json``: one object, the largest N's figures at the top
 (``delivered_msgs_per_s``, ``delivery_p50_ms``, ``delivery_p99_ms``,
 ``server_cpu_ms_per_1000_delivered``) and every N under ``runs``.
+
+The subscriptions take shared answers (``FollowStart.shared_answers``): the
+node sends one answer for all of a call's subscriptions at the same place.
+``--separate-answers`` measures one answer per subscription instead, as
+clients that do not read ``also`` get them.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mqds.bench import pct_ms, run_load
+from mqds.bench import run_load
 from mqds.bench_fanout import SubscriberSpec, subscribe
 from mqds.cli import local_cluster
 from mqds.cli.bench_mqtt import _cpu_total
@@ -46,6 +51,21 @@ def parse_counts(text: str) -> list[int]:
     if not counts or min(counts) < 1:
         raise CommandError("--subscribers takes one or more counts of at least 1 (e.g. 1,100,1000)", EXIT_USAGE)
     return counts
+
+
+def weighted_pct_ms(ordered: list[tuple[float, int]], q: float) -> float:
+    """The ``q`` quantile, in milliseconds, of sorted (latency in seconds, deliveries it stands for) samples:
+    an answer shared by 500 subscriptions weighs as 500 deliveries (0 when there are none)."""
+    total = sum(weight for _, weight in ordered)
+    if not total:
+        return 0.0
+    rank = q * total
+    seen = 0
+    for latency, weight in ordered:
+        seen += weight
+        if seen > rank:
+            return latency * 1000
+    return ordered[-1][0] * 1000
 
 
 def _rss_mib(pids: list[int]) -> float | None:
@@ -153,7 +173,9 @@ def _one(
         first = 0
         for i in range(processes):
             count = n // processes + (1 if i < n % processes else 0)
-            specs.append(SubscriberSpec(first, count, replicas, start_us, 10_000, PER_CALL, settings))
+            specs.append(
+                SubscriberSpec(first, count, replicas, start_us, 10_000, PER_CALL, settings, not opts.separate_answers)
+            )
             first += count
         procs = [ctx.Process(target=subscribe, args=((spec, shared),), daemon=True) for spec in specs]
         for p in procs:
@@ -182,7 +204,7 @@ def _one(
                     p.kill()
     delivered = sum(r["delivered"] for r in reports)
     last = max((r["last_at"] for r in reports), default=result.start_at)
-    latencies = sorted(x for r in reports for x in r["latencies"])
+    latencies = sorted(tuple(x) for r in reports for x in r["latencies"])
     cpu = None
     if cpu_before is not None and cpu_after is not None and delivered:
         cpu = round((cpu_after - cpu_before) * 1000 / delivered * 1000, 3)
@@ -194,8 +216,8 @@ def _one(
         "delivered_msgs_per_s": round(delivered / max(duration, last - result.start_at), 1),
         "expected_deliveries": result.acked_msgs * n,
         "delivered": delivered,
-        "delivery_p50_ms": round(pct_ms(latencies, 0.50), 2),
-        "delivery_p99_ms": round(pct_ms(latencies, 0.99), 2),
+        "delivery_p50_ms": round(weighted_pct_ms(latencies, 0.50), 2),
+        "delivery_p99_ms": round(weighted_pct_ms(latencies, 0.99), 2),
         "server_cpu_ms_per_1000_delivered": cpu,
         "node_rss_mib": None if rss is None else round(rss, 1),
         "subscriber_cpu_s": round(sum(r["cpu_s"] for r in reports), 2),

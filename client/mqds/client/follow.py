@@ -34,7 +34,7 @@ from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.topics import TopicError, validate_filter
 from mqds.v1 import storage_pb2 as pb
 
-__all__ = ["FollowBatch", "FollowCore", "FollowPosition", "FollowRoutes", "ShardPart"]
+__all__ = ["FollowBatch", "FollowCore", "FollowPosition", "FollowRoutes", "ShardPart", "merge_credits"]
 
 _RETRY_MAX_S = 2.0
 
@@ -175,14 +175,16 @@ class FollowRoutes(Generic[S, C]):
         route = self._routes.get(part.sub_id)
         return None if route is None else route[2]
 
-    def answered(self, answer: pb.FollowResponse) -> tuple[S, ShardPart] | None:
-        """Whose answer this is (None: a subscription that ended); a failure ends the route."""
-        route = self._routes.get(answer.id)
-        if route is None:
-            return None
+    def answered(self, answer: pb.FollowResponse) -> list[tuple[int, S, ShardPart]]:
+        """Whose answer this is: each subscription id it is for (its own and ``also``) with its subscription and
+        shard part, leaving out those that ended; a failure ends the route.
+        """
+        routes = self._routes
         if answer.HasField("failure"):
-            del self._routes[answer.id]
-        return route[0], route[1]
+            route = routes.pop(answer.id, None)
+            return [] if route is None else [(answer.id, route[0], route[1])]
+        ids = (answer.id, *answer.also) if answer.also else (answer.id,)
+        return [(sid, route[0], route[1]) for sid in ids if (route := routes.get(sid)) is not None]
 
     def ended(self, call: C) -> list[tuple[int, S, ShardPart]]:
         """``call`` ended: the subscriptions that were on it (their routes removed)."""
@@ -201,6 +203,28 @@ class FollowRoutes(Generic[S, C]):
 
     def clear(self) -> None:
         self._routes.clear()
+
+
+def merge_credits(requests: list[pb.FollowRequest]) -> list[pb.FollowRequest]:
+    """``requests`` as they go on a call, each run of credits of the same size merged into one request
+    (``FollowCredit.also``); starts and cancels keep their places, so a credit never overtakes its start.
+    """
+    merged: list[pb.FollowRequest] = []
+    run: dict[int, pb.FollowRequest] = {}
+    for request in requests:
+        if request.WhichOneof("kind") != "credit":
+            run.clear()
+            merged.append(request)
+            continue
+        credit = request.credit
+        same = run.get(credit.messages)
+        if same is None:
+            run[credit.messages] = request
+            merged.append(request)
+        else:
+            same.credit.also.append(credit.id)
+            same.credit.also.extend(credit.also)
+    return merged
 
 
 class FollowCore:
@@ -278,6 +302,7 @@ class FollowCore:
             start_time_us=self.start_time_us,
             credit=self.window,
             stale_ok=self.any_replica,
+            shared_answers=True,
         )
         return address, request
 

@@ -107,9 +107,8 @@ class AsyncFollowMux:
             await call.send(pb.FollowRequest(cancel=part.sub_id))
 
     def on_answer(self, answer: pb.FollowResponse) -> None:
-        route = self._routes.answered(answer)
-        if route is not None:
-            route[0].events.put_nowait((route[1], answer.id, answer, None))
+        for sid, sub, part in self._routes.answered(answer):
+            sub.events.put_nowait((part, sid, answer, None))
 
     def on_end(self, call: _Call, err: MqdsError) -> None:
         call.ended = True

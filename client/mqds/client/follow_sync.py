@@ -10,6 +10,7 @@ happens in the thread that iterates it; the readers only queue what came.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from mqds.client.follow import FollowBatch, FollowCore, FollowPosition, FollowRoutes, ShardPart
+from mqds.client.follow import FollowBatch, FollowCore, FollowPosition, FollowRoutes, ShardPart, merge_credits
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.v1 import storage_pb2 as pb
@@ -32,6 +33,8 @@ __all__ = ["FollowMux", "Subscription"]
 log = logging.getLogger(__name__)
 
 FOLLOW_METHOD = "/mqds.v1.Storage/Follow"
+_MERGE_MAX = 1024
+"""Requests waiting on a call that are taken together to merge their credits, at most."""
 
 
 class _Call:
@@ -53,8 +56,15 @@ class _Call:
         threading.Thread(target=self._read, name="mqds-follow", daemon=True).start()
 
     def _requests(self) -> Iterator[pb.FollowRequest]:
+        """The queued requests, the credits waiting together merged (many subscribers' in one request)."""
         while (request := self.requests.get()) is not None:
-            yield request
+            waiting = [request]
+            with contextlib.suppress(queue.Empty):
+                while len(waiting) < _MERGE_MAX and (request := self.requests.get_nowait()) is not None:
+                    waiting.append(request)
+            yield from merge_credits(waiting)
+            if request is None:
+                return
 
     def _read(self) -> None:
         err: MqdsError | None = None
@@ -118,9 +128,9 @@ class FollowMux:
 
     def on_answer(self, answer: pb.FollowResponse) -> None:
         with self._lock:
-            route = self._routes.answered(answer)
-        if route is not None:
-            route[0].events.put((route[1], answer.id, answer, None))
+            routes = self._routes.answered(answer)
+        for sid, sub, part in routes:
+            sub.events.put((part, sid, answer, None))
 
     def on_end(self, call: _Call, err: MqdsError) -> None:
         with self._lock:

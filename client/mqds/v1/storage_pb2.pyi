@@ -314,7 +314,7 @@ class FollowRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[FollowStart, _Mapping]] = ..., credit: _Optional[_Union[FollowCredit, _Mapping]] = ..., cancel: _Optional[int] = ...) -> None: ...
 
 class FollowStart(_message.Message):
-    __slots__ = ("id", "topic_filter", "shard", "after_us", "start_time_us", "credit", "stale_ok")
+    __slots__ = ("id", "topic_filter", "shard", "after_us", "start_time_us", "credit", "stale_ok", "shared_answers")
     ID_FIELD_NUMBER: _ClassVar[int]
     TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +322,7 @@ class FollowStart(_message.Message):
     START_TIME_US_FIELD_NUMBER: _ClassVar[int]
     CREDIT_FIELD_NUMBER: _ClassVar[int]
     STALE_OK_FIELD_NUMBER: _ClassVar[int]
+    SHARED_ANSWERS_FIELD_NUMBER: _ClassVar[int]
     id: int
     topic_filter: str
     shard: int
@@ -329,29 +330,34 @@ class FollowStart(_message.Message):
     start_time_us: int
     credit: int
     stale_ok: bool
-    def __init__(self, id: _Optional[int] = ..., topic_filter: _Optional[str] = ..., shard: _Optional[int] = ..., after_us: _Optional[int] = ..., start_time_us: _Optional[int] = ..., credit: _Optional[int] = ..., stale_ok: _Optional[bool] = ...) -> None: ...
+    shared_answers: bool
+    def __init__(self, id: _Optional[int] = ..., topic_filter: _Optional[str] = ..., shard: _Optional[int] = ..., after_us: _Optional[int] = ..., start_time_us: _Optional[int] = ..., credit: _Optional[int] = ..., stale_ok: _Optional[bool] = ..., shared_answers: _Optional[bool] = ...) -> None: ...
 
 class FollowCredit(_message.Message):
-    __slots__ = ("id", "messages")
+    __slots__ = ("id", "messages", "also")
     ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ALSO_FIELD_NUMBER: _ClassVar[int]
     id: int
     messages: int
-    def __init__(self, id: _Optional[int] = ..., messages: _Optional[int] = ...) -> None: ...
+    also: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., messages: _Optional[int] = ..., also: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FollowResponse(_message.Message):
-    __slots__ = ("id", "shard", "messages", "position_us", "failure")
+    __slots__ = ("id", "shard", "messages", "position_us", "failure", "also")
     ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     POSITION_US_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    ALSO_FIELD_NUMBER: _ClassVar[int]
     id: int
     shard: int
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     position_us: int
     failure: ShardFailure
-    def __init__(self, id: _Optional[int] = ..., shard: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., position_us: _Optional[int] = ..., failure: _Optional[_Union[ShardFailure, _Mapping]] = ...) -> None: ...
+    also: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., shard: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., position_us: _Optional[int] = ..., failure: _Optional[_Union[ShardFailure, _Mapping]] = ..., also: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DeleteMessagesRequest(_message.Message):
     __slots__ = ("shard", "topic_filter", "sender", "since_us", "until_us", "confirm_all", "cursor", "max_steps")

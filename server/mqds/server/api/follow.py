@@ -18,6 +18,14 @@ subscribers of one filter at nearby positions share one read. A
 subscription without credit is skipped and holds nothing; when credit comes
 it goes on from its position, from disk if the feed moved past it.
 
+Shared answers. Subscriptions that started with ``shared_answers`` and stand
+at the same position of the same filter and shard (real-time subscribers of
+a topic do, once they reach the head) are served by one read and one answer:
+its ``also`` lists the other subscriptions it is for, and each of them takes
+the messages from its own credit. So a call carrying a thousand such
+subscribers costs the node one answer per new batch, not a thousand. One
+whose credit is short of the answer is served on its own, from its position.
+
 Errors. A request that breaks the protocol (a frame that does not parse, an
 id in use or unknown, zero credit, more than ``follow_max_subscriptions``)
 ends the call with INVALID_ARGUMENT. A subscription that cannot be served
@@ -33,7 +41,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
@@ -85,6 +93,7 @@ class _Sub:
         "reported",
         "reported_at",
         "shard",
+        "shared",
         "stale_ok",
         "start_us",
         "topic_filter",
@@ -101,8 +110,22 @@ class _Sub:
         self.start_us = start.start_time_us
         self.credit = start.credit
         self.stale_ok = start.stale_ok
+        self.shared = start.shared_answers
         self.listening: Any = None
         """The feed this subscription is registered with (a replica's)."""
+
+
+class _Read(NamedTuple):
+    """What one read for a group of subscriptions found."""
+
+    pieces: list[bytes]
+    """The messages, each encoded as an answer carries it."""
+    position: int
+    feed: Any
+    """The replica's feed (its counters count what was sent)."""
+    from_feed: bool
+    more: bool
+    """Whether there may be more to read at once (else the feed wakes the call when there is)."""
 
 
 class _Call:
@@ -171,14 +194,18 @@ class _Call:
             self.new.append(sub)
         elif kind == "credit":
             credit = request.credit
-            known = self.subs.get(credit.id)
             if credit.messages < 1:
                 raise errors.error(
                     Reason.INVALID_REQUEST, f"credit of {credit.messages} for subscription {credit.id}: at least 1"
                 )
-            if known is not None:  # one that just ended is not an error: the client could not know
-                known.credit = min(known.credit + credit.messages, 1 << 32)
-                self.touched.add(known)
+            subs, touched, messages = self.subs, self.touched, credit.messages
+            for sid in (credit.id, *credit.also):
+                known = subs.get(sid)
+                if known is None:  # one that just ended is not an error: the client could not know
+                    continue
+                if known.credit <= 0:  # it waited for credit: serve it (one with credit is served as news comes)
+                    touched.add(known)
+                known.credit = min(known.credit + messages, 1 << 32)
         elif kind == "cancel":
             cancelled = self.subs.pop(request.cancel, None)
             if cancelled is not None:
@@ -221,17 +248,20 @@ class _Call:
             for sub in gone:
                 self._unlisten(sub)
             sent = False
+            groups: dict[Any, list[_Sub]] = {}
             for sub in dict.fromkeys(due):
                 if sub.credit <= 0:  # nothing to send it: no reason to be woken by its shard
                     self._unlisten(sub)
                     continue
-                answer = self._next(sub)
-                if answer is not None:
+                key = (sub.shard, sub.topic_filter, sub.position, sub.start_us, sub.stale_ok) if sub.shared else sub
+                groups.setdefault(key, []).append(sub)
+            for group in groups.values():
+                for answer, again in self._answers(group):
                     sent = True
                     yield answer
-                    if sub.credit > 0 and sub.id in self.subs:
+                    if again:
                         with self.lock:
-                            self.touched.add(sub)  # it may have more (a batch's worth, or from disk)
+                            self.touched.update(sub for sub in again if sub.credit > 0 and sub.id in self.subs)
             if not sent:
                 self.news.wait(max(0.0, min(_IDLE_WAKE_S, full_pass_at - time.monotonic())))
 
@@ -256,42 +286,80 @@ class _Call:
             return self._failure(sub, err)
         return None
 
-    def _next(self, sub: _Sub) -> bytes | None:
-        """The subscription's next answer (messages, progress or its end), or None when it has nothing new."""
+    def _answers(self, group: list[_Sub]) -> list[tuple[bytes, list[_Sub]]]:
+        """The next answers of subscriptions at one position of one filter and shard, each with those it is
+        for that may have more to read at once (a batch's worth, or from disk).
+
+        One read, with the most credit any of them has; those whose credit
+        covers what it found share one answer (``also``), the others are
+        served on their own. An answer holds messages, or only progress, or
+        a subscription's end; nothing when there is no news.
+        """
+        lead = max(group, key=lambda sub: sub.credit) if len(group) > 1 else group[0]
         try:
-            vnode = self.shards.vnode(sub.shard)
-            if not sub.stale_ok and not vnode.group.is_leader:
-                err = vnode.group.not_leader_error()
-                err.metadata["shard"] = str(sub.shard)
-                raise err
-            replica = vnode.replica
-            limit = min(sub.credit, self.limits.max_batch)
-            with replica.reading() as storage:
-                feed = replica.feed
+            got = self._read(lead, group)
+        except MqdsError as err:
+            ended: list[tuple[bytes, list[_Sub]]] = []
+            for sub in group:
+                self._unlisten(sub)
+                with self.lock:
+                    self.subs.pop(sub.id, None)
+                ended.append((self._failure(sub, err), []))
+            return ended
+        pieces, position = got.pieces, got.position
+        count = len(pieces)
+        now = time.monotonic()
+        takers: list[_Sub] = []
+        short: list[_Sub] = []
+        with self.lock:  # the reader thread adds credit
+            for sub in group:
+                if sub.credit < count:
+                    short.append(sub)
+                    continue
+                sub.position = max(sub.position, position)
+                if not count and (sub.position == sub.reported or now - sub.reported_at < _PROGRESS_S):
+                    continue
+                sub.credit -= count
+                sub.reported, sub.reported_at = sub.position, now
+                takers.append(sub)
+        answers = []
+        if takers:
+            first = takers[0]
+            if got.from_feed:
+                got.feed.read_from_ring += count * (len(takers) - 1)
+            else:
+                got.feed.read_from_disk += count * len(takers)
+            head = pb.FollowResponse(id=first.id, shard=first.shard, position_us=first.position)
+            if len(takers) > 1:
+                head.also.extend(sub.id for sub in takers[1:])
+            answers.append((head.SerializeToString() + b"".join(pieces), takers if got.more else []))
+        for sub in short:  # less credit than the others had: from its position, within its own credit
+            answers += self._answers([sub])
+        return answers
+
+    def _read(self, lead: _Sub, group: list[_Sub]) -> _Read:
+        """What ``lead``'s credit allows after the group's position, from the feed, else from disk. Every
+        subscription of the group listens to the replica's feed afterwards.
+        """
+        vnode = self.shards.vnode(lead.shard)
+        if not lead.stale_ok and not vnode.group.is_leader:
+            err = vnode.group.not_leader_error()
+            err.metadata["shard"] = str(lead.shard)
+            raise err
+        replica = vnode.replica
+        limit = min(lead.credit, self.limits.max_batch)
+        with replica.reading() as storage:
+            feed = replica.feed
+            for sub in group:
                 if sub.listening is not feed:
                     self._unlisten(sub)
                     self._listen(sub, feed, storage)
-                got = feed.read_after(sub.position, sub.topic_filter, sub.levels, limit, self.max_answer_bytes)
-                if got is None:
-                    got = self._from_disk(sub, storage, replica.catchup, limit)
-                    count = len(got[0])
-                    feed.read_from_disk += count
-                else:
-                    count = len(got[0])
-        except MqdsError as err:
-            self._unlisten(sub)
-            with self.lock:
-                self.subs.pop(sub.id, None)
-            return self._failure(sub, err)
-        pieces, position = got
-        sub.position = max(sub.position, position)
-        now = time.monotonic()
-        if not count and (sub.position == sub.reported or now - sub.reported_at < _PROGRESS_S):
-            return None
-        sub.credit -= count
-        sub.reported, sub.reported_at = sub.position, now
-        head = pb.FollowResponse(id=sub.id, shard=sub.shard, position_us=sub.position).SerializeToString()
-        return head + b"".join(pieces)
+            got = feed.read_after(lead.position, lead.topic_filter, lead.levels, limit, self.max_answer_bytes)
+            if got is not None:
+                # Read up to the feed's head: nothing more until it stores again (and then it wakes the call).
+                return _Read(got[0], got[1], feed, True, got[1] < feed.head)
+            pieces, position = self._from_disk(lead, storage, replica.catchup, limit)
+            return _Read(pieces, position, feed, False, True)
 
     def _from_disk(self, sub: _Sub, storage: Any, catchup: Any, limit: int) -> tuple[list[bytes], int]:
         """Up to ``limit`` messages after the subscription's position from disk, encoded; the position reached.

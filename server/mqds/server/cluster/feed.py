@@ -135,6 +135,12 @@ class ShardFeed:
         return self._covers_after
 
     @property
+    def head(self) -> int:
+        """The timestamp of the last message the ring holds (``covers_after`` when it holds none; 0 when off)."""
+        parts = self._parts
+        return parts[-1].last if parts else self._covers_after or 0
+
+    @property
     def size_bytes(self) -> int:
         return self._bytes
 

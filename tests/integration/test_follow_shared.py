@@ -1,0 +1,165 @@
+"""Shared answers on Storage.Follow: a call's subscriptions at one place take one answer (``also``), each its own.
+
+Against a real one-node cluster on raw Follow calls, so what goes on the
+wire is what is checked: each subscription gets every message exactly once,
+in order, never more than its credit, and a call carrying many of them is
+sent one answer per batch rather than one per subscription.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from mqds.client import Client, Message
+from mqds.protocol.sharding import shard_of
+from mqds.tools.localproc import LocalCluster
+from mqds.v1 import storage_pb2 as pb
+
+pytestmark = pytest.mark.integration
+
+N_SHARDS = 2
+SHARD = 0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with LocalCluster(tmp_path_factory.mktemp("shared") / "c", 1, n_shards=N_SHARDS) as c:
+        c.start()
+        c.wait_leaders_settled()
+        yield c
+
+
+class RawCall:
+    """A Follow call driven by hand: requests go out as sent, answers are queued as they come."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.out: queue.SimpleQueue[pb.FollowRequest | None] = queue.SimpleQueue()
+        self.answers: queue.SimpleQueue[pb.FollowResponse] = queue.SimpleQueue()
+        self.channel = grpc.insecure_channel(cluster.addresses[0])
+        method = self.channel.stream_stream(
+            "/mqds.v1.Storage/Follow",
+            request_serializer=pb.FollowRequest.SerializeToString,
+            response_deserializer=pb.FollowResponse.FromString,
+        )
+        self.call = method(self._requests(), timeout=60)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _requests(self) -> Iterator[pb.FollowRequest]:
+        while (request := self.out.get()) is not None:
+            yield request
+
+    def _read(self) -> None:
+        try:
+            for answer in self.call:
+                self.answers.put(answer)
+        except grpc.RpcError:
+            pass
+
+    def start(self, id_: int, topic_filter: str, credit: int, shared: bool = True) -> None:
+        start = pb.FollowStart(
+            id=id_, topic_filter=topic_filter, shard=SHARD, credit=credit, shared_answers=shared, stale_ok=True
+        )
+        self.out.put(pb.FollowRequest(start=start))
+
+    def credit(self, ids: list[int], messages: int) -> None:
+        self.out.put(pb.FollowRequest(credit=pb.FollowCredit(id=ids[0], messages=messages, also=ids[1:])))
+
+    def collect(
+        self, want: dict[int, int], timeout_s: float = 30, grant: bool = False
+    ) -> tuple[dict[int, list[bytes]], list[pb.FollowResponse]]:
+        """Answers until each id in ``want`` has that many messages (granting back what came when ``grant``)."""
+        got: dict[int, list[bytes]] = {i: [] for i in want}
+        answers = []
+        deadline = time.monotonic() + timeout_s
+        while any(len(got[i]) < n for i, n in want.items()):
+            left = deadline - time.monotonic()
+            assert left > 0, f"still waiting: { ({i: len(got[i]) for i in want}) } of {want}"
+            try:
+                answer = self.answers.get(timeout=left)
+            except queue.Empty:
+                continue
+            assert not answer.HasField("failure"), answer.failure
+            answers.append(answer)
+            ids = [answer.id, *answer.also]
+            for i in ids:
+                got.setdefault(i, []).extend(m.payload for m in answer.messages)
+            if grant and answer.messages:
+                self.credit(ids, len(answer.messages))
+        return got, answers
+
+    def close(self) -> None:
+        self.out.put(None)
+        self.call.cancel()
+        self.channel.close()
+
+
+def sender_on_shard(prefix: str) -> str:
+    return next(f"{prefix}-{i}" for i in range(1000) if shard_of(f"{prefix}-{i}", N_SHARDS) == SHARD)
+
+
+def store(cluster: LocalCluster, topic: str, sender: str, numbers: range) -> None:
+    with Client(cluster.addresses, timeout_s=30) as client:
+        for first in range(numbers.start, numbers.stop, 50):
+            last = min(first + 50, numbers.stop)
+            client.store_batch([Message(topic, str(i).encode(), sender, 1) for i in range(first, last)])
+
+
+def test_subscriptions_at_one_place_share_answers_and_each_gets_everything_once(cluster: LocalCluster) -> None:
+    sender = sender_on_shard("share")
+    call = RawCall(cluster)
+    try:
+        ids = list(range(1, 51))
+        for i in ids:  # a window smaller than what comes: the grouped credit keeps them going
+            call.start(i, "share/#", credit=120)
+        store(cluster, "share/warm", sender, range(1))
+        call.collect(dict.fromkeys(ids, 1), grant=True)
+        store(cluster, "share/t", sender, range(1, 501))
+        got, answers = call.collect(dict.fromkeys(ids, 500), grant=True)
+    finally:
+        call.close()
+    expected = [str(i).encode() for i in range(1, 501)]
+    assert all(got[i] == expected for i in ids), "each subscription: every message once, in the order stored"
+    assert all(len(answer.messages) <= 120 for answer in answers)
+    sent = sum(len(answer.messages) for answer in answers)
+    assert sent * 10 <= 50 * 500, f"{sent:,} messages on the wire for 50 x 500 deliveries: answers not shared"
+
+
+def test_one_short_of_credit_is_served_on_its_own_within_it(cluster: LocalCluster) -> None:
+    sender = sender_on_shard("short")
+    call = RawCall(cluster)
+    try:
+        store(cluster, "short/warm", sender, range(1))
+        for i in (1, 2, 3):
+            call.start(i, "short/#", credit=1000)
+        call.start(4, "short/#", credit=4)
+        call.collect({1: 1, 2: 1, 3: 1, 4: 1})
+        store(cluster, "short/t", sender, range(1, 11))
+        got, answers = call.collect({1: 10, 2: 10, 3: 10, 4: 3})
+        assert got[4] == [b"1", b"2", b"3"], "never more than its credit"
+        assert any(len(a.also) == 2 for a in answers if a.messages), "the three with credit shared an answer"
+        call.credit([4], 100)
+        more, _ = call.collect({4: 7})
+        assert more[4] == [str(i).encode() for i in range(4, 11)], "then the rest, from where it stood"
+    finally:
+        call.close()
+    assert all(got[i] == [str(n).encode() for n in range(1, 11)] for i in (1, 2, 3))
+
+
+def test_subscriptions_that_did_not_ask_get_answers_of_their_own(cluster: LocalCluster) -> None:
+    sender = sender_on_shard("own")
+    call = RawCall(cluster)
+    try:
+        for i in (1, 2, 3):
+            call.start(i, "own/#", credit=1000, shared=False)
+        store(cluster, "own/t", sender, range(20))
+        got, answers = call.collect(dict.fromkeys((1, 2, 3), 20))
+    finally:
+        call.close()
+    assert not any(answer.also for answer in answers)
+    assert all(got[i] == [str(n).encode() for n in range(20)] for i in (1, 2, 3))
