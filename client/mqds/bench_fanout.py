@@ -6,8 +6,8 @@ subscriptions), each subscriber following ``bench/#`` on every shard from
 the run's start, served by the shard's replicas in turn (``stale_ok``). It
 counts the messages it is sent without decoding them into objects (the
 benchmark measures the nodes, not the client's decoding), grants the credit
-back as answers come (one request for the subscriptions a shared answer was
-for), and samples the delivery latency of each answer's last message: the
+back (gathered: one request for the subscriptions a shared answer was for,
+about twice a second), and samples the delivery latency of each answer's last message: the
 time it arrived less the timestamp its shard's leader gave it (taken just
 before the commit, so this slightly overstates the time from acknowledgement
 to delivery), weighted by the subscriptions the answer was for.
@@ -31,6 +31,10 @@ from mqds.v1 import storage_pb2 as pb
 TOPIC_FILTER = f"{TOPIC_PREFIX}/#"
 FOLLOW_METHOD = "/mqds.v1.Storage/Follow"
 _MAX_SAMPLES = 200_000
+WINDOW = 10_000
+"""Each subscription's credit, in messages."""
+GRANT_AT = WINDOW // 4
+GRANT_EVERY_S = 0.5
 
 
 @dataclass
@@ -59,6 +63,9 @@ class _FollowCall:
         )
         self.call = method(self._requests(), metadata=metadata)
         self.counter = counter
+        self.pending: dict[tuple[int, ...], int] = {}
+        """Credit not yet granted back, by the subscriptions an answer was for."""
+        self.granted_at = time.monotonic()
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
@@ -77,11 +84,27 @@ class _FollowCall:
                     continue
                 # A shared answer is each of its subscriptions' (``also``): each is counted, and granted again.
                 self.counter.add(n, answer.messages[n - 1].timestamp_us, 1 + len(answer.also))
-                credit = pb.FollowCredit(id=answer.id, messages=n, also=answer.also)
-                self.requests.put(pb.FollowRequest(credit=credit))
+                self._grant((answer.id, *answer.also), n)
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.CANCELLED:
                 self.counter.failures += 1
+
+    def _grant(self, ids: tuple[int, ...], messages: int) -> None:
+        """Grant ``messages`` again to each of ``ids``: gathered, and sent for all every ``GRANT_EVERY_S`` or when
+        one set's reaches ``GRANT_AT`` (a node counts each subscription's credit, so granting each answer back
+        at once would cost it as much as the answers saved). Each subscription is owed at most about a second
+        of messages, a tenth of its window.
+        """
+        pending = self.pending
+        pending[ids] = pending.get(ids, 0) + messages
+        now = time.monotonic()
+        if pending[ids] < GRANT_AT and now - self.granted_at < GRANT_EVERY_S:
+            return
+        self.granted_at = now
+        for owed, count in pending.items():
+            credit = pb.FollowCredit(id=owed[0], messages=count, also=owed[1:])
+            self.requests.put(pb.FollowRequest(credit=credit))
+        pending.clear()
 
     def close(self) -> None:
         self.requests.put(None)
@@ -98,21 +121,24 @@ class _Counter:
         self.counting = False
         self.last_at = 0.0
         self.shared: Any = None
-        """The count every subscriber process adds to, which the parent watches."""
+        """The counts every subscriber process adds to, which the parent watches (``delivered``, ``warm``)."""
 
     def add(self, n: int, timestamp_us: int, subscriptions: int = 1) -> None:
         """``n`` messages each delivered to ``subscriptions``, the last stored at ``timestamp_us``."""
         latency = time.time() - timestamp_us / 1e6
         with self.lock:
-            if not self.counting:
+            if not self.counting:  # before the load: the message each subscription gets once it has started
+                if self.shared is not None:
+                    with self.shared.warm.get_lock():
+                        self.shared.warm.value += n * subscriptions
                 return
             self.delivered += n * subscriptions
             self.last_at = time.time()
             if len(self.latencies) < _MAX_SAMPLES:
                 self.latencies.append((latency, subscriptions))
         if self.shared is not None:
-            with self.shared.get_lock():
-                self.shared.value += n * subscriptions
+            with self.shared.delivered.get_lock():
+                self.shared.delivered.value += n * subscriptions
 
 
 def subscribe(args: tuple[SubscriberSpec, Any]) -> None:
@@ -120,7 +146,7 @@ def subscribe(args: tuple[SubscriberSpec, Any]) -> None:
     spec, shared = args
     settings = spec.settings or ConnectionSettings()
     counter = _Counter()
-    counter.shared = shared.delivered
+    counter.shared = shared
     channels: dict[str, grpc.Channel] = {}
     calls: dict[str, list[tuple[_FollowCall, int]]] = {}
     metadata = settings.call_metadata()

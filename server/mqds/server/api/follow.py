@@ -46,6 +46,7 @@ from typing import Any, NamedTuple, Protocol
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.topics import TopicError, validate_filter
+from mqds.server.api.follow_cohort import Cohort, FollowSub
 from mqds.server.api.handlers import check_parsed
 from mqds.server.storage.ordered import dropped_after, ordered
 from mqds.v1 import storage_pb2 as pb
@@ -81,42 +82,8 @@ class _Shards(Protocol):
     def vnode(self, shard: int) -> _Vnode: ...
 
 
-class _Sub:
-    """One subscription on a call."""
-
-    __slots__ = (
-        "credit",
-        "id",
-        "levels",
-        "listening",
-        "position",
-        "reported",
-        "reported_at",
-        "shard",
-        "shared",
-        "stale_ok",
-        "start_us",
-        "topic_filter",
-    )
-
-    def __init__(self, start: pb.FollowStart, levels: list[str]) -> None:
-        self.id = start.id
-        self.topic_filter = start.topic_filter
-        self.levels = levels
-        self.shard = start.shard
-        self.position = start.after_us
-        self.reported = start.after_us
-        self.reported_at = time.monotonic()
-        self.start_us = start.start_time_us
-        self.credit = start.credit
-        self.stale_ok = start.stale_ok
-        self.shared = start.shared_answers
-        self.listening: Any = None
-        """The feed this subscription is registered with (a replica's)."""
-
-
 class _Read(NamedTuple):
-    """What one read for a group of subscriptions found."""
+    """What one read for a cohort found."""
 
     pieces: list[bytes]
     """The messages, each encoded as an answer carries it."""
@@ -126,6 +93,10 @@ class _Read(NamedTuple):
     from_feed: bool
     more: bool
     """Whether there may be more to read at once (else the feed wakes the call when there is)."""
+
+
+_Answer = tuple[bytes, "Cohort | None"]
+"""An answer, and the cohort to serve again at once (it may have more to read), if any."""
 
 
 class _Call:
@@ -138,18 +109,24 @@ class _Call:
         self.clock = clock
         self.lock = threading.Lock()
         self.news = threading.Event()
-        self.subs: dict[int, _Sub] = {}
-        self.new: list[_Sub] = []
-        self.gone: list[_Sub] = []
+        self.subs: dict[int, FollowSub] = {}
+        self.new: list[FollowSub] = []
+        self.gone: list[FollowSub] = []
         self.ended: MqdsError | None = None
         self.closed = False
         self.stopped = threading.Event()
-        self.by_feed: dict[Any, set[_Sub]] = {}
-        """The feeds this call listens to, with its subscriptions that read each (the serving thread's)."""
+        self.cohorts: set[Cohort] = set()
+        """Every cohort with members (the serving thread's)."""
+        self.at: dict[tuple[Any, int], Cohort] = {}
+        """Cohorts taking shared answers by (key, position), to merge those that meet (the serving thread's)."""
+        self.indexed: dict[Cohort, int] = {}
+        """The position each cohort is filed under in ``at``."""
+        self.by_feed: dict[Any, set[Cohort]] = {}
+        """The feeds this call listens to, with its cohorts that read each (the serving thread's)."""
         self.dirty: set[Any] = set()
         """Feeds that stored something since the last pass (under ``lock``)."""
-        self.touched: set[_Sub] = set()
-        """Subscriptions with news of their own: just started, credit came, more to read (under ``lock``)."""
+        self.touched: set[Cohort] = set()
+        """Cohorts with news of their own: just started, credit came, more to read (under ``lock``)."""
         self._wakers: dict[Any, Any] = {}
 
     # -- requests (the reader thread) -------------------------------------------------
@@ -189,7 +166,7 @@ class _Call:
                     Reason.INVALID_REQUEST,
                     f"subscription {start.id} starts with credit {start.credit}: grant at least 1 message",
                 )
-            sub = _Sub(start, [])
+            sub = FollowSub(start)
             self.subs[start.id] = sub
             self.new.append(sub)
         elif kind == "credit":
@@ -203,9 +180,10 @@ class _Call:
                 known = subs.get(sid)
                 if known is None:  # one that just ended is not an error: the client could not know
                     continue
-                if known.credit <= 0:  # it waited for credit: serve it (one with credit is served as news comes)
-                    touched.add(known)
-                known.credit = min(known.credit + messages, 1 << 32)
+                cohort = known.cohort
+                if cohort is not None and known.limit_at <= cohort.sent:
+                    touched.add(cohort)  # it waited for credit: serve it (one with credit is served as news comes)
+                known.limit_at += messages
         elif kind == "cancel":
             cancelled = self.subs.pop(request.cancel, None)
             if cancelled is not None:
@@ -220,174 +198,219 @@ class _Call:
         while True:
             self.news.clear()
             failures: list[bytes] = []
+            emptied: list[Cohort] = []
             with self.lock:
                 if self.ended is not None:
                     raise self.ended
                 if self.closed:
                     return
+                begun = []
                 for sub in self.new:
-                    failure = self._check_start(sub)
-                    if failure is not None:
+                    started = self._begin(sub)
+                    if isinstance(started, bytes):
                         self.subs.pop(sub.id, None)
-                        failures.append(failure)
+                        failures.append(started)
                     else:
-                        self.touched.add(sub)
+                        begun.append(started)
                 self.new.clear()
-                gone, self.gone = self.gone, []
+                for sub in self.gone:
+                    cohort = sub.cohort
+                    if cohort is not None:
+                        cohort.remove(sub)
+                        if not cohort.members:
+                            emptied.append(cohort)
+                self.gone.clear()
                 now = time.monotonic()
-                if now >= full_pass_at:  # every subscription now and then: progress, a lost lead
+                if now >= full_pass_at:  # every cohort now and then: progress, a lost lead
                     full_pass_at = now + _IDLE_WAKE_S
-                    due = list(self.subs.values())
-                    self.dirty.clear()
+                    due = list(self.cohorts)
                 else:  # those with news: their shard stored something, credit came, more to read
-                    due = [sub for feed in self.dirty for sub in self.by_feed.get(feed, ())]
-                    due += [sub for sub in self.touched if sub.id in self.subs]
-                    self.dirty.clear()
+                    due = [cohort for feed in self.dirty for cohort in self.by_feed.get(feed, ())]
+                    due += self.touched
+                self.dirty.clear()
                 self.touched = set()
             yield from failures
-            for sub in gone:
-                self._unlisten(sub)
+            for cohort in begun:  # those starting where others of the call stand join them at once
+                self._file(cohort)
+            for cohort in emptied:
+                self._drop(cohort)
             sent = False
-            groups: dict[Any, list[_Sub]] = {}
-            for sub in dict.fromkeys(due):
-                if sub.credit <= 0:  # nothing to send it: no reason to be woken by its shard
-                    self._unlisten(sub)
+            for cohort in dict.fromkeys(due):
+                if not cohort.members:  # merged into another, or ended, during this pass
                     continue
-                key = (sub.shard, sub.topic_filter, sub.position, sub.start_us, sub.stale_ok) if sub.shared else sub
-                groups.setdefault(key, []).append(sub)
-            for group in groups.values():
-                for answer, again in self._answers(group):
+                for answer, again in self._serve_cohort(cohort):
                     sent = True
                     yield answer
-                    if again:
+                    if again is not None:
                         with self.lock:
-                            self.touched.update(sub for sub in again if sub.credit > 0 and sub.id in self.subs)
+                            self.touched.add(again)
             if not sent:
                 self.news.wait(max(0.0, min(_IDLE_WAKE_S, full_pass_at - time.monotonic())))
 
-    def _check_start(self, sub: _Sub) -> bytes | None:
-        """The failure answer of a subscription that cannot start, or None."""
+    def _begin(self, sub: FollowSub) -> Cohort | bytes:
+        """Start ``sub`` in a cohort of its own (under the lock), or the failure answer of one that cannot."""
+        start = sub.start
         try:
             try:
-                sub.levels = validate_filter(sub.topic_filter)
+                levels = validate_filter(start.topic_filter)
             except TopicError as err:
                 raise errors.error(Reason.INVALID_TOPIC_FILTER, str(err)) from None
             n = self.shards.n_shards
-            if not 0 <= sub.shard < n:
-                raise errors.error(Reason.UNKNOWN_SHARD, f"shard {sub.shard} does not exist; shards are 0 to {n - 1}")
+            if not 0 <= start.shard < n:
+                raise errors.error(Reason.UNKNOWN_SHARD, f"shard {start.shard} does not exist; shards are 0 to {n - 1}")
             limit = self.clock() + _AHEAD_US
-            if sub.position > limit or sub.start_us > limit:
+            if start.after_us > limit or start.start_time_us > limit:
                 raise errors.error(
                     Reason.INVALID_REQUEST,
-                    f"subscription {sub.id}: position {max(sub.position, sub.start_us)} is more than a day after "
-                    "this node's clock; start from a position an answer returned",
+                    f"subscription {sub.id}: position {max(start.after_us, start.start_time_us)} is more than a day "
+                    "after this node's clock; start from a position an answer returned",
                 )
         except MqdsError as err:
-            return self._failure(sub, err)
-        return None
+            return _failure(sub.id, start.shard, start.after_us, err)
+        cohort = Cohort(start, levels, start.after_us, start.shared_answers)
+        cohort.add(sub, sub.limit_at)
+        self.cohorts.add(cohort)
+        self.touched.add(cohort)
+        return cohort
 
-    def _answers(self, group: list[_Sub]) -> list[tuple[bytes, list[_Sub]]]:
-        """The next answers of subscriptions at one position of one filter and shard, each with those it is
-        for that may have more to read at once (a batch's worth, or from disk).
-
-        One read, with the most credit any of them has; those whose credit
-        covers what it found share one answer (``also``), the others are
-        served on their own. An answer holds messages, or only progress, or
-        a subscription's end; nothing when there is no news.
+    def _serve_cohort(self, cohort: Cohort) -> list[_Answer]:
+        """The cohort's next answers: one read with the most credit a member has, one answer for those whose
+        credit covers what it found; the others split off and are served on their own, from the same position.
+        An answer holds messages, or only progress; or a failure for each member, which ends them.
         """
-        lead = max(group, key=lambda sub: sub.credit) if len(group) > 1 else group[0]
+        with self.lock:
+            least, most = cohort.credits()
+        if most <= 0:  # nothing to send them: no reason to be woken by their shard
+            self._unlisten(cohort)
+            return []
         try:
-            got = self._read(lead, group)
+            got = self._read(cohort, min(most, self.limits.max_batch))
         except MqdsError as err:
-            ended: list[tuple[bytes, list[_Sub]]] = []
-            for sub in group:
-                self._unlisten(sub)
-                with self.lock:
-                    self.subs.pop(sub.id, None)
-                ended.append((self._failure(sub, err), []))
-            return ended
-        pieces, position = got.pieces, got.position
-        count = len(pieces)
-        now = time.monotonic()
-        takers: list[_Sub] = []
-        short: list[_Sub] = []
-        with self.lock:  # the reader thread adds credit
-            for sub in group:
-                if sub.credit < count:
-                    short.append(sub)
-                    continue
-                sub.position = max(sub.position, position)
-                if not count and (sub.position == sub.reported or now - sub.reported_at < _PROGRESS_S):
-                    continue
-                sub.credit -= count
-                sub.reported, sub.reported_at = sub.position, now
-                takers.append(sub)
-        answers = []
-        if takers:
-            first = takers[0]
+            return self._end(cohort, err)
+        count = len(got.pieces)
+        split: list[Cohort] = []
+        ids: list[int] = []
+        with self.lock:  # the reader thread grants credit
+            if count > least:
+                for sub in cohort.short_of(count):
+                    credit = cohort.remove(sub)
+                    alone = Cohort(sub.start, cohort.levels, cohort.position, cohort.shared)
+                    alone.add(sub, credit)
+                    split.append(alone)
+            cohort.position = max(cohort.position, got.position)
+            now = time.monotonic()
+            if count or (cohort.position != cohort.reported and now - cohort.reported_at >= _PROGRESS_S):
+                cohort.sent += count
+                cohort.reported, cohort.reported_at = cohort.position, now
+                ids = cohort.ids()
+        answers: list[_Answer] = []
+        if ids:
             if got.from_feed:
-                got.feed.read_from_ring += count * (len(takers) - 1)
+                got.feed.read_from_ring += count * (len(ids) - 1)
             else:
-                got.feed.read_from_disk += count * len(takers)
-            head = pb.FollowResponse(id=first.id, shard=first.shard, position_us=first.position)
-            if len(takers) > 1:
-                head.also.extend(sub.id for sub in takers[1:])
-            answers.append((head.SerializeToString() + b"".join(pieces), takers if got.more else []))
-        for sub in short:  # less credit than the others had: from its position, within its own credit
-            answers += self._answers([sub])
+                got.feed.read_from_disk += count * len(ids)
+            head = pb.FollowResponse(id=ids[0], shard=cohort.shard, position_us=cohort.position)
+            if len(ids) > 1:
+                head.also.extend(ids[1:])
+            answers.append((head.SerializeToString() + b"".join(got.pieces), cohort if got.more else None))
+        self._file(cohort)
+        for alone in split:  # less credit than the others had: within its own, from where it stood
+            self.cohorts.add(alone)
+            answers += self._serve_cohort(alone)
         return answers
 
-    def _read(self, lead: _Sub, group: list[_Sub]) -> _Read:
-        """What ``lead``'s credit allows after the group's position, from the feed, else from disk. Every
-        subscription of the group listens to the replica's feed afterwards.
+    def _file(self, cohort: Cohort) -> None:
+        """File a cohort taking shared answers under its position; one that meets another there joins it."""
+        if not cohort.shared:
+            return
+        at, indexed = self.at, self.indexed
+        before = indexed.pop(cohort, None)
+        if before is not None and at.get((cohort.key, before)) is cohort:
+            del at[(cohort.key, before)]
+        place = (cohort.key, cohort.position)
+        other = at.get(place)
+        if other is None or not other.members:
+            at[place] = cohort
+            indexed[cohort] = cohort.position
+            return
+        big, small = (other, cohort) if len(other.members) >= len(cohort.members) else (cohort, other)
+        with self.lock:
+            for sub in list(small.members.values()):
+                big.add(sub, small.remove(sub))
+            self.touched.add(big)  # what the smaller one had to read next, the merged one reads
+        self._drop(small)
+        at[place] = big
+        indexed[big] = cohort.position
+
+    def _drop(self, cohort: Cohort) -> None:
+        """A cohort left without members goes."""
+        self._unlisten(cohort)
+        self.cohorts.discard(cohort)
+        before = self.indexed.pop(cohort, None)
+        if before is not None and self.at.get((cohort.key, before)) is cohort:
+            del self.at[(cohort.key, before)]
+
+    def _end(self, cohort: Cohort, err: MqdsError) -> list[_Answer]:
+        """The cohort cannot be served: each member is told why, and ends."""
+        with self.lock:
+            members = list(cohort.members.values())
+            for sub in members:
+                cohort.remove(sub)
+                self.subs.pop(sub.id, None)
+        self._drop(cohort)
+        return [(_failure(sub.id, cohort.shard, cohort.position, err), None) for sub in members]
+
+    def _read(self, cohort: Cohort, limit: int) -> _Read:
+        """Up to ``limit`` messages after the cohort's position, from the feed, else from disk; the cohort
+        listens to the replica's feed afterwards.
         """
-        vnode = self.shards.vnode(lead.shard)
-        if not lead.stale_ok and not vnode.group.is_leader:
+        vnode = self.shards.vnode(cohort.shard)
+        if not cohort.stale_ok and not vnode.group.is_leader:
             err = vnode.group.not_leader_error()
-            err.metadata["shard"] = str(lead.shard)
+            err.metadata["shard"] = str(cohort.shard)
             raise err
         replica = vnode.replica
-        limit = min(lead.credit, self.limits.max_batch)
         with replica.reading() as storage:
             feed = replica.feed
-            for sub in group:
-                if sub.listening is not feed:
-                    self._unlisten(sub)
-                    self._listen(sub, feed, storage)
-            got = feed.read_after(lead.position, lead.topic_filter, lead.levels, limit, self.max_answer_bytes)
+            if cohort.listening is not feed:
+                self._unlisten(cohort)
+                self._listen(cohort, feed, storage)
+            got = feed.read_after(cohort.position, cohort.topic_filter, cohort.levels, limit, self.max_answer_bytes)
             if got is not None:
                 # Read up to the feed's head: nothing more until it stores again (and then it wakes the call).
                 return _Read(got[0], got[1], feed, True, got[1] < feed.head)
-            pieces, position = self._from_disk(lead, storage, replica.catchup, limit)
+            pieces, position = self._from_disk(cohort, storage, replica.catchup, limit)
             return _Read(pieces, position, feed, False, True)
 
-    def _from_disk(self, sub: _Sub, storage: Any, catchup: Any, limit: int) -> tuple[list[bytes], int]:
-        """Up to ``limit`` messages after the subscription's position from disk, encoded; the position reached.
+    def _from_disk(self, cohort: Cohort, storage: Any, catchup: Any, limit: int) -> tuple[list[bytes], int]:
+        """Up to ``limit`` messages after the cohort's position from disk, encoded; the position reached.
 
         Through the replica's shared catch-up reads (``cluster/catchup.py``):
         subscribers of the filter at nearby positions share one read.
         """
-        if sub.position > 0:
-            dropped = dropped_after(storage, sub.position)
+        position = cohort.position
+        if position > 0:
+            dropped = dropped_after(storage, position)
             if dropped is not None:
                 raise errors.error(
                     Reason.GENERATION_DROPPED,
-                    f"shard {sub.shard}: the messages stored between {dropped[0]} and {dropped[1]} (after this "
-                    f"subscription's position {sub.position}) were dropped by retention; start again from a time",
-                    shard=str(sub.shard),
+                    f"shard {cohort.shard}: the messages stored between {dropped[0]} and {dropped[1]} (after this "
+                    f"subscription's position {position}) were dropped by retention; start again from a time",
+                    shard=str(cohort.shard),
                 )
         fence = storage.last_ts
-        if fence <= sub.position:
-            return [], sub.position
-        after = max(sub.position, sub.start_us - 1)
+        if fence <= position:
+            return [], position
+        after = max(position, cohort.start_us - 1)
         if after >= fence:
             return [], fence
         budget = self.max_answer_bytes
+        topic_filter = cohort.topic_filter
 
         def load(after_us: int, count: int) -> tuple[list[tuple[int, bytes]], int]:
             found: list[tuple[int, bytes]] = []
             size = 0
-            for ts, stored in ordered(storage, sub.topic_filter, after_us + 1, fence):
+            for ts, stored in ordered(storage, topic_filter, after_us + 1, fence):
                 if found and budget is not None and size + len(stored) > budget:
                     return found, found[-1][0]
                 found.append((ts, stored))
@@ -396,18 +419,10 @@ class _Call:
                     return found, ts
             return found, fence
 
-        return catchup.read(sub.topic_filter, after, limit, budget, load, self.limits.max_batch)
+        return catchup.read(topic_filter, after, limit, budget, load, self.limits.max_batch)
 
-    def _failure(self, sub: _Sub, err: MqdsError) -> bytes:
-        response = pb.FollowResponse(id=sub.id, shard=sub.shard, position_us=sub.position)
-        response.failure.shard = sub.shard
-        response.failure.reason = err.reason.value
-        response.failure.message = err.message
-        response.failure.metadata.update(err.metadata)
-        return response.SerializeToString()
-
-    def _listen(self, sub: _Sub, feed: Any, storage: Any) -> None:
-        """Have ``feed`` wake this call (once for all its subscriptions on that feed), marking the feed dirty."""
+    def _listen(self, cohort: Cohort, feed: Any, storage: Any) -> None:
+        """Have ``feed`` wake this call (once for all its cohorts on that feed), marking the feed dirty."""
         readers = self.by_feed.get(feed)
         if readers is None:
             readers = self.by_feed[feed] = set()
@@ -419,18 +434,18 @@ class _Call:
 
             self._wakers[feed] = wake
             feed.listen(wake, lambda: storage.last_ts)
-        readers.add(sub)
-        sub.listening = feed
+        readers.add(cohort)
+        cohort.listening = feed
 
-    def _unlisten(self, sub: _Sub) -> None:
-        feed = sub.listening
+    def _unlisten(self, cohort: Cohort) -> None:
+        feed = cohort.listening
         if feed is None:
             return
-        sub.listening = None
+        cohort.listening = None
         readers = self.by_feed.get(feed)
         if readers is None:
             return
-        readers.discard(sub)
+        readers.discard(cohort)
         if not readers:
             del self.by_feed[feed]
             feed.unlisten(self._wakers.pop(feed))
@@ -438,10 +453,19 @@ class _Call:
     def stop(self) -> None:
         self.stopped.set()
         with self.lock:
-            subs = list(self.subs.values()) + self.gone
             self.subs.clear()
-        for sub in subs:
-            self._unlisten(sub)
+        for cohort in list(self.cohorts):
+            self._unlisten(cohort)
+        self.cohorts.clear()
+
+
+def _failure(sub_id: int, shard: int, position: int, err: MqdsError) -> bytes:
+    response = pb.FollowResponse(id=sub_id, shard=shard, position_us=position)
+    response.failure.shard = shard
+    response.failure.reason = err.reason.value
+    response.failure.message = err.message
+    response.failure.metadata.update(err.metadata)
+    return response.SerializeToString()
 
 
 def serve(

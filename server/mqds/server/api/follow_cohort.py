@@ -1,0 +1,119 @@
+"""A Follow call's cohorts: subscriptions at one place that are served as one, with their credit counted lazily.
+
+A cohort is a call's subscriptions of one topic filter on one shard that
+stand at the same position and take shared answers
+(``FollowStart.shared_answers``): the node reads for it once and sends it
+one answer, whose ``also`` names every member. A subscription that did not
+ask for shared answers is a cohort of its own, and so is one split off
+because its credit fell short of an answer.
+
+Credit is kept so that an answer costs a cohort one addition whatever its
+size: the cohort counts the messages it ``sent``, and each member holds
+``limit_at``, the value of that count at which its credit runs out. A
+member's credit is ``limit_at - cohort.sent``; a grant adds to ``limit_at``;
+moving to another cohort keeps the credit. The call's lock guards ``sent``
+and ``limit_at`` (the reader thread grants, the answering thread sends).
+"""
+
+from __future__ import annotations
+
+import time
+from operator import attrgetter
+from typing import Any
+
+from mqds.v1 import storage_pb2 as pb
+
+_LIMIT_AT = attrgetter("limit_at")
+
+
+class FollowSub:
+    """One subscription on a call: its id, the start it asked for, and its credit (see the module)."""
+
+    __slots__ = ("cohort", "id", "limit_at", "start")
+
+    def __init__(self, start: pb.FollowStart) -> None:
+        self.id = start.id
+        self.start = start
+        self.limit_at = start.credit
+        """The cohort's ``sent`` at which this subscription's credit runs out."""
+        self.cohort: Cohort | None = None
+
+    @property
+    def credit(self) -> int:
+        cohort = self.cohort
+        return self.limit_at - (cohort.sent if cohort is not None else 0)
+
+
+class Cohort:
+    """Subscriptions served as one: one filter, one shard, one position (see the module)."""
+
+    __slots__ = (
+        "_ids",
+        "key",
+        "levels",
+        "listening",
+        "members",
+        "position",
+        "reported",
+        "reported_at",
+        "sent",
+        "shard",
+        "shared",
+        "stale_ok",
+        "start_us",
+        "topic_filter",
+    )
+
+    def __init__(self, start: pb.FollowStart, levels: list[str], position: int, shared: bool) -> None:
+        self.topic_filter = start.topic_filter
+        self.levels = levels
+        self.shard = start.shard
+        self.start_us = start.start_time_us
+        self.stale_ok = start.stale_ok
+        self.shared = shared
+        self.key = (self.shard, self.topic_filter, self.start_us, self.stale_ok)
+        """What members must have in common besides the position."""
+        self.position = position
+        self.reported = position
+        self.reported_at = time.monotonic()
+        self.members: dict[int, FollowSub] = {}
+        self.sent = 0
+        self.listening: Any = None
+        """The feed this cohort is registered with (a replica's)."""
+        self._ids: list[int] | None = None
+
+    def add(self, sub: FollowSub, credit: int) -> None:
+        """``sub`` joins with ``credit`` (under the call's lock)."""
+        sub.cohort = self
+        sub.limit_at = self.sent + credit
+        self.members[sub.id] = sub
+        self._ids = None
+
+    def remove(self, sub: FollowSub) -> int:
+        """``sub`` leaves; its credit (under the call's lock)."""
+        credit = sub.limit_at - self.sent
+        del self.members[sub.id]
+        sub.cohort = None
+        self._ids = None
+        return credit
+
+    def credits(self) -> tuple[int, int]:
+        """The least and the most credit a member has (under the call's lock)."""
+        members = self.members.values()
+        if len(members) == 1:
+            (only,) = members
+            credit = only.limit_at - self.sent
+            return credit, credit
+        limits = list(map(_LIMIT_AT, members))
+        return min(limits) - self.sent, max(limits) - self.sent
+
+    def short_of(self, count: int) -> list[FollowSub]:
+        """The members with less credit than ``count`` (under the call's lock)."""
+        floor = self.sent + count
+        return [sub for sub in self.members.values() if sub.limit_at < floor]
+
+    def ids(self) -> list[int]:
+        """The members' ids, in the order they joined."""
+        if self._ids is None:
+            self._ids = list(self.members)
+        return self._ids
