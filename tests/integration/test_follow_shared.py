@@ -146,6 +146,10 @@ def test_one_short_of_credit_is_served_on_its_own_within_it(cluster: LocalCluste
         call.credit([4], 100)
         more, _ = call.collect({4: 7})
         assert more[4] == [str(i).encode() for i in range(4, 11)], "then the rest, from where it stood"
+        store(cluster, "short/t", sender, range(11, 16))
+        after, answers = call.collect({1: 5, 2: 5, 3: 5, 4: 5})
+        assert all(after[i] == [str(n).encode() for n in range(11, 16)] for i in (1, 2, 3, 4))
+        assert {len(a.also) for a in answers if a.messages} == {3}, "caught up, it shares the others' answers again"
     finally:
         call.close()
     assert all(got[i] == [str(n).encode() for n in range(1, 11)] for i in (1, 2, 3))

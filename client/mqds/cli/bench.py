@@ -316,7 +316,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         "--subscribers",
         metavar="N[,N...]",
         help="instead of the write load alone: for each N, N push subscribers (Storage.Follow) of "
-        f"'{TOPIC_PREFIX}/#' from now on while the publishers store --rate msg/s for --duration s; print "
+        f"'{TOPIC_PREFIX}/#' from now on (started, each has had one message, before the load) while the "
+        "publishers store --rate msg/s for --duration s; print "
         "delivered msg/s, delivery p50/p99 (arrival less the leader's timestamp), the nodes' CPU per 1,000 "
         "delivered messages (--start-cluster or --data-dir) and the nodes' memory. --json keys "
         "delivered_msgs_per_s, delivery_p50_ms, delivery_p99_ms, server_cpu_ms_per_1000_delivered (largest N) "

@@ -1,14 +1,23 @@
 """Storage.Follow: push subscriptions, many on one call, each a topic filter on one shard from a position.
 
 A reader thread takes the client's requests (start, credit, cancel) off the
-call; the call's own thread serves the subscriptions in turn, one answer per
-subscription and pass, and sleeps when none has anything to send until a
-replica stores something (the shard's feed wakes it), a request comes, or a
-second passes. An answer holds what the subscription's credit allows (and
-``follow_max_batch``, and ``max_answer_bytes``): its messages in timestamp
-order and the position they reach. The position is the shard's timestamp
-read up to, so a subscription started again from it, here or on another
-replica, continues exactly: nothing lost, nothing repeated.
+call; the call's own thread serves the call's cohorts (``follow_cohort.py``)
+in turn, one answer per cohort and pass, and sleeps when none has anything
+to send until a replica stores something (the shard's feed wakes it), a
+request comes, or a second passes. An answer holds what the cohort's credit
+allows (and ``follow_max_batch``, and ``max_answer_bytes``): its messages in
+timestamp order and the position they reach. The position is the shard's
+timestamp read up to, so a subscription started again from it, here or on
+another replica, continues exactly: nothing lost, nothing repeated.
+
+Shared answers. Subscriptions that started with ``shared_answers`` and stand
+at the same position of the same filter and shard (real-time subscribers of
+a topic do, once they reach the head) are one cohort: one read, one answer,
+whose ``also`` lists the other subscriptions it is for, each taking the
+messages from its own credit. So a call carrying a thousand such
+subscribers costs the node one answer per new batch, not a thousand. One
+whose credit is short of an answer splits off and is served on its own from
+its position; when it reaches the cohort's position again it rejoins.
 
 Where the messages come from: the replica's feed (``cluster/feed.py``) when
 the position is within what the feed holds, else RocksDB (``storage/ordered.py``)
@@ -17,14 +26,6 @@ go through the replica's shared catch-up reads (``cluster/catchup.py``), so
 subscribers of one filter at nearby positions share one read. A
 subscription without credit is skipped and holds nothing; when credit comes
 it goes on from its position, from disk if the feed moved past it.
-
-Shared answers. Subscriptions that started with ``shared_answers`` and stand
-at the same position of the same filter and shard (real-time subscribers of
-a topic do, once they reach the head) are served by one read and one answer:
-its ``also`` lists the other subscriptions it is for, and each of them takes
-the messages from its own credit. So a call carrying a thousand such
-subscribers costs the node one answer per new batch, not a thousand. One
-whose credit is short of the answer is served on its own, from its position.
 
 Errors. A request that breaks the protocol (a frame that does not parse, an
 id in use or unknown, zero credit, more than ``follow_max_subscriptions``)
