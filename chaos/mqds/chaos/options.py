@@ -30,7 +30,7 @@ class Options:
     pipelined_publishers: int = 2
     pipeline_in_flight: int = 32
     readers: int = 2
-    followers: int = 2
+    followers: int = 4
     pubsub_consumers: int = 2
     queue_consumers: int = 2
     consumer_poll_s: float = 2.0
@@ -176,10 +176,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser.add_argument(
         "--followers",
         type=int,
-        default=2,
+        default=4,
         metavar="N",
         help="push subscribers (Client.follow) on chaos/#, each of which must be sent every acknowledged message "
-        "exactly once; odd ones let any replica serve them (2)",
+        "exactly once; odd ones let any replica serve them; from the third on, each shares the client of the one "
+        "two before it, so their subscriptions take shared answers (4)",
     )
     parser.add_argument(
         "--pubsub-consumers",

@@ -176,7 +176,12 @@ class ChaosRun:
         for i in range(opts.readers):
             self.readers.append(Reader(f"reader{i}", self.client, self.history, stale_ok=i % 2 == 1))
         for i in range(opts.followers):
-            self.followers.append(Follower(f"follower{i}", self.client, self.history, any_replica=i % 2 == 1))
+            # From the third on, each shares the client of the one two before it (served alike): their
+            # subscriptions share its Follow calls, so the nodes send them shared answers (cohorts).
+            twin = self.followers[i - 2] if i >= 2 else None
+            self.followers.append(
+                Follower(f"follower{i}", self.client, self.history, any_replica=i % 2 == 1, share_with=twin)
+            )
         self._make_consumers()
         if opts.hostile:
             assert self.cluster is not None

@@ -7,7 +7,9 @@ or loses its leadership, with nothing lost, repeated or reordered. It records
 every message it is sent (the checker compares that with what was
 acknowledged: exactly once each, each sender's in order) and notes as it goes
 a message that was never attempted or that comes before an earlier one of
-its sender. Odd followers let any replica serve them (``any_replica``).
+its sender. Odd followers let any replica serve them (``any_replica``);
+from the third on, each shares the client of the one two before it, so the
+nodes send the two shared answers (one cohort) while they stand together.
 Followers are not paused: they write nothing.
 """
 
@@ -24,13 +26,33 @@ from mqds.client import errors as E
 
 log = logging.getLogger(__name__)
 
+_USERS_LOCK = threading.Lock()
+
 
 class Follower:
     """One thread following ``chaos/#`` with a push subscription, recording what it is sent."""
 
-    def __init__(self, name: str, make_client: Callable[[], Client], history: History, *, any_replica: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        make_client: Callable[[], Client],
+        history: History,
+        *,
+        any_replica: bool,
+        share_with: Follower | None = None,
+    ) -> None:
         self.name = name
-        self.client = make_client()
+        # A follower sharing another's client has its subscriptions on the same Follow calls: the nodes serve
+        # the two at one position as one cohort, with shared answers. The client's owner closes it.
+        if share_with is None:
+            self.client = make_client()
+            self.users: list[int] = [1]
+            """How many followers still use the client (under ``_USERS_LOCK``); the last one closes it."""
+        else:
+            self.client = share_with.client
+            self.users = share_with.users
+            with _USERS_LOCK:
+                self.users[0] += 1
         self.history = history
         self.log = history.add_follower(name, any_replica)
         self.any_replica = any_replica
@@ -67,7 +89,11 @@ class Follower:
             log.exception("follower %s died", self.name)
             self.history.record_anomaly("follower-crashed", f"{self.name}: {err!r}")
         finally:
-            self.client.close()
+            with _USERS_LOCK:
+                self.users[0] -= 1
+                last = self.users[0] == 0
+            if last:
+                self.client.close()
 
     def _follow(self) -> None:
         with self.client.follow(TOPIC_FILTER, window=2000, any_replica=self.any_replica) as sub:
