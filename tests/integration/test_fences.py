@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from mqds.client import Client, Fence, Message, MessageBatch, Stream, aio
+from mqds.client.model import Iterator as StreamIterator
 from mqds.tools.localproc import LocalCluster
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc
@@ -76,12 +77,17 @@ def test_every_replica_returns_the_same_snapshot_up_to_the_fence(cluster: LocalC
         )
 
 
-def test_a_fence_ahead_of_a_replica_is_refused_as_retriable(cluster: LocalCluster) -> None:
+def one_stream(cluster: LocalCluster, name: str) -> tuple[Stream, StreamIterator, pb_grpc.StorageStub]:
+    """One message stored as ``name/x`` by sender ``name``: its stream, an iterator on it, a stub to node 1."""
     with Client(cluster.addresses, timeout_s=30) as client:
-        client.store_batch([Message("ahead/x", b"1", sender="ahead")])
-        _, stream = client.get_streams("ahead/#")[0]
-        iterator = client.make_iterator(stream, "ahead/#")
-    stub = pb_grpc.StorageStub(grpc.insecure_channel(cluster.addresses[0]))
+        client.store_batch([Message(f"{name}/x", b"1", sender=name)])
+        _, stream = client.get_streams(f"{name}/#")[0]
+        iterator = client.make_iterator(stream, f"{name}/#")
+    return stream, iterator, pb_grpc.StorageStub(grpc.insecure_channel(cluster.addresses[0]))
+
+
+def test_a_fence_ahead_of_a_replica_is_refused_as_retriable(cluster: LocalCluster) -> None:
+    _, iterator, stub = one_stream(cluster, "ahead")
     # A fence a minute ahead: no write has reached it yet (a fence more than a day ahead of the
     # node's clock is not one GetFences could have given, and is refused as invalid).
     ahead = int(time.time() * 1_000_000) + 60_000_000
@@ -189,11 +195,7 @@ def test_a_streams_first_batch_comes_with_its_iterator_in_one_call(cluster: Loca
 
 
 def test_a_bad_start_is_refused_with_the_reason(cluster: LocalCluster) -> None:
-    with Client(cluster.addresses, timeout_s=30) as client:
-        client.store_batch([Message("badstart/x", b"1", sender="badstart")])
-        _, stream = client.get_streams("badstart/#")[0]
-        iterator = client.make_iterator(stream, "badstart/#")
-    stub = pb_grpc.StorageStub(grpc.insecure_channel(cluster.addresses[0]))
+    stream, iterator, stub = one_stream(cluster, "badstart")
     start = pb.IteratorStart(stream=stream.to_pb(), topic_filter="badstart/#")
     cases = [
         (pb.NextRequest(iterator=iterator.to_pb(), start=start, batch_size=1), "INVALID_ARGUMENT", "not both"),
