@@ -7,10 +7,11 @@ the run's start, served by the shard's replicas in turn (``stale_ok``). It
 counts the messages it is sent without decoding them into objects (the
 benchmark measures the nodes, not the client's decoding), grants the credit
 back (gathered: one request for the subscriptions a shared answer was for,
-about twice a second), and samples the delivery latency of each answer's last message: the
-time it arrived less the timestamp its shard's leader gave it (taken just
-before the commit, so this slightly overstates the time from acknowledgement
-to delivery), weighted by the subscriptions the answer was for.
+about twice a second), and samples the delivery latency of each answer's
+last message: the time it arrived less the timestamp its shard's leader gave
+it (taken just before the commit, so this slightly overstates the time from
+acknowledgement to delivery), weighted by the subscriptions the answer was
+for.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ import grpc
 
 from mqds.bench import TOPIC_PREFIX
 from mqds.client.connection import ConnectionSettings
+from mqds.client.follow import FOLLOW_METHOD
 from mqds.v1 import storage_pb2 as pb
 
 TOPIC_FILTER = f"{TOPIC_PREFIX}/#"
-FOLLOW_METHOD = "/mqds.v1.Storage/Follow"
 _MAX_SAMPLES = 200_000
 WINDOW = 10_000
 """Each subscription's credit, in messages."""
@@ -92,8 +93,8 @@ class _FollowCall:
     def _grant(self, ids: tuple[int, ...], messages: int) -> None:
         """Grant ``messages`` again to each of ``ids``: gathered, and sent for all every ``GRANT_EVERY_S`` or when
         one set's reaches ``GRANT_AT`` (a node counts each subscription's credit, so granting each answer back
-        at once would cost it as much as the answers saved). Each subscription is owed at most about a second
-        of messages, a tenth of its window.
+        at once would cost it as much as the answers saved). A subscription is owed at most a quarter of its
+        window, or what came in half a second.
         """
         pending = self.pending
         pending[ids] = pending.get(ids, 0) + messages

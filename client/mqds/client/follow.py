@@ -36,6 +36,8 @@ from mqds.v1 import storage_pb2 as pb
 
 __all__ = ["FollowBatch", "FollowCore", "FollowPosition", "FollowRoutes", "ShardPart", "merge_credits"]
 
+FOLLOW_METHOD = "/mqds.v1.Storage/Follow"
+"""The Follow call's gRPC method, as both clients and the fan-out benchmark open it."""
 _RETRY_MAX_S = 2.0
 
 _MAGIC = b"mqf1"

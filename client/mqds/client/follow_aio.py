@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from mqds.client.follow import FollowBatch, FollowCore, FollowPosition, FollowRoutes, ShardPart
+from mqds.client.follow import FOLLOW_METHOD, FollowBatch, FollowCore, FollowPosition, FollowRoutes, ShardPart
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.v1 import storage_pb2 as pb
@@ -40,7 +40,7 @@ class _Call:
         self.mux = mux
         self.address = address
         method = mux.router.channel(address).stream_stream(
-            "/mqds.v1.Storage/Follow",
+            FOLLOW_METHOD,
             request_serializer=pb.FollowRequest.SerializeToString,
             response_deserializer=pb.FollowResponse.FromString,
             _registered_method=True,

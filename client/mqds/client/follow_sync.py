@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from mqds.client.follow import FollowBatch, FollowCore, FollowPosition, FollowRoutes, ShardPart, merge_credits
+from mqds.client.follow import (
+    FOLLOW_METHOD,
+    FollowBatch,
+    FollowCore,
+    FollowPosition,
+    FollowRoutes,
+    ShardPart,
+    merge_credits,
+)
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.v1 import storage_pb2 as pb
@@ -32,7 +40,6 @@ __all__ = ["FollowMux", "Subscription"]
 
 log = logging.getLogger(__name__)
 
-FOLLOW_METHOD = "/mqds.v1.Storage/Follow"
 _MERGE_MAX = 1024
 """Requests waiting on a call that are taken together to merge their credits, at most."""
 

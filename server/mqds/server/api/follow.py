@@ -120,8 +120,6 @@ class _Call:
         """Every cohort with members (the serving thread's)."""
         self.at: dict[tuple[Any, int], Cohort] = {}
         """Cohorts taking shared answers by (key, position), to merge those that meet (the serving thread's)."""
-        self.indexed: dict[Cohort, int] = {}
-        """The position each cohort is filed under in ``at``."""
         self.by_feed: dict[Any, set[Cohort]] = {}
         """The feeds this call listens to, with its cohorts that read each (the serving thread's)."""
         self.dirty: set[Any] = set()
@@ -324,15 +322,12 @@ class _Call:
         """File a cohort taking shared answers under its position; one that meets another there joins it."""
         if not cohort.shared:
             return
-        at, indexed = self.at, self.indexed
-        before = indexed.pop(cohort, None)
-        if before is not None and at.get((cohort.key, before)) is cohort:
-            del at[(cohort.key, before)]
+        self._unfile(cohort)
         place = (cohort.key, cohort.position)
-        other = at.get(place)
+        other = self.at.get(place)
         if other is None or not other.members:
-            at[place] = cohort
-            indexed[cohort] = cohort.position
+            self.at[place] = cohort
+            cohort.filed_at = cohort.position
             return
         big, small = (other, cohort) if len(other.members) >= len(cohort.members) else (cohort, other)
         with self.lock:
@@ -340,16 +335,20 @@ class _Call:
                 big.add(sub, small.remove(sub))
             self.touched.add(big)  # what the smaller one had to read next, the merged one reads
         self._drop(small)
-        at[place] = big
-        indexed[big] = cohort.position
+        self.at[place] = big
+        big.filed_at = cohort.position
+
+    def _unfile(self, cohort: Cohort) -> None:
+        """Take the cohort out of ``at``, where it was filed."""
+        if cohort.filed_at is not None and self.at.get((cohort.key, cohort.filed_at)) is cohort:
+            del self.at[(cohort.key, cohort.filed_at)]
+        cohort.filed_at = None
 
     def _drop(self, cohort: Cohort) -> None:
         """A cohort left without members goes."""
         self._unlisten(cohort)
         self.cohorts.discard(cohort)
-        before = self.indexed.pop(cohort, None)
-        if before is not None and self.at.get((cohort.key, before)) is cohort:
-            del self.at[(cohort.key, before)]
+        self._unfile(cohort)
 
     def _end(self, cohort: Cohort, err: MqdsError) -> list[_Answer]:
         """The cohort cannot be served: each member is told why, and ends."""

@@ -35,13 +35,8 @@ class FollowSub:
         self.id = start.id
         self.start = start
         self.limit_at = start.credit
-        """The cohort's ``sent`` at which this subscription's credit runs out."""
+        """The cohort's ``sent`` at which this subscription's credit runs out (its credit, before it has one)."""
         self.cohort: Cohort | None = None
-
-    @property
-    def credit(self) -> int:
-        cohort = self.cohort
-        return self.limit_at - (cohort.sent if cohort is not None else 0)
 
 
 class Cohort:
@@ -49,6 +44,7 @@ class Cohort:
 
     __slots__ = (
         "_ids",
+        "filed_at",
         "key",
         "levels",
         "listening",
@@ -81,6 +77,8 @@ class Cohort:
         self.listening: Any = None
         """The feed this cohort is registered with (a replica's)."""
         self._ids: list[int] | None = None
+        self.filed_at: int | None = None
+        """The position the call filed it under to meet others (shared cohorts; the call's serving thread's)."""
 
     def add(self, sub: FollowSub, credit: int) -> None:
         """``sub`` joins with ``credit`` (under the call's lock)."""
