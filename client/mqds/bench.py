@@ -107,6 +107,8 @@ class PublisherSpec:
     settings: ConnectionSettings | None
     threads: int = 1
     in_flight: int = 0
+    record_acks: bool = False
+    """Keep each acknowledged call's (shard, first and last timestamp, wall-clock time of the acknowledgement)."""
 
 
 def _blocking(spec: PublisherSpec, shared: Shared, end_at: float, router: Router, out: dict[str, Any]) -> None:
@@ -125,6 +127,7 @@ def _blocking(spec: PublisherSpec, shared: Shared, end_at: float, router: Router
 
     address = leader()
     latencies: list[float] = []
+    acks: list[tuple[int, int, int, float]] = []
     outages: list[tuple[float, float]] = []
     failures = 0
     failing_since: float | None = None
@@ -140,7 +143,7 @@ def _blocking(spec: PublisherSpec, shared: Shared, end_at: float, router: Router
                 time.sleep(delay)
         t0 = time.perf_counter()
         try:
-            call(address)(raw, timeout=10, metadata=router.metadata)
+            answer = call(address)(raw, timeout=10, metadata=router.metadata)
         except grpc.RpcError as rpc_err:
             err = errors.from_rpc_error(rpc_err)
             failures += 1
@@ -153,12 +156,17 @@ def _blocking(spec: PublisherSpec, shared: Shared, end_at: float, router: Router
                 address = leader()
             continue
         latencies.append(time.perf_counter() - t0)
+        if spec.record_acks:
+            acked_at = time.time()
+            positions = pb.StoreBatchResponse.FromString(answer).positions
+            acks.append((shard, positions[0].timestamp_us, positions[-1].timestamp_us, acked_at))
         shared.count(spec.batch)
         if failing_since is not None:
             outages.append((failing_since, time.time()))
             failing_since = None
     with out["lock"]:
         out["latencies"] += latencies
+        out["acks"] += acks
         out["outages"] += outages
         out["failures"] += failures
 
@@ -210,7 +218,7 @@ def _publish(args: tuple[PublisherSpec, Shared]) -> dict[str, Any]:
     """One publisher process: store from the common start for ``duration_s``; latencies, failures, CPU seconds."""
     spec, shared = args
     shard = shard_of(spec.sender, spec.n_shards)
-    out: dict[str, Any] = {"lock": threading.Lock(), "latencies": [], "outages": [], "failures": 0}
+    out: dict[str, Any] = {"lock": threading.Lock(), "latencies": [], "acks": [], "outages": [], "failures": 0}
     router = Router(
         spec.addresses,
         settings=spec.settings,
@@ -273,6 +281,9 @@ class RunResult:
     load_cpu_s: float = 0.0
     # ``sample()`` at the end minus at the start (see run_load); None without a sample or when it had none.
     sampled: float | None = None
+    # With ``record_acks``: every acknowledged call's (shard, first and last timestamp_us, time.time() of the
+    # acknowledgement), sorted.
+    acks: list[tuple[int, int, int, float]] = field(default_factory=list)
 
 
 class LeaderKill:
@@ -400,6 +411,7 @@ def run_load(
     threads: int = 1,
     in_flight: int = 0,
     sample: Callable[[], float | None] | None = None,
+    record_acks: bool = False,
 ) -> RunResult:
     """Drive ``publishers`` processes against the cluster for ``duration_s``; what was acknowledged, how fast.
 
@@ -411,6 +423,8 @@ def run_load(
     loop in that many threads per publisher; ``in_flight`` (above 0) instead
     keeps that many ``store_async`` calls outstanding per publisher (not
     paced). ``sample`` is called at the start and the end (``RunResult.sampled``).
+    ``record_acks`` keeps when each blocking call was acknowledged, and for which
+    messages (``RunResult.acks``).
     """
     if publishers < 1 or batch < 1 or size < 0 or duration_s <= 0 or threads < 1 or in_flight < 0:
         raise ValueError(
@@ -421,7 +435,9 @@ def run_load(
     senders = publisher_ids(publishers, n_shards)
     interval = (batch * publishers * threads / rate_msgs_per_s) if rate_msgs_per_s else 0.0
     specs = [
-        PublisherSpec(addresses, s, n_shards, batch, size, duration_s, interval, settings, threads, in_flight)
+        PublisherSpec(
+            addresses, s, n_shards, batch, size, duration_s, interval, settings, threads, in_flight, record_acks
+        )
         for s in senders
     ]
     collected, start_at, end_at, sampled = drive(
@@ -452,4 +468,5 @@ def run_load(
         latencies_s=latencies,
         load_cpu_s=sum(r["cpu_s"] for r in collected),
         sampled=sampled,
+        acks=sorted(tuple(a) for r in collected for a in r.get("acks", ())),
     )

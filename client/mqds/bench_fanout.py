@@ -7,15 +7,18 @@ the run's start, served by the shard's replicas in turn (``stale_ok``). It
 counts the messages it is sent without decoding them into objects (the
 benchmark measures the nodes, not the client's decoding), grants the credit
 back (gathered: one request for the subscriptions a shared answer was for,
-about twice a second), and samples the delivery latency of each answer's
-last message: the time it arrived less the timestamp its shard's leader gave
-it (taken just before the commit, so this slightly overstates the time from
-acknowledgement to delivery), weighted by the subscriptions the answer was
-for.
+about twice a second), and samples each answer's delivery: the time it
+arrived, its shard, and the timestamp of its oldest message, weighted by the
+messages and subscriptions it was for. :func:`delivery_latencies` turns the
+samples into latencies two ways: from the publisher's acknowledgement of the
+call that stored that message (what a subscriber waits once a publisher has
+been told its message is stored), and from the timestamp its shard's leader
+gave it (taken before the commit, so it adds the commit's own latency).
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import queue
 import threading
@@ -84,7 +87,7 @@ class _FollowCall:
                 if not n:
                     continue
                 # A shared answer is each of its subscriptions' (``also``): each is counted, and granted again.
-                self.counter.add(n, answer.messages[n - 1].timestamp_us, 1 + len(answer.also))
+                self.counter.add(n, answer.id, answer.messages[0].timestamp_us, 1 + len(answer.also))
                 self._grant((answer.id, *answer.also), n)
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.CANCELLED:
@@ -116,17 +119,21 @@ class _Counter:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.delivered = 0
-        self.latencies: list[tuple[float, int]] = []
-        """(latency in seconds, the subscriptions it was for), one per answer."""
+        self.samples: list[tuple[float, int, int, int]] = []
+        """(time.time() it arrived, shard, its oldest message's timestamp_us, messages x subscriptions), one per
+        answer."""
+        self.shards: dict[int, int] = {}
+        """Subscription id -> its shard."""
         self.failures = 0
         self.counting = False
         self.last_at = 0.0
         self.shared: Any = None
         """The counts every subscriber process adds to, which the parent watches (``delivered``, ``warm``)."""
 
-    def add(self, n: int, timestamp_us: int, subscriptions: int = 1) -> None:
-        """``n`` messages each delivered to ``subscriptions``, the last stored at ``timestamp_us``."""
-        latency = time.time() - timestamp_us / 1e6
+    def add(self, n: int, subscription: int, timestamp_us: int, subscriptions: int = 1) -> None:
+        """``n`` messages of ``subscription``'s shard each delivered to ``subscriptions``, the oldest stored at
+        ``timestamp_us``."""
+        arrived = time.time()
         with self.lock:
             if not self.counting:  # before the load: the message each subscription gets once it has started
                 if self.shared is not None:
@@ -134,16 +141,16 @@ class _Counter:
                         self.shared.warm.value += n * subscriptions
                 return
             self.delivered += n * subscriptions
-            self.last_at = time.time()
-            if len(self.latencies) < _MAX_SAMPLES:
-                self.latencies.append((latency, subscriptions))
+            self.last_at = arrived
+            if len(self.samples) < _MAX_SAMPLES:
+                self.samples.append((arrived, self.shards[subscription], timestamp_us, n * subscriptions))
         if self.shared is not None:
             with self.shared.delivered.get_lock():
                 self.shared.delivered.value += n * subscriptions
 
 
 def subscribe(args: tuple[SubscriberSpec, Any]) -> None:
-    """One subscriber process: follow until told to stop, then report (delivered, latencies, failures)."""
+    """One subscriber process: follow until told to stop, then report (delivered, samples, failures)."""
     spec, shared = args
     settings = spec.settings or ConnectionSettings()
     counter = _Counter()
@@ -162,8 +169,10 @@ def subscribe(args: tuple[SubscriberSpec, Any]) -> None:
                 mine.append((_FollowCall(channels[address], metadata, counter), 0))
             call, carried = mine[-1]
             mine[-1] = (call, carried + 1)
+            sid = next(ids)
+            counter.shards[sid] = shard
             start = pb.FollowStart(
-                id=next(ids),
+                id=sid,
                 topic_filter=TOPIC_FILTER,
                 shard=shard,
                 start_time_us=spec.start_us,
@@ -180,7 +189,7 @@ def subscribe(args: tuple[SubscriberSpec, Any]) -> None:
     shared.stop.wait(3600)
     with counter.lock:
         counter.counting = False
-        delivered, latencies, failures = counter.delivered, sorted(counter.latencies), counter.failures
+        delivered, samples, failures = counter.delivered, counter.samples, counter.failures
         last_at = counter.last_at
     cpu_s = time.process_time() - cpu_before
     for mine in calls.values():
@@ -189,5 +198,30 @@ def subscribe(args: tuple[SubscriberSpec, Any]) -> None:
     for channel in channels.values():
         channel.close()
     shared.results.put(
-        {"delivered": delivered, "latencies": latencies, "failures": failures, "cpu_s": cpu_s, "last_at": last_at}
+        {"delivered": delivered, "samples": samples, "failures": failures, "cpu_s": cpu_s, "last_at": last_at}
     )
+
+
+def delivery_latencies(
+    samples: list[tuple[float, int, int, int]], acks: list[tuple[int, int, int, float]]
+) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+    """The samples' latencies, each ``(seconds, weight)`` and sorted: from the acknowledgement of the store call
+    that held the sampled message (``acks``: shard, first and last timestamp_us, acknowledged at), and from the
+    message's own timestamp. A sample whose message no acknowledged call holds (a call retried after a failure)
+    has only the second. A latency from the acknowledgement may be below zero: the subscriber can have the
+    message before the publisher has its answer.
+    """
+    calls: dict[int, tuple[list[int], list[tuple[int, float]]]] = {}
+    for shard, first, last, acked_at in sorted(acks):
+        lasts, rest = calls.setdefault(shard, ([], []))
+        lasts.append(last)
+        rest.append((first, acked_at))
+    from_ack: list[tuple[float, int]] = []
+    from_stored: list[tuple[float, int]] = []
+    for arrived, shard, timestamp_us, weight in samples:
+        from_stored.append((arrived - timestamp_us / 1e6, weight))
+        lasts, rest = calls.get(shard, ([], []))
+        i = bisect.bisect_left(lasts, timestamp_us)
+        if i < len(lasts) and rest[i][0] <= timestamp_us:
+            from_ack.append((arrived - rest[i][1], weight))
+    return sorted(from_ack), sorted(from_stored)

@@ -3,6 +3,8 @@ the client's routing of shared answers and merging of credits."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -253,3 +255,50 @@ def test_the_feed_head_is_its_last_message() -> None:
     assert feed.head == 7
     feed.append(*part(10, "a", "b", "c"))
     assert feed.head == 12
+
+
+def test_the_asyncio_client_merges_the_credits_waiting_on_a_call() -> None:
+    """While a write is under way, what the subscriptions grant waits, and goes as one request (as in the sync
+    client): a thousand subscribers freeing their windows cost the node one credit, not a thousand."""
+    from types import SimpleNamespace
+
+    from mqds.client.follow_aio import _Call
+
+    class Stream:
+        def __init__(self) -> None:
+            self.written: list[pb.FollowRequest] = []
+            self.gate = asyncio.Event()
+
+        async def write(self, request: pb.FollowRequest) -> None:
+            await self.gate.wait()
+            self.written.append(request)
+
+        async def read(self) -> None:
+            await asyncio.Event().wait()
+
+        def cancel(self) -> None:
+            pass
+
+    async def run() -> list[pb.FollowRequest]:
+        stream = Stream()
+        channel = SimpleNamespace(stream_stream=lambda *_a, **_k: lambda metadata: stream)
+        call = _Call(SimpleNamespace(router=SimpleNamespace(channel=lambda _address: channel, metadata=())), "node")
+        call.send(pb.FollowRequest(start=pb.FollowStart(id=1, credit=5)))
+        await asyncio.sleep(0.01)  # the start is being written
+        for sid in range(1, 11):
+            call.send(pb.FollowRequest(credit=pb.FollowCredit(id=sid, messages=5)))
+        call.send(pb.FollowRequest(cancel=3))
+        call.send(pb.FollowRequest(credit=pb.FollowCredit(id=4, messages=5)))
+        stream.gate.set()
+        for _ in range(100):
+            if len(stream.written) == 4:
+                break
+            await asyncio.sleep(0.01)
+        call.close()
+        return stream.written
+
+    written = asyncio.run(run())
+    assert [r.WhichOneof("kind") for r in written] == ["start", "credit", "cancel", "credit"]
+    merged = written[1].credit
+    assert (merged.id, list(merged.also), merged.messages) == (1, list(range(2, 11)), 5)
+    assert written[3].credit.id == 4 and not written[3].credit.also, "a credit never overtakes a cancel"

@@ -207,6 +207,10 @@ class FollowRoutes(Generic[S, C]):
         self._routes.clear()
 
 
+MERGE_MAX = 1024
+"""Requests waiting on a call that are taken together to merge their credits, at most."""
+
+
 def merge_credits(requests: list[pb.FollowRequest]) -> list[pb.FollowRequest]:
     """``requests`` as they go on a call, each run of credits of the same size merged into one request
     (``FollowCredit.also``); starts and cancels keep their places, so a credit never overtakes its start.

@@ -18,7 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from mqds.client.follow import FOLLOW_METHOD, FollowBatch, FollowCore, FollowPosition, FollowRoutes, ShardPart
+from mqds.client.follow import (
+    FOLLOW_METHOD,
+    MERGE_MAX,
+    FollowBatch,
+    FollowCore,
+    FollowPosition,
+    FollowRoutes,
+    ShardPart,
+    merge_credits,
+)
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.v1 import storage_pb2 as pb
@@ -34,7 +43,12 @@ _Event = tuple[ShardPart, int, pb.FollowResponse | None, MqdsError | None]
 
 
 class _Call:
-    """One Follow call to a node, with the task reading its answers."""
+    """One Follow call to a node, with the task reading its answers and the task writing its requests.
+
+    Requests wait in ``outbox`` while a write is under way; the writer takes
+    them together and merges their credits (``merge_credits``), as the sync
+    client does, so many subscribers granting at once cost one request.
+    """
 
     def __init__(self, mux: AsyncFollowMux, address: str) -> None:
         self.mux = mux
@@ -47,7 +61,10 @@ class _Call:
         )
         self.call: Any = method(metadata=mux.router.metadata)
         self.ended = False
+        self.outbox: list[pb.FollowRequest] = []
+        self._waiting = asyncio.Event()
         self.reader = asyncio.ensure_future(self._read())
+        self.writer = asyncio.ensure_future(self._write())
 
     async def _read(self) -> None:
         err: MqdsError | None = None
@@ -66,13 +83,25 @@ class _Call:
             err = errors.error(Reason.INTERNAL, f"the follow call failed: {unexpected}")
         self.mux.on_end(self, err or errors.error(Reason.UNAVAILABLE, f"the node at {self.address} ended the call"))
 
-    async def send(self, request: pb.FollowRequest) -> None:
+    async def _write(self) -> None:
         with contextlib.suppress(Exception):  # a broken call is reported by the reader
-            await self.call.write(request)
+            while True:
+                await self._waiting.wait()
+                waiting, self.outbox = self.outbox[:MERGE_MAX], self.outbox[MERGE_MAX:]
+                if not self.outbox:
+                    self._waiting.clear()
+                for request in merge_credits(waiting):
+                    await self.call.write(request)
+
+    def send(self, request: pb.FollowRequest) -> None:
+        """Queue ``request``; the writer sends it after those queued before it."""
+        self.outbox.append(request)
+        self._waiting.set()
 
     def close(self) -> None:
         self.call.cancel()
         self.reader.cancel()
+        self.writer.cancel()
 
 
 class AsyncFollowMux:
@@ -88,12 +117,12 @@ class AsyncFollowMux:
         if call is None or call.ended:
             call = self._calls[address] = _Call(self, address)
         self._routes.add(sub, part, call, request)
-        await call.send(pb.FollowRequest(start=request))
+        call.send(pb.FollowRequest(start=request))
 
     async def credit(self, part: ShardPart, messages: int) -> None:
         call = self._routes.call_of(part)
         if call is not None:
-            await call.send(pb.FollowRequest(credit=pb.FollowCredit(id=part.sub_id, messages=messages)))
+            call.send(pb.FollowRequest(credit=pb.FollowCredit(id=part.sub_id, messages=messages)))
 
     async def stop(self, part: ShardPart) -> None:
         removed = self._routes.remove(part)
@@ -104,7 +133,7 @@ class AsyncFollowMux:
             self._calls.pop(call.address, None)
             call.close()
         else:
-            await call.send(pb.FollowRequest(cancel=part.sub_id))
+            call.send(pb.FollowRequest(cancel=part.sub_id))
 
     def on_answer(self, answer: pb.FollowResponse) -> None:
         for sid, sub, part in self._routes.answered(answer):
@@ -112,6 +141,7 @@ class AsyncFollowMux:
 
     def on_end(self, call: _Call, err: MqdsError) -> None:
         call.ended = True
+        call.writer.cancel()
         if self._calls.get(call.address) is call:
             del self._calls[call.address]
         for sid, sub, part in self._routes.ended(call):
@@ -123,7 +153,7 @@ class AsyncFollowMux:
         self._routes.clear()
         for call in calls:
             call.close()
-        await asyncio.gather(*(c.reader for c in calls), return_exceptions=True)
+        await asyncio.gather(*(c.reader for c in calls), *(c.writer for c in calls), return_exceptions=True)
 
 
 class AsyncSubscription:

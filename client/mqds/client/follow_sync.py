@@ -22,6 +22,7 @@ import grpc
 
 from mqds.client.follow import (
     FOLLOW_METHOD,
+    MERGE_MAX,
     FollowBatch,
     FollowCore,
     FollowPosition,
@@ -39,9 +40,6 @@ if TYPE_CHECKING:
 __all__ = ["FollowMux", "Subscription"]
 
 log = logging.getLogger(__name__)
-
-_MERGE_MAX = 1024
-"""Requests waiting on a call that are taken together to merge their credits, at most."""
 
 
 class _Call:
@@ -67,7 +65,7 @@ class _Call:
         while (request := self.requests.get()) is not None:
             waiting = [request]
             with contextlib.suppress(queue.Empty):
-                while len(waiting) < _MERGE_MAX and (request := self.requests.get_nowait()) is not None:
+                while len(waiting) < MERGE_MAX and (request := self.requests.get_nowait()) is not None:
                     waiting.append(request)
             yield from merge_credits(waiting)
             if request is None:
