@@ -8,12 +8,12 @@ counts the messages it is sent without decoding them into objects (the
 benchmark measures the nodes, not the client's decoding), grants the credit
 back (gathered: one request for the subscriptions a shared answer was for,
 about twice a second), and samples each answer's delivery: the time it
-arrived, its shard, and the timestamp of its oldest message, weighted by the
-messages and subscriptions it was for. :func:`delivery_latencies` turns the
-samples into latencies two ways: from the publisher's acknowledgement of the
-call that stored that message (what a subscriber waits once a publisher has
-been told its message is stored), and from the timestamp its shard's leader
-gave it (taken before the commit, so it adds the commit's own latency).
+arrived, its shard, the timestamps of its first and last message, and the
+subscriptions it was for. :func:`delivery_latencies` turns the samples into
+each message's latency, two ways: from the publisher's acknowledgement of the
+store call that held it (what a subscriber waits once the publisher has been
+told its message is stored), and from the timestamp its shard's leader gave
+it (taken before the commit, so it adds the commit's own latency).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from mqds.client.follow import FOLLOW_METHOD
 from mqds.v1 import storage_pb2 as pb
 
 TOPIC_FILTER = f"{TOPIC_PREFIX}/#"
+Sample = tuple[float, int, int, int, int, int]
+"""An answer as received: time.time() it arrived, shard, first and last timestamp_us, messages, subscriptions."""
 _MAX_SAMPLES = 200_000
 WINDOW = 10_000
 """Each subscription's credit, in messages."""
@@ -87,7 +89,10 @@ class _FollowCall:
                 if not n:
                     continue
                 # A shared answer is each of its subscriptions' (``also``): each is counted, and granted again.
-                self.counter.add(n, answer.id, answer.messages[0].timestamp_us, 1 + len(answer.also))
+                messages = answer.messages
+                self.counter.add(
+                    n, answer.id, messages[0].timestamp_us, messages[n - 1].timestamp_us, 1 + len(answer.also)
+                )
                 self._grant((answer.id, *answer.also), n)
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.CANCELLED:
@@ -119,9 +124,10 @@ class _Counter:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.delivered = 0
-        self.samples: list[tuple[float, int, int, int]] = []
-        """(time.time() it arrived, shard, its oldest message's timestamp_us, messages x subscriptions), one per
-        answer."""
+        self.answers = 0
+        """Answers with messages received while counting (a shared one once)."""
+        self.samples: list[Sample] = []
+        """One per answer (see ``Sample``)."""
         self.shards: dict[int, int] = {}
         """Subscription id -> its shard."""
         self.failures = 0
@@ -130,9 +136,9 @@ class _Counter:
         self.shared: Any = None
         """The counts every subscriber process adds to, which the parent watches (``delivered``, ``warm``)."""
 
-    def add(self, n: int, subscription: int, timestamp_us: int, subscriptions: int = 1) -> None:
-        """``n`` messages of ``subscription``'s shard each delivered to ``subscriptions``, the oldest stored at
-        ``timestamp_us``."""
+    def add(self, n: int, subscription: int, first_us: int, last_us: int, subscriptions: int = 1) -> None:
+        """``n`` messages of ``subscription``'s shard (timestamps ``first_us`` to ``last_us``) each delivered to
+        ``subscriptions``."""
         arrived = time.time()
         with self.lock:
             if not self.counting:  # before the load: the message each subscription gets once it has started
@@ -141,9 +147,10 @@ class _Counter:
                         self.shared.warm.value += n * subscriptions
                 return
             self.delivered += n * subscriptions
+            self.answers += 1
             self.last_at = arrived
             if len(self.samples) < _MAX_SAMPLES:
-                self.samples.append((arrived, self.shards[subscription], timestamp_us, n * subscriptions))
+                self.samples.append((arrived, self.shards[subscription], first_us, last_us, n, subscriptions))
         if self.shared is not None:
             with self.shared.delivered.get_lock():
                 self.shared.delivered.value += n * subscriptions
@@ -189,7 +196,7 @@ def subscribe(args: tuple[SubscriberSpec, Any]) -> None:
     shared.stop.wait(3600)
     with counter.lock:
         counter.counting = False
-        delivered, samples, failures = counter.delivered, counter.samples, counter.failures
+        delivered, samples, failures, answers = counter.delivered, counter.samples, counter.failures, counter.answers
         last_at = counter.last_at
     cpu_s = time.process_time() - cpu_before
     for mine in calls.values():
@@ -198,18 +205,31 @@ def subscribe(args: tuple[SubscriberSpec, Any]) -> None:
     for channel in channels.values():
         channel.close()
     shared.results.put(
-        {"delivered": delivered, "samples": samples, "failures": failures, "cpu_s": cpu_s, "last_at": last_at}
+        {
+            "delivered": delivered,
+            "answers": answers,
+            "samples": samples,
+            "failures": failures,
+            "cpu_s": cpu_s,
+            "last_at": last_at,
+        }
     )
 
 
 def delivery_latencies(
-    samples: list[tuple[float, int, int, int]], acks: list[tuple[int, int, int, float]]
+    samples: list[Sample], acks: list[tuple[int, int, int, float]]
 ) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
-    """The samples' latencies, each ``(seconds, weight)`` and sorted: from the acknowledgement of the store call
-    that held the sampled message (``acks``: shard, first and last timestamp_us, acknowledged at), and from the
-    message's own timestamp. A sample whose message no acknowledged call holds (a call retried after a failure)
-    has only the second. A latency from the acknowledgement may be below zero: the subscriber can have the
-    message before the publisher has its answer.
+    """Each sampled message's latency, as sorted ``(seconds, deliveries)``: from the acknowledgement of the store
+    call that held it (``acks``: shard, first and last timestamp_us, acknowledged at), and from its timestamp.
+
+    An answer's messages are the shard's from its first to its last
+    timestamp (every message the benchmark stores matches its filter; a
+    store call's messages have consecutive timestamps), so the messages it
+    took from each call are known without listing them. A message no
+    acknowledged call holds (one of a call retried after a failure) has only
+    the latency from its timestamp. A latency from the acknowledgement may be
+    below zero: the subscriber can have the message before the publisher has
+    its answer.
     """
     calls: dict[int, tuple[list[int], list[tuple[int, float]]]] = {}
     for shard, first, last, acked_at in sorted(acks):
@@ -218,10 +238,17 @@ def delivery_latencies(
         rest.append((first, acked_at))
     from_ack: list[tuple[float, int]] = []
     from_stored: list[tuple[float, int]] = []
-    for arrived, shard, timestamp_us, weight in samples:
-        from_stored.append((arrived - timestamp_us / 1e6, weight))
+    for arrived, shard, first_us, last_us, n, subscriptions in samples:
         lasts, rest = calls.get(shard, ([], []))
-        i = bisect.bisect_left(lasts, timestamp_us)
-        if i < len(lasts) and rest[i][0] <= timestamp_us:
-            from_ack.append((arrived - rest[i][1], weight))
+        covered = 0
+        i = bisect.bisect_left(lasts, first_us)
+        while i < len(lasts) and rest[i][0] <= last_us and covered < n:
+            lo = max(rest[i][0], first_us)
+            took = min(min(lasts[i], last_us) - lo + 1, n - covered)
+            from_ack.append((arrived - rest[i][1], took * subscriptions))
+            from_stored.append((arrived - lo / 1e6, took * subscriptions))
+            covered += took
+            i += 1
+        if covered < n:
+            from_stored.append((arrived - first_us / 1e6, (n - covered) * subscriptions))
     return sorted(from_ack), sorted(from_stored)

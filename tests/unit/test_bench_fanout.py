@@ -1,26 +1,47 @@
-"""The fan-out benchmark's latencies: deliveries matched to the acknowledgement of the call that stored them."""
+"""The fan-out benchmark's latencies: each delivered message matched to the acknowledgement of the call that
+stored it."""
 
 from __future__ import annotations
 
 from mqds.bench_fanout import delivery_latencies
 from mqds.cli.bench_fanout import weighted_pct_ms
 
-# Two store calls on shard 3 (timestamps 100-109, acknowledged at 1.0; 110-119 at 2.0), one on shard 5.
+# Shard 3: a call of timestamps 100-109 acknowledged at 1.0, one of 110-119 at 2.0; shard 5: 100-149 at 4.0.
 ACKS = [(3, 110, 119, 2.0), (3, 100, 109, 1.0), (5, 100, 149, 4.0)]
 
 
-def test_a_delivery_counts_from_the_acknowledgement_of_the_call_that_held_it() -> None:
+def ms(pairs: list[tuple[float, int]]) -> list[tuple[float, int]]:
+    return [(round(seconds * 1000, 3), weight) for seconds, weight in pairs]
+
+
+def test_each_message_counts_from_the_acknowledgement_of_the_call_that_held_it() -> None:
     samples = [
-        (1.25, 3, 104, 10),  # oldest message from the first call: 0.25 s after its acknowledgement
-        (1.995, 3, 110, 500),  # delivered before the publisher had its answer: below zero
-        (4.5, 5, 149, 1),
-        (9.0, 3, 120, 7),  # no acknowledged call holds it (a retried call): only the time from storing
-        (9.0, 4, 100, 7),  # a shard with no acknowledged call at all
+        # 104-113 for 10 subscriptions: 6 messages of the first call, 4 of the second (before its answer came)
+        (2.25, 3, 104, 113, 10, 10),
+        (4.5, 5, 149, 149, 1, 1),
+        (9.0, 3, 118, 121, 4, 7),  # 120 and 121 are in no acknowledged call (one retried): only from storing
+        (9.0, 4, 100, 100, 1, 7),  # a shard with no acknowledged call at all
     ]
     from_ack, from_stored = delivery_latencies(samples, ACKS)
-    assert [(round(s, 3), w) for s, w in from_ack] == [(-0.005, 500), (0.25, 10), (0.5, 1)]
-    # From storing: every sample, from its message's timestamp (microseconds, on the same clock).
-    assert from_stored == sorted((arrived - ts / 1e6, w) for arrived, _, ts, w in samples)
+    assert ms(from_ack) == [(250.0, 40), (500.0, 1), (1250.0, 60), (7000.0, 14)]
+    # From storing: each call's part from its oldest message, what no call holds from the answer's first.
+    assert ms(from_stored) == ms(
+        sorted(
+            [
+                (2.25 - 104e-6, 60),
+                (2.25 - 110e-6, 40),
+                (4.5 - 149e-6, 1),
+                (9.0 - 118e-6, 14),
+                (9.0 - 118e-6, 14),
+                (9.0 - 100e-6, 7),
+            ]
+        )
+    )
+
+
+def test_a_message_can_arrive_before_its_publisher_has_the_answer() -> None:
+    from_ack, _ = delivery_latencies([(1.995, 3, 110, 119, 10, 500)], ACKS)
+    assert ms(from_ack) == [(-5.0, 5000)]
 
 
 def test_the_percentiles_weigh_each_sample_by_the_deliveries_it_stands_for() -> None:

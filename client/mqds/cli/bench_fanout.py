@@ -11,8 +11,8 @@ answer to the call that stored it) and from storing to delivery (arrival less
 the timestamp its shard's leader gave it before the commit: the commit's own
 latency too), the nodes' CPU per 1,000 delivered messages (when the command
 controls the nodes: ``--start-cluster`` or ``--data-dir``) and the nodes'
-memory. Each answer counts as many times as messages and subscriptions it
-was for, at the latency of its oldest message. ``--json``: one object, the
+memory. Every message counts once for each subscription it was delivered
+to, at its own latency (``mqds.bench_fanout.delivery_latencies``). ``--json``: one object, the
 largest N's figures at the top (``delivered_msgs_per_s``, ``delivery_p50_ms``,
 ``delivery_p99_ms``, ``server_cpu_ms_per_1000_delivered``) and every N under
 ``runs`` (with ``stored_delivery_p50_ms`` and ``stored_delivery_p99_ms``).
@@ -277,6 +277,9 @@ def _one(
         "server_cpu_ms_per_1000_delivered": cpu,
         "node_rss_mib": None if rss is None else round(rss, 1),
         "subscriber_cpu_s": round(sum(r["cpu_s"] for r in reports), 2),
+        # Answers with messages the subscribers received (a shared answer once): with shared answers, about one
+        # per stored call and subscriber call; many more when subscriptions fell out of their cohorts.
+        "answers": sum(r["answers"] for r in reports),
         "start_s": round(started_s, 2),
         "failures": sum(r["failures"] for r in reports),
     }
