@@ -100,24 +100,20 @@ def run(opts: argparse.Namespace) -> int:
         cluster = local_cluster.for_benchmark(opts, stack, "mqds-bench-fanout-")
         endpoints = cluster.addresses if cluster is not None else parse_endpoints(opts.endpoints)
         node_pids = [] if cluster is None else [p.pid for p in cluster.nodes.values() if p.pid is not None]
-        with Client(endpoints, settings=settings) as client:
-            cmap = client.cluster_map()
-        addresses = {n.id: n.address for n in cmap.nodes}
-        # Each shard from its leader: a follower applies what is committed only when the leader's next message
-        # says so (within raft_heartbeat_s), which would be counted as delivery latency.
-        replicas = {
-            v.shard: [addresses[v.leader]] if v.leader in addresses else [addresses[r] for r in v.replicas]
-            for v in cmap.vnodes
-        }
+        n_shards = _replicas(endpoints, settings)[1]
         if not opts.json:
             print(
                 f"mqds bench --subscribers: {','.join(map(str, counts))} push subscribers of bench/# while "
                 f"{opts.publishers} publishers store {rate:,.0f} msg/s ({opts.batch}-message batches of "
-                f"{opts.size} B), {duration:g} s each, {len(endpoints)} node(s), {cmap.n_shards} vnodes",
+                f"{opts.size} B), {duration:g} s each, {len(endpoints)} node(s), {n_shards} vnodes",
                 flush=True,
             )
         for n in counts:
-            figures = _one(opts, n, endpoints, replicas, cmap.n_shards, rate, duration, settings, node_pids)
+            replicas = _replicas(endpoints, settings)[0]
+            figures = _one(opts, n, endpoints, replicas, n_shards, rate, duration, settings, node_pids)
+            # A shard whose leader moved meanwhile was served by a follower from then on: later, not wrong.
+            after = _replicas(endpoints, settings)[0]
+            figures["leaders_moved"] = sum(after.get(shard) != where for shard, where in replicas.items())
             runs.append(figures)
             if not opts.json:
                 cpu = figures["server_cpu_ms_per_1000_delivered"]
@@ -131,7 +127,14 @@ def run(opts: argparse.Namespace) -> int:
                     + (f"{cpu:7.2f} ms/1,000 delivered" if cpu is not None else "-")
                     + (f"  nodes' memory {rss:,.0f} MiB" if rss is not None else "")
                     + f"  (started in {figures['start_s']:.1f} s)"
-                    + (f"  ({figures['failures']} failures)" if figures["failures"] else ""),
+                    + (f"  ({figures['failures']} failures)" if figures["failures"] else "")
+                    + (f"  (leaders of {figures['leaders_moved']} shards moved)" if figures["leaders_moved"] else "")
+                    + (
+                        f"  (stored {figures['acked_msgs_per_s'] / rate:.0%} of --rate: the publishers waited on "
+                        "slower acknowledgements)"
+                        if figures["acked_msgs_per_s"] < 0.95 * rate
+                        else ""
+                    ),
                     flush=True,
                 )
     top = max(runs, key=lambda r: r["subscribers"])
@@ -151,6 +154,23 @@ def run(opts: argparse.Namespace) -> int:
             f"{runs[0]['subscribers']:,}"
         )
     return EXIT_OK
+
+
+def _replicas(endpoints: list[str], settings: Any) -> tuple[dict[int, list[str]], int]:
+    """Where the subscribers read each shard (its leader now), and the number of shards.
+
+    From the leader: a follower applies what is committed only when the
+    leader's next message says so (the next store, or within
+    ``raft_heartbeat_s``), which would be counted as delivery latency.
+    """
+    with Client(endpoints, settings=settings) as client:
+        cmap = client.cluster_map()
+    addresses = {n.id: n.address for n in cmap.nodes}
+    replicas = {
+        v.shard: [addresses[v.leader]] if v.leader in addresses else [addresses[r] for r in v.replicas]
+        for v in sorted(cmap.vnodes, key=lambda v: v.shard)
+    }
+    return replicas, cmap.n_shards
 
 
 def _wait_delivered(delivered: Any, expected: int, timeout_s: float = 15.0) -> None:

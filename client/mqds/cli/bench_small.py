@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mqds.bench import TOPIC_PREFIX, RunResult, pct_ms, publisher_ids, run_load
+from mqds.bench import TOPIC_PREFIX, RunResult, pct_ms, publisher_ids, run_load, shard_leaders
 from mqds.bench_exhook import run_exhook_load
 from mqds.cli import local_cluster
 from mqds.cli.bench_mqtt import _cpu_total
@@ -229,7 +229,7 @@ def run(opts: argparse.Namespace) -> int:
         client = stack.enter_context(Client(endpoints, settings=settings))
         n_shards = client.cluster_map().n_shards
         # Warm up: a store on each vnode a publisher writes to (leaders settled, connections open).
-        for sender in publisher_ids(publishers, n_shards):
+        for sender in publisher_ids(publishers, n_shards, shard_leaders(endpoints, settings)):
             client.store_batch([Message(f"{TOPIC_PREFIX}/{sender}/0", b"x", sender=sender, qos=1)])
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mqds-bench-exhook-")))
         provider = _ExhookProcess(workdir, endpoints, opts)

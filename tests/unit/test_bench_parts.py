@@ -1,10 +1,14 @@
-"""The fan-out benchmark's latencies: each delivered message matched to the acknowledgement of the call that
-stored it."""
+"""The benchmarks' parts without a cluster: where the publishers write, and the fan-out's latencies (each
+delivered message matched to the acknowledgement of the call that stored it)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
+from mqds.bench import publisher_ids
 from mqds.bench_fanout import delivery_latencies
 from mqds.cli.bench_fanout import weighted_pct_ms
+from mqds.protocol.sharding import shard_of
 
 # Shard 3: a call of timestamps 100-109 acknowledged at 1.0, one of 110-119 at 2.0; shard 5: 100-149 at 4.0.
 ACKS = [(3, 110, 119, 2.0), (3, 100, 109, 1.0), (5, 100, 149, 4.0)]
@@ -49,3 +53,20 @@ def test_the_percentiles_weigh_each_sample_by_the_deliveries_it_stands_for() -> 
     assert weighted_pct_ms(ordered, 0.5) == -5.0
     assert weighted_pct_ms(ordered, 0.99) == 250.0
     assert weighted_pct_ms([], 0.99) == 0.0
+
+
+def test_publishers_spread_over_the_shards_and_over_the_nodes_that_lead_them() -> None:
+    plain = publisher_ids(8, 16)
+    assert len({shard_of(name, 16) for name in plain}) == 8
+    leaders = {shard: f"n{shard % 3 + 1}" for shard in range(16)}  # the leader balancer's round robin
+    # Without the leaders, most of those eight shards are led by one node (six of eight here): with them, the
+    # nodes lead three, three and two.
+    assert max(Counter(leaders[shard_of(name, 16)] for name in plain).values()) > 3
+    spread = publisher_ids(8, 16, leaders)
+    assert len({shard_of(name, 16) for name in spread}) == 8
+    assert sorted(Counter(leaders[shard_of(name, 16)] for name in spread).values()) == [2, 3, 3]
+    # The first is the same either way (a benchmark that kills its shard's leader names it before the load).
+    assert spread[0] == plain[0] == "bench-pub-0"
+    # More publishers than shards: every shard, then the next names.
+    many = publisher_ids(20, 16, leaders)
+    assert len(set(many)) == 20 and len({shard_of(name, 16) for name in many}) == 16
