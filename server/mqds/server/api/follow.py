@@ -180,9 +180,12 @@ class _Call:
                 if known is None:  # one that just ended is not an error: the client could not know
                     continue
                 cohort = known.cohort
-                if cohort is not None and known.limit_at <= cohort.sent:
+                if cohort is None:  # not begun yet
+                    known.limit_at += messages
+                    continue
+                if known.limit_at <= cohort.sent:
                     touched.add(cohort)  # it waited for credit: serve it (one with credit is served as news comes)
-                known.limit_at += messages
+                cohort.grant(known, messages)
         elif kind == "cancel":
             cancelled = self.subs.pop(request.cancel, None)
             if cancelled is not None:
@@ -288,7 +291,7 @@ class _Call:
             return self._end(cohort, err)
         count = len(got.pieces)
         split: list[Cohort] = []
-        ids: list[int] = []
+        ids: tuple[int, int, bytes] | None = None
         with self.lock:  # the reader thread grants credit
             if count > least:
                 for sub in cohort.short_of(count):
@@ -303,15 +306,14 @@ class _Call:
                 cohort.reported, cohort.reported_at = cohort.position, now
                 ids = cohort.ids()
         answers: list[_Answer] = []
-        if ids:
+        if ids is not None:
+            members, first, also = ids
             if got.from_feed:
-                got.feed.read_from_ring += count * (len(ids) - 1)
+                got.feed.read_from_ring += count * (members - 1)
             else:
-                got.feed.read_from_disk += count * len(ids)
-            head = pb.FollowResponse(id=ids[0], shard=cohort.shard, position_us=cohort.position)
-            if len(ids) > 1:
-                head.also.extend(ids[1:])
-            answers.append((head.SerializeToString() + b"".join(got.pieces), cohort if got.more else None))
+                got.feed.read_from_disk += count * members
+            head = pb.FollowResponse(id=first, shard=cohort.shard, position_us=cohort.position).SerializeToString()
+            answers.append((head + also + b"".join(got.pieces), cohort if got.more else None))
         self._file(cohort)
         for alone in split:  # less credit than the others had: within its own, from where it stood
             self.cohorts.add(alone)

@@ -47,12 +47,12 @@ class FeedPart:
         self.encoded = encoded
         self.size = sum(len(e) for e in encoded) + 64
         self._topics: list[list[str]] | None = None
-        self._matches: dict[str, tuple[list[int], list[bytes]]] = {}
+        self._matches: dict[str, tuple[list[int], list[bytes], int]] = {}
 
-    def matching(self, topic_filter: str, levels: list[str], shard: int) -> tuple[list[int], list[bytes]]:
-        """The indexes of the messages whose topic matches the filter, and each one as an answer carries it
-        (a ``FollowResponse.messages`` entry, timestamp and shard set): found and encoded once per filter,
-        so every subscriber of the filter only joins bytes.
+    def matching(self, topic_filter: str, levels: list[str], shard: int) -> tuple[list[int], list[bytes], int]:
+        """The indexes of the messages whose topic matches the filter, each one as an answer carries it
+        (a ``FollowResponse.messages`` entry, timestamp and shard set), and their bytes: found and encoded
+        once per filter, so every subscriber of the filter only joins bytes.
         """
         found = self._matches.get(topic_filter)
         if found is not None:
@@ -61,7 +61,8 @@ class FeedPart:
             self._topics = [m.topic.split("/") for m in self.messages]
         indexes = [i for i, topic in enumerate(self._topics) if matches_levels(levels, topic)]
         encoded = self.encoded
-        found = indexes, [encode_messages(ANSWER_TAG, [(self.first + i, encoded[i])], shard) for i in indexes]
+        pieces = [encode_messages(ANSWER_TAG, [(self.first + i, encoded[i])], shard) for i in indexes]
+        found = indexes, pieces, sum(map(len, pieces))
         if len(self._matches) < _CACHED_FILTERS:
             self._matches[topic_filter] = found
         return found
@@ -155,12 +156,27 @@ class ShardFeed:
             covers = self._covers_after
             if covers is None or position < covers:
                 return None
-            parts = [p for p in self._parts if p.last > position]
+            # The parts after the position, found from the head (where a real-time reader is) back.
+            parts = []
+            for part in reversed(self._parts):
+                if part.last <= position:
+                    break
+                parts.append(part)
+        parts.reverse()
         found: list[bytes] = []
         size = 0
         reached = position
         for part in parts:
-            indexes, pieces = part.matching(topic_filter, levels, self.shard)
+            indexes, pieces, part_bytes = part.matching(topic_filter, levels, self.shard)
+            if (
+                part.first > position
+                and len(found) + len(pieces) < limit
+                and (max_bytes is None or size + part_bytes <= max_bytes or (not found and len(pieces) == 1))
+            ):  # all of the part's matches, as they are (a reader at the head takes each batch so)
+                found += pieces
+                size += part_bytes
+                reached = part.last
+                continue
             for index, piece in zip(indexes, pieces, strict=True):
                 ts = part.first + index
                 if ts <= position:
