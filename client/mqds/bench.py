@@ -64,8 +64,8 @@ def publisher_ids(count: int, n_shards: int, leaders: Mapping[int, str] | None =
         by_node: dict[str, list[int]] = {}
         for shard in shards:  # nodes in the order of their first shard, each one's shards in order
             by_node.setdefault(leaders.get(shard, ""), []).append(shard)
-        queues = list(by_node.values())
-        shards = [queue[k] for k in range(max(map(len, queues))) for queue in queues if k < len(queue)]
+        per_node = list(by_node.values())
+        shards = [mine[k] for k in range(max(map(len, per_node))) for mine in per_node if k < len(mine)]
     chosen = [f"bench-pub-{first_name[shard]}" for shard in shards[:count]]
     i = max(first_name.values()) + 1
     while len(chosen) < count:  # more publishers than shards: the next names, wherever they fall
@@ -75,7 +75,8 @@ def publisher_ids(count: int, n_shards: int, leaders: Mapping[int, str] | None =
 
 
 def shard_leaders(addresses: list[str], settings: ConnectionSettings | None) -> dict[int, str] | None:
-    """Shard -> the node leading it, as the cluster's map says now (None when no node answered)."""
+    """Shard -> the address of the node leading it as the cluster's map says now (its first replica's where the
+    map knows no leader; None when no node answered)."""
     router = Router(addresses, settings=settings)
     try:
         view = router.refresh(5, force=True)
@@ -305,7 +306,7 @@ class RunResult:
     # ``sample()`` at the end minus at the start (see run_load); None without a sample or when it had none.
     sampled: float | None = None
     # With ``record_acks``: every acknowledged call's (shard, first and last timestamp_us, time.time() of the
-    # acknowledgement), sorted.
+    # acknowledgement).
     acks: list[tuple[int, int, int, float]] = field(default_factory=list)
 
 
@@ -491,5 +492,5 @@ def run_load(
         latencies_s=latencies,
         load_cpu_s=sum(r["cpu_s"] for r in collected),
         sampled=sampled,
-        acks=sorted(tuple(a) for r in collected for a in r.get("acks", ())),
+        acks=[tuple(a) for r in collected for a in r["acks"]],
     )
