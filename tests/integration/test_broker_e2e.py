@@ -176,7 +176,8 @@ def test_broker_command_explains_itself_and_refuses_bad_input(tmp_path: Path) ->
 
 def state_when(cluster: Cluster, broker: BrokerProcess, clientid: str, online: bool) -> ClientState:
     """The client's recorded state once it says ``online``: within 25 s, past the broker's 20 s call deadline
-    (its one call that records a connect or a disconnect may retry that long on a loaded machine)."""
+    (its one call that records a connect or a disconnect may retry that long on a loaded machine). The broker
+    logs a client's step that takes over 5 s, and the failure shows its output."""
 
     def check() -> ClientState | None:
         state = cluster.client.client_state(clientid)
@@ -191,7 +192,10 @@ def state_when(cluster: Cluster, broker: BrokerProcess, clientid: str, online: b
 def test_client_state_follows_connect_and_disconnect(
     cluster: Cluster, broker: BrokerProcess, connect: Callable[..., Mqtt]
 ) -> None:
-    client = connect("e2e-state")
+    """A persistent session's state: online on this node, then offline (kept: its session outlives the
+    connection). A clean session's offline state is not waited for here: it ends at the disconnect, and the
+    node's expiry removes it within a second (the next test)."""
+    client = connect("e2e-state", clean_session=False)
     state = state_when(cluster, broker, "e2e-state", online=True)
     assert state.node == NODE and state.online_at_us > 0 and state.offline_at_us == 0
     assert "e2e-state" in cluster.client.clients_on_node(NODE)
@@ -199,6 +203,25 @@ def test_client_state_follows_connect_and_disconnect(
     state = state_when(cluster, broker, "e2e-state", online=False)
     assert state.node == NODE and state.offline_at_us >= state.online_at_us
     assert "e2e-state" not in cluster.client.clients_on_node(NODE)
+
+
+def test_a_clean_sessions_state_ends_with_its_connection(
+    cluster: Cluster, broker: BrokerProcess, connect: Callable[..., Mqtt]
+) -> None:
+    """MQTT 3.1.1's clean session lasts as long as its connection: the broker records it with a session expiry
+    of 0, so after the disconnect the client's state is gone, not left offline (within the record's 20 s call
+    deadline and the node's expiry check, every second)."""
+    client = connect("e2e-state-clean")
+    state = state_when(cluster, broker, "e2e-state-clean", online=True)
+    assert state.node == NODE and state.session_expiry_s == 0
+    client.close()
+    try:
+        wait_until(
+            "e2e-state-clean's state removed", lambda: cluster.client.client_state("e2e-state-clean") is None, 30
+        )
+    except TimeoutError as err:
+        raise TimeoutError(f"{err}; the broker's output:\n{broker.output()[-3000:]}") from None
+    assert "e2e-state-clean" not in cluster.client.clients_on_node(NODE)
 
 
 def test_proxy_subscription_applies_on_connect(cluster: Cluster, connect: Callable[..., Mqtt]) -> None:

@@ -1,11 +1,17 @@
-"""The amqtt plugin's per-client queue: live messages older than a fetch's are merged into it in order."""
+"""The amqtt plugin's per-client queue: live messages older than a fetch's are merged into it in order; a slow
+step is logged."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import logging
 from types import SimpleNamespace
 
-from mqds.broker.amqtt.delivery import _Connection, _Live, _Out, _Subscribe
+import pytest
+
+from mqds.broker.amqtt import delivery
+from mqds.broker.amqtt.delivery import _Connection, _Live, _Out, _Subscribe, _Unsubscribe
 from mqds.client.model import Message
 
 
@@ -52,3 +58,37 @@ def test_nothing_to_merge_leaves_the_fetch_and_the_queue_alone() -> None:
     later = _Live(stored(0, 11), 1, True)
     assert merge(fetched, [later]) == (["0:10"], [later])
     assert merge([], [later]) == ([], [later])
+
+
+def test_a_slow_step_of_a_connection_is_logged_with_what_it_held_up(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client's items run one at a time: one whose mqds calls are slow delays its later ones (its disconnect's
+    record too), and the broker says so rather than leaving a silent wait."""
+    monkeypatch.setattr(delivery, "SLOW_ITEM_S", 0.05)
+    counted: collections.Counter[str] = collections.Counter()
+    recorded: list[str] = []
+
+    class Hooks:
+        async def session_unsubscribed(self, clientid: str, topic_filter: str) -> None:
+            await asyncio.sleep(0.2)
+
+        async def client_disconnected(self, clientid: str) -> None:
+            recorded.append(clientid)
+
+    plugin = SimpleNamespace(hooks=Hooks(), count=lambda what, n=1: counted.update({what: n}))
+    session = SimpleNamespace(clean_session=True, parent=0, attributes={})
+
+    async def run() -> None:
+        connection = _Connection(plugin, "slow-client", session, None, None)  # type: ignore[arg-type]
+        connection.put(_Unsubscribe("a/#"))
+        connection.close(record=True)
+        await asyncio.wait_for(connection.task, 5)
+
+    with caplog.at_level(logging.WARNING, logger="mqds.broker.amqtt"):
+        asyncio.run(run())
+    assert recorded == ["slow-client"]  # the disconnect is still recorded, after the slow step
+    assert counted["slow_items"] == 1
+    (warning,) = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
+    assert warning.startswith("client slow-client: unsubscribe took 0.")
+    assert "what came after it waited" in warning

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,6 +32,8 @@ log = logging.getLogger("mqds.broker.amqtt")
 # How many delivered positions a client remembers to skip live copies of what its offline fetch sent.
 _SEEN_LIMIT = 65_536
 _ACK_CONCURRENCY = 16
+SLOW_ITEM_S = 5.0
+"""A connection's item (connect, subscribe, close...) that takes longer is logged: what comes after it waits."""
 
 
 class _Window(Protocol):
@@ -179,21 +182,39 @@ class _Connection:
                 if isinstance(item, _Close):
                     record = item.record
                     break
+                started = time.monotonic()
                 try:
                     await self._handle(item)
                 except Exception as err:
                     self.plugin.count("errors")
                     log.warning("client %s: %s failed: %s", self.clientid, type(item).__name__.strip("_"), err)
+                self._note_slow(type(item).__name__.strip("_").lower(), started)
         finally:
             self.open = False
+            started = time.monotonic()
             self._acks.put_nowait(None)
             await asyncio.wait([acks])
+            self._note_slow("the acknowledgements before its disconnect", started)
             if record:
+                started = time.monotonic()
                 try:
                     await self.plugin.hooks.client_disconnected(self.clientid)
                 except Exception as err:
                     self.plugin.count("errors")
                     log.warning("client %s: recording the disconnect failed: %s", self.clientid, err)
+                self._note_slow("recording its disconnect", started)
+
+    def _note_slow(self, what: str, started: float) -> None:
+        """Log ``what`` when it took over :data:`SLOW_ITEM_S`: the client's later items waited that long."""
+        took = time.monotonic() - started
+        if took > SLOW_ITEM_S:
+            self.plugin.count("slow_items")
+            log.warning(
+                "client %s: %s took %.1f s (the mqds calls it makes were slow); what came after it waited",
+                self.clientid,
+                what,
+                took,
+            )
 
     async def _handle(self, item: _Item) -> None:
         hooks = self.plugin.hooks

@@ -36,7 +36,7 @@ from amqtt.plugins.base import BaseTopicPlugin
 
 from mqds.broker.actions import BrokerHooks
 from mqds.broker.amqtt import protocol
-from mqds.broker.amqtt.delivery import _Connect, _Connection, _Live, _Subscribe, _Unsubscribe
+from mqds.broker.amqtt.delivery import SLOW_ITEM_S, _Connect, _Connection, _Live, _Subscribe, _Unsubscribe
 from mqds.broker.amqtt.internals import AmqttInternals
 from mqds.broker.amqtt.puback import StoreWaits
 from mqds.broker.amqtt.writer import _Writers
@@ -412,6 +412,8 @@ class MqdsPlugin(BaseTopicPlugin):
             parts.append(f"{s['delivery_failed']} deliveries unacknowledged by clients")
         if s["errors"]:
             parts.append(f"{s['errors']} errors (see the log)")
+        if s["slow_items"]:
+            parts.append(f"{s['slow_items']} client steps slower than {SLOW_ITEM_S:.0f} s (see the log)")
         return ", ".join(parts)
 
     def connected_clients(self) -> Iterable[str]:
