@@ -1,5 +1,6 @@
 """What the node keeps between push answers, against plain models: the feed's reads (a whole batch taken at
-once when it fits) and a cohort's least and most credit (kept, not walked for every answer)."""
+once when it fits), a cohort's least and most credit (kept, not walked for every answer), and credit granted
+to a whole cohort at once."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from storage_support import msg
 
+from mqds.server.api.follow import FollowLimits, _Call
 from mqds.server.api.follow_cohort import Cohort, FollowSub
 from mqds.server.cluster.feed import FeedPart, ShardFeed
 from mqds.v1 import storage_pb2 as pb
@@ -63,6 +65,7 @@ OPS = st.lists(
         st.tuples(st.just("add"), st.integers(1, 50)),
         st.tuples(st.just("remove"), st.integers(0, 100)),
         st.tuples(st.just("grant"), st.integers(0, 100), st.integers(1, 30)),
+        st.tuples(st.just("grant_all"), st.integers(1, 30)),
         st.tuples(st.just("send"), st.integers(1, 20)),
     ),
     max_size=60,
@@ -70,20 +73,89 @@ OPS = st.lists(
 
 
 @given(OPS)
-def test_a_cohorts_least_and_most_credit_are_its_members(ops: list[tuple[int | str, ...]]) -> None:
+def test_a_cohorts_credits_are_what_was_granted_and_sent(ops: list[tuple[int | str, ...]]) -> None:
+    """Each member's credit, and the cohort's least and most, against a plain count per member: what it came
+    with, plus its grants and the cohort's grants to all, less what the cohort sent."""
     start = pb.FollowStart(topic_filter=FILTER, shard=3, credit=1, shared_answers=True)
     cohort = Cohort(start, LEVELS, 0, True)
+    model: dict[int, int] = {}
     ids = iter(range(1, 1_000))
     for op in ops:
         members = list(cohort.members.values())
         if op[0] == "add":
-            cohort.add(FollowSub(pb.FollowStart(id=next(ids), credit=1)), int(op[1]))
+            sub = FollowSub(pb.FollowStart(id=next(ids), credit=1))
+            cohort.add(sub, int(op[1]))
+            model[sub.id] = int(op[1])
         elif op[0] == "remove" and members:
-            cohort.remove(members[int(op[1]) % len(members)])
+            sub = members[int(op[1]) % len(members)]
+            assert cohort.remove(sub) == model.pop(sub.id)
         elif op[0] == "grant" and members:
-            cohort.grant(members[int(op[1]) % len(members)], int(op[2]))
+            sub = members[int(op[1]) % len(members)]
+            cohort.grant(sub, int(op[2]))
+            model[sub.id] += int(op[2])
+        elif op[0] == "grant_all" and members:
+            waited = cohort.grant_all(int(op[1]))
+            assert waited == (min(model.values()) <= 0)
+            model = {sid: credit + int(op[1]) for sid, credit in model.items()}
         elif op[0] == "send":
             cohort.sent += int(op[1])
-        if cohort.members:
-            credits = [sub.limit_at - cohort.sent for sub in cohort.members.values()]
-            assert cohort.credits() == (min(credits), max(credits))
+            model = {sid: credit - int(op[1]) for sid, credit in model.items()}
+        assert {sub.id: sub.limit_at - cohort.sent for sub in cohort.members.values()} == model
+        if model:
+            assert cohort.credits() == (min(model.values()), max(model.values()))
+            assert cohort.names_all(reversed(list(model)), len(model))
+            assert not cohort.names_all([*model, next(iter(model))], len(model) + 1)  # one named twice
+
+
+@st.composite
+def credit_requests(draw: st.DrawFn) -> tuple[list[list[int]], list[int], list[int], int]:
+    """Cohorts' members' credits, subscriptions not begun yet, the ids a credit request names, its messages."""
+    cohorts = draw(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=8), min_size=1, max_size=3))
+    waiting = draw(st.lists(st.integers(1, 5), max_size=3))
+    n_members = sum(map(len, cohorts))
+    known = list(range(1, n_members + len(waiting) + 1))
+    first_cohort = list(range(1, len(cohorts[0]) + 1))
+    ids = draw(
+        st.permutations(first_cohort)  # what a client sends back for a shared answer: the cohort, in any order
+        | st.lists(st.sampled_from([*known, 900]), min_size=1, max_size=12)  # any mix, repeats, an unknown id
+    )
+    return cohorts, waiting, ids, draw(st.integers(1, 20))
+
+
+@given(credit_requests())
+def test_a_credit_request_grants_each_id_it_names_whether_it_names_a_whole_cohort_or_not(
+    case: tuple[list[list[int]], list[int], list[int], int],
+) -> None:
+    """``_Call._take`` grants a request naming a whole cohort to the cohort at once: the credits, and which
+    cohorts are served again (one of whose named members had none left), as granting each id in turn."""
+    cohorts, waiting, ids, messages = case
+    call = _Call(None, FollowLimits(), None, None)  # type: ignore[arg-type]  # credit needs no shards
+    sid = iter(range(1, 1_000))
+    made: list[Cohort] = []
+    for credits in cohorts:
+        cohort = Cohort(pb.FollowStart(topic_filter=FILTER, shard=3, credit=1, shared_answers=True), LEVELS, 0, True)
+        cohort.sent = 7
+        for credit in credits:
+            sub = call.subs[sub_id] = FollowSub(pb.FollowStart(id=(sub_id := next(sid)), credit=1))
+            cohort.add(sub, credit)
+        made.append(cohort)
+    for credit in waiting:
+        call.subs[sub_id] = FollowSub(pb.FollowStart(id=(sub_id := next(sid)), credit=credit))
+
+    def credit_of(sub: FollowSub) -> int:
+        return sub.limit_at if sub.cohort is None else sub.limit_at - sub.cohort.sent
+
+    expected = {i: credit_of(sub) for i, sub in call.subs.items()}
+    touched = set()
+    for i in ids:  # the reference: each id in turn
+        if i in expected:
+            sub = call.subs[i]
+            if sub.cohort is not None and expected[i] <= 0:
+                touched.add(id(sub.cohort))
+            expected[i] += messages
+    call._take(pb.FollowRequest(credit=pb.FollowCredit(id=ids[0], also=ids[1:], messages=messages)))
+    assert {i: credit_of(sub) for i, sub in call.subs.items()} == expected
+    assert {id(c) for c in call.touched} == touched
+    for cohort in made:
+        credits = [credit_of(sub) for sub in cohort.members.values()]
+        assert cohort.credits() == (min(credits), max(credits))

@@ -37,6 +37,7 @@ dropped) is answered with ``failure`` and ends; the call goes on.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -175,6 +176,8 @@ class _Call:
                     Reason.INVALID_REQUEST, f"credit of {credit.messages} for subscription {credit.id}: at least 1"
                 )
             subs, touched, messages = self.subs, self.touched, credit.messages
+            if credit.also and self._grant_cohort(credit):
+                return
             for sid in (credit.id, *credit.also):
                 known = subs.get(sid)
                 if known is None:  # one that just ended is not an error: the client could not know
@@ -192,6 +195,18 @@ class _Call:
                 self.gone.append(cancelled)
         else:
             raise errors.error(Reason.INVALID_REQUEST, "a Follow request must start, credit or cancel a subscription")
+
+    def _grant_cohort(self, credit: pb.FollowCredit) -> bool:
+        """Credit naming every member of one cohort, each once (a client's grant for a shared answer): granted
+        to the cohort at once, not member by member (10,000 subscribers' grants cost a tenth of the nodes'
+        Python time in that walk). False for any other credit."""
+        first = self.subs.get(credit.id)
+        cohort = None if first is None else first.cohort
+        if cohort is None or not cohort.names_all(itertools.chain((credit.id,), credit.also), len(credit.also) + 1):
+            return False
+        if cohort.grant_all(credit.messages):
+            self.touched.add(cohort)  # one of them waited for credit: serve it
+        return True
 
     # -- answers (the call's thread) --------------------------------------------------
 

@@ -13,13 +13,17 @@ size: the cohort counts the messages it ``sent``, and each member holds
 member's credit is ``limit_at - cohort.sent``; a grant adds to ``limit_at``;
 moving to another cohort keeps the credit. The least and the most
 ``limit_at`` are kept too, and found again only when a grant or a departure
-may have moved them. The call's lock guards ``sent``
+may have moved them. A grant of the same messages to every member (what a
+client sends back for a shared answer) takes from ``sent`` instead
+(:meth:`Cohort.grant_all`): one subtraction, every credit up by as much, the
+least and the most kept. The call's lock guards ``sent``
 and ``limit_at`` (the reader thread grants, the answering thread sends).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from operator import attrgetter
 from typing import Any
 
@@ -114,6 +118,20 @@ class Cohort:
             low, high = self._limits
             # The least may have been this member's alone: found again when next asked.
             self._limits = None if old == low else (low, max(high, sub.limit_at))
+
+    def names_all(self, ids: Iterable[int], count: int) -> bool:
+        """Whether ``ids`` (``count`` of them) are this cohort's members, each once, in any order."""
+        return count == len(self.members) and self.members.keys() == set(ids)
+
+    def grant_all(self, messages: int) -> bool:
+        """Every member is granted ``messages`` more (under the call's lock); whether one had no credit left.
+
+        ``sent``, which every credit is counted from, goes back by as much,
+        so the grant costs the same whatever the cohort's size.
+        """
+        waited = self.credits()[0] <= 0
+        self.sent -= messages
+        return waited
 
     def credits(self) -> tuple[int, int]:
         """The least and the most credit a member has (under the call's lock).
