@@ -182,13 +182,13 @@ class _Connection:
                 if isinstance(item, _Close):
                     record = item.record
                     break
-                started = time.monotonic()
+                what, started = type(item).__name__.strip("_"), time.monotonic()
                 try:
                     await self._handle(item)
                 except Exception as err:
                     self.plugin.count("errors")
-                    log.warning("client %s: %s failed: %s", self.clientid, type(item).__name__.strip("_"), err)
-                self._note_slow(type(item).__name__.strip("_").lower(), started)
+                    log.warning("client %s: %s failed: %s", self.clientid, what, err)
+                self._note_slow(what.lower(), started)
         finally:
             self.open = False
             started = time.monotonic()
