@@ -74,17 +74,34 @@ def publisher_ids(count: int, n_shards: int, leaders: Mapping[int, str] | None =
     return chosen
 
 
-def shard_leaders(addresses: list[str], settings: ConnectionSettings | None) -> dict[int, str] | None:
-    """Shard -> the address of the node leading it as the cluster's map says now (its first replica's where the
-    map knows no leader; None when no node answered)."""
+def shard_places(addresses: list[str], settings: ConnectionSettings | None) -> tuple[dict[int, list[str]], int] | None:
+    """Where each shard is served as the cluster's map says now, and the number of shards (None when no node answered).
+
+    Shard -> ``[the address of its leader]``, or the addresses of all its
+    replicas where the map knows no leader.
+    """
     router = Router(addresses, settings=settings)
     try:
         view = router.refresh(5, force=True)
-        return {shard: leader for shard in range(view.n_shards) if (leader := router.leader_of(shard)) is not None}
     except MqdsError:
         return None
     finally:
         router.close()
+    places: dict[int, list[str]] = {}
+    for shard in range(view.n_shards):
+        leader = view.leaders.get(shard)
+        if leader is not None and leader[1] in view.addresses:
+            places[shard] = [view.addresses[leader[1]]]
+        else:
+            places[shard] = [view.addresses[n] for n in view.replicas.get(shard, []) if n in view.addresses]
+    return places, view.n_shards
+
+
+def shard_leaders(addresses: list[str], settings: ConnectionSettings | None) -> dict[int, str] | None:
+    """Shard -> the address of the node leading it as the cluster's map says now (its first replica's where the
+    map knows no leader; None when no node answered)."""
+    found = shard_places(addresses, settings)
+    return None if found is None else {shard: where[0] for shard, where in found[0].items() if where}
 
 
 def _request(sender: str, batch: int, size: int) -> bytes:

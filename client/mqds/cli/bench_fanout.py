@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mqds.bench import TOPIC_PREFIX, run_load
+from mqds.bench import TOPIC_PREFIX, run_load, shard_places
 from mqds.bench_fanout import WINDOW, SubscriberSpec, delivery_latencies, subscribe
 from mqds.cli import local_cluster
 from mqds.cli.bench_mqtt import _cpu_total
@@ -163,14 +163,10 @@ def _replicas(endpoints: list[str], settings: Any) -> tuple[dict[int, list[str]]
     leader's next message says so (the next store, or within
     ``raft_heartbeat_s``), which would be counted as delivery latency.
     """
-    with Client(endpoints, settings=settings) as client:
-        cmap = client.cluster_map()
-    addresses = {n.id: n.address for n in cmap.nodes}
-    replicas = {
-        v.shard: [addresses[v.leader]] if v.leader in addresses else [addresses[r] for r in v.replicas]
-        for v in sorted(cmap.vnodes, key=lambda v: v.shard)
-    }
-    return replicas, cmap.n_shards
+    found = shard_places(endpoints, settings)
+    if found is None:
+        raise CommandError(f"no node of {', '.join(endpoints)} answered with the cluster's map")
+    return found
 
 
 def _wait_delivered(delivered: Any, expected: int, timeout_s: float = 15.0) -> None:
