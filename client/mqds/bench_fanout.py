@@ -3,7 +3,8 @@
 Each process holds its share of the subscribers on raw ``Storage.Follow``
 calls (one per node, more when a call would carry over ``per_call``
 subscriptions), each subscriber following ``bench/#`` on every shard from
-the run's start, served by the shard's replicas in turn (``stale_ok``). It
+the run's start (a call's subscriptions of one shard started by one request,
+``FollowStart.also``), served by the shard's replicas in turn (``stale_ok``). It
 counts the messages it is sent without decoding them into objects (the
 benchmark measures the nodes, not the client's decoding), grants the credit
 back (gathered: one request for the subscriptions a shared answer was for,
@@ -166,6 +167,8 @@ def subscribe(args: tuple[SubscriberSpec, Any]) -> None:
     calls: dict[str, list[tuple[_FollowCall, int]]] = {}
     metadata = settings.call_metadata()
     ids = itertools.count(1)
+    starting: dict[tuple[_FollowCall, int], list[int]] = {}
+    """The subscription ids each call starts on each shard."""
     for subscriber in range(spec.first, spec.first + spec.count):
         for shard, replicas in sorted(spec.replicas.items()):
             address = replicas[subscriber % len(replicas)]
@@ -178,16 +181,20 @@ def subscribe(args: tuple[SubscriberSpec, Any]) -> None:
             mine[-1] = (call, carried + 1)
             sid = next(ids)
             counter.shards[sid] = shard
-            start = pb.FollowStart(
-                id=sid,
-                topic_filter=TOPIC_FILTER,
-                shard=shard,
-                start_time_us=spec.start_us,
-                credit=spec.window,
-                stale_ok=True,
-                shared_answers=spec.shared_answers,
-            )
-            call.requests.put(pb.FollowRequest(start=start))
+            starting.setdefault((call, shard), []).append(sid)
+    # One request starts a call's subscriptions of a shard (``FollowStart.also``), not one request each.
+    for (call, shard), sids in starting.items():
+        start = pb.FollowStart(
+            id=sids[0],
+            also=sids[1:],
+            topic_filter=TOPIC_FILTER,
+            shard=shard,
+            start_time_us=spec.start_us,
+            credit=spec.window,
+            stale_ok=True,
+            shared_answers=spec.shared_answers,
+        )
+        call.requests.put(pb.FollowRequest(start=start))
     shared.ready.put(1)
     shared.go.wait(120)
     with counter.lock:

@@ -248,10 +248,27 @@ def test_bad_input_gets_a_clear_status_and_the_node_goes_on_serving(cluster: Loc
         far = int(time.time() * 1e6) + 2 * 86_400_000_000
         answers = raw_follow(cluster, [start(1, "a/#/b"), start(2, after_us=far)], 2)
         assert [(a.id, a.failure.reason) for a in answers] == [(1, "INVALID_TOPIC_FILTER"), (2, "INVALID_REQUEST")]
+        # A start naming more subscriptions (``also``) fails for each of them.
+        many = start(1, "a/#/b")
+        many.start.also.extend([7, 8])
+        answers = raw_follow(cluster, [many, start(2, after_us=far)], 4)
+        assert sorted((a.id, a.failure.reason) for a in answers) == [
+            (1, "INVALID_TOPIC_FILTER"),
+            (2, "INVALID_REQUEST"),
+            (7, "INVALID_TOPIC_FILTER"),
+            (8, "INVALID_TOPIC_FILTER"),
+        ]
+        twice, taken, too_many = start(1), start(2), start(1)
+        twice.start.also.extend([3, 3])
+        taken.start.also.extend([3, 1])
+        too_many.start.also.extend(range(2, 10_002))
         # Protocol errors end the call with INVALID_ARGUMENT and say why.
         for requests, why in (
             ([start(1, credit=0)], "credit 0"),
             ([start(1), start(1)], "already in use"),
+            ([twice], "names an id twice"),
+            ([start(1), taken], "subscription id 1 is already in use"),
+            ([too_many], "this start adds 10,001 (follow_max_subscriptions is 10,000)"),
             ([start(1), pb.FollowRequest(credit=pb.FollowCredit(id=1, messages=0))], "at least 1"),
             ([pb.FollowRequest()], "start, credit or cancel"),
         ):

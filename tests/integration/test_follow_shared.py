@@ -61,9 +61,17 @@ class RawCall:
         except grpc.RpcError:
             pass
 
-    def start(self, id_: int, topic_filter: str, credit: int, shared: bool = True) -> None:
+    def start(
+        self, id_: int, topic_filter: str, credit: int, shared: bool = True, also: list[int] | None = None
+    ) -> None:
         start = pb.FollowStart(
-            id=id_, topic_filter=topic_filter, shard=SHARD, credit=credit, shared_answers=shared, stale_ok=True
+            id=id_,
+            topic_filter=topic_filter,
+            shard=SHARD,
+            credit=credit,
+            shared_answers=shared,
+            stale_ok=True,
+            also=also or [],
         )
         self.out.put(pb.FollowRequest(start=start))
 
@@ -79,7 +87,8 @@ class RawCall:
         deadline = time.monotonic() + timeout_s
         while any(len(got[i]) < n for i, n in want.items()):
             left = deadline - time.monotonic()
-            assert left > 0, f"still waiting: { ({i: len(got[i]) for i in want}) } of {want}"
+            short = {i: len(got[i]) for i, n in want.items() if len(got[i]) < n}
+            assert left > 0, f"{len(short)} of {len(want)} still waiting; got: {dict(list(short.items())[:10])}"
             try:
                 answer = self.answers.get(timeout=left)
             except queue.Empty:
@@ -167,3 +176,24 @@ def test_subscriptions_that_did_not_ask_get_answers_of_their_own(cluster: LocalC
         call.close()
     assert not any(answer.also for answer in answers)
     assert all(got[i] == [str(n).encode() for n in range(20)] for i in (1, 2, 3))
+
+
+def test_one_start_naming_many_subscriptions_starts_each_of_them(cluster: LocalCluster) -> None:
+    """``FollowStart.also``: 200 subscriptions in one request, each served as if started alone."""
+    sender = sender_on_shard("many")
+    call = RawCall(cluster)
+    try:
+        ids = list(range(1, 201))
+        call.start(ids[0], "many/#", credit=120, also=ids[1:])
+        call.start(500, "many/#", credit=1000, shared=False, also=[501, 502])
+        store(cluster, "many/t", sender, range(300))
+        got, answers = call.collect(dict.fromkeys([*ids, 500, 501, 502], 300), grant=True)
+    finally:
+        call.close()
+    expected = [str(i).encode() for i in range(300)]
+    assert all(got[i] == expected for i in [*ids, 500, 501, 502]), "each: every message once, in order"
+    shared = [a for a in answers if a.messages and a.id in ids]
+    assert shared and all(sorted([a.id, *a.also]) == ids for a in shared), "the 200 began as one and stayed one"
+    assert all(len(a.messages) <= 120 for a in shared), "never past their credit"
+    own = [a for a in answers if a.id in (500, 501, 502)]
+    assert own and not any(a.also for a in own), "without shared answers, each its own"

@@ -83,7 +83,7 @@ def test_a_cohorts_credits_are_what_was_granted_and_sent(ops: list[tuple[int | s
     for op in ops:
         members = list(cohort.members.values())
         if op[0] == "add":
-            sub = FollowSub(pb.FollowStart(id=next(ids), credit=1))
+            sub = FollowSub(pb.FollowStart(id=(sub_id := next(ids)), credit=1), sub_id)
             cohort.add(sub, int(op[1]))
             model[sub.id] = int(op[1])
         elif op[0] == "remove" and members:
@@ -103,8 +103,13 @@ def test_a_cohorts_credits_are_what_was_granted_and_sent(ops: list[tuple[int | s
         assert {sub.id: sub.limit_at - cohort.sent for sub in cohort.members.values()} == model
         if model:
             assert cohort.credits() == (min(model.values()), max(model.values()))
-            assert cohort.names_all(reversed(list(model)), len(model))
-            assert not cohort.names_all([*model, next(iter(model))], len(model) + 1)  # one named twice
+            named = list(model)  # in the order they joined, as an answer names them
+            assert cohort.names_all(named[0], named[1:])
+            assert cohort.names_all(named[-1], named[-2::-1])  # in any order
+            assert not cohort.names_all(named[0], [*named[1:], named[0]])  # one named twice
+            if len(named) > 1:
+                assert not cohort.names_all(named[0], [*named[1:-1], named[0]])  # one twice, one left out
+                assert not cohort.names_all(named[0], [*named[1:-1], 10**6])  # one unknown
 
 
 @st.composite
@@ -136,11 +141,11 @@ def test_a_credit_request_grants_each_id_it_names_whether_it_names_a_whole_cohor
         cohort = Cohort(pb.FollowStart(topic_filter=FILTER, shard=3, credit=1, shared_answers=True), LEVELS, 0, True)
         cohort.sent = 7
         for credit in credits:
-            sub = call.subs[sub_id] = FollowSub(pb.FollowStart(id=(sub_id := next(sid)), credit=1))
+            sub = call.subs[sub_id] = FollowSub(pb.FollowStart(id=(sub_id := next(sid)), credit=1), sub_id)
             cohort.add(sub, credit)
         made.append(cohort)
     for credit in waiting:
-        call.subs[sub_id] = FollowSub(pb.FollowStart(id=(sub_id := next(sid)), credit=credit))
+        call.subs[sub_id] = FollowSub(pb.FollowStart(id=(sub_id := next(sid)), credit=credit), sub_id)
 
     def credit_of(sub: FollowSub) -> int:
         return sub.limit_at if sub.cohort is None else sub.limit_at - sub.cohort.sent

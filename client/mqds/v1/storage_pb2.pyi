@@ -314,7 +314,7 @@ class FollowRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[FollowStart, _Mapping]] = ..., credit: _Optional[_Union[FollowCredit, _Mapping]] = ..., cancel: _Optional[int] = ...) -> None: ...
 
 class FollowStart(_message.Message):
-    __slots__ = ("id", "topic_filter", "shard", "after_us", "start_time_us", "credit", "stale_ok", "shared_answers")
+    __slots__ = ("id", "topic_filter", "shard", "after_us", "start_time_us", "credit", "stale_ok", "shared_answers", "also")
     ID_FIELD_NUMBER: _ClassVar[int]
     TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +323,7 @@ class FollowStart(_message.Message):
     CREDIT_FIELD_NUMBER: _ClassVar[int]
     STALE_OK_FIELD_NUMBER: _ClassVar[int]
     SHARED_ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    ALSO_FIELD_NUMBER: _ClassVar[int]
     id: int
     topic_filter: str
     shard: int
@@ -331,7 +332,8 @@ class FollowStart(_message.Message):
     credit: int
     stale_ok: bool
     shared_answers: bool
-    def __init__(self, id: _Optional[int] = ..., topic_filter: _Optional[str] = ..., shard: _Optional[int] = ..., after_us: _Optional[int] = ..., start_time_us: _Optional[int] = ..., credit: _Optional[int] = ..., stale_ok: _Optional[bool] = ..., shared_answers: _Optional[bool] = ...) -> None: ...
+    also: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., topic_filter: _Optional[str] = ..., shard: _Optional[int] = ..., after_us: _Optional[int] = ..., start_time_us: _Optional[int] = ..., credit: _Optional[int] = ..., stale_ok: _Optional[bool] = ..., shared_answers: _Optional[bool] = ..., also: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FollowCredit(_message.Message):
     __slots__ = ("id", "messages", "also")

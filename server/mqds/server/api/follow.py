@@ -27,9 +27,14 @@ subscribers of one filter at nearby positions share one read. A
 subscription without credit is skipped and holds nothing; when credit comes
 it goes on from its position, from disk if the feed moved past it.
 
+A start may name more subscriptions (``FollowStart.also``): each id is a
+subscription with the start's other fields, and with shared answers they
+begin as one cohort, so starting ten thousand subscribers of a shard costs one
+request, not ten thousand.
+
 Errors. A request that breaks the protocol (a frame that does not parse, an
-id in use or unknown, zero credit, more than ``follow_max_subscriptions``)
-ends the call with INVALID_ARGUMENT. A subscription that cannot be served
+id in use, unknown or named twice in one start, zero credit, more than
+``follow_max_subscriptions``) ends the call with INVALID_ARGUMENT. A subscription that cannot be served
 (a bad topic filter, a position in the future, a shard this node does not
 host or, without ``stale_ok``, does not lead, a position whose messages were
 dropped) is answered with ``failure`` and ends; the call goes on.
@@ -37,7 +42,6 @@ dropped) is answered with ``failure`` and ends; the call goes on.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -112,7 +116,8 @@ class _Call:
         self.lock = threading.Lock()
         self.news = threading.Event()
         self.subs: dict[int, FollowSub] = {}
-        self.new: list[FollowSub] = []
+        self.new: list[list[FollowSub]] = []
+        """The subscriptions of each start since the last pass (one start may name many)."""
         self.gone: list[FollowSub] = []
         self.ended: MqdsError | None = None
         self.closed = False
@@ -153,22 +158,31 @@ class _Call:
         kind = request.WhichOneof("kind")
         if kind == "start":
             start = request.start
-            if start.id in self.subs:
-                raise errors.error(Reason.INVALID_REQUEST, f"subscription id {start.id} is already in use on this call")
-            if len(self.subs) >= self.limits.max_subscriptions:
+            subs = self.subs
+            ids = [start.id, *start.also]
+            for sid in ids:
+                if sid in subs:
+                    raise errors.error(Reason.INVALID_REQUEST, f"subscription id {sid} is already in use on this call")
+            if len(ids) > 1 and len(set(ids)) < len(ids):
+                raise errors.error(
+                    Reason.INVALID_REQUEST, f"the start of subscription {start.id} names an id twice (its also)"
+                )
+            if len(subs) + len(ids) > self.limits.max_subscriptions:
+                adds = "" if len(ids) == 1 else f" and this start adds {len(ids):,}"
                 raise errors.error(
                     Reason.INVALID_REQUEST,
-                    f"this call already carries {len(self.subs):,} subscriptions (follow_max_subscriptions); "
-                    "open another call",
+                    f"this call already carries {len(subs):,} subscriptions{adds} (follow_max_subscriptions is "
+                    f"{self.limits.max_subscriptions:,}); open another call",
                 )
             if start.credit < 1:
                 raise errors.error(
                     Reason.INVALID_REQUEST,
                     f"subscription {start.id} starts with credit {start.credit}: grant at least 1 message",
                 )
-            sub = FollowSub(start)
-            self.subs[start.id] = sub
-            self.new.append(sub)
+            group = [FollowSub(start, sid) for sid in ids]
+            for sub in group:
+                subs[sub.id] = sub
+            self.new.append(group)
         elif kind == "credit":
             credit = request.credit
             if credit.messages < 1:
@@ -202,7 +216,7 @@ class _Call:
         those two walks were a fifth of the nodes' Python time). False for any other credit."""
         first = self.subs.get(credit.id)
         cohort = None if first is None else first.cohort
-        if cohort is None or not cohort.names_all(itertools.chain((credit.id,), credit.also), len(credit.also) + 1):
+        if cohort is None or not cohort.names_all(credit.id, credit.also):
             return False
         if cohort.grant_all(credit.messages):
             self.touched.add(cohort)  # one of them waited for credit: serve it
@@ -221,14 +235,14 @@ class _Call:
                     raise self.ended
                 if self.closed:
                     return
-                begun = []
-                for sub in self.new:
-                    started = self._begin(sub)
-                    if isinstance(started, bytes):
-                        self.subs.pop(sub.id, None)
-                        failures.append(started)
-                    else:
-                        begun.append(started)
+                begun: list[Cohort] = []
+                for group in self.new:
+                    cohorts, failed = self._begin(group)
+                    begun += cohorts
+                    failures += failed
+                    for sub in group if failed else ():
+                        if self.subs.get(sub.id) is sub:  # not cancelled (and its id used again) meanwhile
+                            del self.subs[sub.id]
                 self.new.clear()
                 for sub in self.gone:
                     cohort = sub.cohort
@@ -264,9 +278,13 @@ class _Call:
             if not sent:
                 self.news.wait(max(0.0, min(_IDLE_WAKE_S, full_pass_at - time.monotonic())))
 
-    def _begin(self, sub: FollowSub) -> Cohort | bytes:
-        """Start ``sub`` in a cohort of its own (under the lock), or the failure answer of one that cannot."""
-        start = sub.start
+    def _begin(self, group: list[FollowSub]) -> tuple[list[Cohort], list[bytes]]:
+        """Start the subscriptions of one start (under the lock): their cohorts, or a failure answer for each.
+
+        With shared answers they begin as one cohort (they stand at one
+        position), else each in a cohort of its own.
+        """
+        start = group[0].start
         try:
             try:
                 levels = validate_filter(start.topic_filter)
@@ -279,16 +297,19 @@ class _Call:
             if start.after_us > limit or start.start_time_us > limit:
                 raise errors.error(
                     Reason.INVALID_REQUEST,
-                    f"subscription {sub.id}: position {max(start.after_us, start.start_time_us)} is more than a day "
-                    "after this node's clock; start from a position an answer returned",
+                    f"position {max(start.after_us, start.start_time_us)} is more than a day after this node's "
+                    "clock; start from a position an answer returned",
                 )
         except MqdsError as err:
-            return _failure(sub.id, start.shard, start.after_us, err)
-        cohort = Cohort(start, levels, start.after_us, start.shared_answers)
-        cohort.add(sub, sub.limit_at)
-        self.cohorts.add(cohort)
-        self.touched.add(cohort)
-        return cohort
+            return [], [_failure(sub.id, start.shard, start.after_us, err) for sub in group]
+        cohorts: list[Cohort] = []
+        for sub in group:
+            if not cohorts or not start.shared_answers:
+                cohorts.append(Cohort(start, levels, start.after_us, start.shared_answers))
+            cohorts[-1].add(sub, sub.limit_at)
+        self.cohorts.update(cohorts)
+        self.touched.update(cohorts)
+        return cohorts, []
 
     def _serve_cohort(self, cohort: Cohort) -> list[_Answer]:
         """The cohort's next answers: one read with the most credit a member has, one answer for those whose

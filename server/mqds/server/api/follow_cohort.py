@@ -23,7 +23,7 @@ and ``limit_at`` (the reader thread grants, the answering thread sends).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -37,8 +37,9 @@ class FollowSub:
 
     __slots__ = ("cohort", "id", "limit_at", "start")
 
-    def __init__(self, start: pb.FollowStart) -> None:
-        self.id = start.id
+    def __init__(self, start: pb.FollowStart, sub_id: int) -> None:
+        self.id = sub_id
+        """Its id: the start's ``id`` or one of its ``also``."""
         self.start = start
         self.limit_at = start.credit
         """The cohort's ``sent`` at which this subscription's credit runs out (its credit, before it has one)."""
@@ -51,6 +52,7 @@ class Cohort:
     __slots__ = (
         "_ids",
         "_limits",
+        "_others",
         "filed_at",
         "key",
         "levels",
@@ -85,6 +87,8 @@ class Cohort:
         """The feed this cohort is registered with (a replica's)."""
         self._ids: tuple[int, int, bytes] | None = None
         """Kept until the members change: how many, the first's id, the others' as an answer's ``also`` field."""
+        self._others: list[int] = []
+        """The members' ids but the first, in order (kept with ``_ids``)."""
         self._limits: tuple[int, int] | None = None
         """The least and the most ``limit_at`` of the members, kept between answers (None: to be found again)."""
         self.filed_at: int | None = None
@@ -119,9 +123,20 @@ class Cohort:
             # The least may have been this member's alone: found again when next asked.
             self._limits = None if old == low else (low, max(high, sub.limit_at))
 
-    def names_all(self, ids: Iterable[int], count: int) -> bool:
-        """Whether ``ids`` (``count`` of them) are this cohort's members, each once, in any order."""
-        return count == len(self.members) and self.members.keys() == set(ids)
+    def names_all(self, first: int, others: Sequence[int]) -> bool:
+        """Whether ``first`` and ``others`` are this cohort's members, each once, in any order.
+
+        A client grants a shared answer back naming its ids in the answer's
+        order, which is the members' while they stay: that is one comparison
+        in C (56 µs for 1,667 ids), not a set of the ids built and compared
+        (181 µs), which stays the way for any other order.
+        """
+        if len(others) + 1 != len(self.members):
+            return False
+        _, head, _ = self.ids()
+        if first == head and others == self._others:  # a protobuf repeated field compares with a list in C
+            return True
+        return self.members.keys() == {first, *others}
 
     def grant_all(self, messages: int) -> bool:
         """Every member is granted ``messages`` more (under the call's lock); whether one had no credit left.
@@ -159,5 +174,6 @@ class Cohort:
         """
         if self._ids is None:
             ids = list(self.members)
-            self._ids = (len(ids), ids[0], pb.FollowResponse(also=ids[1:]).SerializeToString())
+            self._others = ids[1:]
+            self._ids = (len(ids), ids[0], pb.FollowResponse(also=self._others).SerializeToString())
         return self._ids
