@@ -181,10 +181,10 @@ def _wait_delivered(delivered: Any, expected: int, timeout_s: float = 15.0) -> N
         time.sleep(0.1)
 
 
-def _wait_started(endpoints: list[str], settings: Any, warm: Any, n: int, n_shards: int) -> float:
+def _wait_started(endpoints: list[str], settings: Any, warm: Any, n: int, n_shards: int, quiet: bool) -> float:
     """Store one message on each shard and wait until every subscription has it: all are started and at the
-    head, so what follows measures delivery, not starting (minutes for 160,000 subscriptions on 2 cores).
-    Returns the seconds it took.
+    head, so what follows measures delivery, not starting. Returns the seconds it took; unless ``quiet``, says
+    how many have started every 5 s while it waits.
     """
     began = time.monotonic()
     senders: dict[int, str] = {}
@@ -196,11 +196,17 @@ def _wait_started(endpoints: list[str], settings: Any, warm: Any, n: int, n_shar
         client.store_batch([Message(f"{TOPIC_PREFIX}/warm", b"warm", sender, 1) for sender in senders.values()])
     expected = n * n_shards
     deadline = began + STARTED_TIMEOUT_S
+    said_at = began
     while warm.value < expected:
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise CommandError(
-                f"only {warm.value:,} of {expected:,} subscriptions started within {STARTED_TIMEOUT_S:.0f} s"
+                f"only {warm.value:,} of {expected:,} subscriptions started within {STARTED_TIMEOUT_S:.0f} s "
+                "(nodes of a version before FollowStart.also start only the first of each start)"
             )
+        if not quiet and now - said_at >= 5:
+            said_at = now
+            print(f"  waiting for the subscriptions to start: {warm.value:,} of {expected:,}", flush=True)
         time.sleep(0.1)
     return time.monotonic() - began
 
@@ -245,7 +251,7 @@ def _one(
                     shared.ready.get(timeout=300)
                 except queue.Empty:
                     raise CommandError(f"the subscriber processes did not start for {n} subscribers") from None
-            started_s = _wait_started(endpoints, settings, shared.warm, n, n_shards)
+            started_s = _wait_started(endpoints, settings, shared.warm, n, n_shards, opts.json)
             shared.go.set()
             cpu_before = _cpu_total(node_pids) if node_pids else None
             result = run_load(
