@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from storage_support import msg
 
+from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.api.follow import FollowLimits, _Call
 from mqds.server.api.follow_cohort import Cohort, FollowSub
 from mqds.server.cluster.feed import FeedPart, ShardFeed
@@ -164,3 +165,52 @@ def test_a_credit_request_grants_each_id_it_names_whether_it_names_a_whole_cohor
     for cohort in made:
         credits = [credit_of(sub) for sub in cohort.members.values()]
         assert cohort.credits() == (min(credits), max(credits))
+
+
+class _NoShards:
+    n_shards = 4
+
+
+@given(
+    st.lists(st.integers(1, 30), max_size=6, unique=True),
+    st.lists(st.integers(1, 30), min_size=1, max_size=12),
+    st.booleans(),
+    st.integers(1, 9),
+)
+def test_a_start_naming_many_subscriptions_starts_each_or_none(
+    in_use: list[int], ids: list[int], shared: bool, credit: int
+) -> None:
+    """``FollowStart.also``: every id named becomes a subscription with the start's credit, in one cohort when
+    they share answers (else one each); an id named twice or already in use, or too many for the call, and
+    the call ends with INVALID_REQUEST having started none of them."""
+    limits = FollowLimits(max_subscriptions=15)
+    call = _Call(_NoShards(), limits, None, lambda: 0)  # type: ignore[arg-type]
+    for i in in_use:
+        call._take(pb.FollowRequest(start=pb.FollowStart(id=i, topic_filter=FILTER, credit=1)))
+    before = dict(call.subs)
+    start = pb.FollowStart(id=ids[0], also=ids[1:], topic_filter=FILTER, shard=2, credit=credit, shared_answers=shared)
+    refused = len(set(ids)) < len(ids) or bool(set(ids) & set(in_use)) or len(in_use) + len(ids) > 15
+    try:
+        call._take(pb.FollowRequest(start=start))
+    except MqdsError as err:
+        assert refused and err.reason == Reason.INVALID_REQUEST
+        assert call.subs == before
+        return
+    assert not refused
+    assert list(call.subs) == [*in_use, *ids]
+    group = call.new[-1]
+    assert [sub.id for sub in group] == ids
+    cohorts, failures = call._begin(group)
+    assert not failures
+    assert len(cohorts) == (1 if shared else len(ids))
+    assert sorted(i for c in cohorts for i in c.members) == sorted(ids)
+    assert all(c.credits() == (credit, credit) and c.shard == 2 for c in cohorts)
+
+
+def test_a_start_naming_many_that_cannot_be_served_fails_for_each() -> None:
+    call = _Call(_NoShards(), FollowLimits(), None, lambda: 0)  # type: ignore[arg-type]
+    call._take(pb.FollowRequest(start=pb.FollowStart(id=5, also=[6, 7], topic_filter="a/#/b", credit=1)))
+    cohorts, failures = call._begin(call.new[-1])
+    answers = [pb.FollowResponse.FromString(f) for f in failures]
+    assert not cohorts
+    assert [(a.id, a.failure.reason) for a in answers] == [(i, "INVALID_TOPIC_FILTER") for i in (5, 6, 7)]
