@@ -159,20 +159,21 @@ class _Call:
         if kind == "start":
             start = request.start
             subs = self.subs
-            ids = [start.id, *start.also]
-            for sid in ids:
-                if sid in subs:
-                    raise errors.error(Reason.INVALID_REQUEST, f"subscription id {sid} is already in use on this call")
-            if len(ids) > 1 and len(set(ids)) < len(ids):
-                raise errors.error(
-                    Reason.INVALID_REQUEST, f"the start of subscription {start.id} names an id twice (its also)"
-                )
-            if len(subs) + len(ids) > self.limits.max_subscriptions:
-                adds = "" if len(ids) == 1 else f" and this start adds {len(ids):,}"
+            count = 1 + len(start.also)
+            if len(subs) + count > self.limits.max_subscriptions:  # first: it bounds the work of the checks after
+                adds = "" if count == 1 else f" and this start adds {count:,}"
                 raise errors.error(
                     Reason.INVALID_REQUEST,
                     f"this call already carries {len(subs):,} subscriptions{adds} (follow_max_subscriptions is "
                     f"{self.limits.max_subscriptions:,}); open another call",
+                )
+            ids = [start.id, *start.also]
+            for sid in ids:
+                if sid in subs:
+                    raise errors.error(Reason.INVALID_REQUEST, f"subscription id {sid} is already in use on this call")
+            if count > 1 and len(set(ids)) < count:
+                raise errors.error(
+                    Reason.INVALID_REQUEST, f"the start of subscription {start.id} names an id twice (its also)"
                 )
             if start.credit < 1:
                 raise errors.error(
