@@ -15,6 +15,9 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.strategies import SearchStrategy
 
 from mqds.client import Client, Message
 from mqds.protocol.sharding import shard_of
@@ -197,3 +200,86 @@ def test_one_start_naming_many_subscriptions_starts_each_of_them(cluster: LocalC
     assert all(len(a.messages) <= 120 for a in shared), "never past their credit"
     own = [a for a in answers if a.id in (500, 501, 502)]
     assert own and not any(a.also for a in own), "without shared answers, each its own"
+
+
+_IDS = st.integers(0, 12)
+_FAR_US = 2**62
+_STARTS = st.builds(
+    pb.FollowStart,
+    id=_IDS,
+    also=st.lists(_IDS, max_size=4),
+    topic_filter=st.sampled_from(["odd/#", "odd/+/x", "#", "", "a/#/b", "+/+", "odd/\x00"]),
+    shard=st.integers(0, N_SHARDS + 1),
+    after_us=st.sampled_from([0, 1, _FAR_US]),
+    credit=st.integers(0, 3),
+    stale_ok=st.booleans(),
+    shared_answers=st.booleans(),
+)
+_GOOD_STARTS = st.builds(
+    pb.FollowStart,
+    id=_IDS,
+    also=st.lists(_IDS, max_size=3, unique=True),
+    topic_filter=st.just("odd/#"),
+    shard=st.just(SHARD),
+    credit=st.integers(1, 3),
+    stale_ok=st.just(True),
+    shared_answers=st.booleans(),
+)
+_REQUESTS: SearchStrategy[pb.FollowRequest] = st.one_of(
+    st.builds(pb.FollowRequest, start=_STARTS),
+    st.builds(pb.FollowRequest, start=_GOOD_STARTS),
+    st.builds(pb.FollowRequest, start=_GOOD_STARTS),
+    st.builds(
+        pb.FollowRequest,
+        credit=st.builds(pb.FollowCredit, id=_IDS, messages=st.integers(0, 3), also=st.lists(_IDS, max_size=4)),
+    ),
+    st.builds(pb.FollowRequest, cancel=_IDS),
+    st.just(pb.FollowRequest()),
+)
+
+
+def test_odd_request_sequences_end_clearly_and_the_node_goes_on_serving(cluster: LocalCluster) -> None:
+    """Any sequence of starts (with ``also``), credits and cancels: the call ends with OK or INVALID_ARGUMENT
+    saying why once its requests end, every failure answer names its reason, and the node still serves."""
+    store(cluster, "odd/a/x", sender_on_shard("odd"), range(5))
+    channel = grpc.insecure_channel(cluster.addresses[0])
+    method = channel.stream_stream(
+        "/mqds.v1.Storage/Follow",
+        request_serializer=pb.FollowRequest.SerializeToString,
+        response_deserializer=pb.FollowResponse.FromString,
+    )
+    reasons = {"INVALID_TOPIC_FILTER", "INVALID_REQUEST", "UNKNOWN_SHARD", "NOT_LEADER"}
+    seen = {"messages": 0, "failures": 0, "refused": 0}
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(_REQUESTS, min_size=1, max_size=8))
+    def one_call(requests: list[pb.FollowRequest]) -> None:
+        def sent() -> Iterator[pb.FollowRequest]:
+            yield from requests
+            time.sleep(0.1)  # a moment to serve what started, then the requests end
+
+        call = method(sent(), timeout=15)
+        try:
+            for answer in call:
+                if answer.HasField("failure"):
+                    assert answer.failure.reason in reasons, answer.failure
+                    assert answer.failure.message
+                    seen["failures"] += 1
+                seen["messages"] += len(answer.messages)
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details())
+            assert err.details()
+            seen["refused"] += 1
+
+    try:
+        one_call()
+    finally:
+        channel.close()
+    assert all(seen.values()), f"the sequences did not reach every outcome: {seen}"
+    call = RawCall(cluster)
+    try:
+        call.start(1, "odd/#", credit=100)
+        got, _ = call.collect({1: 5})
+    finally:
+        call.close()
+    assert got[1] == [str(i).encode() for i in range(5)]
