@@ -30,7 +30,7 @@ it goes on from its position, from disk if the feed moved past it.
 A start may name more subscriptions (``FollowStart.also``): each id is a
 subscription with the start's other fields, and with shared answers they
 begin as one cohort, so starting ten thousand subscribers of a shard costs one
-request, not ten thousand.
+request, not ten thousand (``follow_start.py``).
 
 Errors. A request that breaks the protocol (a frame that does not parse, an
 id in use, unknown or named twice in one start, zero credit, more than
@@ -51,7 +51,7 @@ from typing import Any, NamedTuple, Protocol
 
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
-from mqds.protocol.topics import TopicError, validate_filter
+from mqds.server.api import follow_start
 from mqds.server.api.follow_cohort import Cohort, FollowSub
 from mqds.server.api.handlers import check_parsed
 from mqds.server.storage.ordered import dropped_after, ordered
@@ -63,8 +63,6 @@ _PROGRESS_S = 1.0
 """How often a subscription whose position moved without a matching message is told so, at most."""
 _IDLE_WAKE_S = 1.0
 """How long the call sleeps without news before it looks again (a leader that lost its shard, progress)."""
-_AHEAD_US = 86_400 * 1_000_000
-"""A position this far past the node's clock is refused (no shard's clock is a day ahead)."""
 
 
 @dataclass(frozen=True)
@@ -157,32 +155,9 @@ class _Call:
     def _take(self, request: pb.FollowRequest) -> None:
         kind = request.WhichOneof("kind")
         if kind == "start":
-            start = request.start
-            subs = self.subs
-            count = 1 + len(start.also)
-            if len(subs) + count > self.limits.max_subscriptions:  # first: it bounds the work of the checks after
-                adds = "" if count == 1 else f" and this start adds {count:,}"
-                raise errors.error(
-                    Reason.INVALID_REQUEST,
-                    f"this call already carries {len(subs):,} subscriptions{adds} (follow_max_subscriptions is "
-                    f"{self.limits.max_subscriptions:,}); open another call",
-                )
-            ids = [start.id, *start.also]
-            for sid in ids:
-                if sid in subs:
-                    raise errors.error(Reason.INVALID_REQUEST, f"subscription id {sid} is already in use on this call")
-            if count > 1 and len(set(ids)) < count:
-                raise errors.error(
-                    Reason.INVALID_REQUEST, f"the start of subscription {start.id} names an id twice (its also)"
-                )
-            if start.credit < 1:
-                raise errors.error(
-                    Reason.INVALID_REQUEST,
-                    f"subscription {start.id} starts with credit {start.credit}: grant at least 1 message",
-                )
-            group = [FollowSub(start, sid) for sid in ids]
+            group = follow_start.take(request.start, self.subs, self.limits.max_subscriptions)
             for sub in group:
-                subs[sub.id] = sub
+                self.subs[sub.id] = sub
             self.new.append(group)
         elif kind == "credit":
             credit = request.credit
@@ -280,37 +255,11 @@ class _Call:
                 self.news.wait(max(0.0, min(_IDLE_WAKE_S, full_pass_at - time.monotonic())))
 
     def _begin(self, group: list[FollowSub]) -> tuple[list[Cohort], list[bytes]]:
-        """Start the subscriptions of one start (under the lock): their cohorts, or a failure answer for each.
-
-        With shared answers they begin as one cohort (they stand at one
-        position), else each in a cohort of its own.
-        """
-        start = group[0].start
-        try:
-            try:
-                levels = validate_filter(start.topic_filter)
-            except TopicError as err:
-                raise errors.error(Reason.INVALID_TOPIC_FILTER, str(err)) from None
-            n = self.shards.n_shards
-            if not 0 <= start.shard < n:
-                raise errors.error(Reason.UNKNOWN_SHARD, f"shard {start.shard} does not exist; shards are 0 to {n - 1}")
-            limit = self.clock() + _AHEAD_US
-            if start.after_us > limit or start.start_time_us > limit:
-                raise errors.error(
-                    Reason.INVALID_REQUEST,
-                    f"position {max(start.after_us, start.start_time_us)} is more than a day after this node's "
-                    "clock; start from a position an answer returned",
-                )
-        except MqdsError as err:
-            return [], [_failure(sub.id, start.shard, start.after_us, err) for sub in group]
-        cohorts: list[Cohort] = []
-        for sub in group:
-            if not cohorts or not start.shared_answers:
-                cohorts.append(Cohort(start, levels, start.after_us, start.shared_answers))
-            cohorts[-1].add(sub, sub.limit_at)
+        """Start the subscriptions of one start (under the lock): their cohorts, or a failure answer for each."""
+        cohorts, failures = follow_start.begin(group, self.shards.n_shards, self.clock())
         self.cohorts.update(cohorts)
         self.touched.update(cohorts)
-        return cohorts, []
+        return cohorts, failures
 
     def _serve_cohort(self, cohort: Cohort) -> list[_Answer]:
         """The cohort's next answers: one read with the most credit a member has, one answer for those whose
@@ -397,7 +346,7 @@ class _Call:
                 cohort.remove(sub)
                 self.subs.pop(sub.id, None)
         self._drop(cohort)
-        return [(_failure(sub.id, cohort.shard, cohort.position, err), None) for sub in members]
+        return [(follow_start.failure(sub.id, cohort.shard, cohort.position, err), None) for sub in members]
 
     def _read(self, cohort: Cohort, limit: int) -> _Read:
         """Up to ``limit`` messages after the cohort's position, from the feed, else from disk; the cohort
@@ -496,15 +445,6 @@ class _Call:
         for cohort in list(self.cohorts):
             self._unlisten(cohort)
         self.cohorts.clear()
-
-
-def _failure(sub_id: int, shard: int, position: int, err: MqdsError) -> bytes:
-    response = pb.FollowResponse(id=sub_id, shard=shard, position_us=position)
-    response.failure.shard = shard
-    response.failure.reason = err.reason.value
-    response.failure.message = err.message
-    response.failure.metadata.update(err.metadata)
-    return response.SerializeToString()
 
 
 def serve(
