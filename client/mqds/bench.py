@@ -83,18 +83,18 @@ def shard_places(addresses: list[str], settings: ConnectionSettings | None) -> t
     router = Router(addresses, settings=settings)
     try:
         view = router.refresh(5, force=True)
+        places: dict[int, list[str]] = {}
+        for shard in range(view.n_shards):
+            leader = view.leaders.get(shard)
+            if leader is not None and leader[1] in view.addresses:
+                places[shard] = [view.addresses[leader[1]]]
+            else:
+                places[shard] = router.replica_addresses(shard)
+        return places, view.n_shards
     except MqdsError:
         return None
     finally:
         router.close()
-    places: dict[int, list[str]] = {}
-    for shard in range(view.n_shards):
-        leader = view.leaders.get(shard)
-        if leader is not None and leader[1] in view.addresses:
-            places[shard] = [view.addresses[leader[1]]]
-        else:
-            places[shard] = [view.addresses[n] for n in view.replicas.get(shard, []) if n in view.addresses]
-    return places, view.n_shards
 
 
 def shard_leaders(addresses: list[str], settings: ConnectionSettings | None) -> dict[int, str] | None:

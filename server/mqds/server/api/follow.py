@@ -33,11 +33,13 @@ begin as one cohort, so starting ten thousand subscribers of a shard costs one
 request, not ten thousand (``follow_start.py``).
 
 Errors. A request that breaks the protocol (a frame that does not parse, an
-id in use, unknown or named twice in one start, zero credit, more than
-``follow_max_subscriptions``) ends the call with INVALID_ARGUMENT. A subscription that cannot be served
-(a bad topic filter, a position in the future, a shard this node does not
-host or, without ``stale_ok``, does not lead, a position whose messages were
-dropped) is answered with ``failure`` and ends; the call goes on.
+id in use or named twice in one start, zero credit, more than
+``follow_max_subscriptions``) ends the call with INVALID_ARGUMENT; credit for
+or a cancel of an id the call does not carry (one that just ended) is not an
+error. A subscription that cannot be served (a bad topic filter, a position
+in the future, a shard this node does not host or, without ``stale_ok``, does
+not lead, a position whose messages were dropped) is answered with
+``failure`` and ends; the call goes on.
 """
 
 from __future__ import annotations
