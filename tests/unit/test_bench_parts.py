@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from mqds.bench import publisher_ids
 from mqds.bench_fanout import delivery_latencies
 from mqds.cli.bench_fanout import weighted_pct_ms
+from mqds.cli.bench_storm import Storm, _print
 from mqds.protocol.sharding import shard_of
 
 # Shard 3: a call of timestamps 100-109 acknowledged at 1.0, one of 110-119 at 2.0; shard 5: 100-149 at 4.0.
@@ -70,3 +73,13 @@ def test_publishers_spread_over_the_shards_and_over_the_nodes_that_lead_them() -
     # More publishers than shards: every shard, then the next names.
     many = publisher_ids(20, 16, leaders)
     assert len(set(many)) == 20 and len({shard_of(name, 16) for name in many}) == 16
+
+
+def test_the_storm_summary_compares_cpu_even_when_the_storms_measured_none(capsys: pytest.CaptureFixture[str]) -> None:
+    """A storm short enough that the nodes' CPU did not move by one clock tick measured 0 ms, a figure like any
+    other: the summary still gives both ratios (a tiny run in the tests once printed only the time's)."""
+    _print(Storm(0.05, 200, 0.0, 0, calls=2), Storm(0.33, 200, 1000.0, 0))
+    out = capsys.readouterr().out
+    assert "shared/baseline: 0.15 of the time, 0.00 of the nodes' CPU per message\n" in out
+    _print(Storm(0.05, 200, None, 0, calls=2), Storm(0.33, 200, 1000.0, 0))  # not measured (--endpoints only)
+    assert "shared/baseline: 0.15 of the time\n" in capsys.readouterr().out

@@ -144,7 +144,7 @@ def _print(shared: Storm, baseline: Storm) -> None:
     print(f"  nodes' CPU  {_cpu(baseline)} per 1,000 delivered")
     if baseline.seconds > 0:
         line = f"shared/baseline: {shared.seconds / baseline.seconds:.2f} of the time"
-        if shared.cpu_ms_per_1000 and baseline.cpu_ms_per_1000:
+        if shared.cpu_ms_per_1000 is not None and baseline.cpu_ms_per_1000:  # a measured 0 is a figure too
             line += f", {shared.cpu_ms_per_1000 / baseline.cpu_ms_per_1000:.2f} of the nodes' CPU per message"
         print(line)
 
