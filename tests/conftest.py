@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +10,13 @@ import pytest
 from harness import ServerProcess
 
 from mqds.client import Client, ConnectionSettings
+from mqds.tools import ports
+
+# Each parallel worker (pytest-xdist) picks local nodes' ports from a slice of the range of its own, so two
+# workers never hand the same port to two nodes (see mqds.tools.ports.SHARE_ENV).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw"):
+    os.environ.setdefault(ports.SHARE_ENV, f"{int(_WORKER[2:])}/{os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1')}")
 
 # The single node's cluster secret: the proof its admin calls (generations) need.
 SECRET = "test-cluster-secret-0123456789"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import threading
@@ -25,6 +26,33 @@ def _below_ephemeral() -> int:
         return 32768
 
 
+SHARE_ENV = "MQDS_PORT_SHARE"
+"""``i/n``: this process picks ports only from the i-th of n equal slices of the range (0-based).
+
+Processes that start local nodes side by side (the test suite's parallel
+workers set it, one slice each) then never pick the same port: the set of
+ports handed out is one process's, and two workers once gave two nodes the
+same port, the second of which could not listen.
+"""
+
+
+def _port_range() -> tuple[int, int]:
+    """Where this process picks ports: [low, high), below the ephemeral range, its slice of it under SHARE_ENV."""
+    low, high = _LOWEST, _below_ephemeral()
+    share = os.environ.get(SHARE_ENV)
+    if share:
+        try:
+            index, count = (int(part) for part in share.split("/"))
+        except ValueError:
+            raise LocalClusterError(f"{SHARE_ENV} must be 'i/n' (the i-th of n slices from 0), not {share!r}") from None
+        if not 0 <= index < count:
+            raise LocalClusterError(f"{SHARE_ENV}={share!r}: i must be from 0 to n - 1")
+        width = (high - low) // count
+        low += index * width
+        high = low + width
+    return low, high
+
+
 def free_port() -> int:
     """A port free on 127.0.0.1 now, below the ephemeral range, and never one this process handed out before.
 
@@ -36,12 +64,12 @@ def free_port() -> int:
     two binds in a row: two nodes of one cluster were once given the same
     port, hence the set of ports handed out.
     """
-    top = _below_ephemeral()
+    low, high = _port_range()
     rng = random.Random()
     with _handed_out_lock:
         for _ in range(200):
-            if top - _LOWEST > 1000:
-                port = rng.randrange(_LOWEST, top)
+            if high - low > 1000:
+                port = rng.randrange(low, high)
                 if port in _handed_out or port_in_use(port):
                     continue
             else:  # an unusual ephemeral range: let the kernel pick
@@ -71,7 +99,8 @@ def free_port_block(count: int, attempts: int = 200) -> int:
     rng = random.Random()
     for _ in range(attempts):
         # Below the usual ephemeral range (32768+), where outgoing connections take ports.
-        base = rng.randrange(_LOWEST, max(_LOWEST + 1, _below_ephemeral() - count))
+        low, high = _port_range()
+        base = rng.randrange(low, max(low + 1, high - count))
         if not any(port_in_use(base + i) for i in range(count)):
             return base
     raise LocalClusterError(f"found no {count} consecutive free ports on 127.0.0.1")
