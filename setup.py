@@ -1,8 +1,9 @@
-"""The one part of mqds-server that pyproject.toml cannot say: its C extension.
+"""The one part of mqds-server that pyproject.toml cannot say: its C extensions.
 
-``mqds.server._wire_native`` encodes read answers (``mqds.server.wire.encode_rows``). It is
-optional: where no C compiler or Python headers are present the package installs without it
-and nodes encode in Python (slower; a node says so when it starts).
+``mqds.server._wire_native`` encodes read answers (``mqds.server.wire.encode_rows``);
+``mqds.server.storage._store_native`` puts a stored batch's keys (``writes.put_batch_python``).
+They are optional: where no C compiler or Python headers are present the package installs
+without them and nodes run the Python versions (slower; a node says so when it starts).
 """
 
 from setuptools import Extension, setup
@@ -10,5 +11,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension("mqds.server._wire_native", sources=["server/mqds/server/_wire_native.c"], optional=True),
+        Extension(
+            "mqds.server.storage._store_native", sources=["server/mqds/server/storage/_store_native.c"], optional=True
+        ),
     ]
 )

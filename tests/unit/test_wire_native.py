@@ -6,27 +6,18 @@ tests fail, rather than skip, when a compiler is there and the module is not.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 import threading
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_support import native, printed_with_and_without_pure_python, skip_without_compiler
 
 from mqds.server import wire
 from mqds.server.storage import keys
 
-try:
-    from mqds.server import _wire_native  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - only without a compiler
-    _wire_native = None
-
-pytestmark = pytest.mark.skipif(
-    _wire_native is None and shutil.which("cc") is None and shutil.which("gcc") is None,
-    reason="no C compiler here: the package installed without its C part, and nodes encode in Python",
-)
+_wire_native = native("mqds.server._wire_native")
+pytestmark = skip_without_compiler(_wire_native, "encode")
 
 row_lists = st.lists(
     st.tuples(
@@ -70,17 +61,7 @@ def test_bad_rows_are_refused_with_an_error_not_a_crash(rows: list[object], erro
 
 def test_pure_python_is_chosen_with_the_environment_variable() -> None:
     code = "from mqds.server import wire; print(wire.NATIVE, wire._ENCODE_ROWS.__name__)"
-    env_runs = {
-        flag: subprocess.run(
-            [sys.executable, "-c", code],
-            env={"MQDS_PURE_PYTHON": "1"} if flag else {},
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout.split()
-        for flag in (True, False)
-    }
+    env_runs = printed_with_and_without_pure_python(code)
     assert env_runs[True] == ["False", "encode_rows_python"]
     assert env_runs[False] == ["True", "encode_rows"]
 

@@ -21,6 +21,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from mqds.client import Client, Message
 from mqds.spark import FORMAT
+from mqds.spark.job import LOG_LEVEL
 
 MESSAGES_PER_WRITE = 10
 WRITE_EVERY_S = 0.25
@@ -78,7 +79,18 @@ def _median_trigger_s(stream: DataFrame, seconds: float) -> tuple[float, int]:
         try:
             time.sleep(seconds)
         finally:
-            query.stop()
+            # Stopping cancels the micro-batch running then, and its tasks log that at ERROR with a
+            # stack trace as they end; the session's level (mqds.spark.job.session sets ERROR)
+            # comes back once no job is left (10 s at most).
+            context = stream.sparkSession.sparkContext
+            context.setLogLevel("OFF")
+            try:
+                query.stop()
+                deadline = time.monotonic() + 10
+                while context.statusTracker().getActiveStageIds() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            finally:
+                context.setLogLevel(LOG_LEVEL)
         progress: list[Any] = [p for p in query.recentProgress if p["numInputRows"]][2:]
     if not progress:
         raise RuntimeError(f"the stream ran no micro-batch with rows in {seconds} s")

@@ -35,6 +35,10 @@ SNAPSHOT_FILE = "_mqds_snapshot.json"
 _UTC_DATE = "date_from_unix_date(CAST(floor(unix_micros(timestamp) / 86400000000) AS INT))"
 
 
+LOG_LEVEL = "ERROR"
+"""Spark's log level in the sessions the job and the benchmarks start."""
+
+
 def session(master: str | None = None, app_name: str = "mqds-spark-job") -> SparkSession:
     """The Spark session of a job: the one spark-submit made, or a local one (``master``, default ``local[*]``).
 
@@ -49,7 +53,7 @@ def session(master: str | None = None, app_name: str = "mqds-spark-job") -> Spar
         builder = builder.master(master or "local[*]")
         builder = builder.config("spark.sql.shuffle.partitions", str(2 * (os.cpu_count() or 2)))
     spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
+    spark.sparkContext.setLogLevel(LOG_LEVEL)
     return spark
 
 

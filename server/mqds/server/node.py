@@ -61,7 +61,7 @@ from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
 from mqds.server.snapshots import Snapshots
 from mqds.server.startup import StartupError
-from mqds.server.storage import Engine, EngineOptions
+from mqds.server.storage import Engine, EngineOptions, writes
 from mqds.server.storage.expiry import NEVER
 from mqds.server.tls import NodeTls
 from mqds.v1 import cluster_pb2 as clpb
@@ -320,6 +320,12 @@ class Node:
             log.warning(
                 "answers are encoded in Python, not C: the read path's C part (mqds.server._wire_native) was not "
                 "built (no C compiler when the package was installed) or MQDS_PURE_PYTHON is set; reads cost more CPU"
+            )
+        if not writes.NATIVE:
+            log.warning(
+                "stores put their keys in Python, not C: the store path's C part (mqds.server.storage._store_native) "
+                "was not built (no C compiler when the package was installed) or MQDS_PURE_PYTHON is set; writes "
+                "cost more CPU"
             )
 
     def wait(self) -> None:

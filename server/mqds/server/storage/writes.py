@@ -11,8 +11,8 @@ cached (``Routes``). The caller (``ShardStorage.store``) adds deduplication
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rocksdict import WriteBatch
@@ -65,6 +65,61 @@ class StoreBatch:
     new_streams: list[int]
 
 
+def put_batch_python(
+    put: Put,
+    handle: object,
+    topics: list[str],
+    values: list[bytes],
+    first: int,
+    routes: dict[str, Route],
+) -> list[int]:
+    """Put a batch's data and index keys; its streams, each once, in the order they first appear.
+
+    Message ``i`` (``topics[i]``, stored as ``values[i]``) gets the data key
+    of its topic's stream and timestamp ``first + i``. Each index key prefix
+    of the messages' routes gets one key for the batch, stamped with its first
+    message's timestamp, whose value lists the messages' positions in the
+    batch (``keys.encode_postings``). Every topic must have its route in
+    ``routes``. This is the reference the C version (``_store_native``) is
+    tested against, call for call.
+    """
+    if len(topics) != len(values):
+        raise ValueError(f"{len(topics)} topics but {len(values)} values")
+    streams: dict[int, None] = {}
+    postings: dict[bytes, list[int]] = {}
+    for position, (topic, value) in enumerate(zip(topics, values, strict=True)):
+        data_prefix, index_prefixes, stream = routes[topic]
+        streams.setdefault(stream)
+        put(data_prefix + (first + position).to_bytes(8, "big"), value, handle)
+        for index_prefix in index_prefixes:
+            postings.setdefault(index_prefix, []).append(position)
+    for index_prefix, positions in postings.items():
+        put(index_prefix + (first + positions[0]).to_bytes(8, "big"), keys.encode_postings(positions), handle)
+    return list(streams)
+
+
+Put = Callable[[bytes, bytes, object], object]
+"""A write batch's ``put(key, value, column family handle)``."""
+PutBatch = Callable[[Put, object, list[str], list[bytes], int, dict[str, Route]], list[int]]
+
+
+def _native_put_batch() -> PutBatch | None:
+    """The C version of :func:`put_batch_python`, where it was built and ``MQDS_PURE_PYTHON`` is not set."""
+    if os.environ.get("MQDS_PURE_PYTHON"):
+        return None
+    try:
+        from mqds.server.storage import _store_native  # type: ignore[attr-defined]  # built by pip (setup.py)
+    except ImportError:
+        return None
+    put_batch: PutBatch = _store_native.put_batch
+    return put_batch
+
+
+_PUT_BATCH = _native_put_batch() or put_batch_python
+NATIVE = _PUT_BATCH is not put_batch_python
+"""Whether stores put their keys in C; a node that does not logs a warning when it starts."""
+
+
 def build(
     gen: Generation,
     messages: Sequence[pb.Message],
@@ -91,34 +146,17 @@ def build(
         batch = WriteBatch(raw_mode=True)
     put = batch.put
     new_edges: list[tuple[int, str, int]] = []
-    new_streams: list[int] = []
-    # Per topic: its data key prefix, the positions of its messages in
-    # this batch, and its route (index key prefixes, stream).
-    groups: dict[str, tuple[bytes, list[int], Route]] = {}
-    position = 0
-    for message, value in zip(messages, values, strict=True):
-        topic = message.topic
-        group = groups.get(topic)
-        if group is None:
-            route = cache.get(topic)
-            if route is None:
-                route = routes.learn(topic, new_edges)
-            group = groups[topic] = (route[0], [], route)
-        put(group[0] + (first + position).to_bytes(8, "big"), value, handle)
-        group[1].append(position)
-        position += 1
-    ts = first + position
-    # One index key per (level, value) for the whole batch, listing its messages.
-    postings: dict[bytes, list[list[int]]] = {}
-    for _, positions, (_, iprefixes, stream) in groups.values():
-        for iprefix in iprefixes:
-            postings.setdefault(iprefix, []).append(positions)
-        if stream not in present:
-            present.add(stream)
-            new_streams.append(stream)
-    for iprefix, lists in postings.items():
-        merged = lists[0] if len(lists) == 1 else sorted(itertools.chain.from_iterable(lists))
-        put(iprefix + (first + merged[0]).to_bytes(8, "big"), keys.encode_postings(merged), handle)
+    topics = [message.topic for message in messages]
+    # New topics are learned in the order they first appear: the trie's
+    # node numbers, and so the keys, must be the same on every replica.
+    for topic in [topic for topic in topics if topic not in cache]:
+        if topic not in cache:
+            routes.learn(topic, new_edges)
+    values = values if isinstance(values, list) else list(values)
+    streams = _PUT_BATCH(put, handle, topics, values, first, cache)
+    new_streams = [stream for stream in streams if stream not in present]
+    present.update(new_streams)
+    ts = first + len(topics)
     for parent, token, child in new_edges:
         put(keys.trie_edge_key(parent, token), keys.u32(child), meta)
     if new_edges:
