@@ -131,6 +131,19 @@ def test_a_failing_put_ends_the_call_with_its_error() -> None:
         assert len(recorder.calls) == fail_at
 
 
+def test_a_put_that_changes_the_routes_cannot_make_it_read_a_freed_route() -> None:
+    """A route is borrowed from the dict: nothing of it may be used after a put, which may run any Python."""
+    routes: dict[str, object] = {}
+
+    def put(key: bytes, value: bytes, handle: object) -> None:
+        routes.clear()  # frees the route tuple and its prefixes: the dict held the only references
+
+    for _ in range(200):
+        routes["t"] = (bytes(b"D" * 5), tuple(bytes([i]) * 9 for i in range(8)), 10**30)
+        with pytest.raises(KeyError, match="has no route"):
+            _store_native.put_batch(put, HANDLE, ["t", "t"], [b"a", b"b"], 5, routes)
+
+
 def _store_script(storage: ShardStorage) -> None:
     rng = random.Random(7)
     storage.initialize(3, applied_index=1)

@@ -19,8 +19,9 @@
  *   position (u32 little-endian each); positions count from the batch's first message.
  *
  * Exactly the calls of the Python implementation (tests/unit/test_store_native.py checks them
- * against each other). It calls put, Python code, so it holds the GIL and reads its arguments
- * from tuples it took first: a put cannot change what it reads.
+ * against each other). It calls put, Python code, so it holds the GIL, reads the topics and
+ * values from tuples it took first, and uses nothing of a route (borrowed from the dict) after
+ * the put that follows its lookup: a put cannot change or free what it reads.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -184,13 +185,6 @@ static PyObject *put_batch(PyObject *self, PyObject *args) {
         int known = PySet_Contains(seen_streams, stream);
         if (known < 0 || (!known && (PySet_Add(seen_streams, stream) < 0 || PyList_Append(streams, stream) < 0)))
             goto done;
-        PyObject *key = stamped(PyTuple_GET_ITEM(route, 0), first + (unsigned long long)i);
-        if (key == NULL)
-            goto done;
-        int failed = call_put(put, key, value, handle);
-        Py_DECREF(key);
-        if (failed < 0)
-            goto done;
         PyObject *prefixes = PyTuple_GET_ITEM(route, 1);
         for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(prefixes); j++) {
             PyObject *prefix = PyTuple_GET_ITEM(prefixes, j);
@@ -223,6 +217,14 @@ static PyObject *put_batch(PyObject *self, PyObject *args) {
             if (add_entry(&p, slot, i) < 0)
                 goto done;
         }
+        /* Last: put runs Python code, which might change routes; nothing of the route is used after it. */
+        PyObject *key = stamped(PyTuple_GET_ITEM(route, 0), first + (unsigned long long)i);
+        if (key == NULL)
+            goto done;
+        int failed = call_put(put, key, value, handle);
+        Py_DECREF(key);
+        if (failed < 0)
+            goto done;
     }
     for (Py_ssize_t s = 0; s < p.n_slots; s++) {
         Slot *slot = &p.slots[s];
