@@ -5,8 +5,11 @@ A stored batch writes, in the current generation, a data key per message
 the posting list of the messages that have it; in the metadata family, the
 trie edges and presence keys it created and the last timestamp. Topics are
 routed to their stream and key prefixes through the trie, and the routes are
-cached (``Routes``). The caller (``ShardStorage.store``) adds deduplication
-(``dedup.py``), writes the batch, and calls ``undo`` if the write failed.
+cached (``Routes``). The data and index keys are built and put by C code
+(``_store_native.put_batch``) where it was built, else by its Python twin
+(``put_batch_python``); both make the same calls. The caller
+(``ShardStorage.store``) adds deduplication (``dedup.py``), writes the batch,
+and calls ``undo`` if the write failed.
 """
 
 from __future__ import annotations
@@ -150,7 +153,7 @@ def build(
     # New topics are learned in the order they first appear: the trie's
     # node numbers, and so the keys, must be the same on every replica.
     for topic in [topic for topic in topics if topic not in cache]:
-        if topic not in cache:
+        if topic not in cache:  # a repeat of a topic learned a moment ago is not learned again
             routes.learn(topic, new_edges)
     values = values if isinstance(values, list) else list(values)
     streams = _PUT_BATCH(put, handle, topics, values, first, cache)
