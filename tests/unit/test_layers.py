@@ -4,7 +4,7 @@ Every import counts, those under ``TYPE_CHECKING`` too: a layer that names a
 higher one's types depends on it all the same. The parts of the node above
 the API (the composition root and what it wires: hosting, health,
 maintenance, snapshots) may import every layer; a few base modules
-(settings, TLS, authentication, durable files, the shared wire encoding) may be imported
+(settings, TLS, authentication, durable files, the shared wire encoding, the choice of C parts) may be imported
 from anywhere and import no layer themselves.
 """
 
@@ -29,6 +29,7 @@ BASE = {
     "mqds.server.durable",
     "mqds.server.diskusage",
     "mqds.server.wire",
+    "mqds.server.native",
 }
 # Observes the layers below the API and is used by it: the API's level.
 LEVEL = {"mqds.server.metrics": 3}

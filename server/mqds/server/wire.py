@@ -9,11 +9,10 @@ message on the read path.
 
 from __future__ import annotations
 
-import os
 import struct
-from collections.abc import Callable
 
 from mqds.protocol.wire import varint
+from mqds.server.native import native_or
 from mqds.v1 import storage_pb2 as pb
 
 _TS_TAG = b"\x39"  # field 7 (timestamp_us), fixed64
@@ -70,19 +69,7 @@ def encode_rows_python(tag: bytes, rows: list[tuple[bytes, bytes]], tail: bytes)
     return b"".join(parts), b"".join(times)
 
 
-def _native_encode_rows() -> Callable[[bytes, list[tuple[bytes, bytes]], bytes], tuple[bytes, bytes]] | None:
-    """The C version of :func:`encode_rows_python`, where it was built and ``MQDS_PURE_PYTHON`` is not set."""
-    if os.environ.get("MQDS_PURE_PYTHON"):
-        return None
-    try:
-        from mqds.server import _wire_native  # type: ignore[attr-defined]  # built by pip (setup.py)
-    except ImportError:
-        return None
-    encode: Callable[[bytes, list[tuple[bytes, bytes]], bytes], tuple[bytes, bytes]] = _wire_native.encode_rows
-    return encode
-
-
-_ENCODE_ROWS = _native_encode_rows() or encode_rows_python
+_ENCODE_ROWS = native_or("mqds.server._wire_native", "encode_rows", encode_rows_python)
 NATIVE = _ENCODE_ROWS is not encode_rows_python
 """Whether the read path encodes in C; a node that does not logs a warning when it starts."""
 

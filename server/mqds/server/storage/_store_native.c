@@ -70,14 +70,20 @@ typedef struct {
     Py_ssize_t head, tail, count;
 } Slot;
 
+/* A message under one index key prefix. */
 typedef struct {
-    Py_ssize_t *position; /* the message of each entry */
-    Py_ssize_t *next;     /* the next entry of the same slot, -1 at the end */
+    Py_ssize_t position; /* the message's place in the batch */
+    Py_ssize_t next;     /* the next entry of the same slot, -1 at the end */
+} Entry;
+
+typedef struct {
+    Entry *entries;
     Py_ssize_t used, size;
     Slot *slots;
     Py_ssize_t n_slots, slots_size;
 } Postings;
 
+/* Make room for `want` items in `*array` (of `*size`, each `item` bytes), doubling. */
 static int grow(void **array, Py_ssize_t *size, Py_ssize_t want, size_t item) {
     if (want <= *size)
         return 0;
@@ -95,26 +101,16 @@ static int grow(void **array, Py_ssize_t *size, Py_ssize_t want, size_t item) {
 }
 
 static int add_entry(Postings *p, Py_ssize_t slot, Py_ssize_t position) {
-    if (p->used == p->size) {
-        Py_ssize_t bigger = p->size ? p->size * 2 : 64;
-        Py_ssize_t *positions = PyMem_Realloc(p->position, (size_t)bigger * sizeof(Py_ssize_t));
-        if (positions == NULL)
-            return PyErr_NoMemory(), -1;
-        p->position = positions;
-        Py_ssize_t *next = PyMem_Realloc(p->next, (size_t)bigger * sizeof(Py_ssize_t));
-        if (next == NULL)
-            return PyErr_NoMemory(), -1;
-        p->next = next;
-        p->size = bigger;
-    }
+    if (grow((void **)&p->entries, &p->size, p->used + 1, sizeof(Entry)) < 0)
+        return -1;
     Py_ssize_t e = p->used++;
-    p->position[e] = position;
-    p->next[e] = -1;
+    p->entries[e].position = position;
+    p->entries[e].next = -1;
     Slot *s = &p->slots[slot];
     if (s->count == 0)
         s->head = e;
     else
-        p->next[s->tail] = e;
+        p->entries[s->tail].next = e;
     s->tail = e;
     s->count++;
     return 0;
@@ -127,10 +123,10 @@ static PyObject *encode_postings(const Postings *p, const Slot *s) {
         return NULL;
     char *out = PyBytes_AS_STRING(value);
     out[0] = POSTINGS_V1;
-    put_le32(out + 1, (uint32_t)p->position[s->head]);
+    put_le32(out + 1, (uint32_t)p->entries[s->head].position);
     out += 5;
-    for (Py_ssize_t e = s->head; e >= 0; e = p->next[e]) {
-        put_le32(out, (uint32_t)p->position[e]);
+    for (Py_ssize_t e = s->head; e >= 0; e = p->entries[e].next) {
+        put_le32(out, (uint32_t)p->entries[e].position);
         out += 4;
     }
     return value;
@@ -228,7 +224,7 @@ static PyObject *put_batch(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t s = 0; s < p.n_slots; s++) {
         Slot *slot = &p.slots[s];
-        PyObject *key = stamped(PyList_GET_ITEM(slot_prefixes, s), first + (unsigned long long)p.position[slot->head]);
+        PyObject *key = stamped(PyList_GET_ITEM(slot_prefixes, s), first + (unsigned long long)p.entries[slot->head].position);
         if (key == NULL)
             goto done;
         PyObject *value = slot->count == 1 ? PyBytes_FromStringAndSize("", 0) : encode_postings(&p, slot);
@@ -245,8 +241,7 @@ static PyObject *put_batch(PyObject *self, PyObject *args) {
     result = streams;
     Py_INCREF(result);
 done:
-    PyMem_Free(p.position);
-    PyMem_Free(p.next);
+    PyMem_Free(p.entries);
     PyMem_Free(p.slots);
     Py_XDECREF(topics);
     Py_XDECREF(values);

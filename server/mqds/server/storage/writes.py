@@ -14,12 +14,12 @@ and calls ``undo`` if the write failed.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rocksdict import WriteBatch
 
+from mqds.server.native import native_or
 from mqds.server.storage import keys
 from mqds.server.storage.generations import Generation
 from mqds.server.storage.trie import TopicTrie
@@ -68,6 +68,11 @@ class StoreBatch:
     new_streams: list[int]
 
 
+Put = Callable[[bytes, bytes, object], object]
+"""A write batch's ``put(key, value, column family handle)``."""
+PutBatch = Callable[[Put, object, list[str], list[bytes], int, dict[str, Route]], list[int]]
+
+
 def put_batch_python(
     put: Put,
     handle: object,
@@ -101,24 +106,7 @@ def put_batch_python(
     return list(streams)
 
 
-Put = Callable[[bytes, bytes, object], object]
-"""A write batch's ``put(key, value, column family handle)``."""
-PutBatch = Callable[[Put, object, list[str], list[bytes], int, dict[str, Route]], list[int]]
-
-
-def _native_put_batch() -> PutBatch | None:
-    """The C version of :func:`put_batch_python`, where it was built and ``MQDS_PURE_PYTHON`` is not set."""
-    if os.environ.get("MQDS_PURE_PYTHON"):
-        return None
-    try:
-        from mqds.server.storage import _store_native  # type: ignore[attr-defined]  # built by pip (setup.py)
-    except ImportError:
-        return None
-    put_batch: PutBatch = _store_native.put_batch
-    return put_batch
-
-
-_PUT_BATCH = _native_put_batch() or put_batch_python
+_PUT_BATCH: PutBatch = native_or("mqds.server.storage._store_native", "put_batch", put_batch_python)
 NATIVE = _PUT_BATCH is not put_batch_python
 """Whether stores put their keys in C; a node that does not logs a warning when it starts."""
 
