@@ -21,7 +21,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from mqds.client import Client, ConnectionSettings, Message
 from mqds.client import errors as E
 from mqds.protocol.errors import Reason, from_rpc_error
-from mqds.server.auth import ApiGuard
+from mqds.server.api.guard import ApiGuard, CallLimits
+from mqds.server.api.methods import Lane
+from mqds.server.raft.cluster_auth import SECRET_HEADER, ClusterAuth
 from mqds.tools.localproc import LocalCluster
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
@@ -261,6 +263,15 @@ def test_held_reflection_streams_are_refused_and_starve_nothing(cluster: LocalCl
     assert seen and set(seen) == {"SERVING"}, seen
 
 
+GUARD_SECRET = "guard-test-secret-0123456789"
+
+
+def _guard(public: int, per_client: int, workers: int, control: futures.ThreadPoolExecutor) -> ApiGuard:
+    """The guard as the node builds it, without tokens, for a server of ``workers`` threads."""
+    limits = CallLimits(max_public_calls=public, max_calls_per_client=per_client, max_internal_calls=workers - public)
+    return ApiGuard({}, ClusterAuth("n1", "", GUARD_SECRET, False), limits, control_pool=control)
+
+
 def _bound_named(details: str) -> str:
     """Which of the guard's bounds a refusal names ("" for neither)."""
     return next((b for b in ("max_calls_per_client", "max_public_calls") if f"({b})" in details), "")
@@ -306,7 +317,7 @@ def test_slow_calls_are_bounded_per_client_and_in_all_and_health_never_waits(wor
 
     workers, public, per_client = 32, 24, 16
     control = futures.ThreadPoolExecutor(max_workers=4)
-    guard = ApiGuard({}, lambda md: False, per_client, max_public_calls=public, dev_mode=False, control_pool=control)
+    guard = _guard(public, per_client, workers, control)
     server = grpc.server(_LateWorkers(workers, worker_delay_s), interceptors=(guard,))
     server.add_generic_rpc_handlers(
         (
@@ -358,7 +369,7 @@ def test_slow_calls_are_bounded_per_client_and_in_all_and_health_never_waits(wor
         assert len(turned_away) == 100 - (public - per_client)
         assert {c.code() for c in turned_away} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
         assert any("max_public_calls" in (c.details() or "") for c in turned_away)
-        assert guard.public_in_flight == public
+        assert guard.in_flight(Lane.UNARY) == public
         # Health answers at once (its own threads), and so does a refusal to yet another client.
         assert probe(address) == "SERVING"
         t0 = time.monotonic()
@@ -371,7 +382,7 @@ def test_slow_calls_are_bounded_per_client_and_in_all_and_health_never_waits(wor
                 c.result()
         # The slots are given back: a write from another client succeeds.
         channel().StoreBatch(pb.StoreBatchRequest(), timeout=5)
-        assert guard.public_in_flight == 0
+        assert guard.in_flight(Lane.UNARY) == 0
     finally:
         release.set()
         seen = prober.stop()
@@ -398,7 +409,7 @@ def test_status_and_the_map_answer_while_every_worker_and_public_slot_is_taken()
 
     workers, public, per_client = 16, 8, 8
     control = futures.ThreadPoolExecutor(max_workers=4)
-    guard = ApiGuard({}, lambda md: False, per_client, max_public_calls=public, dev_mode=False, control_pool=control)
+    guard = _guard(public, per_client, workers, control)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), interceptors=(guard,))
     status = clpb.NodeStatus(node_id="n1", ready=True)
     server.add_generic_rpc_handlers(
@@ -407,7 +418,9 @@ def test_status_and_the_map_answer_while_every_worker_and_public_slot_is_taken()
                 "mqds.v1.Storage", {"GetFences": grpc.unary_unary_rpc_method_handler(slow)}
             ),
             # An internal call (not a public method): it takes a worker, not a public slot.
-            grpc.method_handlers_generic_handler("test.Internal", {"Hold": grpc.unary_unary_rpc_method_handler(slow)}),
+            grpc.method_handlers_generic_handler(
+                "mqds.server.raft.v1.Raft", {"LinkAddress": grpc.unary_unary_rpc_method_handler(slow)}
+            ),
             grpc.method_handlers_generic_handler(
                 "mqds.v1.Cluster",
                 {
@@ -432,12 +445,13 @@ def test_status_and_the_map_answer_while_every_worker_and_public_slot_is_taken()
     try:
         storage = pb_grpc.StorageStub(channels[0])
         held = [storage.GetFences.future(pb.GetFencesRequest(), timeout=30) for _ in range(public)]
-        hold = channels[1].unary_unary("/test.Internal/Hold")
-        held += [hold.future(b"", timeout=30) for _ in range(workers - public)]
+        hold = channels[1].unary_unary("/mqds.server.raft.v1.Raft/LinkAddress")
+        secret = [(SECRET_HEADER, GUARD_SECRET)]
+        held += [hold.future(b"", timeout=30, metadata=secret) for _ in range(workers - public)]
         wait_until = time.monotonic() + 5
-        while guard.public_in_flight < public and time.monotonic() < wait_until:
+        while guard.in_flight(Lane.UNARY) < public and time.monotonic() < wait_until:
             time.sleep(0.02)
-        assert guard.public_in_flight == public
+        assert guard.in_flight(Lane.UNARY) == public
         time.sleep(0.3)  # the internal calls take the rest of the workers
         assert not any(c.done() for c in held)
         cluster = clpb_grpc.ClusterStub(channels[2])
@@ -446,7 +460,7 @@ def test_status_and_the_map_answer_while_every_worker_and_public_slot_is_taken()
             assert cluster.GetNodeStatus(clpb.GetNodeStatusRequest(), timeout=2).node_id == "n1"
             assert cluster.GetClusterMap(clpb.GetClusterMapRequest(), timeout=2).n_shards == 4
         assert time.monotonic() - t0 < 2
-        assert guard.public_in_flight == public  # they took no public slot, and gave back what they took
+        assert guard.in_flight(Lane.UNARY) == public  # they took no public slot, and gave back what they took
     finally:
         release.set()
         for ch in channels:

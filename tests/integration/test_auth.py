@@ -16,7 +16,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from mqds.client import Client, ConnectionSettings, Message
 from mqds.client import errors as E
 from mqds.protocol.errors import Reason
-from mqds.server.auth import ApiGuard, TokenFileError, load_tokens
+from mqds.server.api.guard import ApiGuard, CallLimits
+from mqds.server.auth import TokenFileError, load_tokens
+from mqds.server.raft.cluster_auth import ClusterAuth
 from mqds.tools.localproc import LocalCluster
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc
@@ -122,7 +124,7 @@ def test_a_client_over_its_call_limit_is_refused_and_others_are_not() -> None:
         release.wait(10)
         return b""
 
-    guard = ApiGuard({}, lambda md: False, max_calls_per_client=2)
+    guard = ApiGuard({}, ClusterAuth("n1", "", "", False), CallLimits(max_calls_per_client=2))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=(guard,))
     server.add_generic_rpc_handlers(
         (

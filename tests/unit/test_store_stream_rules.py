@@ -14,7 +14,7 @@ import pytest
 from pysyncobj import FAIL_REASON
 
 from mqds.protocol.errors import MqdsError, Reason
-from mqds.server.api.handlers import _WithRaw
+from mqds.server.api.request_bounds import WithRaw
 from mqds.server.api.storage_service import StorageService, StoreInFlight
 from mqds.server.api.store_stream import _Stream, batch_bytes
 from mqds.server.raft.futures import Proposal
@@ -41,13 +41,13 @@ class FakeStorage:
         return StoreInFlight([0], {0: [0]}, len(batch.messages), [proposal])
 
 
-def frame(sequence: int, producer: str = "p", n: int = 1) -> _WithRaw:
+def frame(sequence: int, producer: str = "p", n: int = 1) -> WithRaw:
     request = pb.StoreStreamRequest(
         batch=pb.StoreBatchRequest(
             producer_id=producer, sequence=sequence, messages=[pb.Message(topic="t", sender="s")] * n
         )
     )
-    return _WithRaw(request, request.SerializeToString())
+    return WithRaw(request, request.SerializeToString())
 
 
 def test_a_failed_proposal_refuses_its_shards_next_batches_before_anyone_answered_it() -> None:

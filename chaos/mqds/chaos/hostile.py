@@ -13,6 +13,12 @@ garbage bytes to an admin method. Admin calls that would really change the
 cluster (``LeaveNode``, ``ForgetNode``, ``DropGeneration`` of something that
 exists) are never sent with the secret: they would legitimately destroy data.
 
+Every other request is not one of these but one built by the generator the
+adversarial suite uses (:mod:`mqds.chaos.hostile_requests`): a random method
+of the node's table, streams included, with a hostile request (or stream of
+them) drawn from the run's seed, with the cluster secret unless the method
+could destroy data with it (those go without, and must be refused).
+
 One thread (:class:`HostileClients`) sends one request every
 ``interval_s`` seconds, cycling through :data:`REQUESTS` in a seeded order,
 each to a random running node, on channels of its own (their own connection:
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from mqds.chaos import hostile_requests
 from mqds.chaos.cluster import ChaosCluster
 from mqds.chaos.history import History
 from mqds.chaos.workload import PauseGate
@@ -63,6 +70,14 @@ GARBAGE = (
     b"\x08" + b"\x80" * 12,  # a varint that never ends
 )
 """Bytes no protobuf message parses from."""
+
+
+GENERATED_STREAM_S = 2.0
+"""A generated stream the node keeps open (a Follow, a watch) is ended after this long."""
+
+
+def _generated_kind(path: str) -> str:
+    return "generated:" + path.rsplit(".", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -312,6 +327,7 @@ class HostileClients:
         interval_s: float = 0.5,
         call_timeout_s: float = 10.0,
         requests: tuple[Request, ...] = REQUESTS,
+        generated: bool = True,
     ) -> None:
         self.cluster = cluster
         self.history = history
@@ -324,7 +340,10 @@ class HostileClients:
         self.gate = PauseGate()
         self._stop = threading.Event()
         self._channels: dict[str, grpc.Channel] = {}
-        history.add_hostile({r.kind for r in requests if r.must_refuse})
+        self.generated = hostile_requests.methods() if generated else []
+        must_refuse = {r.kind for r in requests if r.must_refuse}
+        must_refuse |= {_generated_kind(path) for path, _ in self.generated if path in hostile_requests.DESTRUCTIVE}
+        history.add_hostile(must_refuse)
         self.thread = threading.Thread(target=self._run, name="chaos-hostile", daemon=True)
 
     def start(self) -> None:
@@ -336,12 +355,17 @@ class HostileClients:
     def _run(self) -> None:
         try:
             order: list[Request] = []
+            sent = 0
             while self.gate.enter(self._stop):
                 try:
-                    if not order:
-                        order = list(self.requests)
-                        self.rng.shuffle(order)
-                    self._send(order.pop(0))
+                    sent += 1
+                    if self.generated and sent % 2 == 0:
+                        self._send_generated()
+                    else:
+                        if not order:
+                            order = list(self.requests)
+                            self.rng.shuffle(order)
+                        self._send(order.pop(0))
                 finally:
                     self.gate.leave()
                 self._stop.wait(self.interval_s)
@@ -410,6 +434,25 @@ class HostileClients:
             positions = pb.StoreBatchResponse.FromString(answer).positions
             if positions:
                 self.deep_position = (positions[0].shard, positions[0].timestamp_us)
+
+    def _send_generated(self) -> None:
+        """One request (or stream) the generator built for a random method, recorded under its method."""
+        live = self.cluster.live()
+        if not live:
+            return
+        node = self.rng.choice(sorted(live))
+        path, method = self.rng.choice(self.generated)
+        raws = hostile_requests.requests(method, self.rng)
+        proof = path not in hostile_requests.DESTRUCTIVE and self.rng.random() < 0.5
+        metadata = [(SECRET_HEADER, self.cluster.secret), (NODE_HEADER, "chaos-hostile")] if proof else None
+        try:
+            channel = self._channel(node)
+        except KeyError:  # the node just left (membership)
+            return
+        streaming = method.client_streaming or method.server_streaming
+        timeout_s = GENERATED_STREAM_S if streaming else self.call_timeout_s
+        code = hostile_requests.call(channel, path, method, raws, metadata, timeout_s)
+        self.history.record_hostile(_generated_kind(path), node, code.name)
 
     def _undo_join(self) -> None:
         """The intruder's join went through (a violation, recorded): forget it again, or the metadata group

@@ -163,6 +163,9 @@ class Reason(enum.Enum):
     INVALID_POSITION = "INVALID_POSITION"
     # Another request field is out of range (e.g. batch_size 0).
     INVALID_REQUEST = "INVALID_REQUEST"
+    # The node serves no such method (deny by default: a method missing
+    # from the node's table is refused, whatever service it names).
+    UNKNOWN_METHOD = "UNKNOWN_METHOD"
     # A clientid that state cannot be kept under: empty, NUL, or too long.
     INVALID_CLIENTID = "INVALID_CLIENTID"
     # The shard number is not one of the database's shards.
@@ -255,6 +258,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.INVALID_ITERATOR: ReasonInfo(_IA, False, False, InvalidArgumentError),
     Reason.INVALID_POSITION: ReasonInfo(_IA, False, False, InvalidArgumentError),
     Reason.INVALID_REQUEST: ReasonInfo(_IA, False, False, InvalidArgumentError),
+    Reason.UNKNOWN_METHOD: ReasonInfo(grpc.StatusCode.UNIMPLEMENTED, False, False, InvalidArgumentError),
     Reason.INVALID_CLIENTID: ReasonInfo(_IA, False, False, InvalidArgumentError),
     Reason.UNKNOWN_SHARD: ReasonInfo(_NF, False, False, NotFoundError),
     Reason.UNKNOWN_GENERATION: ReasonInfo(_NF, False, False, NotFoundError),

@@ -39,10 +39,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mqds.protocol.errors import MqdsError, Reason
+from mqds.server.api.methods import Lane
 from mqds.server.raft.group import META_GROUP, ROLE_NAMES
 
 if TYPE_CHECKING:
-    from mqds.server.auth import ApiGuard
+    from mqds.server.api.guard import ApiGuard
     from mqds.server.cluster.vnode import Vnode
     from mqds.server.config import NodeConfig
     from mqds.server.diskusage import DiskUsage
@@ -297,6 +298,15 @@ class _NodeCollector(Collector):
         for reason, count in sorted(dict(node.guard.rejected).items()):
             rejected.add_metric(["", "", reason], count)
         yield rejected
+        in_flight = GaugeMetricFamily(
+            "mqds_calls_in_flight",
+            "Calls in flight on this node by lane (unary and stream: public calls, bounded by max_public_calls and "
+            "max_public_streams; internal and peer: the nodes'; observe and probe: status, map and health)",
+            labels=["lane"],
+        )
+        for lane in Lane:
+            in_flight.add_metric([lane.value], node.guard.in_flight(lane))
+        yield in_flight
         yield from self._raft(node)
         yield from self._storage(node)
         yield from node.disk_usage.metrics()

@@ -33,13 +33,14 @@ from mqds.protocol.errors import MqdsError
 from mqds.server import wire
 from mqds.server.api.cluster_service import ClusterAPI
 from mqds.server.api.follow import FollowLimits
+from mqds.server.api.guard import ApiGuard, CallLimits
 from mqds.server.api.handlers import service_handler
 from mqds.server.api.raft_service import raft_handler
-from mqds.server.api.server import grpc_server
+from mqds.server.api.server import grpc_server, receive_limit
 from mqds.server.api.session_service import SessionService
 from mqds.server.api.shards_api import now_us
 from mqds.server.api.storage_service import StorageService
-from mqds.server.auth import ApiGuard, load_tokens
+from mqds.server.auth import load_tokens
 from mqds.server.cluster import meta as meta_mod
 from mqds.server.cluster.membership import Membership
 from mqds.server.cluster.v1 import commands_pb2 as cpb
@@ -214,16 +215,28 @@ class Node:
         )
         tokens = load_tokens(config.auth_tokens_file) if config.auth_tokens_file else {}
         self._control_pool = futures.ThreadPoolExecutor(max_workers=_CONTROL_WORKERS, thread_name_prefix="grpc-control")
+        self._stream_pool = futures.ThreadPoolExecutor(
+            max_workers=config.max_public_streams, thread_name_prefix="grpc-stream"
+        )
         self._peer_pool = futures.ThreadPoolExecutor(max_workers=_PEER_STREAM_WORKERS, thread_name_prefix="raft-in")
         self.guard = ApiGuard(
             tokens,
-            self.auth.is_node,
-            config.max_calls_per_client,
-            max_public_calls=config.max_public_calls,
-            dev_mode=config.dev_mode,
+            self.auth,
+            CallLimits(
+                max_public_calls=config.max_public_calls,
+                max_public_streams=config.max_public_streams,
+                max_calls_per_client=config.max_calls_per_client,
+                max_internal_calls=config.grpc_workers - config.max_public_calls,
+                max_peer_calls=_PEER_STREAM_WORKERS,
+            ),
+            config=config,
+            max_request_bytes=config.max_request_bytes,
+            max_frame_bytes=receive_limit(config),
             control_pool=self._control_pool,
+            stream_pool=self._stream_pool,
+            peer_pool=self._peer_pool,
         )
-        """Client authentication, roles, and the limits on public calls in flight (see mqds.server.auth)."""
+        """Every call's table entry applied: authentication, roles, bounds and pools (see mqds.server.api.guard)."""
         try:
             if config.raft_transport == "tcp":
                 self.router.listen_tcp(
@@ -270,16 +283,10 @@ class Node:
             session_expiry_default_s=min(int(config.session_expiry_default_s), NEVER),
         )
         return [
-            service_handler(
-                pb.DESCRIPTOR.services_by_name["Storage"], self.storage_service, pb, requests, config.max_request_bytes
-            ),
-            service_handler(
-                clpb.DESCRIPTOR.services_by_name["Cluster"], ClusterAPI(self), clpb, requests, config.max_request_bytes
-            ),
-            service_handler(
-                spb.DESCRIPTOR.services_by_name["Sessions"], sessions, spb, requests, config.max_request_bytes
-            ),
-            raft_handler(self, self._peer_pool, requests),
+            service_handler(pb.DESCRIPTOR.services_by_name["Storage"], self.storage_service, pb, requests),
+            service_handler(clpb.DESCRIPTOR.services_by_name["Cluster"], ClusterAPI(self), clpb, requests),
+            service_handler(spb.DESCRIPTOR.services_by_name["Sessions"], sessions, spb, requests),
+            raft_handler(self, requests),
         ]
 
     # -- lifecycle -------------------------------------------------------------
@@ -351,6 +358,7 @@ class Node:
         self.hosting.hand_off_leadership(min(3.0, self.config.shutdown_grace_s))
         stopped.wait()
         self._control_pool.shutdown(wait=False)
+        self._stream_pool.shutdown(wait=False)
         self._peer_pool.shutdown(wait=False)
         for thread in self._threads:
             thread.join(timeout=10)

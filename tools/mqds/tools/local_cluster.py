@@ -456,8 +456,9 @@ class LocalCluster:
         out = {}
         for node_id in self.live():
             try:
+                # A digest scans a whole replica: an admin call (the cluster secret).
                 out[node_id] = self.cluster_stub(node_id).GetReplicaDigest(
-                    clpb.GetReplicaDigestRequest(shard=shard), timeout=30
+                    clpb.GetReplicaDigestRequest(shard=shard), timeout=30, metadata=[(SECRET_HEADER, self.secret)]
                 )
             except grpc.RpcError as err:
                 if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):

@@ -55,7 +55,7 @@ from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.api import follow_start
 from mqds.server.api.follow_cohort import Cohort, FollowSub
-from mqds.server.api.handlers import check_parsed
+from mqds.server.api.request_bounds import check_parsed
 from mqds.server.storage.ordered import dropped_after, ordered
 from mqds.v1 import storage_pb2 as pb
 

@@ -23,38 +23,12 @@ from google.protobuf import message as protobuf_message
 
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
+from mqds.server.api.request_bounds import WithRaw, check_parsed, malformed
 
 if TYPE_CHECKING:
     from mqds.server.metrics import MethodMetrics, RequestMetrics
 
 log = logging.getLogger(__name__)
-
-
-class _Malformed:
-    """A request that did not parse; the handler answers it with an error."""
-
-    def __init__(self, type_name: str, err: Exception) -> None:
-        self.type_name = type_name
-        self.err = err
-
-
-class _TooLarge:
-    """A request over the public size limit; refused without parsing it."""
-
-    def __init__(self, type_name: str, size: int, limit: int) -> None:
-        self.type_name = type_name
-        self.size = size
-        self.limit = limit
-
-
-class _WithRaw:
-    """A parsed request and the bytes it was parsed from."""
-
-    __slots__ = ("parsed", "raw")
-
-    def __init__(self, parsed: Any, raw: bytes) -> None:
-        self.parsed = parsed
-        self.raw = raw
 
 
 T = TypeVar("T", bound=Callable[..., Any])
@@ -66,41 +40,21 @@ def takes_raw_request(method: T) -> T:
     return method
 
 
-def _parser(
-    cls: type[protobuf_message.Message], keep_raw: bool, max_request_bytes: int | None = None
-) -> Callable[[bytes], Any]:
+def _parser(cls: type[protobuf_message.Message], keep_raw: bool) -> Callable[[bytes], Any]:
+    """The request's deserializer: never raises (gRPC would answer INTERNAL); the guard bounds it first."""
+
     def parse(raw: bytes) -> Any:
-        # gRPC's own receive limit is higher (Raft frames share the port).
-        if max_request_bytes is not None and len(raw) > max_request_bytes:
-            return _TooLarge(cls.DESCRIPTOR.full_name, len(raw), max_request_bytes)
         try:
             parsed = cls.FromString(raw)
         except Exception as err:  # DecodeError, or a RuntimeError from upb
-            return _Malformed(cls.DESCRIPTOR.full_name, err)
-        return _WithRaw(parsed, raw) if keep_raw else parsed
+            return malformed(cls.DESCRIPTOR.full_name, err)
+        return WithRaw(parsed, raw) if keep_raw else parsed
 
     return parse
 
 
 def _serialize(response: Any) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
-
-
-def check_parsed(request: Any) -> Any:
-    """The request a handler's parser produced, or the MqdsError for one that did not parse or is too large."""
-    if isinstance(request, _Malformed):
-        raise errors.error(
-            Reason.MALFORMED_REQUEST,
-            f"request is not a valid {request.type_name} ({request.err}); "
-            "string fields such as topics must be valid UTF-8",
-        )
-    if isinstance(request, _TooLarge):
-        raise errors.error(
-            Reason.INVALID_REQUEST,
-            f"request {request.type_name} is {request.size:,} bytes, over the node's limit of "
-            f"{request.limit:,} (max_request_bytes); split it into smaller calls",
-        )
-    return request
 
 
 def _abort(context: grpc.ServicerContext, name: str, err: Exception, metrics: MethodMetrics | None) -> None:
@@ -117,7 +71,6 @@ def _unary(
     method: Callable[..., Any],
     request_cls: type[protobuf_message.Message],
     metrics: MethodMetrics | None = None,
-    max_request_bytes: int | None = None,
 ) -> grpc.RpcMethodHandler:
     name = method.__name__
     keep_raw = getattr(method, "takes_raw_request", False)
@@ -138,7 +91,7 @@ def _unary(
 
     return grpc.unary_unary_rpc_method_handler(
         handle,
-        request_deserializer=_parser(request_cls, keep_raw, max_request_bytes),
+        request_deserializer=_parser(request_cls, keep_raw),
         response_serializer=_serialize,
     )
 
@@ -147,7 +100,6 @@ def _bidi(
     method: Callable[..., Any],
     request_cls: type[protobuf_message.Message],
     metrics: MethodMetrics | None = None,
-    max_request_bytes: int | None = None,
 ) -> grpc.RpcMethodHandler:
     """A bidirectional-streaming handler: ``method(requests, context)`` yields answers (bytes or messages).
 
@@ -170,7 +122,7 @@ def _bidi(
 
     return grpc.stream_stream_rpc_method_handler(
         handle,
-        request_deserializer=_parser(request_cls, True, max_request_bytes),
+        request_deserializer=_parser(request_cls, True),
         response_serializer=_serialize,
     )
 
@@ -179,7 +131,6 @@ def _server_stream(
     method: Callable[..., Any],
     request_cls: type[protobuf_message.Message],
     metrics: MethodMetrics | None = None,
-    max_request_bytes: int | None = None,
 ) -> grpc.RpcMethodHandler:
     """A server-streaming handler: ``method(request)`` returns an iterator of answers (bytes or messages).
 
@@ -200,7 +151,7 @@ def _server_stream(
 
     return grpc.unary_stream_rpc_method_handler(
         handle,
-        request_deserializer=_parser(request_cls, False, max_request_bytes),
+        request_deserializer=_parser(request_cls, False),
         response_serializer=_serialize,
     )
 
@@ -210,7 +161,6 @@ def unary_handlers(
     impl: Any,
     module: ModuleType,
     metrics: RequestMetrics | None = None,
-    max_request_bytes: int | None = None,
     streams: bool = False,
 ) -> dict[str, grpc.RpcMethodHandler]:
     """Handlers for the unary methods of a service, calling ``impl``'s methods of the same names.
@@ -222,19 +172,17 @@ def unary_handlers(
     (``_server_stream``), with ``streams`` (otherwise streaming methods are
     left to the caller). With ``metrics``, each call is timed and a refused
     one counted, under the service's short name (``Storage``) and the method's.
-    With ``max_request_bytes``, a larger request is refused (INVALID_REQUEST)
-    before it is parsed.
     """
     methods = {}
     for method in descriptor.methods:
         request_cls = getattr(module, method.input_type.name)
         counted = metrics.method(descriptor.name, method.name) if metrics is not None else None
         if method.client_streaming and method.server_streaming and streams:
-            methods[method.name] = _bidi(getattr(impl, method.name), request_cls, counted, max_request_bytes)
+            methods[method.name] = _bidi(getattr(impl, method.name), request_cls, counted)
         elif method.server_streaming and not method.client_streaming and streams:
-            methods[method.name] = _server_stream(getattr(impl, method.name), request_cls, counted, max_request_bytes)
+            methods[method.name] = _server_stream(getattr(impl, method.name), request_cls, counted)
         elif not (method.client_streaming or method.server_streaming):
-            methods[method.name] = _unary(getattr(impl, method.name), request_cls, counted, max_request_bytes)
+            methods[method.name] = _unary(getattr(impl, method.name), request_cls, counted)
     return methods
 
 
@@ -243,9 +191,8 @@ def service_handler(
     impl: Any,
     module: ModuleType,
     metrics: RequestMetrics | None = None,
-    max_request_bytes: int | None = None,
 ) -> grpc.GenericRpcHandler:
     """The generic handler serving every (unary) method of a service with ``impl``."""
     return grpc.method_handlers_generic_handler(
-        descriptor.full_name, unary_handlers(descriptor, impl, module, metrics, max_request_bytes, streams=True)
+        descriptor.full_name, unary_handlers(descriptor, impl, module, metrics, streams=True)
     )

@@ -1,22 +1,25 @@
-"""The internal Raft service: what nodes ask each other, every call authenticated with the cluster secret.
+"""The internal Raft service: what nodes ask each other.
 
-``Stream`` carries Raft messages (``raft.transport``); ``FetchSnapshot``
-streams a replica's checkpoint (``mqds.server.snapshots``); the unary calls
-change a group's membership or leader, forward a metadata change to the
-metadata leader, and inject faults in chaos runs.
+Every method is the cluster's nodes' only (``Role.NODE`` in ``methods.py``):
+the guard refuses a caller without the cluster secret before a request is
+parsed, and runs the streams on the peer pool. ``Stream`` carries Raft
+messages (``raft.transport``, which also reads the sender's id from the
+call); ``FetchSnapshot`` streams a replica's checkpoint
+(``mqds.server.snapshots``); the unary calls change a group's membership or
+leader, forward a metadata change to the metadata leader, and inject faults
+in chaos runs.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from concurrent import futures
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
 from mqds.protocol import errors
-from mqds.protocol.errors import MqdsError, Reason
+from mqds.protocol.errors import Reason
 from mqds.server.api.handlers import unary_handlers
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.group import META_GROUP
@@ -27,7 +30,6 @@ if TYPE_CHECKING:
     from mqds.server.cluster.vnode import Vnode
     from mqds.server.config import NodeConfig
     from mqds.server.metrics import RequestMetrics
-    from mqds.server.raft.cluster_auth import ClusterAuth
     from mqds.server.raft.group import RaftGroup
     from mqds.server.raft.transport import PeerRouter
 
@@ -44,9 +46,6 @@ class RaftNode(Protocol):
     def config(self) -> NodeConfig: ...
 
     @property
-    def auth(self) -> ClusterAuth: ...
-
-    @property
     def router(self) -> PeerRouter: ...
 
     @property
@@ -57,39 +56,25 @@ class RaftNode(Protocol):
     def serve_snapshot(self, request: rpb.FetchSnapshotRequest) -> Iterator[rpb.SnapshotChunk]: ...
 
 
-def raft_handler(
-    node: RaftNode, peer_pool: futures.ThreadPoolExecutor, requests: RequestMetrics
-) -> grpc.GenericRpcHandler:
-    """The service's handler: Raft streams on ``peer_pool``, the other calls on the server's workers."""
+def raft_handler(node: RaftNode, requests: RequestMetrics) -> grpc.GenericRpcHandler:
+    """The service's handler (the guard places each call on its pool)."""
     api = RaftAPI(node)
     descriptor = rpb.DESCRIPTOR.services_by_name["Raft"]
-    handlers = unary_handlers(descriptor, api, rpb, requests)
-    handlers["Stream"] = raft_stream_handler(node.router, peer_pool)
-    handlers["FetchSnapshot"] = grpc.unary_stream_rpc_method_handler(
-        api.FetchSnapshot,
-        request_deserializer=rpb.FetchSnapshotRequest.FromString,
-        response_serializer=rpb.SnapshotChunk.SerializeToString,
-    )
+    handlers = unary_handlers(descriptor, api, rpb, requests, streams=True)
+    handlers["Stream"] = raft_stream_handler(node.router)
     return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
 
 
 class RaftAPI:
-    """mqds.server.raft.v1.Raft: what nodes ask each other (every call authenticated)."""
+    """mqds.server.raft.v1.Raft: what nodes ask each other (the guard lets only nodes call)."""
 
     def __init__(self, node: RaftNode) -> None:
         self.node = node
 
-    def FetchSnapshot(self, request: rpb.FetchSnapshotRequest, context: grpc.ServicerContext) -> Iterator[Any]:
-        try:
-            self.node.auth.check(context)
-            yield from self.node.serve_snapshot(request)
-        except MqdsError as err:
-            context.abort_with_status(errors.to_status(err))
+    def FetchSnapshot(self, request: rpb.FetchSnapshotRequest) -> Iterator[rpb.SnapshotChunk]:
+        return self.node.serve_snapshot(request)
 
-    def ChangeMembership(
-        self, request: rpb.ChangeMembershipRequest, context: grpc.ServicerContext
-    ) -> rpb.ChangeMembershipResponse:
-        self.node.auth.check(context)
+    def ChangeMembership(self, request: rpb.ChangeMembershipRequest) -> rpb.ChangeMembershipResponse:
         group = self._led_group(request.group)
         add = request.kind == rpb.MembershipChange.KIND_ADD
         if not add and request.kind != rpb.MembershipChange.KIND_REMOVE:
@@ -101,32 +86,29 @@ class RaftAPI:
         group.change_membership(add, request.node_id).wait(self.node.config.write_timeout_s)
         return rpb.ChangeMembershipResponse(members=group.members)
 
-    def TransferLeadership(
-        self, request: rpb.TransferLeadershipRequest, context: grpc.ServicerContext
-    ) -> rpb.TransferLeadershipResponse:
-        self.node.auth.check(context)
+    def TransferLeadership(self, request: rpb.TransferLeadershipRequest) -> rpb.TransferLeadershipResponse:
         self._led_group(request.group).transfer_leadership(request.node_id or None)
         return rpb.TransferLeadershipResponse()
 
-    def ProposeMeta(self, request: rpb.ProposeMetaRequest, context: grpc.ServicerContext) -> rpb.ProposeMetaResponse:
-        self.node.auth.check(context)
+    def ProposeMeta(self, request: rpb.ProposeMetaRequest) -> rpb.ProposeMetaResponse:
         group = self.node.meta_group
         if group is None or not group.is_leader:
             raise (group.not_leader_error() if group is not None else errors.error(Reason.NO_LEADER, "no metadata"))
-        cpb.MetaCommand.FromString(request.command)
+        try:
+            cpb.MetaCommand.FromString(request.command)
+        except Exception as err:  # DecodeError, or a RuntimeError from upb
+            raise errors.error(Reason.MALFORMED_REQUEST, f"command is not a metadata command ({err})") from None
         group.propose(request.command).wait(self.node.config.write_timeout_s)
         return rpb.ProposeMetaResponse(index=group.raftLastApplied)
 
-    def InjectFault(self, request: rpb.InjectFaultRequest, context: grpc.ServicerContext) -> rpb.InjectFaultResponse:
-        self.node.auth.check(context)
+    def InjectFault(self, request: rpb.InjectFaultRequest) -> rpb.InjectFaultResponse:
         if not self.node.config.fault_injection:
             raise errors.error(Reason.UNAUTHENTICATED, "this node does not run with fault_injection enabled")
         self.node.router.block(list(request.blocked_peers))
         log.warning("fault injection: Raft traffic with %s dropped", list(request.blocked_peers) or "nobody")
         return rpb.InjectFaultResponse()
 
-    def LinkAddress(self, request: rpb.LinkAddressRequest, context: grpc.ServicerContext) -> rpb.LinkAddressResponse:
-        self.node.auth.check(context)
+    def LinkAddress(self, request: rpb.LinkAddressRequest) -> rpb.LinkAddressResponse:
         return rpb.LinkAddressResponse(port=self.node.router.tcp_port)
 
     def _led_group(self, group_id: int) -> RaftGroup:

@@ -48,7 +48,7 @@ def grpc_server(
             # Raft frames share the port: one append-entries may carry
             # entries up to twice the entry limit. The public services
             # refuse requests over max_request_bytes themselves (handlers).
-            ("grpc.max_receive_message_length", 2 * config.max_request_bytes + 4 * CHUNK_BYTES),
+            ("grpc.max_receive_message_length", receive_limit(config)),
             ("grpc.max_send_message_length", 2 * config.max_request_bytes + 4 * CHUNK_BYTES),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 1000),
@@ -65,6 +65,11 @@ def grpc_server(
         pool=public_descriptor_pool(),
     )
     return server
+
+
+def receive_limit(config: NodeConfig) -> int:
+    """The port's receive limit: Raft frames share it, and carry entries up to twice the entry limit."""
+    return 2 * config.max_request_bytes + 4 * CHUNK_BYTES
 
 
 def public_descriptor_pool() -> descriptor_pool.DescriptorPool:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from mqds.protocol import errors
 from mqds.protocol.errors import REASONS, MqdsError, Reason
 from mqds.protocol.sharding import shard_of
-from mqds.server.api.handlers import check_parsed
+from mqds.server.api.request_bounds import check_parsed
 from mqds.server.raft.futures import Proposal
 from mqds.server.wire import varint
 from mqds.v1 import storage_pb2 as pb

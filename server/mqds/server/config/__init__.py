@@ -82,13 +82,19 @@ class NodeConfig:
     max_calls_per_client: int = _opt(
         48,
         "calls and streams one client connection may have in flight on this node; more get OVERLOADED at once; "
-        "at most max_public_calls; 0 = only max_public_calls applies",
+        "at most max_public_calls; 0 = only max_public_calls and max_public_streams apply",
     )
     max_public_calls: int = _opt(
         56,
-        "public calls and streams (API, server reflection, health Watch) in flight on this node from all clients; "
-        "more get OVERLOADED at once. At least 8 below grpc_workers, so workers stay free for internal calls "
-        "and refusals; health checks and the peers' Raft streams have threads of their own",
+        "public unary calls in flight on this node from all clients; more get OVERLOADED at once. At least 8 "
+        "below grpc_workers, so workers stay free for internal calls; refusals, health checks, streams and the "
+        "peers' Raft streams have threads of their own",
+    )
+    max_public_streams: int = _opt(
+        64,
+        "streams held open on this node from all clients (Follow, StoreStream, ExportShard, health Watch, server "
+        "reflection); more get OVERLOADED at once. Each runs on a thread of the streams' own pool, so held "
+        "streams never take the workers unary calls and peers need",
     )
     max_concurrent_rpcs: int = _opt(
         1024,
@@ -309,6 +315,7 @@ class NodeConfig:
             "read_timeout_s",
             "max_concurrent_rpcs",
             "max_public_calls",
+            "max_public_streams",
         )
         for name in positive:
             if getattr(self, name) <= 0:

@@ -65,6 +65,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "limits": (
         "max_calls_per_client",
         "max_public_calls",
+        "max_public_streams",
         "max_concurrent_rpcs",
         "grpc_workers",
         "max_payload_bytes",

@@ -36,7 +36,6 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -461,13 +460,13 @@ class PeerRouter:
         run_cycles(touched.values())
 
 
-def raft_stream_handler(router: PeerRouter, pool: futures.ThreadPoolExecutor | None = None) -> Any:
+def raft_stream_handler(router: PeerRouter) -> Any:
     """The gRPC method handler of Raft.Stream: frames arrive as bytes, parsed by the router.
 
-    Each peer's stream holds a thread for as long as its link is up: with
-    ``pool`` the streams run there (grpc's ``experimental_thread_pool``), not
-    on the workers that serve calls, whose count must not depend on the size
-    of the cluster. A caller without the cluster secret is refused at once.
+    Each peer's stream holds a thread for as long as its link is up: the
+    node's guard runs the streams on its peer pool, not on the workers that
+    serve calls, whose count must not depend on the size of the cluster. A
+    caller without the cluster secret is refused at once.
     """
 
     def handle(frames: Iterator[bytes], context: grpc.ServicerContext) -> rpb.StreamClosed:
@@ -476,9 +475,6 @@ def raft_stream_handler(router: PeerRouter, pool: futures.ThreadPoolExecutor | N
         except errors.MqdsError as err:
             context.abort_with_status(errors.to_status(err))
             raise  # not reached: abort raises
-
-    if pool is not None:
-        handle.experimental_thread_pool = pool  # type: ignore[attr-defined]
 
     return grpc.stream_unary_rpc_method_handler(
         handle, request_deserializer=lambda b: b, response_serializer=rpb.StreamClosed.SerializeToString
