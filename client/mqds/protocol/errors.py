@@ -200,6 +200,9 @@ class Reason(enum.Enum):
     # The shard is being restored from a backup (mqds restore): it takes
     # nothing else until the restore has finished. Retried with backoff.
     SHARD_RESTORING = "SHARD_RESTORING"
+    # A restore step (Storage.ImportShard records, finish or abandon) for a
+    # shard that no begin put in restore mode: begin the restore first.
+    NOT_RESTORING = "NOT_RESTORING"
     # Another membership change of the group is not committed yet.
     MEMBERSHIP_CHANGE_IN_PROGRESS = "MEMBERSHIP_CHANGE_IN_PROGRESS"
     # A node id that is not a member of the cluster.
@@ -269,6 +272,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.STORAGE_FULL: ReasonInfo(grpc.StatusCode.RESOURCE_EXHAUSTED, True, False, UnavailableError),
     Reason.SHARD_RESTORING: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, False, UnavailableError),
     Reason.SHARD_NOT_EMPTY: ReasonInfo(grpc.StatusCode.FAILED_PRECONDITION, False, False, FailedPreconditionError),
+    Reason.NOT_RESTORING: ReasonInfo(grpc.StatusCode.FAILED_PRECONDITION, False, False, FailedPreconditionError),
     Reason.MEMBERSHIP_CHANGE_IN_PROGRESS: ReasonInfo(grpc.StatusCode.ABORTED, True, False, FailedPreconditionError),
     Reason.UNKNOWN_NODE: ReasonInfo(_NF, False, False, NotFoundError),
     Reason.MEMBERSHIP_REFUSED: ReasonInfo(grpc.StatusCode.FAILED_PRECONDITION, False, False, FailedPreconditionError),
