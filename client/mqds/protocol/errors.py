@@ -190,9 +190,11 @@ class Reason(enum.Enum):
     # Too much is waiting to be committed; back off and retry.
     OVERLOADED = "OVERLOADED"
     # The leader's data directory reached its disk quota, or its disk's free
-    # space fell below the node's floor: it takes no new messages until space
-    # returns (retention or a drop of generations frees it; reads, deletes
-    # and broker state go on). Retried with backoff within the deadline.
+    # space fell below the node's floor: it takes no write that adds data
+    # (new messages, retained messages, new subscriptions, clients and read
+    # positions, restores) until space returns (retention or a drop of
+    # generations frees it; reads, deletes and whatever removes or updates
+    # state go on). Retried with backoff within the deadline.
     STORAGE_FULL = "STORAGE_FULL"
     # A restore (Storage.ImportShard) found the shard holding messages or
     # broker state: a backup is restored into an empty cluster only.
