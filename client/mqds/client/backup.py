@@ -66,6 +66,10 @@ CallError = Callable[[grpc.RpcError], MqdsError]
 
 IMPORT_CHUNK_BYTES = 1024 * 1024
 """Records per ImportShard call, in key and value bytes: well under any node's entry limit."""
+IMPORT_CALL_S = 120.0
+"""The longest one ImportShard step is retried (an election, a busy or full node), within the restore's deadline:
+a restore refused for good (STORAGE_FULL on every try) fails, and abandons what it began, instead of waiting for
+the whole restore's deadline."""
 
 
 @dataclass
@@ -349,7 +353,7 @@ def _import(router: Router, call_error: CallError, request: pb.ImportShardReques
         except grpc.RpcError as err:
             raise call_error(err) from None
 
-    return router.call(request.shard, attempt, deadline)
+    return router.call(request.shard, attempt, min(deadline, time.monotonic() + IMPORT_CALL_S))
 
 
 ABANDON_S = 60.0
