@@ -8,7 +8,10 @@ the source before the backup go on on the restored cluster. An incremental
 backup after a rotation copies only the new generations; a damaged or
 partial backup, a non-empty cluster and one of another shard count are
 refused with messages naming the problem; export and import need the admin
-role.
+role. A restore is a state of each shard (issue 44): no step but a begin is
+taken outside it, a shard in it takes no other write, even after a leader
+change, and one abandoned is empty and writable; a restore that fails
+half-way abandons every shard it began.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,8 +29,12 @@ import pytest
 from mqds.cli import main
 from mqds.client import Client, ConnectionSettings, Message
 from mqds.client.backup_files import BackupError, Place, verify
+from mqds.client.errors import UnavailableError
+from mqds.protocol import errors
+from mqds.protocol.errors import Reason
 from mqds.protocol.sharding import shard_of
 from mqds.tools.localproc import LocalCluster
+from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc
 
@@ -300,3 +308,146 @@ def test_export_and_import_need_the_admin_role_and_sound_requests(source: LocalC
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     finally:
         channel.close()
+
+
+def _import(cluster: LocalCluster, request: pb.ImportShardRequest) -> pb.ImportShardResponse:
+    """One ImportShard step on the shard's leader, found again while leadership moves (NOT_LEADER, NO_LEADER)."""
+    deadline = time.monotonic() + 30
+    while True:
+        leader = cluster.wait_for_leader(request.shard)
+        with grpc.insecure_channel(cluster.nodes[leader].address) as channel:
+            try:
+                return pb_grpc.StorageStub(channel).ImportShard(
+                    request, timeout=20, metadata=[("x-mqds-cluster-secret", cluster.secret)]
+                )
+            except grpc.RpcError as err:
+                if err.code() is not grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+        time.sleep(0.2)
+
+
+def _refused(cluster: LocalCluster, request: pb.ImportShardRequest, reason: Reason) -> str:
+    with pytest.raises(grpc.RpcError) as err:
+        _import(cluster, request)
+    refusal = errors.from_rpc_error(err.value)
+    assert refusal.reason is reason, (request, refusal)
+    return refusal.message
+
+
+def _sender_of(shard: int, n_shards: int, prefix: str) -> str:
+    return next(f"{prefix}{i}" for i in range(1000) if shard_of(f"{prefix}{i}", n_shards) == shard)
+
+
+def test_a_restore_is_a_state_of_the_shard_no_step_writes_outside_it_and_it_can_be_abandoned(tmp_path: Path) -> None:
+    """Issue 44: ImportShard records and finish were applied without a begin: a forged record replaced an
+    acknowledged message on every replica, and a finish a day ahead pushed every later write a day ahead."""
+    with LocalCluster(tmp_path / "c", 3, n_shards=2) as cluster:
+        cluster.start()
+        live, empty = 0, 1
+        with admin(cluster) as c:
+            (acked,) = c.store_batch([Message(topic="sm/1", payload=b"acknowledged", sender=_sender_of(live, 2, "a"))])
+            assert acked.shard == live
+            # The acknowledged message's key, as a backup holds it: a forged record would replace its value.
+            with grpc.insecure_channel(cluster.nodes[cluster.wait_for_leader(live)].address) as channel:
+                answers = pb_grpc.StorageStub(channel).ExportShard(
+                    pb.ExportShardRequest(shard=live),
+                    timeout=20,
+                    metadata=[("x-mqds-cluster-secret", cluster.secret)],
+                )
+                family, key = "", b""
+                for answer in answers:
+                    if answer.HasField("section"):
+                        family = answer.section.column_family
+                    elif answer.HasField("records"):
+                        for k in answer.records.keys:
+                            if k[:1] == b"D" and int.from_bytes(k[5:13], "big") == acked.timestamp_us:
+                                key = k
+            assert key, "the acknowledged message is not in the export"
+            forged = pb.Message(topic="sm/1", payload=b"forged").SerializeToString()
+            records = pb.ImportRecords(column_family=family, keys=[key], values=[forged])
+            message = _refused(cluster, pb.ImportShardRequest(shard=live, records=records), Reason.NOT_RESTORING)
+            assert f"shard {live} is not being restored: ImportShard records comes after a begin" in message
+            finish = pb.ImportFinish(last_ts=acked.timestamp_us or 0)
+            _refused(cluster, pb.ImportShardRequest(shard=live, finish=finish), Reason.NOT_RESTORING)
+            # A day ahead (less than the day once allowed): refused by the leader, before anything is logged.
+            now_us = time.time_ns() // 1000
+            ahead = pb.ImportFinish(last_ts=now_us + 86_400_000_000 - 60_000_000)
+            message = _refused(cluster, pb.ImportShardRequest(shard=live, finish=ahead), Reason.INVALID_REQUEST)
+            assert "after this node's clock, more than the 5 minutes it takes" in message
+            assert [m.payload for m in c.replay("sm/#")] == [b"acknowledged"]
+            (later,) = c.store_batch([Message(topic="sm/2", payload=b"later", sender=_sender_of(live, 2, "a"))])
+            assert (later.timestamp_us or 0) < time.time_ns() // 1000 + 60_000_000
+            # A shard that holds data cannot begin a restore.
+            message = _refused(
+                cluster, pb.ImportShardRequest(shard=live, begin=pb.ImportBegin()), Reason.SHARD_NOT_EMPTY
+            )
+            assert "new, empty cluster only" in message
+
+            # The empty shard in restore mode: it takes the restore's steps and no other write.
+            _import(cluster, pb.ImportShardRequest(shard=empty, begin=pb.ImportBegin()))
+            rid = _sender_of(empty, 2, "r")
+            state = spb.ClientState(online=False, node="b1").SerializeToString()
+            restored = pb.ImportRecords(column_family="default", keys=[b"c:" + rid.encode()], values=[state])
+            assert _import(cluster, pb.ImportShardRequest(shard=empty, records=restored)).records == 1
+            assert c.client_state(rid) is not None
+            future = pb.ImportRecords(
+                column_family="gen-00000001",
+                keys=[b"D" + bytes(4) + (now_us + 3_600_000_000).to_bytes(8, "big")],
+                values=[pb.Message(topic="sm/9").SerializeToString()],
+            )
+            message = _refused(cluster, pb.ImportShardRequest(shard=empty, records=future), Reason.INVALID_REQUEST)
+            assert "the latest this node takes" in message
+            _refused(cluster, pb.ImportShardRequest(shard=empty, finish=ahead), Reason.INVALID_REQUEST)
+        writer = _sender_of(empty, 2, "e")
+        with Client(cluster.addresses, settings=ConnectionSettings(timeout_s=2, cluster_secret=cluster.secret)) as w:
+            with pytest.raises(UnavailableError) as err:
+                w.store_batch([Message(topic="sm/3", payload=b"mixed", sender=writer)])
+            assert err.value.reason is Reason.SHARD_RESTORING
+            # Restore mode is the shard's replicated state: a new leader has it.
+            old = cluster.wait_for_leader(empty)
+            cluster.kill(old)
+            cluster.wait_for_leader(empty, exclude=[old])
+            with pytest.raises(UnavailableError) as err:
+                w.store_batch([Message(topic="sm/3", payload=b"mixed", sender=writer)])
+            assert err.value.reason is Reason.SHARD_RESTORING
+        cluster.start_node(old)
+        with admin(cluster) as c:
+            # Abandoned: what the restore wrote is gone, and the shard takes writes again.
+            _import(cluster, pb.ImportShardRequest(shard=empty, abandon=pb.ImportAbandon()))
+            assert c.client_state(rid) is None
+            (taken,) = c.store_batch([Message(topic="sm/3", payload=b"after", sender=writer)])
+            assert taken.shard == empty
+            _refused(cluster, pb.ImportShardRequest(shard=empty, abandon=pb.ImportAbandon()), Reason.NOT_RESTORING)
+            assert sorted(m.payload for m in c.replay("sm/#")) == [b"acknowledged", b"after", b"later"]
+        cluster.assert_replicas_identical()
+
+
+def test_a_restore_that_fails_half_way_abandons_every_shard_it_began(
+    source: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    place = tmp_path / "half"
+    with admin(source) as c:
+        c.store_batch([Message(topic=f"half/{s}", payload=b"h", sender=_sender_of(s, N_SHARDS, "h")) for s in range(4)])
+        c.backup(str(place))
+    manifest = json.loads((place / "manifest.json").read_text())
+    intact = json.dumps(manifest)
+    # Shard 0 finishes below its records' timestamps (its fence cut to 1): refused when applied, after every
+    # shard's records are in.
+    manifest["shards"][0]["fence_us"] = 1
+    (place / "manifest.json").write_text(json.dumps(manifest))
+    with LocalCluster(tmp_path / "one", 1, n_shards=N_SHARDS, replication_factor=1) as target:
+        target.start()
+        with admin(target) as t:
+            with pytest.raises(BackupError) as err:
+                t.restore(str(place))
+            assert "last_ts 1 is before timestamp" in str(err.value)
+            assert f"the restore of the {N_SHARDS} shards it began was abandoned" in str(err.value)
+            # Empty and writable: the whole backup restores now.
+            (place / "manifest.json").write_text(intact)
+            monkeypatch.setenv("MQDS_CLUSTER_SECRET", target.secret)
+            assert main(["--endpoints", ",".join(target.addresses), "restore", "--from", str(place)]) == 0
+            assert "restored 4 shards" in capsys.readouterr().out
+            assert {m.topic for m in t.replay("half/#")} == {f"half/{s}" for s in range(4)}
+            # Nothing left to abandon.
+            assert main(["--endpoints", ",".join(target.addresses), "restore", "--abandon"]) == 0
+            assert "no shard was being restored" in capsys.readouterr().out

@@ -1,12 +1,14 @@
-"""Admission control (issue 24): a node refuses new messages before its disk fills, and takes them again by itself.
+"""Admission control (issue 24): a node refuses writes that add data before its disk fills, and takes them again.
 
 One node, one replica per vnode, a small ``disk_quota_bytes``: batches are
 stored until the node refuses one with STORAGE_FULL (RESOURCE_EXHAUSTED, a
-message naming the quota); meanwhile reads, broker state and generation
-changes go on, ``mqds status`` reports the refusal, and once old generations
-are dropped (what retention does by itself) new messages are taken again
-without a restart. The free-space floor is tested the same way on the chaos
-suite's fault filesystem, whose reported free space can be cut.
+message naming the quota); meanwhile reads, broker state of known clients
+and generation changes go on, ``mqds status`` reports the refusal, and once
+old generations are dropped (what retention does by itself) new messages
+are taken again without a restart. Every other write that adds data
+(retained messages, new broker state, a restore) is refused too, while what
+frees space goes on (issue 44). The free-space floor is tested the same way
+on the chaos suite's fault filesystem, whose reported free space can be cut.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -24,7 +27,10 @@ from mqds.cli import status as status_cli
 from mqds.client import Client, ConnectionSettings, Message
 from mqds.client.errors import DeadlineExceededError, UnavailableError
 from mqds.protocol.errors import Reason
+from mqds.protocol.sharding import shard_of
 from mqds.tools.localproc import NodeProcess, free_port
+from mqds.v1 import storage_pb2 as pb
+from mqds.v1 import storage_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -88,15 +94,17 @@ def test_a_node_over_its_disk_quota_refuses_new_messages_serves_the_rest_and_rec
         # The cluster secret: generations are admin calls.
         # A refusal is retried until the deadline: a short one (yet long enough for a busy machine).
         with Client(node.address, settings=ConnectionSettings(timeout_s=4, cluster_secret=SECRET)) as c:
+            c.client_connected("broker-client-1", "broker-a")
+            c.subscribe("broker-client-1", "q/#", 1)
             acked, refused = _fill_until_refused(c)
             assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "n1's data directory holds" in str(refused) and "quota of 32.0 MiB" in str(refused)
-            assert "take no new messages until space returns" in str(refused)
-            # Everything else goes on: reads, broker state, generations.
+            assert "take nothing that adds data (new messages here) until space returns" in str(refused)
+            # Everything else goes on: reads, the broker state of the clients there are, generations.
             assert sorted(m.payload for m in c.replay("q/#")) == sorted(m.payload for m in acked)
             c.client_connected("broker-client-1", "broker-a")
-            c.subscribe("broker-client-1", "q/#", 1)
-            assert c.subscriptions("broker-client-1") == {"q/#": 1}
+            c.subscribe("broker-client-1", "q/#", 2)
+            assert c.subscriptions("broker-client-1") == {"q/#": 2}
             # mqds status and the metrics say so. (RocksDB flushing its memtables turns log and memtable into
             # a smaller file: the usage can fall under 95% of the quota on its own, and the node takes
             # messages again, as it must. Then fill it up again and look once more.)
@@ -121,6 +129,78 @@ def test_a_node_over_its_disk_quota_refuses_new_messages_serves_the_rest_and_rec
         with Client(node.address, timeout_s=10) as c:
             report = status_cli.gather(c)
             assert report.healthy, status_cli.render(report)
+    finally:
+        node.kill()
+
+
+def _refused(call: Callable[[], object]) -> str:
+    with pytest.raises(UnavailableError) as refused:
+        call()
+    assert refused.value.reason is Reason.STORAGE_FULL, refused.value
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    return str(refused.value)
+
+
+def test_past_the_quota_every_write_that_adds_data_is_refused_and_whatever_frees_space_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Issue 44: after STORAGE_FULL, 150 Retain calls of 1 MiB were taken; the data grew to about 6x the quota.
+
+    The node is restarted with a quota its data directory is past already, so
+    it refuses from its first call and for good (no compaction brings it
+    under), and every kind of write is tried once.
+    """
+    node = NodeProcess(tmp_path / "n1", args=["--n-shards", "2"], env={"MQDS_CLUSTER_SECRET": SECRET})
+    admin = ConnectionSettings(timeout_s=10, cluster_secret=SECRET)
+    empty_shard = 1 - shard_of("known", 2)
+    try:
+        node.start(60)
+        with Client(node.address, settings=admin) as c:
+            c.client_connected("known", "broker-a")
+            c.subscribe("known", "a/#", 1)
+            c.start_read_position("known", "a/#")
+            c.join_share_group("g0", "a/#", "m1")
+            c.retain(Message(topic="keep/4", payload=b"kept", sender="known"))
+            stored = c.store_batch([Message(topic="a/1", payload=b"m", sender="known")])
+            assert {shard_of("keep/4", 2), shard_of("$share/g0", 2)} | {stored[0].shard or 0} == {1 - empty_shard}
+        node.stop()
+        node.args += ["--disk-quota-bytes", "64KiB", "--disk-check-interval-s", "0.2"]
+        node.start(60)
+        # Refused calls are retried until the deadline: a short one.
+        with Client(node.address, settings=ConnectionSettings(timeout_s=1.5, cluster_secret=SECRET)) as c:
+            why = _refused(lambda: c.retain(Message(topic="big/1", payload=os.urandom(MiB - 1024), sender="x")))
+            assert "quota of 64.0 KiB" in why and "take nothing that adds data (a retained message here)" in why
+            assert "new messages here" in _refused(lambda: c.store_batch(_batch("x", 1, 10)))
+            assert "a new subscription" in _refused(lambda: c.subscribe("known", "b/#", 1))
+            assert "a new client" in _refused(lambda: c.client_connected("stranger", "broker-a"))
+            assert "a new read position" in _refused(lambda: c.start_read_position("known", "b/#"))
+            assert "a new member" in _refused(lambda: c.join_share_group("g0", "a/#", "m2"))
+            # A restore: begin on the empty shard, and records (refused before anything looks at restore mode).
+            secret = [("x-mqds-cluster-secret", SECRET)]
+            records = pb.ImportRecords(column_family="default", keys=[b"c:x"], values=[b""])
+            with grpc.insecure_channel(node.address) as channel:
+                stub = pb_grpc.StorageStub(channel)
+                for request in (
+                    pb.ImportShardRequest(shard=empty_shard, begin=pb.ImportBegin()),
+                    pb.ImportShardRequest(shard=empty_shard, records=records),
+                ):
+                    with pytest.raises(grpc.RpcError) as err:
+                        stub.ImportShard(request, timeout=10, metadata=secret)
+                    assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, request
+                    assert "a restore" in (err.value.details() or "")
+            # What removes data, or updates what is there, goes on: a broker serves the clients it has.
+            assert c.client_connected("known", "broker-a").online
+            c.subscribe("known", "a/#", 2)
+            c.ack("known", "a/#", stored[0])
+            c.join_share_group("g0", "a/#", "m1")
+            c.leave_share_group("g0", "a/#", "m1")
+            assert c.retain(Message(topic="keep/4", payload=b"", sender="known")) is None
+            assert c.retained("keep/#") == []
+            assert c.unsubscribe("known", "a/#")
+            assert c.forget_session("known") == (0, 1)
+            assert c.client_disconnected("known", "broker-a") is not None
+            assert c.delete_messages("a/#").messages == 1
+            assert list(c.replay("#")) == []
     finally:
         node.kill()
 

@@ -208,3 +208,128 @@ def test_while_a_restore_runs_the_vnode_refuses_every_other_command(tmp_path: Pa
         assert replica.apply(store, 11) == 5_001
     finally:
         replica.close()
+
+
+def _replica(path: Path) -> VnodeReplica:
+    return VnodeReplica(
+        0, str(path), Engine(), node_id="n1", fetch_snapshot=lambda *_: 0, lts_threshold_top=100, lts_threshold=10
+    )
+
+
+def _step(replica: VnodeReplica, index: int, **kind: object) -> object:
+    body = cpb.VnodeCommand(import_shard=pb.ImportShardRequest(shard=0, **kind)).SerializeToString()
+    return replica.apply(body, index)
+
+
+def _store(replica: VnodeReplica, index: int, now_us: int, *messages: pb.Message) -> object:
+    body = cpb.VnodeCommand(store=cpb.StoreMessages(now_us=now_us, messages=list(messages))).SerializeToString()
+    return replica.apply(body, index)
+
+
+def test_restore_steps_without_a_begin_are_refused_and_change_nothing(tmp_path: Path) -> None:
+    """Issue 44: a forged record replaced an acknowledged message, and a finish moved the last timestamp."""
+    replica = _replica(tmp_path / "v0")
+    try:
+        acked = _store(replica, 1, 5_000, msg("a/1", b"acknowledged"))
+        assert acked == 5_000
+        (stream, key) = next(
+            (keys.parse_data_key(k)[0], k)
+            for k, _ in replica.storage._db.get_column_family("gen-00000001").items()
+            if k[:1] == keys.DATA_TAG
+        )
+        assert keys.data_key(stream, 5_000) == key
+        forged = pb.ImportRecords(
+            column_family="gen-00000001", keys=[key], values=[msg("a/1", b"forged").SerializeToString()]
+        )
+        steps = [
+            (2, {"records": forged}, "records"),
+            (3, {"finish": pb.ImportFinish(last_ts=5_000 + 86_400_000_000)}, "finish"),
+            (4, {"abandon": pb.ImportAbandon()}, "abandon"),
+        ]
+        for index, kind, name in steps:
+            refused = _step(replica, index, **kind)
+            assert isinstance(refused, MqdsError) and refused.reason is Reason.NOT_RESTORING, name
+            assert f"ImportShard {name} comes after a begin" in refused.message
+            assert replica.applied_index == index
+        assert rows(replica.storage) == [(5_000, "a/1", b"acknowledged")]
+        assert replica.storage.last_ts == 5_000 and not replica.storage.restoring
+        assert _store(replica, 5, 6_000, msg("a/1", b"next")) == 6_000
+    finally:
+        replica.close()
+
+
+def test_an_abandoned_restore_leaves_the_shard_empty_and_writable(tmp_path: Path) -> None:
+    replica = _replica(tmp_path / "v0")
+    try:
+        assert _step(replica, 1, begin=pb.ImportBegin()) is None
+        written = _step(
+            replica,
+            2,
+            records=pb.ImportRecords(
+                column_family="gen-00000004", keys=[keys.data_key(1, 3_000)], values=[msg("a/1").SerializeToString()]
+            ),
+        )
+        assert written == 1
+        # A second begin while the restore holds records: refused, naming the restore under way.
+        refused = _step(replica, 3, begin=pb.ImportBegin())
+        assert isinstance(refused, MqdsError) and refused.reason is Reason.SHARD_NOT_EMPTY
+        assert "restore under way" in refused.message and replica.storage.restoring
+        assert _step(replica, 4, abandon=pb.ImportAbandon()) is None
+        storage = replica.storage
+        assert not storage.restoring and storage.holds() is None and storage.generations() == []
+    finally:
+        replica.close()
+    replica = _replica(tmp_path / "v0")  # as a restarted node opens it
+    try:
+        assert not replica.storage.restoring
+        assert _store(replica, 5, 9_000, msg("a/2", b"after")) == 9_000
+        assert rows(replica.storage) == [(9_000, "a/2", b"after")]
+        # Nothing to abandon any more: a late abandon never clears a shard that holds data.
+        refused = _step(replica, 6, abandon=pb.ImportAbandon())
+        assert isinstance(refused, MqdsError) and refused.reason is Reason.NOT_RESTORING
+        assert rows(replica.storage) == [(9_000, "a/2", b"after")]
+    finally:
+        replica.close()
+
+
+def test_a_finish_before_the_records_timestamps_is_refused_even_after_a_restart(tmp_path: Path) -> None:
+    replica = _replica(tmp_path / "v0")
+    try:
+        assert _step(replica, 1, begin=pb.ImportBegin()) is None
+        generation = keys.GenerationRecord(since_us=2_000, until_us=None, created_at_us=2_000).encode()
+        meta = pb.ImportRecords(column_family="default", keys=[keys.generation_key(1)], values=[generation])
+        assert _step(replica, 2, records=meta) == 1
+        data = pb.ImportRecords(
+            column_family="gen-00000001",
+            keys=[keys.data_key(1, 7_000), keys.data_key(2, 4_000)],
+            values=[msg("a/1").SerializeToString(), msg("a/2").SerializeToString()],
+        )
+        assert _step(replica, 3, records=data) == 2
+        assert replica.storage.restored_ts == 7_000
+    finally:
+        replica.close()
+    replica = _replica(tmp_path / "v0")  # the mark keeps the records' largest timestamp
+    try:
+        assert replica.storage.restoring and replica.storage.restored_ts == 7_000
+        refused = _step(replica, 4, finish=pb.ImportFinish(last_ts=6_999))
+        assert isinstance(refused, MqdsError) and refused.reason is Reason.INVALID_REQUEST
+        assert "before timestamp 7000 of the records written" in refused.message
+        assert replica.storage.restoring and replica.applied_index == 4
+        generations = _step(replica, 5, finish=pb.ImportFinish(last_ts=7_000))
+        assert isinstance(generations, list) and [g.generation for g in generations] == [1]
+        assert not replica.storage.restoring and replica.storage.last_ts == 7_000
+        assert _store(replica, 6, 6_500, msg("a/1", b"new")) == 7_001
+    finally:
+        replica.close()
+
+
+def test_records_from_the_future_are_refused_by_the_leader() -> None:
+    future = pb.ImportRecords(
+        column_family="gen-00000001", keys=[keys.data_key(1, 9_000)], values=[msg("a/1").SerializeToString()]
+    )
+    check_records(0, future.column_family, future.keys, future.values, 9_000)
+    with pytest.raises(MqdsError, match="timestamp 9000, after 8999, the latest this node takes"):
+        check_records(0, future.column_family, future.keys, future.values, 8_999)
+    late_generation = keys.GenerationRecord(since_us=20_001, until_us=None, created_at_us=1).encode()
+    with pytest.raises(MqdsError, match="timestamp 20000"):
+        check_records(0, "default", [keys.generation_key(1)], [late_generation], 10_000)

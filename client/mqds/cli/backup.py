@@ -99,6 +99,10 @@ def run_backup(opts: argparse.Namespace) -> int:
 
 
 def run_restore(opts: argparse.Namespace) -> int:
+    if opts.abandon:
+        return _abandon(opts)
+    if getattr(opts, "from") is None:
+        raise CommandError("restore needs --from PLACE (or --abandon)", EXIT_USAGE)
     settings = with_cluster_secret(connection(opts, 3600.0), opts)
     with Client(opts.endpoints, settings=settings) as client:
         progress = _Progress("restoring", client.cluster_map().n_shards, opts.quiet)
@@ -116,6 +120,17 @@ def run_restore(opts: argparse.Namespace) -> int:
         f"{report.seconds:.1f} s ({report.mb_per_s:,.1f} MB/s)"
         + ("; retention policy set" if report.retention_set else "")
     )
+    return EXIT_OK
+
+
+def _abandon(opts: argparse.Namespace) -> int:
+    settings = with_cluster_secret(connection(opts, 60.0), opts)
+    with Client(opts.endpoints, settings=settings) as client:
+        ended = client.abandon_restore(timeout_s=settings.timeout_s)
+    if ended:
+        print(f"abandoned the restore of shards {', '.join(map(str, ended))}: they are empty and take writes again")
+    else:
+        print("no shard was being restored: nothing changed")
     return EXIT_OK
 
 
@@ -162,10 +177,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
             "Restore the backup at PLACE into the cluster at --endpoints: it must be empty (no messages, no "
             "broker state) and have the backup's shard count; its size and placement may differ. The whole "
             "backup is checked first (a damaged or partial one is refused, naming the file), then every shard "
-            "is written through its leader and the retention policy set. Needs the admin role."
+            "is written through its leader and the retention policy set. A restore that fails abandons every "
+            "shard it began (empty and writable again) and says so; --abandon ends the restores a stopped "
+            "restore left behind. Needs the admin role."
         ),
     )
-    parser.add_argument("--from", required=True, metavar="PLACE", help=f"the backup: {PLACE_HELP}")
+    parser.add_argument("--from", metavar="PLACE", help=f"the backup: {PLACE_HELP}")
+    parser.add_argument(
+        "--abandon",
+        action="store_true",
+        help="instead of restoring: end every restore under way in the cluster (what it wrote is cleared, the "
+        "shards take writes again); a shard not being restored is left as it is",
+    )
     parser.add_argument(
         "--parallel", type=_parallel, default=2, metavar="N", help="shards written at a time (default 2)"
     )

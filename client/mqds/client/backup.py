@@ -13,10 +13,15 @@ change count, and lists its files again.
 A restore checks the whole backup first (manifest, every file's size and
 checksum), then that the cluster has the backup's shard count and that every
 shard is empty (``ImportShard`` begin, on every shard before any record is
-written), then writes each shard's records through its leader (logged in
-the shard's Raft group, so any cluster size and placement work), finishes
-each shard (its last timestamp is its fence); the backup's retention policy
-is set before the records are written.
+written: it puts the shard in restore mode, where it takes no other write),
+then writes each shard's records through its leader (logged in the shard's
+Raft group, so any cluster size and placement work), and once every shard's
+records are in, finishes each shard (its last timestamp is its fence); the
+backup's retention policy is set before the records are written. A restore
+that fails (a refused begin, a call that fails, an interrupt) abandons every
+shard it began and did not finish (``ImportShard`` abandon: the shard is
+empty and writable again) and says so; ``abandon_restore`` (``mqds restore
+--abandon``) ends the restores a stopped process left behind.
 
 Messages are exact at the fence; broker state (client state, subscriptions,
 retained messages, read positions) is as each shard's export found it, a
@@ -25,6 +30,7 @@ moment after its fence.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -60,6 +66,10 @@ CallError = Callable[[grpc.RpcError], MqdsError]
 
 IMPORT_CHUNK_BYTES = 1024 * 1024
 """Records per ImportShard call, in key and value bytes: well under any node's entry limit."""
+IMPORT_CALL_S = 120.0
+"""The longest one ImportShard step is retried (an election, a busy or full node), within the restore's deadline:
+a restore refused for good (STORAGE_FULL on every try) fails, and abandons what it began, instead of waiting for
+the whole restore's deadline."""
 
 
 @dataclass
@@ -343,20 +353,73 @@ def _import(router: Router, call_error: CallError, request: pb.ImportShardReques
         except grpc.RpcError as err:
             raise call_error(err) from None
 
-    return router.call(request.shard, attempt, deadline)
+    return router.call(request.shard, attempt, min(deadline, time.monotonic() + IMPORT_CALL_S))
 
 
-def _end_empty(router: Router, call_error: CallError, shards: list[int], deadline: float) -> None:
-    """End the restore of shards that began and got nothing (another shard refused): they take writes again."""
+ABANDON_S = 60.0
+"""The least time a failed restore takes to abandon what it began, even when its own deadline has passed."""
+
+
+class _Stopped(Exception):
+    """Another shard's restore failed: this one stops between calls."""
+
+
+def _abandon(router: Router, call_error: CallError, shards: list[int], deadline: float) -> str:
+    """Abandon the restore of ``shards`` (each empty and writable again); what was done, for the error message."""
+    deadline = max(deadline, time.monotonic() + ABANDON_S)
+    failed: list[str] = []
     for shard in shards:
-        _import(router, call_error, pb.ImportShardRequest(shard=shard, finish=pb.ImportFinish(last_ts=0)), deadline)
+        try:
+            _import(router, call_error, pb.ImportShardRequest(shard=shard, abandon=pb.ImportAbandon()), deadline)
+        except MqdsError as err:
+            if err.reason is not Reason.NOT_RESTORING:  # a retry of one that was abandoned
+                failed.append(f"shard {shard} ({err})")
+    if not shards:
+        return "no shard had been begun: the cluster is as it was"
+    if failed:
+        return (
+            f"abandoning the restore of {len(failed)} of the {len(shards)} shards it began failed: "
+            + "; ".join(failed)
+            + "; they take no writes until `mqds restore --abandon` (Client.abandon_restore) ends their restore"
+        )
+    return f"the restore of the {len(shards)} shards it began was abandoned: they are empty and take writes again"
+
+
+def abandon_restore(router: Router, call_error: CallError, n_shards: int, deadline: float) -> list[int]:
+    """End every restore under way in the cluster (``ImportShard`` abandon on each shard); the shards it ended.
+
+    A shard not in restore mode (NOT_RESTORING) is left as it is: a shard
+    that holds data is never cleared.
+    """
+    ended: list[int] = []
+    for shard in range(n_shards):
+        try:
+            _import(router, call_error, pb.ImportShardRequest(shard=shard, abandon=pb.ImportAbandon()), deadline)
+        except MqdsError as err:
+            if err.reason is Reason.NOT_RESTORING:
+                continue
+            raise
+        ended.append(shard)
+    return ended
 
 
 def _restore_shard(
-    router: Router, call_error: CallError, place: Place, shard: ShardEntry, deadline: float, progress: Progress
-) -> tuple[int, int, int]:
-    """Write one shard's records and finish it; (records, bytes, generations)."""
+    router: Router,
+    call_error: CallError,
+    place: Place,
+    shard: ShardEntry,
+    deadline: float,
+    progress: Progress,
+    stop: threading.Event,
+) -> tuple[int, int]:
+    """Write one shard's records (stopping between calls once ``stop`` is set); (records, bytes)."""
     records = size = 0
+
+    def send(chunk: pb.ImportRecords) -> None:
+        if stop.is_set():
+            raise _Stopped
+        _import(router, call_error, pb.ImportShardRequest(shard=shard.shard, records=chunk), deadline)
+
     for entry in shard.files:
         with place.open(entry.path, "rb") as fh:
             chunk = pb.ImportRecords(column_family=entry.column_family)
@@ -366,19 +429,45 @@ def _restore_shard(
                 chunk.values.append(value)
                 chunk_bytes += len(key) + len(value)
                 if chunk_bytes >= IMPORT_CHUNK_BYTES:
-                    _import(router, call_error, pb.ImportShardRequest(shard=shard.shard, records=chunk), deadline)
+                    send(chunk)
                     records += len(chunk.keys)
                     chunk = pb.ImportRecords(column_family=entry.column_family)
                     chunk_bytes = 0
             if chunk.keys:
-                _import(router, call_error, pb.ImportShardRequest(shard=shard.shard, records=chunk), deadline)
+                send(chunk)
                 records += len(chunk.keys)
         size += entry.bytes
         progress(shard.shard, size, False)
-    finish = pb.ImportShardRequest(shard=shard.shard, finish=pb.ImportFinish(last_ts=shard.fence_us))
-    answer = _import(router, call_error, finish, deadline)
-    progress(shard.shard, size, True)
-    return records, size, len(answer.generations)
+    return records, size
+
+
+def _write_all(
+    router: Router,
+    call_error: CallError,
+    place: Place,
+    manifest: Manifest,
+    report: RestoreReport,
+    deadline: float,
+    parallel: int,
+    tell: Progress,
+) -> None:
+    """Write every shard's records, ``parallel`` shards at a time; the first failure stops the others."""
+    stop = threading.Event()
+    with futures.ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="mqds-restore") as pool:
+        jobs = [
+            pool.submit(_restore_shard, router, call_error, place, s, deadline, tell, stop) for s in manifest.shards
+        ]
+        try:
+            for job, shard in zip(jobs, manifest.shards, strict=True):
+                records, size = job.result()
+                report.files += len(shard.files)
+                report.records += records
+                report.bytes += size
+        except BaseException:
+            stop.set()
+            for job in jobs:
+                job.cancel()
+            raise
 
 
 def restore(
@@ -409,35 +498,48 @@ def restore(
             policy = json_format.ParseDict(manifest.settings["retention"], clpb.RetentionPolicy())
         except json_format.ParseError as err:
             raise BackupError(f"manifest.json: the retention policy is damaged: {err}") from None
-    refused: list[str] = []
     begun: list[int] = []
+    finished: list[int] = []
     try:
+        refused: list[str] = []
         for shard in manifest.shards:
             try:
                 _import(router, call_error, pb.ImportShardRequest(shard=shard.shard, begin=pb.ImportBegin()), deadline)
                 begun.append(shard.shard)
             except MqdsError as err:
                 if err.reason is not Reason.SHARD_NOT_EMPTY:
+                    begun.append(shard.shard)  # it may have been applied (a deadline): an abandon changes nothing else
                     raise
                 refused.append(err.message)
-    finally:
-        if refused or len(begun) < len(manifest.shards):
-            _end_empty(router, call_error, begun, deadline)
-    if refused:
-        raise BackupError("the cluster is not empty, nothing was restored: " + "; ".join(refused))
-    report = RestoreReport(place=source, n_shards=n_shards, seconds=0.0)
-    # The policy first: the leaders then keep what it keeps from the moment each shard is finished.
-    if policy is not None:
-        set_policy(router, call_error, policy, deadline)
-        report.retention_set = True
-    tell = progress or (lambda shard, done, finished: None)
-    with futures.ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="mqds-restore") as pool:
-        jobs = [pool.submit(_restore_shard, router, call_error, place, s, deadline, tell) for s in manifest.shards]
-        for job, shard in zip(jobs, manifest.shards, strict=True):
-            records, size, generations = job.result()
-            report.files += len(shard.files)
-            report.records += records
-            report.bytes += size
-            report.generations += generations
+        if refused:
+            raise BackupError("the cluster is not empty, nothing was restored: " + "; ".join(refused))
+        report = RestoreReport(place=source, n_shards=n_shards, seconds=0.0)
+        # The policy first: the leaders then keep what it keeps from the moment each shard is finished.
+        if policy is not None:
+            set_policy(router, call_error, policy, deadline)
+            report.retention_set = True
+        tell = progress or (lambda shard, done, finished: None)
+        _write_all(router, call_error, place, manifest, report, deadline, parallel, tell)
+        # Finished only once every shard's records are in: a restore that fails before leaves no shard holding
+        # part of the backup.
+        for shard in manifest.shards:
+            finish = pb.ImportShardRequest(shard=shard.shard, finish=pb.ImportFinish(last_ts=shard.fence_us))
+            answer = _import(router, call_error, finish, deadline)
+            finished.append(shard.shard)
+            report.generations += len(answer.generations)
+            tell(shard.shard, sum(f.bytes for f in shard.files), True)
+    except BaseException as err:
+        note = _abandon(router, call_error, [s for s in begun if s not in finished], deadline)
+        if finished:
+            note += (
+                f"; shards {', '.join(map(str, finished))} had finished and hold the backup's data: make a new, "
+                "empty cluster to restore into"
+            )
+        if isinstance(err, BackupError):
+            raise BackupError(f"{err}; {note}") from err.__cause__
+        if isinstance(err, Exception):
+            raise BackupError(f"the restore failed: {err}; {note}") from err
+        err.add_note(note)  # an interrupt goes on as it is
+        raise
     report.seconds = time.monotonic() - started
     return report

@@ -145,7 +145,9 @@ class StorageAdminCalls(abc.ABC):
     ) -> RestoreReport:
         """Restore the backup at ``source`` into this cluster, which must be empty and have the backup's
         shard count (any size and placement). The whole backup is checked first (checksums), and a
-        damaged or partial one is refused (``BackupError`` naming what is wrong). Needs the admin role."""
+        damaged or partial one is refused (``BackupError`` naming what is wrong). A restore that fails
+        abandons what it began (the shards are empty and writable again) and raises ``BackupError`` saying
+        what failed and what was abandoned. Needs the admin role."""
         deadline = self._deadline(timeout_s)
         router, call_error = self._routing()
         return backups.restore(
@@ -157,3 +159,11 @@ class StorageAdminCalls(abc.ABC):
             parallel=parallel,
             progress=progress,
         )
+
+    def abandon_restore(self, *, timeout_s: float = 60.0) -> list[int]:
+        """End every restore under way in this cluster (one a stopped ``mqds restore`` left behind): what each
+        wrote is cleared and the shard takes writes again; the shards whose restore was ended. A shard not being
+        restored is left as it is. Needs the admin role."""
+        deadline = self._deadline(timeout_s)
+        router, call_error = self._routing()
+        return backups.abandon_restore(router, call_error, self._n_shards(deadline), deadline)

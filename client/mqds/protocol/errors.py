@@ -193,9 +193,11 @@ class Reason(enum.Enum):
     # Too much is waiting to be committed; back off and retry.
     OVERLOADED = "OVERLOADED"
     # The leader's data directory reached its disk quota, or its disk's free
-    # space fell below the node's floor: it takes no new messages until space
-    # returns (retention or a drop of generations frees it; reads, deletes
-    # and broker state go on). Retried with backoff within the deadline.
+    # space fell below the node's floor: it takes no write that adds data
+    # (new messages, retained messages, new subscriptions, clients and read
+    # positions, restores) until space returns (retention or a drop of
+    # generations frees it; reads, deletes and whatever removes or updates
+    # state go on). Retried with backoff within the deadline.
     STORAGE_FULL = "STORAGE_FULL"
     # A restore (Storage.ImportShard) found the shard holding messages or
     # broker state: a backup is restored into an empty cluster only.
@@ -203,6 +205,9 @@ class Reason(enum.Enum):
     # The shard is being restored from a backup (mqds restore): it takes
     # nothing else until the restore has finished. Retried with backoff.
     SHARD_RESTORING = "SHARD_RESTORING"
+    # A restore step (Storage.ImportShard records, finish or abandon) for a
+    # shard that no begin put in restore mode: begin the restore first.
+    NOT_RESTORING = "NOT_RESTORING"
     # Another membership change of the group is not committed yet.
     MEMBERSHIP_CHANGE_IN_PROGRESS = "MEMBERSHIP_CHANGE_IN_PROGRESS"
     # A node id that is not a member of the cluster.
@@ -273,6 +278,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.STORAGE_FULL: ReasonInfo(grpc.StatusCode.RESOURCE_EXHAUSTED, True, False, UnavailableError),
     Reason.SHARD_RESTORING: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, False, UnavailableError),
     Reason.SHARD_NOT_EMPTY: ReasonInfo(grpc.StatusCode.FAILED_PRECONDITION, False, False, FailedPreconditionError),
+    Reason.NOT_RESTORING: ReasonInfo(grpc.StatusCode.FAILED_PRECONDITION, False, False, FailedPreconditionError),
     Reason.MEMBERSHIP_CHANGE_IN_PROGRESS: ReasonInfo(grpc.StatusCode.ABORTED, True, False, FailedPreconditionError),
     Reason.UNKNOWN_NODE: ReasonInfo(_NF, False, False, NotFoundError),
     Reason.MEMBERSHIP_REFUSED: ReasonInfo(grpc.StatusCode.FAILED_PRECONDITION, False, False, FailedPreconditionError),

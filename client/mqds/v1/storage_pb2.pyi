@@ -484,16 +484,18 @@ class ExportDone(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., fence_us: _Optional[int] = ..., applied_index: _Optional[int] = ..., records: _Optional[int] = ..., bytes: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
 
 class ImportShardRequest(_message.Message):
-    __slots__ = ("shard", "begin", "records", "finish")
+    __slots__ = ("shard", "begin", "records", "finish", "abandon")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     BEGIN_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
+    ABANDON_FIELD_NUMBER: _ClassVar[int]
     shard: int
     begin: ImportBegin
     records: ImportRecords
     finish: ImportFinish
-    def __init__(self, shard: _Optional[int] = ..., begin: _Optional[_Union[ImportBegin, _Mapping]] = ..., records: _Optional[_Union[ImportRecords, _Mapping]] = ..., finish: _Optional[_Union[ImportFinish, _Mapping]] = ...) -> None: ...
+    abandon: ImportAbandon
+    def __init__(self, shard: _Optional[int] = ..., begin: _Optional[_Union[ImportBegin, _Mapping]] = ..., records: _Optional[_Union[ImportRecords, _Mapping]] = ..., finish: _Optional[_Union[ImportFinish, _Mapping]] = ..., abandon: _Optional[_Union[ImportAbandon, _Mapping]] = ...) -> None: ...
 
 class ImportBegin(_message.Message):
     __slots__ = ()
@@ -514,6 +516,10 @@ class ImportFinish(_message.Message):
     LAST_TS_FIELD_NUMBER: _ClassVar[int]
     last_ts: int
     def __init__(self, last_ts: _Optional[int] = ...) -> None: ...
+
+class ImportAbandon(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ImportShardResponse(_message.Message):
     __slots__ = ("shard", "records", "generations")

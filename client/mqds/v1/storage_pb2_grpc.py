@@ -236,11 +236,18 @@ class StorageServicer:
     def ImportShard(self, request, context):
         """Writes records of a backup into one shard of an empty cluster (mqds
         restore), logged through the shard's Raft group so every replica holds
-        the same: `begin` checks the shard holds no messages and no broker state
-        (FAILED_PRECONDITION otherwise) and clears it, records are written as
-        they are, and `finish` sets the shard's last timestamp and has every
-        replica reload its views (generations, topic trie) from what it holds.
-        Needs the admin role.
+        the same. A restore is a state of the shard's replicated state machine:
+        `begin` checks the shard holds no messages and no broker state
+        (SHARD_NOT_EMPTY, FAILED_PRECONDITION otherwise), clears it and puts it
+        in restore mode, in which it takes no other write (SHARD_RESTORING);
+        `records` are written as they are; `finish` sets the shard's last
+        timestamp (at or after every record's, at most minutes after the node's
+        clock) and has every replica reload its views (generations, topic trie)
+        from what it holds; `abandon` clears what the restore wrote and ends it,
+        leaving the shard empty and writable. `records`, `finish` and `abandon`
+        on a shard no `begin` put in restore mode are refused (NOT_RESTORING,
+        FAILED_PRECONDITION). Past the node's disk quota, `begin` and `records`
+        are refused (STORAGE_FULL). Needs the admin role.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

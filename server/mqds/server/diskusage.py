@@ -1,4 +1,4 @@
-"""Disk usage of a node, and admission control: new messages are refused before the disk fills.
+"""Disk usage of a node, and admission control: writes that add data are refused before the disk fills.
 
 A thread measures the node's disk every ``disk_check_interval_s`` (the
 filesystem's free space every time; the data directory's sizes every time
@@ -16,19 +16,24 @@ Two limits, each off at 0:
   (256 MiB by default: RocksDB needs room to compact, the Raft log to go on
   replicating what other leaders commit).
 
-Once a measurement passes one, the node refuses new messages on the vnodes
-it leads (``STORAGE_FULL``, RESOURCE_EXHAUSTED; the client retries it with
+Once a measurement passes one, the vnodes the node leads log nothing that
+adds data (``STORAGE_FULL``, RESOURCE_EXHAUSTED; the client retries it with
 backoff within the call's deadline) until usage falls below 95% of the quota
 and free space rises above the floor plus 5%: a margin, so that a node near
-a limit does not flip between the two states with every compaction. What
-frees space needs no new message: reads, deletes, dropping generations
-(retention does it by itself), broker state (client records,
-subscriptions, acknowledgements, retained messages: small, and a broker
-cannot serve its clients without them) all go on. A follower still applies
-everything its leader commits: a replica that refused a committed entry
-would no longer be a replica. Each leader admits by its own node's disk;
-the replicas of a vnode hold the same data, so they fill alike, and the
-disk guard (``diskguard.py``) takes over on a node whose disk does fill.
+a limit does not flip between the two states with every compaction. The
+check is asked of every command proposed to a vnode's group
+(``RaftGroup.admit``, given by ``hosting.py``), and ``cluster/growth.py``
+says which commands add data: new messages, retained messages, the state of
+a new client, a new subscription, read position or share-group member, a
+restore's begin and records. What frees space, or keeps a broker serving the
+clients it has, goes on: reads, deletes, dropping generations (retention
+does it by itself), clearing a retained message, unsubscribing, forgetting
+sessions and positions, expiry, acknowledgements, a known client's connect
+and disconnect. A follower still applies everything its leader commits: a
+replica that refused a committed entry would no longer be a replica. Each
+leader admits by its own node's disk; the replicas of a vnode hold the same
+data, so they fill alike, and the disk guard (``diskguard.py``) takes over on
+a node whose disk does fill.
 """
 
 from __future__ import annotations
@@ -143,7 +148,7 @@ def _entries(path: str) -> list[os.DirEntry[str]]:
 
 
 class DiskUsage:
-    """Measures the node's disk now and then, and says whether new messages are refused and why."""
+    """Measures the node's disk now and then, and says whether writes that add data are refused and why."""
 
     def __init__(
         self, node_id: str, data_dir: str, quota_bytes: int, min_free_bytes: int, interval_s: float = 2.0
@@ -156,9 +161,9 @@ class DiskUsage:
         self.usage: Usage | None = None
         """The last measurement (None before the first)."""
         self.refusal: str | None = None
-        """Why new messages are refused now (None: they are taken)."""
+        """Why writes that add data are refused now (None: they are taken)."""
         self.refusals = 0
-        """Times the node went from taking new messages to refusing them."""
+        """Times the node went from taking writes that add data to refusing them."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._walked = 0.0
@@ -190,15 +195,15 @@ class DiskUsage:
         return usage
 
     def decide(self, usage: Usage) -> str | None:
-        """Refuse new messages past a limit, take them again back inside with a margin; why they are refused."""
+        """Refuse writes that add data past a limit, take them again back inside with a margin; why they are refused."""
         self.usage = usage
         refusing = self.refusal is not None
         why = self._over(usage, resume=refusing)
         if why is not None and not refusing:
             self.refusals += 1
-            log.warning("refusing new messages: %s", why)
+            log.warning("refusing writes that add data: %s", why)
         elif why is None and refusing:
-            log.warning("taking new messages again: %s", self._describe(usage))
+            log.warning("taking writes that add data again: %s", self._describe(usage))
         self.refusal = why
         return why
 

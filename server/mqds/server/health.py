@@ -80,7 +80,11 @@ class Health:
             if hosted.node_id not in info.replicas:
                 continue
             vnode = hosted.vnodes.get(info.shard)
-            if vnode is None or not vnode.replica.storage.initialized or not self._caught_up(vnode.group):
+            if vnode is None or not self._caught_up(vnode.group):
+                return False
+            storage = vnode.replica.storage
+            # A shard being restored has no generation until its restore finishes, on every replica alike.
+            if not (storage.initialized or storage.restoring):
                 return False
         return True
 

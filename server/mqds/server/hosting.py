@@ -27,6 +27,7 @@ import grpc
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.auth import time_left
+from mqds.server.cluster import growth
 from mqds.server.cluster import meta as meta_mod
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.cluster.vnode import Vnode, VnodeReplica
@@ -117,7 +118,15 @@ class Hosting:
 
     # -- opening and closing replicas --------------------------------------------
 
-    def _new_group(self, group_id: int, members: list[str], machine: Any, directory: str, joining: bool) -> RaftGroup:
+    def _new_group(
+        self,
+        group_id: int,
+        members: list[str],
+        machine: Any,
+        directory: str,
+        joining: bool,
+        admit: Callable[[bytes], None] | None = None,
+    ) -> RaftGroup:
         group = RaftGroup(
             group_id,
             self.node_id,
@@ -130,6 +139,7 @@ class Hosting:
             on_role_change=self._role_changed,
             joining=joining,
             on_disk_failure=self.raft_log.fail,
+            admit=admit,
         )
         self._groups[group_id] = group
         for member in group.members:
@@ -187,7 +197,7 @@ class Hosting:
             feed_bytes=self.config.follow_feed_bytes,
         )
         try:
-            group = self._new_group(shard, members, replica, raft_dir, joining)
+            group = self._new_group(shard, members, replica, raft_dir, joining, self._admission(shard, replica))
         except Exception:
             replica.close()
             raise
@@ -329,16 +339,29 @@ class Hosting:
                 shard=str(shard),
             )
 
-    def admit_messages(self, shard: int) -> None:
-        """Refuse new messages for ``shard`` with STORAGE_FULL while this node's disk is past a limit."""
-        refusal = self.disk_usage.refusal if self.disk_usage is not None else None
-        if refusal is not None:
-            raise errors.error(
-                Reason.STORAGE_FULL,
-                f"{refusal}: the vnodes it leads take no new messages until space returns (retention, or "
-                "dropping generations, frees it; reads, deletes and broker state go on)",
-                shard=str(shard),
-            )
+    def _admission(self, shard: int, replica: VnodeReplica) -> Callable[[bytes], None]:
+        """The check every command proposed to ``shard``'s group passes (``RaftGroup.admit``): while this node's
+        disk is past a limit, one that adds data (``cluster/growth.py``) is refused with STORAGE_FULL."""
+
+        def exists(key: bytes) -> bool:
+            with replica.reading() as storage:
+                return storage.meta_get(key) is not None
+
+        def admit(body: bytes) -> None:
+            refusal = self.disk_usage.refusal if self.disk_usage is not None else None
+            if refusal is None:
+                return
+            what = growth.adds(body, exists)
+            if what is not None:
+                raise errors.error(
+                    Reason.STORAGE_FULL,
+                    f"{refusal}: the vnodes it leads take nothing that adds data ({what} here) until space "
+                    "returns (retention, or dropping generations, frees it; reads, deletes and what removes or "
+                    "updates state go on)",
+                    shard=str(shard),
+                )
+
+        return admit
 
     def leader_vnode(self, shard: int) -> Vnode:
         self._check_disk(shard)

@@ -173,7 +173,9 @@ class Maintenance:
         now = self.clock()
         propose = self.hosting.propose
         for vnode in list(self.hosting.vnodes.values()):
-            if not vnode.group.is_leader:
+            # A shard being restored takes no command but the restore's (SHARD_RESTORING): its generations
+            # come from the backup, or from the first store after the restore was abandoned.
+            if not vnode.group.is_leader or vnode.replica.storage.restoring:
                 continue
             try:
                 gens = vnode.replica.generations()
@@ -204,7 +206,7 @@ class Maintenance:
         """
         now = self.clock()
         for vnode in list(self.hosting.vnodes.values()):
-            if not vnode.group.is_leader:
+            if not vnode.group.is_leader or vnode.replica.storage.restoring:
                 continue
             try:
                 with vnode.replica.reading() as storage:

@@ -11,7 +11,14 @@ bounded by ``max_chunk_bytes``, the node's ``max_answer_bytes`` and 1 MiB.
 
 An import is logged on the shard's leader as a command applied by every
 replica (``storage/restore.py``); records are checked here first, so a
-command in the log is one every replica applies the same way.
+command in the log is one every replica applies the same way. Whether a
+step is taken (a ``records``, ``finish`` or ``abandon`` only in restore
+mode, a ``finish`` at or after the records' timestamps) is decided when it
+is applied, by the shard's replicated state, never by what this node
+believes: a leader elected a moment ago may not have applied the ``begin``
+yet. What needs no state is checked here: the records' shape, and
+timestamps (records' and ``finish``'s) at most ``RESTORE_AHEAD_US`` after
+this node's clock.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ CHUNK_BYTES = 1024 * 1024
 _RECORD_OVERHEAD = 8
 """Bytes an answer adds to a record's key and value (two field tags and lengths)."""
 _FENCE_AHEAD_US = 86_400 * 1_000_000
+RESTORE_AHEAD_US = 300 * 1_000_000
+"""How far after this node's clock a restore's timestamps may be: a backup's fence is the source cluster's
+clock when the backup began, before the restore, so only the two clusters' clock difference puts it ahead."""
 
 
 def _generation(gen: ExportedGeneration) -> pb.ExportedGeneration:
@@ -134,13 +144,17 @@ def import_shard(service: StorageService, request: pb.ImportShardRequest) -> pb.
     (shard,) = service._shard_numbers(request.shard, False)
     kind = request.WhichOneof("kind")
     if kind is None:
-        raise errors.error(Reason.INVALID_REQUEST, "ImportShard needs one of begin, records or finish")
+        raise errors.error(Reason.INVALID_REQUEST, "ImportShard needs one of begin, records, finish or abandon")
+    now = service.clock()
     if kind == "records":
         r = request.records
-        check_records(shard, r.column_family, r.keys, r.values)
-    if kind == "finish" and request.finish.last_ts > service.clock() + _FENCE_AHEAD_US:
+        check_records(shard, r.column_family, r.keys, r.values, now + RESTORE_AHEAD_US)
+    if kind == "finish" and request.finish.last_ts > now + RESTORE_AHEAD_US:
         raise errors.error(
-            Reason.INVALID_REQUEST, f"last_ts {request.finish.last_ts} is more than a day after this node's clock"
+            Reason.INVALID_REQUEST,
+            f"last_ts {request.finish.last_ts} is {(request.finish.last_ts - now) / 1e6:,.0f} s after this node's "
+            f"clock, more than the {RESTORE_AHEAD_US // 60_000_000} minutes it takes: a backup's fence is a time "
+            "its cluster had already assigned; check the clocks of both clusters, or abandon the restore",
         )
     body = cpb.VnodeCommand(import_shard=request).SerializeToString()
     (result,) = service._propose_all([(shard, body)])

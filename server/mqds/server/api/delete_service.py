@@ -8,8 +8,8 @@ cursor, and the client calls again with it (on this node or, after a
 failover, on the new leader: the cursor is the whole state of the delete, and
 a step applied twice deletes nothing more).
 
-Deletes are never refused for a full disk (``admit_messages`` is not asked):
-they are how space comes back.
+Deletes are never refused for a full disk (``cluster/growth.py`` classes a
+delete step as adding nothing): they are how space comes back.
 """
 
 from __future__ import annotations

@@ -164,9 +164,8 @@ class StorageService(ShardsAPI):
                 started.append(refused[shard])
                 continue
             try:
-                vnode = self.shards.leader_vnode(shard)
-                self.shards.admit_messages(shard)  # after the leader check: another node's disk may have room
-                started.append(vnode.group.propose(body))
+                # The disk quota is the group's to check (RaftGroup.admit), for this and every other proposal.
+                started.append(self.shards.leader_vnode(shard).group.propose(body))
             except MqdsError as err:
                 started.append(err)
         return started

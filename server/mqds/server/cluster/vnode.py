@@ -259,14 +259,18 @@ class VnodeReplica:
     def _restoring(self) -> MqdsError:
         """The refusal of a command while a restore runs (the same on every replica: the mark is in the log)."""
         return errors.error(
-            Reason.SHARD_RESTORING, f"shard {self.shard} is being restored from a backup; retry once it has finished"
+            Reason.SHARD_RESTORING,
+            f"shard {self.shard} is being restored from a backup and takes no other write; retry once the "
+            "restore has finished or been abandoned",
         )
 
     def _apply_import(self, cmd: pb.ImportShardRequest, index: int | None) -> Any:
         """A step of a restore (``storage/restore.py``), checked by the leader that logged it.
 
-        Push subscribers and shared catch-up reads start again from what the
-        shard holds after ``begin`` and after ``finish``.
+        Whether the step is taken depends on the shard's restore mode, which
+        is in its database: every replica decides alike. Push subscribers and
+        shared catch-up reads start again from what the shard holds after a
+        ``begin``, ``finish`` or ``abandon`` that was taken.
         """
         storage = self.storage
         step = cmd.WhichOneof("kind")
@@ -277,10 +281,13 @@ class VnodeReplica:
             result: Any = storage.restore_begin(applied_index=index)
         elif step == "finish":
             result = storage.restore_finish(cmd.finish.last_ts, applied_index=index)
+        elif step == "abandon":
+            result = storage.restore_abandon(applied_index=index)
         else:
             raise errors.error(Reason.INVALID_REQUEST, f"shard {self.shard}: an import step of no known kind")
-        self.feed.reset(storage.last_ts)
-        self.catchup.reset()
+        if not isinstance(result, MqdsError):
+            self.feed.reset(storage.last_ts)
+            self.catchup.reset()
         return result
 
     def _apply_retention(self, cmd: cpb.ApplyRetention, index: int | None) -> StepResult:

@@ -90,6 +90,7 @@ class RaftGroup(
         on_role_change: Callable[[RaftGroup, int, int], None] | None = None,
         joining: bool = False,
         on_disk_failure: Callable[[BaseException], None] | None = None,
+        admit: Callable[[bytes], None] | None = None,
     ) -> None:
         self.group = group
         self.name = group_name(group)
@@ -100,6 +101,9 @@ class RaftGroup(
         self._outbox = outbox
         self._on_role_change = on_role_change
         self.on_disk_failure = on_disk_failure
+        self.admit = admit
+        """Asked of every regular command before the leader logs it; raises ``MqdsError`` to refuse it (the
+        node's admission control, ``diskusage.py``). Every proposal passes here, whoever makes it."""
         self._init_reads()
         self.proposals = (
             batching.ProposalQueue(self.timing.max_entry_bytes) if hasattr(machine, "apply_batch") else None
@@ -236,9 +240,12 @@ class RaftGroup(
         self._wake.set()
 
     def propose(self, body: bytes) -> Proposal:
-        """Log a regular command; the returned proposal's ``wait`` gives the result of applying it."""
+        """Log a regular command (on the leader, if ``admit`` takes it); the returned proposal's ``wait`` gives
+        the result of applying it."""
         proposal = Proposal(self.group)
         self._check_accepting()
+        if self.admit is not None:
+            self.admit(body)
         if self.proposals is not None:
             self.proposals.add(body, proposal)  # logged by the next cycle, with whatever else came
         else:

@@ -15,8 +15,10 @@ default                ``m:last_ts``                               u64 last time
 default                ``m:applied``                               u64 last applied Raft index
 default                ``m:lts``                                   u32 thresholds: top level, other levels
 default                ``m:next_node``                             u32 next free trie node id
-default                ``m:restoring``                             empty: a restore began and has not finished
-                                                                   (``restore.py``); other commands are refused
+default                ``m:restoring``                             empty or u64: a restore began and has not
+                                                                   finished or been abandoned (``restore.py``);
+                                                                   other commands are refused. The u64: the
+                                                                   largest timestamp of the records written
 default                ``g:`` u32 generation                       generation record (see ``GenerationRecord``)
 default                ``v:`` u32 generation                       u64 changes: delete or retention steps that
                                                                    removed keys of the generation (a backup's

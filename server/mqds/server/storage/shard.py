@@ -182,7 +182,9 @@ class ShardStorage(ShardDeletes, ShardRestore, ShardFiles):
         self.applied_index = keys.read_u64(raw) if raw is not None else 0
         raw = db.get(keys.META_DEDUP_PRUNED)
         self._dedup_pruned = keys.read_u64(raw) if raw is not None else 0
-        self.restoring = db.get(keys.META_RESTORING) is not None
+        raw = db.get(keys.META_RESTORING)
+        self.restoring = raw is not None
+        self.restored_ts = keys.read_u64(raw) if raw else 0
         self._generations.load(db, self._engine, cf_names)
         return trie
 
