@@ -9,7 +9,7 @@ import urllib.request
 
 import paho.mqtt.client as mqtt
 
-from mqds.client import Client
+from mqds.client import Client, ConnectionSettings
 from mqds.tools.localproc import wait_until
 
 READY = "mqds.v1.Storage"
@@ -39,8 +39,9 @@ def accepts(address: str) -> bool:
     return True
 
 
-def check_broker_serves(address: str, endpoints: list[str], topic: str) -> None:
-    """An MQTT client connects (CONNACK: accepted) and publishes at QoS 1; the message lands in the cluster."""
+def check_broker_serves(address: str, endpoints: list[str], topic: str, token: str | None = None) -> None:
+    """An MQTT client connects (CONNACK: accepted) and publishes at QoS 1; the message lands in the cluster
+    (read back with ``token``, a reader's or better, where the nodes check tokens)."""
     host, _, port = address.rpartition(":")
     connected: list[object] = []
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"deploy-{topic}")
@@ -56,6 +57,6 @@ def check_broker_serves(address: str, endpoints: list[str], topic: str) -> None:
     finally:
         client.disconnect()
         client.loop_stop()
-    with Client(endpoints, timeout_s=30) as mqds:
+    with Client(endpoints, settings=ConnectionSettings(timeout_s=30, auth_token=token)) as mqds:
         stored = wait_until(f"{topic}/a stored", lambda: list(mqds.replay(f"{topic}/#")) or None, 30)
     assert [(m.topic, m.payload) for m in stored] == [(f"{topic}/a", b"via the broker")]

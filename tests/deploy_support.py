@@ -398,13 +398,43 @@ def kustomize_command() -> list[str]:
     pytest.skip("neither kustomize nor kubectl is installed: cannot render the manifests")
 
 
+ROLES = ("reader", "broker", "admin")
+
+
+def write_auth_tokens(path: Path) -> dict[str, str]:
+    """A client tokens file as the docs tell the user to make one: a '<role> <token>' line per role."""
+    tokens = {role: secrets.token_hex(24) for role in ROLES}
+    path.write_text("".join(f"{role} {token}\n" for role, token in tokens.items()))
+    return tokens
+
+
+def read_auth_tokens(text: str) -> dict[str, str]:
+    """role -> token of a tokens file's text."""
+    return {role: token for role, token in (line.split() for line in text.splitlines() if line.strip())}
+
+
 def dev_overlay() -> Path:
-    """The dev overlay, with the cluster secret file it needs (made once per checkout, kept out of git)."""
+    """The dev overlay, with the files it needs (made once per checkout, kept out of git): the cluster
+    secret and the client tokens."""
     overlay = ROOT / "k8s" / "overlays" / "dev"
     secret = overlay / "cluster-secret.txt"
     if not secret.exists():
         secret.write_text(secrets.token_hex(24))
+    tokens = overlay / "auth-tokens.txt"
+    if not tokens.exists():
+        write_auth_tokens(tokens)
     return overlay
+
+
+def out_of_band_secret(name: str, namespace: str, data: Mapping[str, str]) -> dict[str, Any]:
+    """A Secret made out of band (``kubectl create secret generic NAME --from-literal=...``), to add to rendered
+    objects: the manifests never ship one."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": namespace},
+        "stringData": dict(data),
+    }
 
 
 def kustomize(directory: Path) -> list[dict[str, Any]]:

@@ -2,13 +2,15 @@
 (the image itself: test_dockerfile.py).
 
 * The compose file's three node services start as local processes with their commands and
-  environments, and form a cluster that the Prometheus targets point at.
+  environments (the client tokens file the user makes, mounted as the file says), and form a
+  cluster that the Prometheus targets point at; calls without a token are refused.
 * The dev overlay's StatefulSet gives three pods' commands and environments (downward API,
   ConfigMap, Secret, ``$(VAR)`` expansion as the kubelet does it); they form a cluster and pass
   the StatefulSet's own probes; k8s/scale-up.sh and k8s/scale-down.sh add and remove a fourth pod.
 * The broker and exhook containers (compose's broker profile, k8s/components/broker and exhook) run
-  next to those clusters: an MQTT client gets its CONNACK and its message is stored in the cluster,
-  and the ExHook gRPC port answers EMQX's calls and records a client in the cluster.
+  next to those clusters with the broker token: an MQTT client gets its CONNACK and its message is
+  stored in the cluster, and the ExHook port answers EMQX's calls over mutual TLS (EMQX's client
+  certificate; none is refused) and records a client in the cluster.
 
 The substitutions that put containers on loopback are documented in tests/deploy_support.py.
 """
@@ -21,6 +23,7 @@ import secrets
 import shutil
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +51,13 @@ from deploy_support import (
     load_compose,
     local_path_env,
     map_path,
+    out_of_band_secret,
+    read_auth_tokens,
     secret_data,
+    write_auth_tokens,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tls_certs import TestCA
+from tls_certs import Issued, TestCA
 
 from mqds.broker.exhook.v3 import exhook_pb2 as expb
 from mqds.broker.exhook.v3 import exhook_pb2_grpc as expb_grpc
@@ -75,17 +81,19 @@ def health(address: str, service: str) -> str:
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
-def cluster_map(address: str) -> clpb.ClusterMap:
+def cluster_map(address: str, token: str) -> clpb.ClusterMap:
     with grpc.insecure_channel(address) as channel:
-        return clpb_grpc.ClusterStub(channel).GetClusterMap(clpb.GetClusterMapRequest(), timeout=5)
+        return clpb_grpc.ClusterStub(channel).GetClusterMap(
+            clpb.GetClusterMapRequest(), timeout=5, metadata=[("authorization", f"Bearer {token}")]
+        )
 
 
-def wait_status_ok(endpoints: list[str], timeout_s: float = 60) -> str:
-    """Until `mqds status` says every node is up and every vnode has a leader."""
+def wait_status_ok(endpoints: list[str], token: str, timeout_s: float = 60) -> str:
+    """Until `mqds status` (with a reader's token) says every node is up and every vnode has a leader."""
 
     def ok() -> str | None:
         result = subprocess.run(
-            [MQDS, "--endpoints", ",".join(endpoints), "--timeout", "10", "status"],
+            [MQDS, "--endpoints", ",".join(endpoints), "--timeout", "10", "--token", token, "status"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -95,8 +103,19 @@ def wait_status_ok(endpoints: list[str], timeout_s: float = 60) -> str:
     return wait_until("mqds status reporting OK", ok, timeout_s, interval_s=0.5)
 
 
-def store_and_replay(endpoints: list[str], topic: str) -> None:
-    with Client(endpoints, timeout_s=30) as client:
+def check_tokens_required(endpoints: list[str]) -> None:
+    """Secure by default: no token, no reads and no writes."""
+    result = subprocess.run(
+        [MQDS, "--endpoints", ",".join(endpoints), "--timeout", "10", "replay", "#"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1 and "UNAUTHENTICATED" in result.stderr, result.stdout + result.stderr
+
+
+def store_and_replay(endpoints: list[str], topic: str, token: str) -> None:
+    with Client(endpoints, settings=ConnectionSettings(timeout_s=30, auth_token=token)) as client:
         client.store_batch([Message(topic=f"{topic}/{i}", payload=f"m{i}".encode(), sender=f"s{i}") for i in range(8)])
         assert sorted(m.payload for m in client.replay(f"{topic}/#")) == [f"m{i}".encode() for i in range(8)]
 
@@ -112,9 +131,45 @@ def settings_value(argv: list[str], env: dict[str, str], name: str) -> str:
     return env.get("MQDS_" + name.upper(), "")
 
 
-def check_exhook_serves(address: str, endpoints: list[str], clientid: str) -> None:
-    """EMQX's first call answers with the hooks the rules need; a client.connected is recorded in mqds."""
-    with grpc.insecure_channel(address) as channel:
+@dataclass
+class ExhookCerts:
+    """What the user (or cert-manager) makes for the provider: its certificate and key, and the CA that signs
+    EMQX's client certificate; and EMQX's certificate."""
+
+    directory: Path
+    ca: TestCA
+    emqx: Issued
+
+    @classmethod
+    def make(cls, directory: Path, names: tuple[str, ...]) -> ExhookCerts:
+        ca = TestCA(directory / "ca")
+        served = ca.issue("mqds-exhook", dns=(*names, "localhost"))
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, source in (("tls.crt", served.cert_file), ("tls.key", served.key_file), ("ca.crt", ca.file)):
+            shutil.copy(source, directory / name)
+        return cls(directory, ca, ca.issue("emqx"))
+
+    def files(self) -> dict[str, str]:
+        return {name: (self.directory / name).read_text() for name in ("tls.crt", "tls.key", "ca.crt")}
+
+    def channel(self, address: str, *, with_certificate: bool = True) -> grpc.Channel:
+        """A channel as EMQX's exhook ssl option makes (the provider's name: localhost, which its certificate
+        holds as the real one holds its Service's name)."""
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=self.ca.pem,
+            private_key=self.emqx.key_pem if with_certificate else None,
+            certificate_chain=self.emqx.cert_pem if with_certificate else None,
+        )
+        return grpc.secure_channel(address, credentials, options=[("grpc.ssl_target_name_override", "localhost")])
+
+
+def check_exhook_serves(address: str, endpoints: list[str], clientid: str, certs: ExhookCerts, token: str) -> None:
+    """EMQX's first call answers with the hooks the rules need; a client.connected is recorded in mqds. A caller
+    without EMQX's client certificate gets nothing."""
+    with certs.channel(address, with_certificate=False) as stranger, pytest.raises(grpc.RpcError) as refused:
+        expb_grpc.HookProviderStub(stranger).OnProviderLoaded(expb.ProviderLoadedRequest(), timeout=15)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+    with certs.channel(address) as channel:
         stub = expb_grpc.HookProviderStub(channel)
         loaded = stub.OnProviderLoaded(
             expb.ProviderLoadedRequest(broker=expb.BrokerInfo(version="5.9.0"), meta=expb.RequestMeta(node="emqx@e1")),
@@ -123,7 +178,7 @@ def check_exhook_serves(address: str, endpoints: list[str], clientid: str) -> No
         assert {"client.connected", "message.publish"} <= {h.name for h in loaded.hooks}
         info = expb.ClientInfo(node="emqx@e1", clientid=clientid, username="u", peerhost="127.0.0.1", protocol="mqtt")
         stub.OnClientConnected(expb.ClientConnectedRequest(clientinfo=info), timeout=15)
-    with Client(endpoints, timeout_s=30) as mqds:
+    with Client(endpoints, settings=ConnectionSettings(timeout_s=30, auth_token=token)) as mqds:
         state = mqds.client_state(clientid)
     assert state is not None and state.online and state.node == "emqx@e1"
 
@@ -131,8 +186,29 @@ def check_exhook_serves(address: str, endpoints: list[str], clientid: str) -> No
 # -- docker-compose -----------------------------------------------------------------------------
 
 
+def compose_mounts(svc: dict[str, Any], named: Path, files: dict[str, Path]) -> dict[str, Path]:
+    """A service's volumes: container path -> local path. Named volumes are directories under ``named``; a bind
+    mount's source is the user's file of ``files`` (made by the test as the user would) or the repository's."""
+    mounts: dict[str, Path] = {}
+    for volume in svc.get("volumes", []):
+        if isinstance(volume, str):
+            source, target = volume.split(":")[:2]
+        else:
+            assert volume["type"] == "bind", volume
+            source, target = volume["source"], volume["target"]
+        if source.startswith("./"):
+            mounts[target] = files.get(source, (DEPLOY / source).resolve())
+        else:
+            mounts[target] = named / source
+    return mounts
+
+
 def test_compose_node_services_form_a_cluster_prometheus_scrapes(tmp_path: Path) -> None:
-    compose = load_compose({"MQDS_CLUSTER_SECRET": secrets.token_hex(16)})
+    # What the user makes once (the compose file's header): the client tokens and the provider's certificates.
+    tokens = write_auth_tokens(tmp_path / "auth-tokens.txt")
+    certs = ExhookCerts.make(tmp_path / "exhook-tls", ("exhook",))
+    files = {"./auth-tokens.txt": tmp_path / "auth-tokens.txt", "./exhook-tls": certs.directory}
+    compose = load_compose({"MQDS_CLUSTER_SECRET": secrets.token_hex(16), "MQDS_BROKER_TOKEN": tokens["broker"]})
     services: dict[str, Any] = compose["services"]
     nodes = [name for name, svc in services.items() if "--node-id" in svc.get("command", [])]
     assert len(nodes) == 3
@@ -144,8 +220,7 @@ def test_compose_node_services_form_a_cluster_prometheus_scrapes(tmp_path: Path)
     try:
         for name in nodes:
             svc = services[name]
-            # Named volumes: a directory each; the container path they are mounted at maps to it.
-            mounts = {v.split(":")[1]: tmp_path / "volumes" / v.split(":")[0] for v in svc["volumes"]}
+            mounts = compose_mounts(svc, tmp_path / "volumes", files)
             env = {**image.env(), **compose_environment(svc)}
             argv = [*image.required("ENTRYPOINT").exec_form(), *svc["command"]]
             env = {k: map_path(loop.rewrite(v, name), mounts) for k, v in env.items()}
@@ -158,9 +233,11 @@ def test_compose_node_services_form_a_cluster_prometheus_scrapes(tmp_path: Path)
             metrics_address[name] = loop.address(name, container_port(settings_value(*original, "metrics_listen")))
         for name in nodes:
             assert wait_serving(grpc_address[name], 90, READY), processes.outputs()
-        status = wait_status_ok(list(grpc_address.values()))
+        endpoints = list(grpc_address.values())
+        status = wait_status_ok(endpoints, tokens["reader"])
         assert "3 nodes" in status and "OK:" in status, status
-        store_and_replay(list(grpc_address.values()), "compose")
+        check_tokens_required(endpoints)
+        store_and_replay(endpoints, "compose", tokens["broker"])
 
         # Prometheus scrapes exactly the nodes' metrics addresses.
         prometheus = yaml.safe_load(PROMETHEUS_FILE.read_text())
@@ -173,7 +250,7 @@ def test_compose_node_services_form_a_cluster_prometheus_scrapes(tmp_path: Path)
         served: dict[str, str] = {}
         for name in ("broker", "exhook"):
             svc = services[name]
-            mounts = {v.split(":")[1]: (DEPLOY / v.split(":")[0]).resolve() for v in svc["volumes"]}
+            mounts = compose_mounts(svc, tmp_path / "volumes", files)
             mounts.update({path: tmp_path / name / path.strip("/") for path in svc.get("tmpfs", [])})
             env = {**image.env(), **compose_environment(svc)}
             listen = next(w for w in svc["command"] if w.startswith("0.0.0.0:"))
@@ -185,8 +262,8 @@ def test_compose_node_services_form_a_cluster_prometheus_scrapes(tmp_path: Path)
         for name, address in served.items():
             wait_until(f"{name} accepting on {address}", lambda a=address: processes.assert_running() or accepts(a), 60)
             processes.assert_running()
-        check_broker_serves(served["broker"], list(grpc_address.values()), "compose-broker")
-        check_exhook_serves(served["exhook"], list(grpc_address.values()), "compose-emqx-client")
+        check_broker_serves(served["broker"], endpoints, "compose-broker", tokens["reader"])
+        check_exhook_serves(served["exhook"], endpoints, "compose-emqx-client", certs, tokens["reader"])
         assert set(processes.terminate_all().values()) == {0}, processes.outputs()
     finally:
         processes.kill_all()
@@ -222,8 +299,35 @@ class Pods:
         """Each volume mount of the container: a directory of the test's, per pod."""
         return {m["mountPath"]: self.base / pod / m["name"] for m in self.container["volumeMounts"]}
 
+    @property
+    def tokens(self) -> dict[str, str]:
+        """role -> client token, from the Secret the pods mount as their tokens file."""
+        volume = next(v for v in self.sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "auth-tokens")
+        (item,) = volume["secret"]["items"]
+        return read_auth_tokens(secret_data(find(self.objects, "Secret", volume["secret"]["secretName"]))[item["key"]])
+
+    def fill_secret_volumes(self, pod: str) -> None:
+        """The kubelet's part: each Secret volume whose Secret exists holds its keys (or items) as files."""
+        volumes = {v["name"]: v for v in self.sts["spec"]["template"]["spec"]["volumes"]}
+        for mount in self.container["volumeMounts"]:
+            secret = volumes.get(mount["name"], {}).get("secret")  # the data volume is a claim template
+            present = [
+                o
+                for o in self.objects
+                if o["kind"] == "Secret" and secret and o["metadata"]["name"] == secret["secretName"]
+            ]
+            if not present:
+                assert not secret or secret.get("optional"), f"{pod}: the Secret of volume {mount['name']} is missing"
+                continue
+            values = secret_data(present[0])
+            local = self.mounts(pod)[mount["mountPath"]]
+            local.mkdir(parents=True, exist_ok=True)
+            for item in secret.get("items") or [{"key": k, "path": k} for k in values]:
+                (local / item["path"]).write_text(values[item["key"]])
+
     def start(self, ordinal: int) -> None:
         pod = self.pod(ordinal)
+        self.fill_secret_volumes(pod)
         mounts = self.mounts(pod)
         fields = {"metadata.name": pod, "metadata.namespace": self.namespace}
         env = container_env(self.container, self.objects, fields, self.image.env())
@@ -272,14 +376,19 @@ def test_statefulset_pods_form_a_cluster_and_pass_their_probes(pods: Pods) -> No
         assert given["MQDS_ADVERTISE"] == dns[pod]
         assert given["MQDS_PEERS"] == ",".join(f"{p}={a}" for p, a in dns.items())
         assert given["MQDS_CLUSTER_SECRET"]
+        # The client tokens file, from the Secret mounted where the setting points: the pod listens on 0.0.0.0.
+        assert given["MQDS_LISTEN"].startswith("0.0.0.0:") and given["MQDS_AUTH_TOKENS_FILE"]
+        tokens_file = Path(map_path(given["MQDS_AUTH_TOKENS_FILE"], pods.mounts(pod)))
+        assert read_auth_tokens(tokens_file.read_text()) == pods.tokens
         for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert pods.probe(pod, kind) == "SERVING", (pod, kind)
-    status = wait_status_ok(pods.endpoints())
+    status = wait_status_ok(pods.endpoints(), pods.tokens["reader"])
     assert "3 nodes" in status, status
-    cmap = cluster_map(pods.endpoints()[0])
+    check_tokens_required(pods.endpoints())
+    cmap = cluster_map(pods.endpoints()[0], pods.tokens["reader"])
     assert {n.id: n.address for n in cmap.nodes} == {pods.pod(i): pods.address(pods.pod(i)) for i in range(3)}
     assert len(cmap.vnodes) == int(pods.unmapped_env[pods.pod(0)]["MQDS_N_SHARDS"])
-    store_and_replay(pods.endpoints(), "k8s")
+    store_and_replay(pods.endpoints(), "k8s", pods.tokens["broker"])
     # The metrics port the ServiceMonitor scrapes (the headless Service's "metrics" port -> the container's).
     port = next(p["containerPort"] for p in pods.container["ports"] if p["name"] == "metrics")
     for ordinal in range(3):
@@ -350,6 +459,12 @@ def test_backup_job_backs_the_pods_up_into_its_volume(pods: Pods, tmp_path: Path
 def test_broker_and_exhook_components_serve_next_to_the_pods(pods: Pods, tmp_path: Path) -> None:
     objects = dev_with_components(tmp_path / "overlay", "broker", "exhook")
     assert find(objects, "StatefulSet") == pods.sts, "the same pods, with the components added"
+    # The Secrets the components need and do not ship, made out of band (kubectl create secret, cert-manager).
+    certs = ExhookCerts.make(tmp_path / "exhook-tls", (f"mqds-exhook.{pods.namespace}.svc",))
+    objects += [
+        out_of_band_secret("mqds-broker-token", pods.namespace, {"token": pods.tokens["broker"]}),
+        out_of_band_secret("mqds-exhook-tls", pods.namespace, certs.files()),
+    ]
     started = {
         name: start_deployment(pods, objects, name, tmp_path / "pods") for name in ("mqds-broker", "mqds-exhook")
     }
@@ -361,8 +476,10 @@ def test_broker_and_exhook_components_serve_next_to_the_pods(pods: Pods, tmp_pat
                 f"{name} accepting", lambda c=container: pods.processes.assert_running() or accepts(c["address"]), 60
             )
             pods.processes.assert_running()
-        check_broker_serves(started["mqds-broker"]["address"], pods.endpoints(), "k8s-broker")
-        check_exhook_serves(started["mqds-exhook"]["address"], pods.endpoints(), "k8s-emqx-client")
+        check_broker_serves(started["mqds-broker"]["address"], pods.endpoints(), "k8s-broker", pods.tokens["reader"])
+        check_exhook_serves(
+            started["mqds-exhook"]["address"], pods.endpoints(), "k8s-emqx-client", certs, pods.tokens["reader"]
+        )
         for name in started:
             assert pods.processes.terminate(f"{name}-0") == 0, pods.processes.output(f"{name}-0")
         assert "stopped" in pods.processes.output("mqds-broker-0")
@@ -413,7 +530,7 @@ def test_scale_up_then_scale_down_scripts(pods: Pods) -> None:
     assert dry.returncode == 0, dry.stderr
     assert f"admin join {new} --address {pods.unmapped_env[new]['MQDS_ADVERTISE']}" in dry.stdout
     assert "dry run: nothing was changed" in dry.stdout
-    assert new not in [n.id for n in cluster_map(founders[0]).nodes]
+    assert new not in [n.id for n in cluster_map(founders[0], pods.tokens["reader"]).nodes]
 
     up = run_script(
         "scale-up.sh",
@@ -430,9 +547,9 @@ def test_scale_up_then_scale_down_scripts(pods: Pods) -> None:
     assert f"scale statefulset {pods.name} -n {pods.namespace} --replicas=4" in up.stdout
     assert f"node {new} joined" in up.stdout and "rebalanced" in up.stdout
     assert wait_serving(pods.address(new), 60, READY), pods.processes.output(new)
-    held = [v.shard for v in cluster_map(founders[0]).vnodes if new in v.replicas]
+    held = [v.shard for v in cluster_map(founders[0], pods.tokens["reader"]).vnodes if new in v.replicas]
     assert held, "the rebalance moved replicas onto the new node"
-    wait_status_ok(pods.endpoints(4))
+    wait_status_ok(pods.endpoints(4), pods.tokens["reader"])
 
     # A failed leave (no such node) scales nothing.
     bad = run_script(
@@ -452,7 +569,7 @@ def test_scale_up_then_scale_down_scripts(pods: Pods) -> None:
         cluster_secret=secret,
     )
     assert dry.returncode == 0 and f"admin leave {new}" in dry.stdout, dry.stdout + dry.stderr
-    assert new in [n.id for n in cluster_map(founders[0]).nodes], "a dry run changes nothing"
+    assert new in [n.id for n in cluster_map(founders[0], pods.tokens["reader"]).nodes], "a dry run changes nothing"
 
     down = run_script(
         "scale-down.sh", "-n", pods.namespace, "--replicas", "4", mqds_endpoints=founders, cluster_secret=secret
@@ -465,26 +582,27 @@ def test_scale_up_then_scale_down_scripts(pods: Pods) -> None:
     assert lines.index(f"node {new} left the cluster; it can be stopped now") < scale
     assert f"wait --for=delete pod/{new} -n {pods.namespace} --timeout=1800s" in lines[scale:]
     assert f"delete pvc data-{new} -n {pods.namespace}" in lines[scale:]
-    cmap = cluster_map(founders[0])
+    cmap = cluster_map(founders[0], pods.tokens["reader"])
     assert new not in [n.id for n in cmap.nodes]
     assert all(new not in v.replicas and len(v.replicas) == 3 for v in cmap.vnodes)
     # What the scale-down does to the pod: SIGTERM; the cluster stays whole.
     assert pods.processes.terminate(new) == 0, pods.processes.output(new)
-    assert "OK:" in wait_status_ok(founders)
+    assert "OK:" in wait_status_ok(founders, pods.tokens["reader"])
 
 
 def test_tls_component_pod_serves_tls_and_its_exec_probes_pass(tmp_path: Path) -> None:
     objects = kustomize_with_components(tmp_path / "overlay", [dev_overlay()], [K8S / "components" / "tls"])
     pods = Pods(tmp_path / "pods", objects)
     pod = pods.pod(0)
-    # The Secret mqds-tls, mounted: a certificate for the pod's DNS name, and 127.0.0.1, which the
-    # loopback mapping puts in its place.
+    # The component ships no Secret mqds-tls: cert-manager (or the user) makes it. Here: a certificate for the
+    # pod's DNS name, and 127.0.0.1, which the loopback mapping puts in its place.
+    assert not [o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == "mqds-tls"]
     ca = TestCA(tmp_path / "ca")
     issued = ca.issue(pod, dns=(f"{pod}.{pods.service}.{pods.namespace}.svc.cluster.local",), ips=("127.0.0.1",))
-    tls_dir = pods.mounts(pod)[next(m["mountPath"] for m in pods.container["volumeMounts"] if m["name"] == "tls")]
-    tls_dir.mkdir(parents=True)
-    for name, source in (("tls.crt", issued.cert_file), ("tls.key", issued.key_file), ("ca.crt", ca.file)):
-        shutil.copy(source, tls_dir / name)
+    files = {"tls.crt": issued.cert_file, "tls.key": issued.key_file, "ca.crt": ca.file}
+    pods.objects.append(
+        out_of_band_secret("mqds-tls", pods.namespace, {name: path.read_text() for name, path in files.items()})
+    )
     try:
         pods.start(0)
         env = pods.env[pod]

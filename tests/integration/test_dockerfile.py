@@ -30,9 +30,10 @@ from deploy_support import (
     healthcheck_command,
     image_distributions,
     image_stage,
+    write_auth_tokens,
 )
 
-from mqds.tools.localproc import wait_serving, wait_until
+from mqds.tools.localproc import free_port, wait_serving, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -172,6 +173,19 @@ def test_dockerfile_builds_here_and_its_entrypoint_serves(tmp_path: Path) -> Non
     assert env["MQDS_DATA_DIR"] in [rooted(v, root) for v in volume]
     entrypoint = image.required("ENTRYPOINT").exec_form()
     assert image.last("CMD") is None
+
+    # Secure by default: the image listens on 0.0.0.0, so without client tokens its node refuses to start
+    # (here on free ports, every interface, as the image's environment says).
+    every_interface = {k: f"0.0.0.0:{free_port()}" for k, v in image.env().items() if v.startswith("0.0.0.0:")}
+    exposed = {**env, **every_interface}
+    assert exposed["MQDS_LISTEN"].startswith("0.0.0.0:") and "MQDS_AUTH_TOKENS_FILE" not in exposed
+    refused = subprocess.run(entrypoint, env=exposed, cwd=workdir, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "can be reached from other machines and auth_tokens_file is not set" in refused.stderr, refused.stderr
+    # As the image's header says to run it: with a tokens file.
+    tokens = write_auth_tokens(tmp_path / "auth-tokens.txt")
+    env["MQDS_AUTH_TOKENS_FILE"] = str(tmp_path / "auth-tokens.txt")
+
     processes = Processes(tmp_path / "logs")
     try:
         proc = processes.start("image", entrypoint, env, workdir)
@@ -186,7 +200,7 @@ def test_dockerfile_builds_here_and_its_entrypoint_serves(tmp_path: Path) -> Non
             result = subprocess.run([*probe, *extra], env=env, capture_output=True, text=True, timeout=30)
             assert result.returncode == 0, result.stderr
         cli = subprocess.run(
-            [rooted("/opt/mqds/bin/mqds", root), "--endpoints", address, "status"],
+            [rooted("/opt/mqds/bin/mqds", root), "--endpoints", address, "--token", tokens["reader"], "status"],
             env=env,
             capture_output=True,
             text=True,
@@ -208,12 +222,12 @@ def test_dockerfile_builds_here_and_its_entrypoint_serves(tmp_path: Path) -> Non
                 "--hooks",
                 str(DEPLOY / "hooks" / "cassandra-style.yaml"),
             ],
-            env,
+            {**env, "MQDS_TOKEN": tokens["broker"]},
             workdir,
         )
         wait_until("the image's mqds broker accepting", lambda: processes.assert_running() or accepts(broker_port), 60)
         processes.assert_running()
-        check_broker_serves(broker_port, [address], "image-broker")
+        check_broker_serves(broker_port, [address], "image-broker", tokens["reader"])
         assert processes.terminate("broker") == 0, processes.output("broker")
         assert processes.terminate("image") == 0, processes.output("image")
         down = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=30)

@@ -1,8 +1,10 @@
 """The EMQX ExHook provider against a real 3-node cluster: EMQX's hook calls replayed over gRPC, state checked in mqds.
 
 `mqds exhook` runs as a real process with deploy/hooks/redis-style.toml (queue
-delivery on queue/#, pubsub on pubsub/#); a gRPC client plays EMQX, calling
-the hooks in the order EMQX does for a client's life. What the provider wrote
+delivery on queue/#, pubsub on pubsub/#), serving mutual TLS as EMQX's exhook
+ssl option connects; a gRPC client with EMQX's client certificate plays EMQX,
+calling the hooks in the order EMQX does for a client's life, and callers
+without that certificate are refused. What the provider wrote
 is read back with the mqds client. The dispatcher itself is also driven
 in-process with the DynamoDB-style rules (QoS 0 stored, queue mode, a
 restarted dispatcher that has to look subscriptions up).
@@ -24,6 +26,7 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
+from tls_certs import TestCA
 
 from mqds.broker.actions import BrokerHooks
 from mqds.broker.exhook.provider import HookProvider
@@ -65,6 +68,7 @@ class Provider:
     pump: threading.Thread
     stub: pb_grpc.HookProviderStub
     channel: grpc.Channel
+    ca: TestCA
 
     def stop(self) -> tuple[int, str]:
         """Ctrl-C it; its exit code and what it printed after the banner."""
@@ -82,14 +86,32 @@ def _pump(stream: Any, lines: queue.Queue[str]) -> None:
         lines.put(line)
 
 
+def tls_channel(address: str, ca: TestCA, client: TestCA | None, name: str = "emqx") -> grpc.Channel:
+    """A channel as EMQX's exhook ssl option makes: checks the provider against ``ca``; presents a
+    certificate of ``client`` (None: none)."""
+    issued = client.issue(name) if client is not None else None
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=ca.pem,
+        private_key=issued.key_pem if issued else None,
+        certificate_chain=issued.cert_pem if issued else None,
+    )
+    return grpc.secure_channel(address, credentials)
+
+
 @pytest.fixture(scope="module")
 def provider(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Provider]:
     address = f"127.0.0.1:{free_port()}"
+    certs = tmp_path_factory.mktemp("exhook-certs")
+    # One CA issues the provider's certificate and EMQX's client certificate (as cert-manager would).
+    ca = TestCA(certs / "ca")
+    served = ca.issue("mqds-exhook")
     stderr = open(tmp_path_factory.mktemp("exhook-log") / "stderr.log", "w+")  # noqa: SIM115 (closed below)
     process = subprocess.Popen(
         [
             *(MQDS, "--endpoints", ",".join(cluster.addresses), "exhook"),
             *("--config", str(EXAMPLES / "redis-style.toml"), "--listen", address, "--verbose"),
+            *("--server-cert", str(served.cert_file), "--server-key", str(served.key_file)),
+            *("--client-ca", str(ca.file)),
         ],
         stdout=subprocess.PIPE,
         stderr=stderr,
@@ -99,14 +121,14 @@ def provider(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) ->
     assert process.stdout is not None
     pump = threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True)
     pump.start()
-    channel = grpc.insecure_channel(address)
+    channel = tls_channel(address, ca, ca)
     try:
         try:
             banner = lines.get(timeout=30)
         except queue.Empty:
             stderr.seek(0)
             pytest.fail(f"mqds exhook printed nothing in 30 s; stderr: {stderr.read()}")
-        yield Provider(process, address, banner, lines, pump, pb_grpc.HookProviderStub(channel), channel)
+        yield Provider(process, address, banner, lines, pump, pb_grpc.HookProviderStub(channel), channel, ca)
     finally:
         channel.close()
         if process.poll() is None:
@@ -153,7 +175,9 @@ def payloads(messages: list[Message]) -> list[bytes]:
 
 def test_a_client_lifecycle_in_emqx_hook_order(provider: Provider, mqds: Client) -> None:
     stub = provider.stub
-    assert provider.banner.startswith(f"mqds exhook: serving emqx.exhook.v3.HookProvider on {provider.address}")
+    assert provider.banner.startswith(
+        f"mqds exhook: serving emqx.exhook.v3.HookProvider on {provider.address} (mutual TLS)"
+    )
     assert "14 rules" in provider.banner and "hooks: client.connected" in provider.banner
 
     loaded = stub.OnProviderLoaded(
@@ -347,6 +371,26 @@ def test_malformed_requests_get_clear_errors_and_the_provider_goes_on(provider: 
     assert payloads(mqds.fetch_offline("anyone", "queue/after", mode="queue")) == [b"still here"]
 
 
+def test_callers_without_emqx_s_certificate_store_nothing(provider: Provider, mqds: Client, tmp_path: Path) -> None:
+    """Mutual TLS: no client certificate, one of another CA, or plaintext: OnMessagePublish never runs."""
+    forged = pb.MessagePublishRequest(message=emqx_message("forged-1", "forged/topic", b"forged", sender="mallory"))
+    stranger = TestCA(tmp_path / "stranger", name="another CA")
+    callers = {
+        "no client certificate": tls_channel(provider.address, provider.ca, None),
+        "a certificate of another CA": tls_channel(provider.address, provider.ca, stranger),
+        "plaintext": grpc.insecure_channel(provider.address),
+    }
+    for what, channel in callers.items():
+        with channel, pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.HookProviderStub(channel).OnMessagePublish(forged, timeout=10)
+        # The handshake fails: no call is read, nothing is answered by the provider.
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (what, refused.value.details())
+    assert list(mqds.replay("forged/#")) == []
+    # EMQX's certificate still gets in, on the same port.
+    publish(provider, emqx_message("after-forgeries", "queue/after-forgeries", b"from emqx"))
+    assert payloads(mqds.fetch_offline("anyone", "queue/after-forgeries", mode="queue")) == [b"from emqx"]
+
+
 def test_ctrl_c_prints_what_was_handled(provider: Provider) -> None:
     code, out = provider.stop()
     assert code == 0, out
@@ -357,13 +401,14 @@ def test_ctrl_c_prints_what_was_handled(provider: Provider) -> None:
         for part, text in lines.items()
     }
     calls, errors, done = counts["calls"], counts["errors"], counts["done"]
-    # Publishes: 9 in the lifecycle, 3 refused and 1 more after them (the undecodable bytes never reach it).
-    assert calls["OnMessagePublish"] == 13 and errors["OnMessagePublish"] == 3
+    # Publishes: 9 in the lifecycle, 3 refused and 1 more after them (the undecodable bytes never reach it),
+    # 1 after the forgeries (which never reached it either).
+    assert calls["OnMessagePublish"] == 14 and errors["OnMessagePublish"] == 3
     assert calls["OnMessageAcked"] == 3 and calls["OnClientConnected"] == 5 and errors["OnClientConnected"] == 1
     assert errors == {"OnClientConnect": 1, "OnClientConnected": 1, "OnMessagePublish": 3, "OnSessionSubscribed": 2}
     assert calls["OnClientConnect"] == 4 and calls["OnMessageDelivered"] == 2
     assert {name: done.get(name) for name in ("stored", "retained", "retained deleted", "acked")} == {
-        "stored": 9,  # QoS 1/2 only: the QoS 0 message was not kept
+        "stored": 10,  # QoS 1/2 only: the QoS 0 message was not kept
         "retained": 2,
         "retained deleted": 1,
         "acked": 2,
@@ -373,7 +418,7 @@ def test_ctrl_c_prints_what_was_handled(provider: Provider) -> None:
     # What ExHook cannot hand back to EMQX is counted: the reconnect's lookup and the resubscription's backlog.
     assert done["proxy subscriptions found"] == 2 and done["offline messages found"] == 4
     # The stores went through the client's pipeline: its calls, batches and their messages.
-    assert counts["pipeline"]["messages"] == 9 and 1 <= counts["pipeline"]["batches"] <= 9
+    assert counts["pipeline"]["messages"] == 10 and 1 <= counts["pipeline"]["batches"] <= 10
 
 
 def run(coro: Coroutine[Any, Any, T], timeout_s: float = 60) -> T:
@@ -487,3 +532,22 @@ def test_mqds_exhook_refuses_what_it_cannot_serve(cluster: LocalCluster, tmp_pat
     unreachable = exhook("--endpoints", nobody, "--timeout", "2", "exhook", "--config", config)
     assert unreachable.returncode == 1 and f"cannot reach the mqds cluster at {nobody}" in unreachable.stderr
     assert exhook("exhook", "--config", config, "--ack-cache-size", "0").returncode == 2
+
+    # Secure by default: an address other machines reach needs mutual TLS. Refused before the cluster is asked
+    # (its endpoint answers nothing here) and before anything listens.
+    issued = TestCA(tmp_path / "ca").issue("exhook")
+    server_tls = ("--server-cert", str(issued.cert_file), "--server-key", str(issued.key_file))
+    for listen, extra in (("0.0.0.0:0", ()), ("[::]:0", ()), ("0.0.0.0:0", server_tls)):
+        exposed = exhook("--endpoints", nobody, "exhook", "--config", config, "--listen", listen, *extra)
+        assert exposed.returncode == 2, exposed.stderr
+        assert f"--listen {listen} can be reached from other machines" in exposed.stderr
+        assert "authenticates no caller" in exposed.stderr and "--insecure-no-client-auth" in exposed.stderr
+    # Asked for by name, with a loud warning: it goes on (and here finds no cluster).
+    insecure = exhook(
+        *("--endpoints", nobody, "--timeout", "2", "exhook", "--config", config, "--listen", "0.0.0.0:0"),
+        "--insecure-no-client-auth",
+    )
+    assert insecure.returncode == 1 and "WARNING: --insecure-no-client-auth" in insecure.stderr, insecure.stderr
+    assert f"cannot reach the mqds cluster at {nobody}" in insecure.stderr
+    missing_key = exhook("exhook", "--config", config, "--server-cert", str(issued.cert_file))
+    assert missing_key.returncode == 2 and "--server-cert and --server-key go together" in missing_key.stderr

@@ -31,11 +31,11 @@ def test_precedence_file_env_flags(tmp_path: Path) -> None:
     path = tmp_path / "node.toml"
     path.write_text('node_id = "from-file"\nn_shards = 4\nlisten = "127.0.0.1:9000"\nretention_period_s = 60\n')
     env = {"MQDS_N_SHARDS": "8", "MQDS_DATA_DIR": "/srv/mqds", "UNRELATED": "x"}
-    config, _ = load_config(["--config", str(path), "--listen", "0.0.0.0:7101"], environ=env)
+    config, _ = load_config(["--config", str(path), "--listen", "127.0.0.1:7101"], environ=env)
     assert config.node_id == "from-file"  # file only
     assert config.n_shards == 8  # env beats file
     assert config.data_dir == "/srv/mqds"  # env
-    assert config.listen == "0.0.0.0:7101"  # flag beats file
+    assert config.listen == "127.0.0.1:7101"  # flag beats file
     assert config.retention_period_s == 60.0  # int in TOML becomes float
     # The config file may also come from the environment.
     config, _ = load_config([], environ={"MQDS_CONFIG": str(path)})

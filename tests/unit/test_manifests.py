@@ -24,6 +24,7 @@ from deploy_support import (
     DEPLOY,
     K8S,
     PROMETHEUS_FILE,
+    ROOT,
     compose_environment,
     compose_interpolate,
     container_env,
@@ -47,8 +48,9 @@ from deploy_support import (
 )
 
 from mqds.broker.amqtt_plugin import DEFAULT_RULES
-from mqds.broker.hooks import load_config
-from mqds.server.config import NodeConfig
+from mqds.broker.exhook.listener import ProviderTLS, check_listener
+from mqds.broker.hooks import load_config as load_hook_config
+from mqds.server.config import ConfigError, NodeConfig, load_config
 
 # The oldest Kubernetes the manifests are meant for (native gRPC probes are GA from 1.27) and the newest
 # schemas kubernetes-validate has.
@@ -101,27 +103,21 @@ def test_kustomize_renders_base_dev_overlay_and_tls_component(
     base: list[dict[str, Any]], dev: list[dict[str, Any]], tmp_path: Path
 ) -> None:
     kinds = sorted(o["kind"] for o in base)
-    assert kinds == [
-        "ConfigMap",
-        "PodDisruptionBudget",
-        "Secret",
-        "Secret",
-        "Service",
-        "Service",
-        "StatefulSet",
-    ]
-    assert sorted(o["kind"] for o in dev) == sorted([*kinds, "Namespace"])
+    # No Secret: `kubectl apply -k` must never write over one made out of band or by cert-manager.
+    assert kinds == ["ConfigMap", "NetworkPolicy", "PodDisruptionBudget", "Service", "Service", "StatefulSet"]
+    # The dev overlay makes its two Secrets from files kept out of git.
+    assert sorted(o["kind"] for o in dev) == sorted([*kinds, "Namespace", "Secret", "Secret"])
     # Only built-in kinds: `kubectl apply -k k8s/overlays/dev` works on a cluster without the Prometheus
     # Operator (a ServiceMonitor needs its CRD; it is the monitoring component).
-    assert {o["apiVersion"].partition("/")[0] for o in dev} <= {"v1", "apps", "policy"}
+    assert {o["apiVersion"].partition("/")[0] for o in dev} <= {"v1", "apps", "policy", "networking.k8s.io"}
     assert {o["metadata"].get("namespace") for o in dev if o["kind"] != "Namespace"} == {"mqds-dev"}
     assert find(dev, "Namespace")["metadata"]["name"] == "mqds-dev"
-    # The overlay's generators replace and merge the base's objects, keeping their names.
-    assert secret_data(find(dev, "Secret", "mqds-cluster-secret"))["cluster-secret"]
+    ref = env_of(statefulset_container(dev))["MQDS_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]
+    assert secret_data(find(dev, "Secret", ref["name"]))["cluster-secret"]
     assert find(dev, "ConfigMap", "mqds-config")["data"]["MQDS_LOG_LEVEL"] == "DEBUG"
     assert statefulset_container(dev)["image"] == "mqds:0.1.0"
     with_tls = render_with_tls(tmp_path)
-    assert sorted(o["kind"] for o in with_tls) == sorted(o["kind"] for o in dev)
+    assert sorted(o["kind"] for o in with_tls) == sorted(o["kind"] for o in dev), "the TLS component adds no Secret"
 
 
 def test_every_manifest_validates_against_the_kubernetes_schemas(
@@ -146,8 +142,9 @@ def test_every_manifest_validates_against_the_kubernetes_schemas(
                 except kubernetes_validate.ValidationError as err:
                     pytest.fail(f"{name}: {obj['kind']} {obj['metadata']['name']} (Kubernetes {version}): {err}")
                 checked += 1
-    # base 7, dev 8 (twice), dev+tls 8, dev with the components 8 + 2 x (Deployment, Service, ConfigMap) (twice).
-    assert checked == 7 + 2 * 8 + 8 + 2 * 14
+    # base 6, dev 9 (twice), dev+tls 9, dev with the components 9 + 2 x (Deployment, Service, ConfigMap,
+    # NetworkPolicy) (twice).
+    assert checked == 6 + 2 * 9 + 9 + 2 * 17
 
 
 def test_the_schema_check_catches_mistakes(dev: list[dict[str, Any]]) -> None:
@@ -255,21 +252,133 @@ def test_storage_resources_placement_and_disruption_budget(
     assert (str(pod["securityContext"]["runAsUser"]), str(pod["securityContext"]["fsGroup"])) == (uid, gid)
 
 
-def test_settings_and_secrets(base: list[dict[str, Any]], dev: list[dict[str, Any]]) -> None:
+def gitignored(path: Path) -> bool:
+    """Whether the repository's .gitignore lists ``path`` (a file the user makes, never committed)."""
+    rules = (ROOT / ".gitignore").read_text().splitlines()
+    relative = "/" + path.resolve().relative_to(ROOT).as_posix()
+    return any(rule == relative or (rule.endswith("/") and f"{relative}/".startswith(rule)) for rule in rules)
+
+
+def test_settings_and_secrets(base: list[dict[str, Any]], dev: list[dict[str, Any]], tmp_path: Path) -> None:
     fields = {f"MQDS_{name.upper()}" for name in NodeConfig.__dataclass_fields__}
     config = find(base, "ConfigMap", "mqds-config")["data"]
     assert set(config) <= fields, f"unknown settings: {set(config) - fields}"
+    sts = find(base, "StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
     container = statefulset_container(base)
     assert [s["configMapRef"]["name"] for s in container["envFrom"]] == ["mqds-config"]
+    # The Secrets are referenced, required, and not shipped: the user, cert-manager or an overlay's
+    # generator makes them, and `kubectl apply -k` never writes over them.
+    assert not [o for o in base if o["kind"] == "Secret"]
+    assert not (K8S / "base" / "secret.yaml").exists()
     ref = env_of(container)["MQDS_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]
-    # The base's Secrets are placeholders: empty, so a node refuses to start until an overlay sets them.
-    base_secret = secret_data(find(base, "Secret", ref["name"]))
-    assert base_secret[ref["key"]] == ""
-    assert set(secret_data(find(base, "Secret", "mqds-tls")).values()) == {""}
-    assert "PLACEHOLDER" in (K8S / "base" / "secret.yaml").read_text()
-    assert secret_data(find(dev, "Secret", ref["name"]))[ref["key"]]
-    tls_volume = next(v for v in find(base, "StatefulSet")["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
-    assert tls_volume["secret"] == {"secretName": "mqds-tls", "optional": True}
+    assert ref == {"name": "mqds-cluster-secret", "key": "cluster-secret"}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    tokens = volumes["auth-tokens"]["secret"]
+    assert tokens["secretName"] == "mqds-auth-tokens" and not tokens.get("optional")
+    assert tokens["defaultMode"] == 0o440 and mounts["auth-tokens"]["readOnly"]
+    # The node reads its client tokens where that Secret is mounted.
+    (item,) = tokens["items"]
+    assert config["MQDS_AUTH_TOKENS_FILE"] == f"{mounts['auth-tokens']['mountPath']}/{item['path']}"
+    assert volumes["tls"]["secret"] == {"secretName": "mqds-tls", "optional": True}
+    # A node never calls the Kubernetes API: no service-account token is mounted.
+    assert pod["automountServiceAccountToken"] is False
+    # Why the tokens matter: with the ConfigMap's settings (listen 0.0.0.0) a node without them refuses to start.
+    assert config["MQDS_LISTEN"].startswith("0.0.0.0:")
+    node_env = {k: v for k, v in config.items() if k != "MQDS_AUTH_TOKENS_FILE"}
+    with pytest.raises(ConfigError, match="auth_tokens_file is not set"):
+        load_config([], environ=node_env)
+    (tmp_path / "tokens").write_text("reader reader-token-0123456789\nadmin admin-token-0123456789\n")
+    assert load_config([], environ={**node_env, "MQDS_AUTH_TOKENS_FILE": str(tmp_path / "tokens")})[0]
+    # The dev overlay generates both from files kept out of git (and required: kustomize fails without them).
+    overlay = yaml.safe_load((dev_overlay() / "kustomization.yaml").read_text())
+    generated = {g["name"]: g for g in overlay["secretGenerator"]}
+    assert set(generated) == {"mqds-cluster-secret", "mqds-auth-tokens"}
+    for generator in generated.values():
+        assert generator.get("behavior", "create") == "create"
+        for entry in generator["files"]:
+            assert gitignored(dev_overlay() / entry.partition("=")[2]), entry
+    dev_ref = env_of(statefulset_container(dev))["MQDS_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]
+    assert secret_data(find(dev, "Secret", dev_ref["name"]))[dev_ref["key"]]
+    dev_tokens = next(
+        v for v in find(dev, "StatefulSet")["spec"]["template"]["spec"]["volumes"] if v["name"] == "auth-tokens"
+    )
+    lines = secret_data(find(dev, "Secret", dev_tokens["secret"]["secretName"]))["tokens"].splitlines()
+    assert {line.split()[0] for line in lines if line.strip()} == {"reader", "broker", "admin"}
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector (a plain dict of labels, or matchLabels and matchExpressions) selects
+    ``labels``. Only the operators the manifests use are known."""
+    if "matchLabels" not in selector and "matchExpressions" not in selector:
+        return selector.items() <= labels.items()
+    if not (selector.get("matchLabels") or {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions") or []:
+        assert expression["operator"] == "In", expression
+        if labels.get(expression["key"]) not in expression["values"]:
+            return False
+    return True
+
+
+def admitted(policy: dict[str, Any], port: str) -> list[dict[str, Any]]:
+    """The ``from`` peers of every ingress rule of ``policy`` that covers the named port."""
+    peers: list[dict[str, Any]] = []
+    for rule in policy["spec"]["ingress"]:
+        if any(p["port"] == port for p in rule["ports"]):
+            assert rule.get("from"), f"a rule admits port {port} from everywhere"
+            peers += rule["from"]
+    return peers
+
+
+def test_network_policy_admits_peers_clients_and_prometheus_only(with_components: list[dict[str, Any]]) -> None:
+    objects = with_components
+    sts = find(objects, "StatefulSet")
+    node_labels = sts["spec"]["template"]["metadata"]["labels"]
+    policy = find(objects, "NetworkPolicy", "mqds")
+    assert policy["metadata"]["namespace"] == sts["metadata"]["namespace"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert selects(policy["spec"]["podSelector"], node_labels)
+    ports = {p["name"]: p["containerPort"] for p in statefulset_container(objects)["ports"]}
+    assert set(ports) == {"grpc", "raft", "metrics"}
+    covered = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    assert covered == set(ports), "every port of the nodes has a rule, and no rule names another"
+
+    def from_nodes(peer: dict[str, Any]) -> bool:
+        return set(peer) == {"podSelector"} and selects(peer["podSelector"], node_labels)
+
+    # Raft: the other mqds pods, nobody else.
+    assert admitted(policy, "raft") and all(from_nodes(peer) for peer in admitted(policy, "raft"))
+    # gRPC: the other mqds pods and labelled clients of the namespace; an unlabelled pod is not among them.
+    grpc_peers = admitted(policy, "grpc")
+    assert any(from_nodes(peer) for peer in grpc_peers)
+    clients = [peer for peer in grpc_peers if not from_nodes(peer)]
+    assert clients and all(set(peer) == {"podSelector"} for peer in clients)
+    labelled = {"app.kubernetes.io/name": "my-app", "mqds-client": "true"}
+    assert any(selects(peer["podSelector"], labelled) for peer in clients)
+    assert not any(selects(peer["podSelector"], {"app.kubernetes.io/name": "my-app"}) for peer in grpc_peers)
+    # Every component that calls the nodes carries the client label (broker, exhook; backup: its own test).
+    for name in ("mqds-broker", "mqds-exhook"):
+        pod_labels = find(objects, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
+        assert any(selects(peer["podSelector"], pod_labels) for peer in clients), name
+    # Metrics: Prometheus' namespace, nothing else.
+    (metrics,) = admitted(policy, "metrics")
+    assert set(metrics) == {"namespaceSelector"}
+    assert selects(metrics["namespaceSelector"], {"kubernetes.io/metadata.name": "monitoring"})
+    assert not selects(metrics["namespaceSelector"], {"kubernetes.io/metadata.name": "default"})
+
+    # The components' own ports: EMQX pods only to the provider, MQTT clients only to the broker.
+    for name, port, who, stranger in (
+        ("mqds-exhook", "exhook", {"app.kubernetes.io/name": "emqx"}, {"app.kubernetes.io/name": "mqds-broker"}),
+        ("mqds-broker", "mqtt", {"mqds-mqtt-client": "true"}, {"mqds-client": "true"}),
+    ):
+        own = find(objects, "NetworkPolicy", name)
+        deployment = find(objects, "Deployment", name)
+        assert selects(own["spec"]["podSelector"], deployment["spec"]["template"]["metadata"]["labels"])
+        assert {p["port"] for rule in own["spec"]["ingress"] for p in rule["ports"]} == {port}
+        (peer,) = admitted(own, port)
+        assert selects(peer["podSelector"], who) and not selects(peer["podSelector"], stranger)
 
 
 def test_tls_component_serves_tls_and_probes_with_the_image_healthcheck(tmp_path: Path) -> None:
@@ -311,10 +420,6 @@ def test_monitoring_component_selects_the_metrics_port(with_components: list[dic
 
 
 # -- the broker and the ExHook provider ----------------------------------------------------------
-
-
-def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
-    return selector.items() <= labels.items()
 
 
 @pytest.mark.parametrize(("command", "port_name"), [("broker", "mqtt"), ("exhook", "exhook")])
@@ -375,16 +480,19 @@ def test_broker_and_exhook_components(with_components: list[dict[str, Any]], com
     assert config_map["metadata"]["name"].startswith(f"{name}-hooks-"), "generated: a change rolls the pod"
     rules_file = COMPONENTS / command / rules_path.name
     assert config_map["data"][rules_path.name] == rules_file.read_text()
-    rules = load_config(rules_file)
+    rules = load_hook_config(rules_file)
     if command == "broker":
         assert rules.rules == DEFAULT_RULES.rules, "the broker's documented default"
     assert {r.hook for r in rules.rules} >= {"client.connected", "message.publish", "message.acked"}
 
-    # Secure by default: no admin credential (no cluster secret, no admin token), the token optional.
+    # Secure by default: no admin credential (no cluster secret, no admin token); the broker token required (a
+    # Secret of the user's: the component ships none); admitted to the nodes as a labelled client.
     assert "mqds-cluster-secret" not in yaml.safe_dump(deployment)
     assert "MQDS_CLUSTER_SECRET" not in env
     secret_refs = [e["valueFrom"]["secretKeyRef"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})]
-    assert secret_refs == [{"name": "mqds-broker-token", "key": "token", "optional": True}]
+    assert secret_refs == [{"name": "mqds-broker-token", "key": "token"}]
+    assert not [o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"].startswith(name)]
+    assert labels["mqds-client"] == "true"
     assert not container.get("envFrom")
     assert pod["enableServiceLinks"] is False and pod["automountServiceAccountToken"] is False
     # Non-root (the image's user), read-only root filesystem, no privileges; /tmp writable.
@@ -395,6 +503,22 @@ def test_broker_and_exhook_components(with_components: list[dict[str, Any]], com
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == mounts["/tmp"]["name"])
     assert {"cpu", "memory"} <= set(container["resources"]["requests"])
+    if command == "exhook":
+        # The provider serves mutual TLS from the Secret mqds-exhook-tls (cert-manager's keys): its listener on
+        # 0.0.0.0 is one the provider accepts only so (and refuses in plaintext).
+        tls_dir = {str(Path(p).parent) for p in (opts.server_cert, opts.server_key, opts.client_ca)}
+        (directory,) = tls_dir
+        tls_volume = next(v for v in pod["volumes"] if v["name"] == mounts[directory]["name"])
+        assert tls_volume["secret"]["secretName"] == "mqds-exhook-tls" and not tls_volume["secret"].get("optional")
+        assert mounts[directory]["readOnly"] and pod["securityContext"]["fsGroup"] == int(gid)
+        assert {Path(p).name for p in (opts.server_cert, opts.server_key, opts.client_ca)} == {
+            "tls.crt",
+            "tls.key",
+            "ca.crt",
+        }
+        check_listener(opts.listen, ProviderTLS(b"cert", b"key", client_ca=b"ca"))
+        with pytest.raises(ValueError, match="authenticates no caller"):
+            check_listener(opts.listen, None)
 
 
 def test_components_are_optional_and_documented(base: list[dict[str, Any]], dev: list[dict[str, Any]]) -> None:
@@ -491,7 +615,7 @@ def test_compose_interpolation() -> None:
         compose_interpolate("${X:?say so}", env)
 
 
-def test_compose_file_describes_three_nodes_and_prometheus() -> None:
+def test_compose_file_describes_three_nodes_and_prometheus(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="MQDS_CLUSTER_SECRET"):
         load_compose({})  # no secret, no cluster
     compose = load_compose({"MQDS_CLUSTER_SECRET": "s"})
@@ -515,9 +639,28 @@ def test_compose_file_describes_three_nodes_and_prometheus() -> None:
         assert f"127.0.0.1:{listen_port}:{listen_port}" in svc["ports"], (
             "published on the host under the advertised port"
         )
-        (volume,) = svc["volumes"]
-        source, target = volume.split(":")
+        data, tokens = svc["volumes"]
+        source, target = data.split(":")
         assert target == data_dir and source in volumes
+        # Client tokens required: a file the user makes (git ignores it), bind-mounted where the node reads it;
+        # compose does not make a directory in its place when it is missing (create_host_path: false).
+        environment = compose_environment(svc)
+        assert tokens == {
+            "type": "bind",
+            "source": "./auth-tokens.txt",
+            "target": environment["MQDS_AUTH_TOKENS_FILE"],
+            "read_only": True,
+            "bind": {"create_host_path": False},
+        }
+        assert gitignored(DEPLOY / tokens["source"])
+        # Without them a node, as compose starts it (listen on 0.0.0.0), refuses to start.
+        listen = command[command.index("--listen") + 1]
+        assert listen.startswith("0.0.0.0:")
+        without = {k: v for k, v in environment.items() if k != "MQDS_AUTH_TOKENS_FILE"}
+        with pytest.raises(ConfigError, match="auth_tokens_file is not set"):
+            load_config(["--listen", listen], environ=without)
+        (tmp_path / "tokens").write_text("broker broker-token-0123456789\n")
+        assert load_config(["--listen", listen], environ={**without, "MQDS_AUTH_TOKENS_FILE": str(tmp_path / "tokens")})
     peers = NodeConfig(peers=compose_environment(nodes["n1"])["MQDS_PEERS"]).peer_map()
     assert peers == advertised
     # Prometheus gets deploy/prometheus.yml, whose targets are the nodes' metrics ports.
@@ -532,7 +675,8 @@ def test_compose_file_describes_three_nodes_and_prometheus() -> None:
 
 @pytest.mark.parametrize("command", ["broker", "exhook"])
 def test_compose_broker_profile_runs_broker_and_exhook(command: str) -> None:
-    compose = load_compose({"MQDS_CLUSTER_SECRET": "s"})
+    broker_token = "broker-token-0123456789"
+    compose = load_compose({"MQDS_CLUSTER_SECRET": "s", "MQDS_BROKER_TOKEN": broker_token})
     services = compose["services"]
     svc = services[command]
     nodes = {name: s for name, s in services.items() if "--node-id" in s.get("command", [])}
@@ -543,19 +687,28 @@ def test_compose_broker_profile_runs_broker_and_exhook(command: str) -> None:
     env = compose_environment(svc)
     opts = mqds_cli(argv, env)
     assert opts.command == command and not unused_settings(argv, env)
-    # Every node, at the address it advertises; no cluster secret or token (no admin rights).
+    # Every node, at the address it advertises; the broker token ($MQDS_BROKER_TOKEN), no cluster secret.
     advertised = {s["command"][s["command"].index("--advertise") + 1] for s in nodes.values()}
     assert set(opts.endpoints.split(",")) == advertised
-    assert not {"MQDS_CLUSTER_SECRET", "MQDS_TOKEN"} & set(env)
+    assert "MQDS_CLUSTER_SECRET" not in env and opts.token == broker_token
     assert set(svc["depends_on"]) == set(nodes)
     # Its port published on the host's loopback only; the rules file mounted read-only, and it loads.
     port = opts.listen.rpartition(":")[2]
     assert svc["ports"] == [f"127.0.0.1:{port}:{port}"]
     rules = opts.hooks if command == "broker" else opts.config
-    (volume,) = svc["volumes"]
+    volume, *others = svc["volumes"]
     source, target, mode = volume.split(":")
     assert target == rules and mode == "ro"
-    assert load_config(DEPLOY / source).rules
+    assert load_hook_config(DEPLOY / source).rules
+    if command == "exhook":
+        # Mutual TLS from a directory the user makes (git ignores it); never created empty by compose.
+        (tls,) = others
+        assert tls["type"] == "bind" and tls["read_only"] and tls["bind"] == {"create_host_path": False}
+        assert gitignored(DEPLOY / tls["source"])
+        assert {str(Path(p).parent) for p in (opts.server_cert, opts.server_key, opts.client_ca)} == {tls["target"]}
+        check_listener(opts.listen, ProviderTLS(b"cert", b"key", client_ca=b"ca"))
+    else:
+        assert not others
     assert svc["read_only"] is True and svc["tmpfs"] == ["/tmp"]
     # Not the image's node health check: one of its own port.
     assert healthcheck_command(image_stage()) != svc["healthcheck"]["test"][1:]
@@ -610,7 +763,8 @@ def test_backup_component_is_a_job_with_a_volume_and_the_secret_as_a_file(tmp_pa
     # The cluster secret: a read-only file of the nodes' Secret, never an environment variable.
     secret_dir, secret_name = opts.cluster_secret_file.rsplit("/", 1)
     secret_volume = volumes[mounts[secret_dir]["name"]]["secret"]
-    assert mounts[secret_dir]["readOnly"] and secret_volume["secretName"] == "mqds-cluster-secret"
+    sts_ref = env_of(statefulset_container(objects))["MQDS_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]
+    assert mounts[secret_dir]["readOnly"] and secret_volume["secretName"] == sts_ref["name"], "the nodes' Secret"
     assert secret_volume["items"] == [{"key": "cluster-secret", "path": secret_name}]
     assert secret_volume["defaultMode"] == 0o440
     assert "MQDS_CLUSTER_SECRET" not in env and env["MQDS_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"]
@@ -620,3 +774,5 @@ def test_backup_component_is_a_job_with_a_volume_and_the_secret_as_a_file(tmp_pa
     assert container["securityContext"]["readOnlyRootFilesystem"]
     assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
     assert job["metadata"]["labels"]["app.kubernetes.io/name"] != "mqds"
+    # Admitted to the nodes' gRPC port as a labelled client.
+    assert job["spec"]["template"]["metadata"]["labels"]["mqds-client"] == "true"

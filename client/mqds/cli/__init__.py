@@ -30,6 +30,7 @@ from mqds.cli import (
     local_cluster,
     messages,
     retention,
+    secret,
     spark_job,
     status,
 )
@@ -143,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}: {err}", file=sys.stderr)
         return EXIT_USAGE
     except MqdsError as err:
-        print(f"{name}: {err}", file=sys.stderr)
+        print(f"{name}: {err}{secret.hint(err, opts)}", file=sys.stderr)
         return EXIT_FAILED
     except ValueError as err:  # e.g. an endpoint that is not host:port
         print(f"{name}: {err}", file=sys.stderr)

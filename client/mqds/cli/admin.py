@@ -1,22 +1,23 @@
 """``mqds admin join|leave|forget|rebalance``: change membership online, on the metadata leader.
 
 Admin calls need proof: an admin token (``--token``) on nodes with a tokens
-file, else the cluster secret, read from ``--cluster-secret-file`` or
-``$MQDS_CLUSTER_SECRET`` (never printed; ``mqds generations add|drop`` takes
-it the same way).
+file, else the cluster secret, found by :mod:`mqds.cli.secret`
+(``--cluster-secret-file``, ``$MQDS_CLUSTER_SECRET``, or the local cluster of
+``--data-dir``; never printed). Every command making admin calls takes it the
+same way.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 
-from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, connection
+from mqds.cli.console import EXIT_OK, connection
+from mqds.cli.secret import cluster_secret_options, with_cluster_secret
 from mqds.client.client import parse_endpoints
 from mqds.client.connection import ConnectionSettings
 from mqds.protocol import errors
@@ -61,42 +62,6 @@ def _meta_call(
     if last is not None and last.reason is Reason.UNAVAILABLE:
         raise errors.error(Reason.UNAVAILABLE, f"no mqds node answered at {', '.join(endpoints)}; is it running?")
     raise last or errors.error(Reason.DEADLINE_EXCEEDED, "no metadata leader answered in time")
-
-
-CLUSTER_SECRET_ENV = "MQDS_CLUSTER_SECRET"
-
-
-def cluster_secret_options() -> argparse.ArgumentParser:
-    """A parent parser with ``--cluster-secret-file``, for the commands that make admin calls."""
-    parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument(
-        "--cluster-secret-file",
-        metavar="FILE",
-        help=f"file holding the nodes' cluster secret, presented as the proof admin calls need on nodes "
-        f"without client tokens (default: ${CLUSTER_SECRET_ENV}; with tokens, --token of an admin works too)",
-    )
-    return parent
-
-
-def with_cluster_secret(settings: ConnectionSettings, opts: argparse.Namespace) -> ConnectionSettings:
-    """``settings`` presenting the cluster secret of --cluster-secret-file or $MQDS_CLUSTER_SECRET, if any."""
-    path = getattr(opts, "cluster_secret_file", None)
-    if path:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                secret = fh.read().strip()
-        except OSError as err:
-            raise CommandError(f"--cluster-secret-file {path}: cannot read it: {err.strerror}", EXIT_USAGE) from None
-        if not secret:
-            raise CommandError(f"--cluster-secret-file {path} is empty", EXIT_USAGE)
-    else:
-        secret = os.environ.get(CLUSTER_SECRET_ENV, "").strip()
-    if not secret:
-        return settings
-    try:
-        return settings.replace(cluster_secret=secret)
-    except ValueError as err:
-        raise CommandError(f"the cluster secret cannot be sent: {err}", EXIT_USAGE) from None
 
 
 def _print_membership(response: clpb.MembershipResponse, what: str) -> None:

@@ -6,8 +6,8 @@ import argparse
 import sys
 import threading
 
-from mqds.cli.admin import cluster_secret_options, with_cluster_secret
 from mqds.cli.console import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CommandError, ProgressLine, bar, connection, table
+from mqds.cli.secret import cluster_secret_options, with_cluster_secret
 from mqds.client import Client
 from mqds.client.backup_files import BackupError, Place, VerifyReport, verify
 

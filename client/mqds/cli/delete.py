@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mqds.cli.admin import cluster_secret_options, with_cluster_secret
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, TIME_HELP, CommandError, connection, format_time_us, parse_time, table
+from mqds.cli.secret import cluster_secret_options, with_cluster_secret
 from mqds.client import Client
 from mqds.protocol.deletes import check_delete
 from mqds.protocol.errors import MqdsError

@@ -7,11 +7,9 @@ import asyncio
 import logging
 import signal
 import sys
-from pathlib import Path
-
-import grpc
 
 from mqds.broker.actions import BrokerHooks
+from mqds.broker.exhook.listener import INSECURE_FLAG, ProviderTLS, check_listener, describe
 from mqds.broker.exhook.provider import (
     DEFAULT_ACK_CACHE_SIZE,
     SERVICE,
@@ -34,24 +32,24 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def _server_credentials(opts: argparse.Namespace) -> grpc.ServerCredentials | None:
+def _provider_tls(opts: argparse.Namespace) -> ProviderTLS | None:
     if bool(opts.server_cert) != bool(opts.server_key):
         raise CommandError("--server-cert and --server-key go together", EXIT_USAGE)
+    if opts.client_ca and not opts.server_cert:
+        raise CommandError("--client-ca needs TLS: give --server-cert and --server-key too", EXIT_USAGE)
     if not opts.server_cert:
         return None
     try:
-        cert = Path(opts.server_cert).read_bytes()
-        key = Path(opts.server_key).read_bytes()
-    except OSError as err:
-        raise CommandError(f"cannot read {err.filename}: {err.strerror}", EXIT_USAGE) from None
-    return grpc.ssl_server_credentials([(key, cert)])
+        return ProviderTLS.from_files(opts.server_cert, opts.server_key, opts.client_ca)
+    except ValueError as err:
+        raise CommandError(str(err), EXIT_USAGE) from None
 
 
 async def _serve(
     opts: argparse.Namespace,
     config: HookConfig,
     settings: ConnectionSettings,
-    credentials: grpc.ServerCredentials | None,
+    tls: ProviderTLS | None,
 ) -> int:
     async with aio.Client(opts.endpoints, settings=settings) as client:
         try:
@@ -61,7 +59,7 @@ async def _serve(
         hooks = BrokerHooks(client, config, node=opts.node)
         provider = HookProvider(hooks, ack_cache_size=opts.ack_cache_size)
         try:
-            server = ExhookServer(provider, opts.listen, credentials)
+            server = ExhookServer(provider, opts.listen, tls, insecure_no_client_auth=opts.insecure_no_client_auth)
         except ValueError as err:
             raise CommandError(str(err), EXIT_USAGE) from None
         try:
@@ -74,7 +72,7 @@ async def _serve(
             loop.add_signal_handler(signum, stop.set)
         try:
             needed = ", ".join(hooks.needed_hooks()) or "none"
-            scheme = "TLS" if credentials is not None else "plaintext"
+            scheme = describe(tls)
             print(
                 f"mqds exhook: serving {SERVICE} on {address} ({scheme}) for the mqds cluster at {opts.endpoints} "
                 f"({_count(len(cmap.nodes), 'node')}, {_count(cmap.n_shards, 'vnode')}); "
@@ -86,7 +84,10 @@ async def _serve(
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(signum)
             await server.stop(STOP_GRACE_S)
-        print("mqds exhook: stopped; " + provider.summary(), flush=True)
+        summary = provider.summary()
+        if server.guard.refused:
+            summary += f"\n  refused: calls of methods not served {server.guard.refused}"
+        print("mqds exhook: stopped; " + summary, flush=True)
     return EXIT_OK
 
 
@@ -97,14 +98,27 @@ def run(opts: argparse.Namespace) -> int:
         raise CommandError(str(err), EXIT_USAGE) from None
     if opts.ack_cache_size < 1:
         raise CommandError("--ack-cache-size must be at least 1", EXIT_USAGE)
-    credentials = _server_credentials(opts)
+    tls = _provider_tls(opts)
+    # Before the cluster is asked anything: a listener that would let anyone in is a usage error.
+    try:
+        insecure = check_listener(opts.listen, tls, insecure_no_client_auth=opts.insecure_no_client_auth)
+    except ValueError as err:
+        raise CommandError(str(err), EXIT_USAGE) from None
+    if insecure:
+        print(
+            f"mqds exhook: WARNING: {INSECURE_FLAG}: {opts.listen} takes calls from other machines and "
+            f"authenticates no caller ({describe(tls)}): anyone who reaches it stores messages with this "
+            "provider's token",
+            file=sys.stderr,
+            flush=True,
+        )
     logging.basicConfig(
         level=logging.INFO if opts.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     logging.getLogger("grpc._cython.cygrpc").addFilter(UndecodableRequests())
-    return asyncio.run(_serve(opts, config, connection(opts, 30.0), credentials))
+    return asyncio.run(_serve(opts, config, connection(opts, 30.0), tls))
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connection: argparse.ArgumentParser) -> None:
@@ -117,7 +131,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
             "--config (TOML or YAML; examples in deploy/hooks/) decide what each hook does: record clients "
             "online and offline, store published messages and retained messages, store subscriptions, record "
             "acknowledgements. Point EMQX at it with exhook.servers = [{name = mqds, url = "
-            '"http://HOST:PORT"}]. ExHook cannot hand messages or subscriptions back to EMQX sessions: offline '
+            '"https://HOST:PORT", ssl = {enable = true, certfile, keyfile, cacertfile, verify = verify_peer}}]. '
+            "EMQX sends no token: on an address other machines can reach, the provider serves mutual TLS "
+            "(--server-cert, --server-key, --client-ca) and refuses to start without it. ExHook cannot hand "
+            "messages or subscriptions back to EMQX sessions: offline "
             "and retained messages found on subscribe are counted, not delivered (see "
             "docs/brokers.md). Runs until Ctrl-C or SIGTERM, then prints what it handled."
         ),
@@ -132,7 +149,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         "--listen",
         metavar="HOST:PORT",
         default=DEFAULT_LISTEN,
-        help=f"where EMQX connects (default {DEFAULT_LISTEN}; 0.0.0.0:9000 for every interface; port 0 picks one)",
+        help=f"where EMQX connects (default {DEFAULT_LISTEN}; port 0 picks one). An address other machines can "
+        "reach (0.0.0.0:9000: every interface) needs mutual TLS",
     )
     parser.add_argument(
         "--node",
@@ -151,9 +169,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
     parser.add_argument(
         "--server-cert",
         metavar="FILE",
-        help="PEM certificate (chain) to serve TLS with, for EMQX's exhook ssl option; needs --server-key",
+        help="PEM certificate (chain) to serve TLS with, for EMQX's exhook ssl option (an https:// url); the "
+        "name EMQX dials must be in it; needs --server-key",
     )
     parser.add_argument("--server-key", metavar="FILE", help="PEM private key of --server-cert")
+    parser.add_argument(
+        "--client-ca",
+        metavar="FILE",
+        help="PEM CA certificate(s) that signed EMQX's client certificate (its exhook ssl certfile): every "
+        "caller must present one (mutual TLS); use a CA that issues certificates to EMQX only",
+    )
+    parser.add_argument(
+        INSECURE_FLAG,
+        action="store_true",
+        help="serve without client certificates on an address other machines can reach: anyone who connects "
+        "can store messages with this provider's token (refused without this flag)",
+    )
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="log each provider load and what could not be delivered"
     )

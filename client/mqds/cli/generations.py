@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from mqds.cli.admin import cluster_secret_options, with_cluster_secret
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, connection, format_time_us, table
+from mqds.cli.secret import cluster_secret_options, with_cluster_secret
 from mqds.client import Client, Generation
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError
+from mqds.cli.secret import CLUSTER_DIR_ENV, DEFAULT_CLUSTER_DIR, STATE_FILE, default_cluster_dir
 
 if TYPE_CHECKING:
     from mqds.tools.localproc import LocalCluster
@@ -83,6 +83,10 @@ def _describe(cluster: LocalCluster) -> None:
     endpoints = ",".join(cluster.addresses)
     print(f"endpoints: {endpoints}")
     print(f"  mqds --endpoints {endpoints} status")
+    # The admin commands find the secret in the default directory; any other needs --data-dir.
+    found = Path(default_cluster_dir()).absolute() == cluster.base_dir
+    how = "as they are, from this directory" if found else f"with --data-dir {cluster.base_dir}"
+    print(f"  admin commands (mqds retention set, mqds admin ...) present its secret from {STATE_FILE} {how}")
     print(f"  stop it with: mqds cluster down --data-dir {cluster.base_dir}")
 
 
@@ -181,14 +185,13 @@ def run_start(opts: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    env_dir = os.environ.get("MQDS_CLUSTER_DIR")
     data_dir = argparse.ArgumentParser(add_help=False)
     data_dir.add_argument(
         "--data-dir",
         metavar="DIR",
-        default=env_dir,
-        required=env_dir is None,
-        help="the cluster's directory: data, logs and cluster.json (default: $MQDS_CLUSTER_DIR)",
+        default=default_cluster_dir(),
+        help=f"the cluster's directory: data, logs and {STATE_FILE}, where the admin commands find its secret "
+        f"(default: ${CLUSTER_DIR_ENV}, else {DEFAULT_CLUSTER_DIR}; the admin commands look there too)",
     )
     wait = argparse.ArgumentParser(add_help=False)
     wait.add_argument(

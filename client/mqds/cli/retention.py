@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from mqds.cli.admin import cluster_secret_options, with_cluster_secret
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, connection, table
+from mqds.cli.secret import cluster_secret_options, with_cluster_secret
 from mqds.client import Client
 from mqds.protocol.retention import RetentionError, format_period, parse_period, parse_rule
 from mqds.v1 import cluster_pb2 as clpb

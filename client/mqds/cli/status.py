@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from mqds.cli.console import EXIT_DEGRADED, EXIT_OK, connection, table
+from mqds.cli.secret import cluster_secret_options, with_cluster_secret
 from mqds.client import Client
 from mqds.client.connection import ConnectionSettings
 from mqds.protocol.cluster_view import META_GROUP
@@ -210,7 +211,9 @@ def _disk_cells(status: clpb.NodeStatus) -> list[str]:
 
 
 def run(opts: argparse.Namespace) -> int:
-    with Client(opts.endpoints, settings=connection(opts, 15.0)) as client:
+    # An operator's command: where the nodes check tokens, the cluster secret (in a pod's environment, or of a
+    # local cluster) proves it as well as a token does.
+    with Client(opts.endpoints, settings=with_cluster_secret(connection(opts, 15.0), opts)) as client:
         report = gather(client)
     print(render(report))
     return EXIT_OK if report.healthy else EXIT_DEGRADED
@@ -219,7 +222,7 @@ def run(opts: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connection: argparse.ArgumentParser) -> None:
     parser = sub.add_parser(
         "status",
-        parents=[connection],
+        parents=[connection, cluster_secret_options()],
         help="nodes, vnodes, leaders, follower lag and generations at a glance",
         description=(
             "Show the cluster: every node (up or not answering, ready, how many vnodes it leads and holds, its "

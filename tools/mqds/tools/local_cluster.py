@@ -29,6 +29,7 @@ from typing import Any
 
 import grpc
 
+from mqds.cli.secret import STATE_FILE
 from mqds.client import Client, ConnectionSettings
 from mqds.server.raft.cluster_auth import NODE_HEADER, SECRET_HEADER
 from mqds.server.raft.group import META_GROUP
@@ -42,8 +43,8 @@ from mqds.tools.waiting import wait_until
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 
-# What LocalCluster.save writes and LocalCluster.load reads, in the cluster's directory.
-STATE_FILE = "cluster.json"
+# What LocalCluster.save writes and LocalCluster.load reads, in the cluster's directory (the mqds admin
+# commands read its secret and node addresses too: mqds.cli.secret).
 STATE_FORMAT = 1
 
 

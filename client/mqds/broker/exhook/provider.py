@@ -29,6 +29,11 @@ Requests that are wrong (no clientid, a topic with wildcards, a QoS above 2)
 get INVALID_ARGUMENT with a message saying what was wrong; mqds failures keep
 their gRPC code (UNAVAILABLE when the cluster cannot be reached); anything
 else is INTERNAL, logged with its traceback. No request stops the server.
+
+Who may call: :class:`ExhookServer` serves mutual TLS wherever another machine
+can connect (:mod:`mqds.broker.exhook.listener`), and answers only the methods
+:mod:`mqds.broker.exhook.methods` classifies as handled or no-op; every other
+call is refused before it is read.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from mqds.broker.actions import BrokerHooks, Delivery
+from mqds.broker.exhook.listener import ProviderTLS, check_listener
+from mqds.broker.exhook.methods import SERVICE, MethodGuard
 from mqds.broker.exhook.v3 import exhook_pb2 as pb
 from mqds.broker.exhook.v3 import exhook_pb2_grpc as pb_grpc
 from mqds.client.model import Message
@@ -53,7 +60,6 @@ __all__ = ["SERVICE", "ExhookServer", "HookProvider", "UndecodableRequests", "to
 
 log = logging.getLogger(__name__)
 
-SERVICE = "emqx.exhook.v3.HookProvider"
 DEFAULT_ACK_CACHE_SIZE = 100_000
 
 T = TypeVar("T")
@@ -362,14 +368,8 @@ class HookProvider(pb_grpc.HookProviderServicer):
     async def OnMessageDropped(self, request: pb.MessageDroppedRequest, context: Any) -> pb.EmptySuccess:
         return await self._ignored("OnMessageDropped")
 
-    async def OnClientAuthenticate(self, request: pb.ClientAuthenticateRequest, context: Any) -> pb.ValuedResponse:
-        # Never registered; should EMQX call anyway, IGNORE leaves its decision alone.
-        self.calls["OnClientAuthenticate"] += 1
-        return pb.ValuedResponse(type=pb.ValuedResponse.IGNORE)
-
-    async def OnClientAuthorize(self, request: pb.ClientAuthorizeRequest, context: Any) -> pb.ValuedResponse:
-        self.calls["OnClientAuthorize"] += 1
-        return pb.ValuedResponse(type=pb.ValuedResponse.IGNORE)
+    # OnClientAuthenticate and OnClientAuthorize are refused (methods.HOOK_METHODS): the servicer's base class
+    # answers them UNIMPLEMENTED too, should a server without the MethodGuard serve this servicer.
 
     # -- reporting ---------------------------------------------------------------------
 
@@ -396,30 +396,43 @@ class HookProvider(pb_grpc.HookProviderServicer):
 class ExhookServer:
     """A ``grpc.aio`` server serving a :class:`HookProvider` on ``listen`` (``HOST:PORT``; port 0 picks one).
 
-    ``credentials``: TLS server credentials for EMQX's ``ssl`` option of the
-    exhook server, or None for plaintext.
+    ``tls``: the certificate to serve and the CA of EMQX's client certificate
+    (mutual TLS, EMQX's ``ssl`` option of the exhook server), or None for
+    plaintext. Anything but mutual TLS authenticates no caller, so it is
+    refused (ValueError) on an address other machines can reach unless
+    ``insecure_no_client_auth`` (``insecure`` is then True: warn about it).
+    Only the methods :mod:`~mqds.broker.exhook.methods` lets through are served.
     """
 
-    def __init__(self, provider: HookProvider, listen: str, credentials: grpc.ServerCredentials | None = None) -> None:
+    def __init__(
+        self,
+        provider: HookProvider,
+        listen: str,
+        tls: ProviderTLS | None = None,
+        *,
+        insecure_no_client_auth: bool = False,
+    ) -> None:
         host, sep, port = listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ValueError(f"--listen {listen!r}: expected HOST:PORT, e.g. 0.0.0.0:9000")
+        self.insecure = check_listener(listen, tls, insecure_no_client_auth=insecure_no_client_auth)
         self.provider = provider
         self.listen = listen
-        self.credentials = credentials
+        self.tls = tls
+        self.guard = MethodGuard()
         self.address = listen
         self._server: grpc.aio.Server | None = None
 
     async def start(self) -> str:
         """Bind and start serving; return the address bound (``HOST:PORT`` with the real port)."""
         # No SO_REUSEPORT: a second server on a port in use must fail, not share its connections.
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=[self.guard])
         pb_grpc.add_HookProviderServicer_to_server(self.provider, server)
         try:
-            if self.credentials is None:
+            if self.tls is None:
                 port = server.add_insecure_port(self.listen)
             else:
-                port = server.add_secure_port(self.listen, self.credentials)
+                port = server.add_secure_port(self.listen, self.tls.credentials())
         except RuntimeError as err:
             raise OSError(f"cannot listen on {self.listen}: {err}") from None
         if not port:

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mqds.protocol.addresses import is_loopback
 from mqds.server.config import cli
 from mqds.server.config.settings import ENV_PREFIX, ConfigError, SettingsReader
 from mqds.server.config.units import parse_bool
@@ -78,6 +79,12 @@ class NodeConfig:
         "file of '<role> <token>' lines (roles: reader, broker, admin): clients must send one of these tokens "
         "as 'authorization: Bearer <token>', and may make the calls of its role; empty = no client "
         "authentication (every caller may do everything)",
+    )
+    insecure_open_api: bool = _opt(
+        False,
+        "serve the public API without auth_tokens_file on a listen address other machines can reach: anyone "
+        "who reaches the port may read and write every message. Without it (or dev_mode) such a node refuses "
+        "to start",
     )
     max_calls_per_client: int = _opt(
         48,
@@ -337,6 +344,7 @@ class NodeConfig:
                 f"max_concurrent_rpcs ({self.max_concurrent_rpcs}) must be at least grpc_workers ({self.grpc_workers})"
             )
         self._check_worker_caps()
+        self._check_open_api()
         if self.auth_tokens_file:
             from mqds.server.auth import TokenFileError, load_tokens
 
@@ -398,6 +406,17 @@ class NodeConfig:
                 f"max_calls_per_client ({self.max_calls_per_client}) must not exceed max_public_calls "
                 f"({self.max_public_calls}): one client could otherwise take every public slot"
             )
+
+    def _check_open_api(self) -> None:
+        """Secure by default: a public API that authenticates no caller is served on loopback only."""
+        if self.auth_tokens_file or self.insecure_open_api or self.dev_mode or is_loopback(self.listen):
+            return
+        raise ConfigError(
+            f"listen {self.listen!r} can be reached from other machines and auth_tokens_file is not set: anyone "
+            "who reaches the port could read and write every message. Set auth_tokens_file (a file of "
+            "'<role> <token>' lines, e.g. MQDS_AUTH_TOKENS_FILE), listen on 127.0.0.1, or set insecure_open_api "
+            "(MQDS_INSECURE_OPEN_API=true) to serve an open API on purpose"
+        )
 
     @property
     def raft_tcp_listen(self) -> str:

@@ -33,6 +33,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "tls_ca_file",
         "tls_client_ca_file",
         "auth_tokens_file",
+        "insecure_open_api",
     ),
     "Raft replication": (
         "raft_transport",
