@@ -101,8 +101,9 @@ METHOD_ROLES: dict[str, str] = {
             "LeaveShareGroup",
         )
     },
-    **{f"/mqds.v1.Cluster/{m}": READ for m in ("GetClusterMap", "GetNodeStatus", "GetReplicaDigest")},
+    **{f"/mqds.v1.Cluster/{m}": READ for m in ("GetClusterMap", "GetNodeStatus")},
     **{f"/mqds.v1.Cluster/{m}": ADMIN for m in ("JoinNode", "LeaveNode", "ForgetNode", "Rebalance", "SetRetention")},
+    "/mqds.v1.Cluster/GetReplicaDigest": ADMIN,  # a scan of a whole replica (api/replica_digest.py)
     # Server reflection describes the API: readers may use it (it is a stream a client holds open).
     **{f"/grpc.reflection.{v}.ServerReflection/ServerReflectionInfo": READ for v in ("v1alpha", "v1")},
 }

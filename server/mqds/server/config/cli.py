@@ -66,6 +66,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "max_calls_per_client",
         "max_public_calls",
         "max_concurrent_rpcs",
+        "digest_rate_bytes",
         "grpc_workers",
         "max_payload_bytes",
         "max_batch_messages",
