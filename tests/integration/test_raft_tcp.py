@@ -11,10 +11,14 @@ sender its connection and nothing else, and a node sending over the gRPC stream
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from types import TracebackType
 
 import grpc
 import pytest
@@ -22,9 +26,10 @@ import pytest
 from mqds.client import Client, Message
 from mqds.server.raft import tcp_wire
 from mqds.server.raft.cluster_auth import NODE_HEADER, SECRET_HEADER
+from mqds.server.raft.tcp_listener import HANDSHAKE_TIMEOUT_S, MAX_HANDSHAKES
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.localproc import LocalCluster, NodeProcess, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -161,3 +166,122 @@ def test_a_node_on_the_grpc_stream_and_nodes_on_tcp_form_one_cluster(tmp_path: P
             check_every_acked_message(client, {"mixed": list(range(100))})
             cluster.start_node("n1")
             cluster.assert_replicas_identical(timeout_s=60)
+
+
+class SlowHandshakes:
+    """An attacker at ``source``: ``count`` connections to a Raft port, each sending a byte every ``every_s``.
+
+    Every connection starts a hello (a length prefix, then bytes) and never
+    finishes it; each one the node closes is opened again. What it records:
+    how long each connection the node took in (sent it the challenge) lasted.
+    """
+
+    def __init__(self, port: int, source: str, count: int, every_s: float) -> None:
+        self.port, self.source, self.count, self.every_s = port, source, count, every_s
+        self.lifetimes: list[float] = []
+        """Seconds each taken-in connection lasted, closed ones and (at the end) open ones alike."""
+        self._open: dict[socket.socket, tuple[float, bool, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="slow-handshakes", daemon=True)
+
+    def __enter__(self) -> SlowHandshakes:
+        self._thread.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        now = time.monotonic()
+        for sock, (opened, taken_in, _) in self._open.items():
+            if taken_in:
+                self.lifetimes.append(now - opened)
+            sock.close()
+
+    def _connect(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((self.source, 0))
+            sock.settimeout(2)
+            sock.connect(("127.0.0.1", self.port))
+        except OSError:
+            sock.close()
+            return
+        sock.setblocking(False)
+        self._open[sock] = (time.monotonic(), False, 0)
+
+    def _run(self) -> None:
+        # A hello that claims 4,000 bytes: the length prefix, then "x"s, a byte at a time.
+        body = tcp_wire.frame_header(4000) + b"x" * 4000
+        next_byte = time.monotonic()
+        while not self._stop.is_set():
+            while len(self._open) < self.count and not self._stop.is_set():
+                self._connect()
+            readable, _, _ = select.select(list(self._open), [], [], 0.2)
+            now = time.monotonic()
+            for sock in readable:
+                opened, taken_in, sent = self._open[sock]
+                try:
+                    data = sock.recv(4096)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if data:
+                    self._open[sock] = (opened, True, sent)  # the challenge: taken in
+                    continue
+                if taken_in:
+                    self.lifetimes.append(now - opened)
+                del self._open[sock]
+                sock.close()
+            if now >= next_byte:
+                next_byte = now + self.every_s
+                for sock, (opened, taken_in, sent) in list(self._open.items()):
+                    with contextlib.suppress(OSError):
+                        sock.send(body[sent : sent + 1])
+                        self._open[sock] = (opened, taken_in, sent + 1)
+
+
+def _peer_up(proc: NodeProcess, peer: str) -> bool:
+    assert proc.metrics_url is not None
+    try:
+        with urllib.request.urlopen(proc.metrics_url, timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return False
+    return f'mqds_raft_peer_up{{peer="{peer}"}} 1.0' in text.splitlines()
+
+
+def test_slow_handshakes_from_one_address_are_cut_and_lock_no_peer_out(tmp_path: Path) -> None:
+    """More slow-handshake connections than the node takes, from 127.0.0.2, while n2 restarts.
+
+    Each byte arrives well within any per-read limit; the node must still
+    close each connection at its whole-handshake deadline, and take the
+    restarted n2's connection (from 127.0.0.1) meanwhile.
+    """
+    probe = socket.socket()
+    try:
+        probe.bind(("127.0.0.2", 0))
+    except OSError:
+        pytest.skip("127.0.0.2 is not a local address here (127/8 routes to lo on Linux only)")
+    finally:
+        probe.close()
+    with LocalCluster(tmp_path / "c", 3, n_shards=4, metrics=True) as cluster:
+        cluster.start()
+        port = _raft_port(cluster, "n1")
+        cluster.kill("n2")
+        with SlowHandshakes(port, "127.0.0.2", MAX_HANDSHAKES + 8, every_s=2.0) as attack:
+            time.sleep(2 * 2.0)  # the attack holds what the node lets it
+            cluster.start_node("n2")
+            restarted = time.monotonic()
+            wait_until("n2's Raft link to n1 up", lambda: _peer_up(cluster.nodes["n2"], "n1"), 30, interval_s=0.5)
+            linked_after_s = time.monotonic() - restarted
+            time.sleep(HANDSHAKE_TIMEOUT_S)  # long enough for the attack to be cut at least once
+        assert attack.lifetimes, "the node took none of the slow connections in"
+        assert max(attack.lifetimes) < HANDSHAKE_TIMEOUT_S + 5, (
+            f"a slow handshake lasted {max(attack.lifetimes):.1f} s, over the {HANDSHAKE_TIMEOUT_S:g} s limit"
+        )
+        assert linked_after_s < 30
+        with cluster.client(timeout_s=30) as client:
+            client.store_batch(messages("after-slow", 0, 20))
+            check_every_acked_message(client, {"after-slow": list(range(20))})
+        cluster.assert_replicas_identical(timeout_s=60)

@@ -454,6 +454,7 @@ class LocalCluster:
             raise TimeoutError(f"{err}; last seen: {why[0]}") from None
 
     def digests(self, shard: int) -> dict[str, clpb.ReplicaDigest]:
+        """Each live replica's digest of ``shard`` (an admin call: ``cluster_stub`` presents the cluster secret)."""
         out = {}
         for node_id in self.live():
             try:

@@ -1,4 +1,4 @@
-"""The public Cluster service: the cluster map, node status and membership administration.
+"""The public Cluster service: the cluster map, node status, membership administration, replica digests.
 
 Membership changes are carried out by ``cluster.membership.Membership``;
 this service reads the node's state and hands requests over.
@@ -6,15 +6,12 @@ this service reads the node's state and hands requests over.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mqds.protocol import errors
-from mqds.protocol.errors import Reason
 from mqds.protocol.retention import check_rules, format_period
+from mqds.server.api import replica_digest
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.v1 import cluster_pb2 as clpb
 
@@ -110,6 +107,7 @@ class ClusterAPI:
 
     def __init__(self, node: ClusterNode) -> None:
         self.node = node
+        self._digests = replica_digest.DigestLimiter(node.config.digest_rate_bytes)
 
     def GetClusterMap(self, request: clpb.GetClusterMapRequest, context: Any = None) -> clpb.ClusterMap:
         return self.node.cluster_map()
@@ -144,19 +142,5 @@ class ClusterAPI:
         return cmap
 
     def GetReplicaDigest(self, request: clpb.GetReplicaDigestRequest, context: Any = None) -> clpb.ReplicaDigest:
-        replica = self.node.vnode(request.shard).replica
-        for _ in range(50):
-            with replica.reading() as storage:
-                before = storage.applied_index
-                digest = hashlib.sha256()
-                keys = 0
-                for cf, key, value in storage.dump():
-                    for part in (cf.encode(), key, value):
-                        digest.update(len(part).to_bytes(4, "big") + part)
-                    keys += 1
-                if storage.applied_index == before:
-                    return clpb.ReplicaDigest(
-                        shard=request.shard, applied_index=before, sha256=digest.hexdigest(), keys=keys
-                    )
-            time.sleep(0.05)
-        raise errors.error(Reason.OVERLOADED, f"shard {request.shard} kept changing while being digested")
+        """One pass over the replica at one applied index, paced and cancellable (``replica_digest.py``)."""
+        return replica_digest.digest(self.node.vnode(request.shard).replica, self._digests, context)

@@ -115,6 +115,11 @@ class VnodeReplica:
                 if not self._readers:
                     self._cond.notify_all()
 
+    @property
+    def swap_waiting(self) -> bool:
+        """A snapshot is being swapped in, or the replica closed: it waits for the readers to let go."""
+        return self._swapping
+
     # -- the state machine -----------------------------------------------------
 
     @property

@@ -108,6 +108,11 @@ class NodeConfig:
         "calls in flight or queued on this node in all (Raft streams included); more are refused with "
         "RESOURCE_EXHAUSTED instead of queueing without bound",
     )
+    digest_rate_bytes: int = _opt(
+        32 * 1024 * 1024,
+        "bytes a second the replica digests on this node (GetReplicaDigest, an admin call) hash, all together "
+        "(each key counts 64 bytes more); at most 2 run at once, more get OVERLOADED",
+    )
     raft_transport: str = _opt(
         "tcp",
         "how this node sends Raft messages to its peers: tcp = on a TCP connection of its own to each peer "
@@ -323,6 +328,7 @@ class NodeConfig:
             "max_concurrent_rpcs",
             "max_public_calls",
             "max_public_streams",
+            "digest_rate_bytes",
         )
         for name in positive:
             if getattr(self, name) <= 0:

@@ -68,6 +68,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "max_public_calls",
         "max_public_streams",
         "max_concurrent_rpcs",
+        "digest_rate_bytes",
         "grpc_workers",
         "max_payload_bytes",
         "max_batch_messages",

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from mqds.server.raft import tcp_wire
-from mqds.server.raft.tcp_listener import keepalive
+from mqds.server.raft.tcp_listener import HANDSHAKE_TIMEOUT_S, keepalive
 from mqds.server.raft.v1 import raft_pb2 as rpb
 
 if TYPE_CHECKING:
@@ -246,13 +246,17 @@ class TcpPeerLink:
         try:
             sock = socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S)
             keepalive(sock)
+            # As on the accepting end, the whole handshake has one deadline: a
+            # peer trickling its bytes cannot hold this link's thread longer.
+            deadline = tcp_wire.Deadline(HANDSHAKE_TIMEOUT_S)
             tls = self.router.tls_client
             if tls is not None:
+                deadline.arm(sock)
                 sock = tls.wrap_socket(sock, server_hostname=host)
-            challenge = tcp_wire.read_exactly(sock, tcp_wire.CHALLENGE_BYTES)
+            challenge = tcp_wire.read_exactly(sock, tcp_wire.CHALLENGE_BYTES, deadline)
             auth = self.router.auth
-            sock.sendall(tcp_wire.hello(auth.secret, challenge, auth.node_id, auth.address))
-            if tcp_wire.read_exactly(sock, 1) != tcp_wire.ACCEPTED:
+            tcp_wire.send_all(sock, tcp_wire.hello(auth.secret, challenge, auth.node_id, auth.address), deadline)
+            if tcp_wire.read_exactly(sock, 1, deadline) != tcp_wire.ACCEPTED:
                 raise tcp_wire.LinkRefused("the peer did not accept the handshake")
         except (OSError, EOFError, ssl.SSLError, tcp_wire.LinkRefused) as err:
             log.debug("raft link to %s (%s:%d): cannot connect: %s", self.node_id, host, port, err)

@@ -12,6 +12,11 @@ as the gRPC ``Raft.Stream``. It opens with a handshake:
 3. the accepting node checks the proof (in constant time) and answers
    ``ACCEPTED``, or closes the connection.
 
+Every read and write of the handshake, on either end, counts against one
+``Deadline`` for the whole exchange (a TLS handshake before it too): a peer
+that sends a byte now and then cannot stretch it, as it could when each read
+had a limit of its own.
+
 Then each frame is a 4-byte big-endian length and the frame's bytes. A length
 over ``max_frame_bytes`` ends the connection (the sender sends nothing that
 large: Raft entries are bounded by ``max_entry_bytes``).
@@ -23,6 +28,7 @@ import hashlib
 import hmac
 import socket
 import struct
+import time
 
 from mqds.server.raft.v1 import raft_pb2 as rpb
 
@@ -36,6 +42,32 @@ _LENGTH = struct.Struct(">I")
 
 class LinkRefused(Exception):
     """The other end broke the protocol or refused the handshake; the message says how."""
+
+
+class Deadline:
+    """One time limit for a whole exchange: each socket operation may take only what is left of it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+
+    def arm(self, sock: socket.socket) -> None:
+        """Give ``sock``'s next operation what is left; TimeoutError once nothing is."""
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the handshake did not finish within {self.seconds:g} s")
+        sock.settimeout(left)
+
+
+def send_all(sock: socket.socket, data: bytes, deadline: Deadline | None = None) -> None:
+    """``data`` written whole, within what is left of ``deadline``.
+
+    ``sendall``'s timeout is a limit on the whole call (Python 3.5 on), not per
+    write, so arming it once suffices.
+    """
+    if deadline is not None:
+        deadline.arm(sock)
+    sock.sendall(data)
 
 
 def frame_header(length: int) -> bytes:
@@ -90,11 +122,13 @@ def check_hello(body: bytes, secret: bytes, challenge: bytes) -> rpb.LinkHello:
     return message
 
 
-def read_exactly(sock: socket.socket, count: int) -> bytes:
-    """``count`` bytes from a blocking socket; raises EOFError if it closes first."""
+def read_exactly(sock: socket.socket, count: int, deadline: Deadline | None = None) -> bytes:
+    """``count`` bytes from a blocking socket; raises EOFError if it closes first, TimeoutError past ``deadline``."""
     view = memoryview(bytearray(count))
     got = 0
     while got < count:
+        if deadline is not None:
+            deadline.arm(sock)
         n = sock.recv_into(view[got:], count - got)
         if not n:
             raise EOFError("the connection closed")
@@ -102,9 +136,9 @@ def read_exactly(sock: socket.socket, count: int) -> bytes:
     return bytes(view)
 
 
-def read_sized(sock: socket.socket, max_bytes: int) -> bytes:
+def read_sized(sock: socket.socket, max_bytes: int, deadline: Deadline | None = None) -> bytes:
     """One length-prefixed message from a blocking socket; raises LinkRefused past ``max_bytes``."""
-    (length,) = _LENGTH.unpack(read_exactly(sock, _LENGTH.size))
+    (length,) = _LENGTH.unpack(read_exactly(sock, _LENGTH.size, deadline))
     if length > max_bytes:
         raise LinkRefused(f"a message of {length} bytes, over the limit of {max_bytes}")
-    return read_exactly(sock, length) if length else b""
+    return read_exactly(sock, length, deadline) if length else b""

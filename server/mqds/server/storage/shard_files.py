@@ -1,4 +1,4 @@
-"""A shard's files: its size as RocksDB accounts it, the WAL synced, checkpoints, a flush, a dump.
+"""A shard's files: its size as RocksDB accounts it, the WAL synced, checkpoints, a flush, a consistent view.
 
 A part of :class:`mqds.server.storage.shard.ShardStorage` (it inherits
 :class:`ShardFiles`), which owns the database, the lock and the generations;
@@ -31,6 +31,21 @@ class ShardSize:
     """SST bytes of the metadata family (trie, generation records, dedup memory, broker state)."""
     memtable_bytes: int
     """Bytes in memtables, all families together: written, not flushed to SST files yet."""
+
+
+class ShardView:
+    """A shard's content at one applied index: each column family's (key, value) pairs, in order."""
+
+    def __init__(self, applied_index: int, families: list[tuple[str, Iterator[tuple[bytes, bytes]]]]) -> None:
+        self.applied_index = applied_index
+        """The last log index applied to what the view holds."""
+        self._families = families
+
+    def items(self) -> Iterator[tuple[str, bytes, bytes]]:
+        """Every (column family, key, value): the metadata family first, then each generation's, oldest first."""
+        for name, pairs in self._families:
+            for key, value in pairs:
+                yield name, key, value
 
 
 class ShardFiles:
@@ -109,11 +124,23 @@ class ShardFiles:
                 return
             time.sleep(0.05)
 
-    def dump(self) -> Iterator[tuple[str, bytes, bytes]]:
-        """Every (column family, key, value), in a stable order: the shard's whole content."""
+    def view(self) -> ShardView:
+        """The shard's whole content as it stood at one applied index, to read while it goes on changing.
+
+        A RocksDB iterator reads the database as it was when the iterator was
+        made (rocksdict's ``items()`` makes it at the call); each column
+        family's is made here under the lock every write takes, so no write
+        falls between them and they agree with ``applied_index``. The
+        database must stay open while the view is read: hold the replica's
+        reader guard (``VnodeReplica.reading``). A generation dropped
+        meanwhile stays readable through its iterator, and RocksDB keeps the
+        files the view reads until its iterators are gone: read it promptly.
+        """
         with self._lock:
             by_number = self._generations.by_number
             cfs = [("default", self._db)] + [(keys.generation_cf(n), by_number[n].cf) for n in sorted(by_number)]
-        for name, cf in cfs:
-            for key, value in cf.items():
-                yield name, key, value
+            return ShardView(self.applied_index, [(name, cf.items()) for name, cf in cfs])
+
+    def dump(self) -> Iterator[tuple[str, bytes, bytes]]:
+        """Every (column family, key, value), in a stable order: the shard's whole content (one ``view``)."""
+        return self.view().items()
