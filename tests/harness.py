@@ -12,7 +12,7 @@ from mqds.tools.localproc import SERVER, LocalCluster, NodeProcess, free_port, f
 
 ServerProcess = NodeProcess
 
-__all__ = ["MQDS", "SERVER", "ServerProcess", "cluster_up", "free_port", "run_server", "wait_serving"]
+__all__ = ["MQDS", "SERVER", "ServerProcess", "cluster_up", "free_port", "rss_bytes", "run_server", "wait_serving"]
 
 
 MQDS = str(Path(sys.executable).with_name("mqds"))
@@ -40,3 +40,11 @@ def cluster_up(data_dir: Path, n_shards: int) -> Iterator[str]:
 def run_server(args: Sequence[str], timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
     """Run mqds-server to completion (for --help, bad configs) and capture its output."""
     return subprocess.run([SERVER, *args], capture_output=True, text=True, timeout=timeout_s)
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (VmRSS in /proc), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")

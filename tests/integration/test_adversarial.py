@@ -34,6 +34,7 @@ import grpc
 import pytest
 from google.protobuf import descriptor as pbd
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from harness import rss_bytes
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -59,14 +60,6 @@ RANK = {"reader": 0, "broker": 1, "admin": 2}
 CREDENTIALS = ("none", "forged", "reader", "broker", "admin", "secret")
 
 METHODS_SENT = hostile_requests.methods()
-
-
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +113,7 @@ def test_hostile_requests_get_clear_answers_and_take_nothing_down(cluster: Local
     writer = ConnectionSettings(timeout_s=30, auth_token=TOKENS["broker"])
     with Client(cluster.addresses, settings=writer) as client:
         before = client.store_batch([Message(f"keep/{i % 5}", f"v{i}".encode(), sender=f"k{i % 3}") for i in range(60)])
-    rss_before = {n: _rss_bytes(p.pid) for n, p in cluster.nodes.items() if p.pid}
+    rss_before = {n: rss_bytes(p.pid) for n, p in cluster.nodes.items() if p.pid}
     channels = {address: grpc.insecure_channel(address) for address in cluster.addresses}
     seen: dict[str, set[grpc.StatusCode]] = {}
     examples = 0
@@ -161,7 +154,7 @@ def test_hostile_requests_get_clear_answers_and_take_nothing_down(cluster: Local
     cluster.wait_ready(60)
     for node_id, proc in cluster.nodes.items():
         assert proc.running, f"{node_id} died:\n{proc.output()}"
-        grown = _rss_bytes(proc.pid) - rss_before[node_id]
+        grown = rss_bytes(proc.pid) - rss_before[node_id]
         assert grown < MAX_RSS_GROWTH_BYTES, f"{node_id} grew by {grown / 2**20:.0f} MiB"
     with Client(cluster.addresses, settings=writer) as client:
         for sender in _one_sender_per_shard():

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import message_factory
-from harness import ServerProcess
+from harness import ServerProcess, rss_bytes
 
 from mqds.client import Client, ConnectionSettings, Message
 from mqds.server.api.methods import METHODS, SERVED, Role
@@ -40,14 +40,6 @@ NOT_SENT_WITH_PROOF = {
     "/mqds.server.raft.v1.Raft/TransferLeadership",
     "/mqds.server.raft.v1.Raft/ProposeMeta",
 }
-
-
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +176,7 @@ def test_a_credit_request_of_millions_of_ids_is_refused_before_anything_is_built
     node's memory stays where it was.
     """
     assert node.pid is not None
-    before = _rss_bytes(node.pid)
+    before = rss_bytes(node.pid)
     reader = [("authorization", f"Bearer {TOKENS['reader']}")]
     counted = pb.FollowRequest(credit=pb.FollowCredit(id=1, messages=1, also=[1] * 1_000_000)).SerializeToString()
     huge = pb.FollowRequest(credit=pb.FollowCredit(id=1, messages=1, also=[2**40] * 8_000_000)).SerializeToString()
@@ -201,7 +193,7 @@ def test_a_credit_request_of_millions_of_ids_is_refused_before_anything_is_built
     assert "FollowCredit.also holds 1,000,000 entries; at most 10,000 (follow_max_subscriptions)" in answers["count"][1]
     assert answers["bytes"][0] == grpc.StatusCode.INVALID_ARGUMENT, answers
     assert "4 MiB for a request that carries no messages" in answers["bytes"][1]
-    grown = _rss_bytes(node.pid) - before
+    grown = rss_bytes(node.pid) - before
     assert grown < 100 * 2**20, f"the node grew by {grown / 2**20:.0f} MiB"
 
 

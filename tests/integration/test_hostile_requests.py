@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 from google.protobuf import message as protobuf_message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from harness import rss_bytes
 
 from mqds.client import Client, Message
 from mqds.protocol.errors import Reason, from_rpc_error
@@ -110,15 +110,11 @@ def refused(
     return err
 
 
-def rss_bytes(cluster: LocalCluster) -> int:
-    """The nodes' resident memory, summed (VmRSS in /proc)."""
-    total = 0
-    for node in cluster.nodes.values():
-        assert node.pid is not None
-        for line in Path(f"/proc/{node.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) * 1024
-    return total
+def nodes_rss_bytes(cluster: LocalCluster) -> int:
+    """The nodes' resident memory, summed."""
+    pids = [node.pid for node in cluster.nodes.values()]
+    assert None not in pids
+    return sum(rss_bytes(pid) for pid in pids if pid is not None)
 
 
 class Watch:
@@ -127,14 +123,14 @@ class Watch:
     def __init__(self, cluster: LocalCluster) -> None:
         self.cluster = cluster
         self.bound = 64 * MiB
-        self.before = rss_bytes(cluster)
+        self.before = nodes_rss_bytes(cluster)
 
     def allow(self, bound: int) -> None:
         self.bound = bound
 
     def rebase(self) -> None:
         """Measure from now: what the test set up (stored) is not what it checks."""
-        self.before = rss_bytes(self.cluster)
+        self.before = nodes_rss_bytes(self.cluster)
 
 
 @pytest.fixture
@@ -142,7 +138,7 @@ def stays_well(cluster: LocalCluster) -> Iterator[Watch]:
     """Checks after the test that the nodes live, serve, and grew by at most the bound the test set."""
     watch = Watch(cluster)
     yield watch
-    grown = rss_bytes(cluster) - watch.before
+    grown = nodes_rss_bytes(cluster) - watch.before
     assert grown <= watch.bound, f"the nodes grew by {grown / MiB:.0f} MiB"
     for address in cluster.addresses:
         stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))

@@ -379,12 +379,9 @@ class ApiGuard(grpc.ServerInterceptor):
             def call(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
                 key = None
                 try:
-                    try:
-                        key = self._admit(context, lane)
-                    except MqdsError as err:
-                        refused(err, context)
+                    key = self._admit(context, lane)
                     return inner(argument(requests), context)
-                except MqdsError as err:  # a refused request, from argument() or the handler reading the stream
+                except MqdsError as err:  # refused: by _admit, or a request by argument() or as the handler read it
                     refused(err, context)
                 finally:
                     release(key)
@@ -401,10 +398,7 @@ class ApiGuard(grpc.ServerInterceptor):
             key = None
             timer = None
             try:
-                try:
-                    key = self._admit(context, lane)
-                except MqdsError as err:
-                    refused(err, context)
+                key = self._admit(context, lane)
                 if entry.max_duration_s is not None:
                     timer = threading.Timer(entry.max_duration_s, context.cancel)
                     timer.daemon = True
