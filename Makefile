@@ -29,8 +29,8 @@ help:
 	@echo "make image           docker build -f deploy/Dockerfile -t mqds:0.1.0 . (needs a Docker engine)"
 	@echo "make clean           remove .venv and caches"
 
-$(STAMP): pyproject.toml setup.py client/pyproject.toml server/mqds/server/_wire_native.c \
-         server/mqds/server/storage/_store_native.c | fuse-libs
+$(STAMP): pyproject.toml setup.py client/pyproject.toml client/setup.py server/mqds/server/_wire_native.c \
+         server/mqds/server/storage/_store_native.c client/mqds/client/_wire_columns.c | fuse-libs
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ./client -e '.[dev]'

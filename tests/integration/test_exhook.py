@@ -509,6 +509,30 @@ def test_concurrent_publishes_share_stores(cluster: LocalCluster, mqds: Client) 
     assert stats["batches"] <= n // 4, f"{stats['batches']} batches for {n} concurrent publishes"
 
 
+def test_a_publish_with_too_many_user_properties_fails_alone(provider: Provider, mqds: Client) -> None:
+    """Concurrent OnMessagePublish calls share the provider's batches: one with 1,025 user properties (EMQX
+    passes MQTT 5's on) fails with its reason, and every other publisher's message is stored. It used to
+    fail the batch it shared, so one MQTT client could drop others' messages."""
+    too_many = [pb.Property(name=f"k{i}", value="v") for i in range(1025)]
+    requests = [
+        pb.MessagePublishRequest(
+            message=emqx_message(f"props-{i}", f"pubsub/props/{i % 3}", str(i).encode(), sender=f"props-pub-{i % 3}"),
+            user_props=too_many if i == 10 else [],
+        )
+        for i in range(60)
+    ]
+    calls = [provider.stub.OnMessagePublish.future(r, timeout=CALL_TIMEOUT_S) for r in requests]
+    with pytest.raises(grpc.RpcError) as refused:
+        calls[10].result()
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "1,025 user properties" in (refused.value.details() or "")
+    for i, call in enumerate(calls):
+        if i != 10:
+            assert call.result().type == pb.ValuedResponse.CONTINUE
+    stored = sorted(int(m.payload) for m in mqds.replay("pubsub/props/#"))
+    assert stored == [i for i in range(60) if i != 10]
+
+
 def test_mqds_exhook_refuses_what_it_cannot_serve(cluster: LocalCluster, tmp_path: Path) -> None:
     endpoints = ",".join(cluster.addresses)
     config = str(EXAMPLES / "cassandra-style.yaml")

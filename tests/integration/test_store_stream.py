@@ -158,16 +158,18 @@ def test_a_frame_that_does_not_parse_ends_the_stream(cluster: LocalCluster, clie
     still_serving(client)
 
 
-def test_an_invalid_message_fails_its_batch_and_the_stream_goes_on(cluster: LocalCluster, client: Client) -> None:
+def test_an_invalid_message_fails_alone_and_the_stream_goes_on(cluster: LocalCluster, client: Client) -> None:
     stub = leader_stub(cluster, client)
     producer = uuid.uuid4().hex
-    bad = frame(producer, 2)
-    bad.batch.messages[0].topic = "a/+/b"
+    bad = frame(producer, 2, n=3)
+    bad.batch.messages[1].topic = "a/+/b"
     answers = list(stub.StoreStream(iter([frame(producer, 1), bad, frame(producer, 3)]), timeout=30))
     assert [a.sequence for a in answers] == [1, 2, 3]
-    assert not answers[0].result.failures and not answers[2].result.failures
-    (failure,) = answers[1].result.failures
+    assert not any(a.result.failures for a in answers)
+    (failure,) = answers[1].result.message_failures
+    assert failure.index == 1
     assert failure.reason == Reason.INVALID_TOPIC.value and "wildcard" in failure.message.lower()
+    assert [p.timestamp_us > 0 for p in answers[1].result.positions] == [True, False, True]
 
 
 def test_an_idle_stream_is_ended(cluster: LocalCluster, client: Client) -> None:

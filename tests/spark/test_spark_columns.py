@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from mqds.client import MessageBatch
 from mqds.client.batch import wire_times
-from mqds.client.next_answer import next_result
+from mqds.client.next_answer import next_result, parsed_next_result
 from mqds.spark import arrow_schema, reading
 from mqds.spark.columns import to_record_batch
 from mqds.spark.plan import Slice
@@ -132,13 +132,25 @@ def test_timestamps_shards_and_generations_are_built_without_reading_the_message
     assert record.column("timestamp").cast(pa.int64()).to_pylist() == [5, 9, 12]
 
 
-def test_an_answer_with_a_topic_that_is_not_utf8_is_refused() -> None:
-    """The C reader copies bytes as they came; Arrow's validation refuses what protobuf would have."""
-    good = pb.NextResponse(messages=[pb.Message(topic="t/é", sender="s")]).SerializeToString()
-    damaged = good.replace("é".encode(), b"\xff\xfe")
-    batch = next_result(damaged).messages
-    with pytest.raises(pa.ArrowInvalid, match=r"(?i)utf-?8"):
-        to_record_batch([batch], 1, 1, arrow_schema())
+@pytest.mark.parametrize("whole_answer", [True, False], ids=["answer", "messages"])
+def test_a_message_that_does_not_parse_is_left_out_and_the_rest_is_read(
+    whole_answer: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A topic that is not UTF-8 (protobuf refuses such a message): its row is left out, with a warning, and
+    the other rows are read, from the answer's bytes (the C reader) and from protobuf's parse alike. It used
+    to fail the whole answer, so a range holding one such message could not be read by Spark."""
+    messages = [pb.Message(topic=f"t/{n}/é", sender="s", payload=bytes([n]), timestamp_us=n + 1) for n in range(3)]
+    stamps = b"".join(struct.pack("<Q", m.timestamp_us) for m in messages)
+    good = pb.NextResponse(messages=messages, timestamps=stamps).SerializeToString()
+    damaged = good.replace("t/1/é".encode(), b"t/1/\xff\xfe", 1)
+    batch = next_result(damaged).messages if whole_answer else parsed_next_result(damaged).messages
+    assert (batch.answer is not None) is whole_answer
+    with caplog.at_level("WARNING", logger="mqds.spark.columns"):
+        record = to_record_batch([batch], 1, 2, arrow_schema())
+    assert record.column("payload").to_pylist() == [b"\x00", b"\x02"]
+    assert record.column("timestamp").cast(pa.int64()).to_pylist() == [1, 3]
+    assert record.column("shard").to_pylist() == [1, 1]
+    assert "vnode 1 generation 2: left out 1 messages that do not parse" in caplog.text
 
 
 def test_record_batches_are_cut_by_the_answers_bytes_too(monkeypatch: pytest.MonkeyPatch) -> None:

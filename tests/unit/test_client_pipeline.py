@@ -8,7 +8,17 @@ import pytest
 
 from mqds.client import Message
 from mqds.client import errors as E
-from mqds.client.pipeline import Batch, PendingCall, Pipeline, PipelineLimits, Plan, StreamState, check_message
+from mqds.client.operations import StoreBatch
+from mqds.client.pipeline import (
+    Batch,
+    PendingCall,
+    Pipeline,
+    PipelineLimits,
+    Plan,
+    StreamState,
+    check_message,
+    check_messages,
+)
 from mqds.client.retry import Backoff
 from mqds.client.routing_table import RoutingTable
 from mqds.protocol.sharding import shard_of
@@ -270,3 +280,88 @@ def test_close_fails_what_is_not_acknowledged() -> None:
     assert p.close(E.UnavailableError(E.Reason.UNAVAILABLE, "closed")) == [pending]
     with pytest.raises(E.UnavailableError, match="closed"):
         pending.outcome()
+
+
+def test_a_message_the_node_refuses_fails_its_own_call_and_the_batch_is_stored() -> None:
+    """Calls coalesced into one batch: the node refuses one message (message_failures); only its call fails."""
+    p = pipeline()
+    first, bad, last = call(0, "1"), call(0, "2", "3"), call(0, "4")
+    for c in (first, bad, last):
+        p.add(c)
+    plan = p.plan()
+    ((stream, batch),) = plan.sends
+    answer = ok(batch)
+    answer.result.positions[2].timestamp_us = 0
+    answer.result.message_failures.add(index=2, reason="PAYLOAD_TOO_LARGE", message="payload is 2,000,000 bytes")
+    assert p.acked(stream, answer) == [first, bad, last]
+    assert first.outcome()[0].timestamp_us == 1000 and last.outcome()[0].timestamp_us == 1003
+    with pytest.raises(E.PartialBatchError) as raised:
+        bad.outcome()
+    assert [m.payload for m in raised.value.stored] == [b"2"]
+    ((message, err),) = raised.value.failed
+    assert message.payload == b"3" and err.reason is E.Reason.PAYLOAD_TOO_LARGE
+    assert str(err) == "PAYLOAD_TOO_LARGE: message 1: payload is 2,000,000 bytes"  # the call's own numbering
+    # Not a shard failure: the stream goes on with the shard's next batch.
+    p.add(after := call(0, "5"))
+    plan = p.plan()
+    assert not plan.cancelled and [s for s, _ in plan.sends] == [stream]
+    assert p.acked(stream, ok(plan.sends[0][1])) == [after]
+
+
+def test_a_call_with_a_message_no_node_stores_sends_the_others() -> None:
+    """check_messages before the call joins a batch: 1,025 user properties fail at once, alone."""
+    p = pipeline()
+    sender = sender_on(0)
+    messages = [
+        Message("t", b"1", sender),
+        Message("t", b"2", sender, properties=[(f"k{i}", "v") for i in range(1025)]),
+        Message("t", b"3", sender),
+    ]
+    refused = check_messages(messages)
+    assert list(refused) == [1] and "1,025 user properties" in str(refused[1])
+    partial = PendingCall(messages, N_SHARDS, FAR, refused)
+    p.add(partial)
+    ((stream, batch),) = p.plan().sends
+    assert payloads(batch) == [b"1", b"3"]
+    assert p.acked(stream, ok(batch)) == [partial]
+    with pytest.raises(E.PartialBatchError) as raised:
+        partial.outcome()
+    assert [m.payload for m in raised.value.stored] == [b"1", b"3"]
+    assert [m.payload for m in raised.value.failed_messages] == [b"2"]
+
+
+def test_a_call_whose_every_message_is_refused_settles_at_once() -> None:
+    p = pipeline()
+    messages = [Message("a/+", b"", "s"), Message("#", b"", "s")]
+    doomed = PendingCall(messages, N_SHARDS, FAR, check_messages(messages))
+    assert p.add(doomed) == [doomed] and p.unsettled_messages == 0
+    with pytest.raises(E.InvalidArgumentError, match="message 0: invalid topic"):
+        doomed.outcome()
+
+
+def test_store_batch_sends_no_message_a_node_refuses_and_maps_the_nodes_refusals_to_its_own() -> None:
+    """store_batch (one request per leader): a message the client can tell is bad is not sent; one its node
+    refused (message_failures, numbered in that node's request) fails alone, the rest is returned."""
+    senders = [sender_on(0), sender_on(1)]
+    batch = [
+        Message("t", b"0", senders[1]),
+        Message("t/+", b"1", senders[0]),
+        Message("t", b"2", senders[0]),
+        Message("t", b"3", senders[1]),
+    ]
+    plan = StoreBatch(batch, N_SHARDS, "prod", 7, True)
+    indexes, request = plan.request([1])
+    assert indexes == [0, 3] and [m.payload for m in request.messages] == [b"0", b"3"]
+    refused = pb.StoreBatchResponse(positions=[pb.MessagePosition(shard=1, timestamp_us=50), pb.MessagePosition()])
+    refused.message_failures.add(index=1, reason="PAYLOAD_TOO_LARGE", message="payload is 9 bytes")
+    plan.record(indexes, refused)
+    indexes, request = plan.request([0])
+    assert indexes == [2] and [m.payload for m in request.messages] == [b"2"]
+    plan.record(indexes, pb.StoreBatchResponse(positions=[pb.MessagePosition(shard=0, timestamp_us=60)]))
+    with pytest.raises(E.PartialBatchError) as raised:
+        plan.outcome({})
+    assert [m.payload for m in raised.value.stored] == [b"0", b"2"]
+    errs = {m.payload: err for m, err in raised.value.failed}
+    assert errs[b"1"].reason is E.Reason.INVALID_TOPIC and str(errs[b"1"]).startswith("INVALID_TOPIC: message 1:")
+    assert errs[b"3"].reason is E.Reason.PAYLOAD_TOO_LARGE and "message 3: payload is 9 bytes" in str(errs[b"3"])
+    assert raised.value.sequence == 7

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import socket
 from collections.abc import Awaitable, Iterable
 from typing import Any
@@ -64,6 +65,8 @@ from mqds.protocol.errors import PartialBatchError
 from mqds.protocol.topics import matches, validate_filter, validate_topic
 
 __all__ = ["BrokerHooks", "Delivery", "real_filter"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CLIENTS = 1_000_000
 
@@ -395,6 +398,8 @@ class BrokerHooks:
         message only retained returns None, as a retained message is no
         offline position.
         """
+        validate_topic(message.topic)  # a bad message alone: raised, not counted as a failed store
+        check_qos(message.qos)
         (stored,) = await self.message_publish_batch([message])
         return stored
 
@@ -406,14 +411,22 @@ class BrokerHooks:
         storing (concurrent publishes, other calls of this method) into one
         batch per shard on a long-lived stream, in order, so each publisher's
         messages keep their order; retained messages are kept in order too.
-        When the call stores only some shards' parts, the others are None
-        (counted as ``store_failed``); any other failure is raised.
+        A message that breaks a rule (a bad topic, too many user properties, a
+        payload over the node's limit) fails alone: it is None (counted as
+        ``store_failed``, logged) and the others are stored. When the call
+        stores only some shards' parts, the others are None too; any other
+        failure is raised.
         """
         to_store: list[int] = []
         to_retain: list[Message] = []
         for index, message in enumerate(messages):
-            validate_topic(message.topic)
-            check_qos(message.qos)
+            try:
+                validate_topic(message.topic)
+                check_qos(message.qos)
+            except ValueError as err:
+                self._refused(message, err)
+                self.stats["store_failed"] += 1
+                continue
             rules = self.config.rules_for("message.publish", message.topic)
             if any(
                 rule.kind == "store" and (message.qos > 0 or self.config.keep_qos0 or rule.spec.stores_qos0)
@@ -432,17 +445,16 @@ class BrokerHooks:
         try:
             stored = await self.client.publish([messages[i] for i in to_store])
         except PartialBatchError as err:
-            # Stored messages come back in request order; a sender's messages
-            # share a shard, so equal messages are all stored or all not.
+            # Stored messages come back in request order; equal messages
+            # share a shard (their sender's) and the rules' verdict, so they
+            # are all stored or all not.
             pending = collections.deque(err.stored)
             for index in to_store:
-                m = messages[index]
-                if pending and (pending[0].topic, pending[0].payload, pending[0].sender) == (
-                    m.topic,
-                    m.payload,
-                    m.sender,
-                ):
+                if pending and _content(pending[0]) == _content(messages[index]):
                     out[index] = pending.popleft()
+            for message, failure in err.failed:
+                if not failure.retriable:
+                    self._refused(message, failure)
             self.stats["stored"] += len(err.stored)
             self.stats["store_failed"] += len(err.failed)
             return out
@@ -450,6 +462,11 @@ class BrokerHooks:
             out[index] = message
         self.stats["stored"] += len(stored)
         return out
+
+    def _refused(self, message: Message, err: Exception) -> None:
+        """A message no node stores (the publisher's fault, not mqds'): logged and counted; the others go on."""
+        self.stats["store_refused"] += 1
+        log.warning("not storing a message from %r on %r: %s", message.sender[:200], message.topic[:200], err)
 
     async def message_acked(self, clientid: str, message: Message) -> None:
         """Run the ``message.acked`` rules: acknowledge ``message`` for each of the client's matching filters.
@@ -503,3 +520,9 @@ async def _nothing() -> list[Message]:
 
 async def _none() -> None:
     return None
+
+
+def _content(message: Message) -> tuple[object, ...]:
+    """What a message published holds (not where it was stored)."""
+    m = message
+    return m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, m.message_expiry_s

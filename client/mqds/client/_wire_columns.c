@@ -8,23 +8,31 @@
  *   end_of_stream, timestamps, streams_done: fields 3, 4 and 5 (the last occurrence wins, as in
  *               protobuf; streams_done keeps its low 32 bits, a uint32)
  *
- * columns(answers, want) -> tuple of 15 items (None for a column not wanted)
+ * columns(answers, want) -> tuple of 16 items (None for a column not wanted)
  *   answers: a list of serialized NextResponses; their messages, in order, are the rows
  *   want:    a bit mask of the columns to build (the WANT_* values below, which
  *            mqds.client.wire_columns gives Python)
  *   (n, topic_offsets, topic_data, payload_offsets, payload_data, sender_offsets, sender_data,
- *    qos, retain, property_offsets, key_offsets, key_data, value_offsets, value_data, timestamps)
+ *    qos, retain, property_offsets, key_offsets, key_data, value_offsets, value_data, timestamps,
+ *    skipped)
  *   Each *_offsets is n + 1 int32 values (Arrow's string / binary layout); qos is n int32;
  *   retain is a bitmap of n bits (Arrow's boolean layout); property_offsets is n + 1 int32
  *   offsets into the key / value arrays (Arrow's map layout); timestamps is n int64 (Message
  *   field 7). All in the machine's byte order, as Arrow's buffers are.
  *   User properties follow mqds.spark's map: a name given twice keeps its first place and its
  *   last value.
+ *   skipped: the messages that are not rows because protobuf could not parse them (a value
+ *   running past the message's end, a bad wire type, a string that is not UTF-8): one damaged
+ *   message costs its row, never the answer. n counts the others.
  *
- * Both raise ValueError for bytes that are not such a message (truncated, a bad wire type, a
- * length past the end) and OverflowError for columns past Arrow's 2 GiB int32 offsets; neither
- * reads outside the buffers. Strings are not checked for UTF-8 here: the caller validates
- * (pyarrow's full validation), so a damaged answer is refused, not passed on.
+ * A field read as protobuf reads it: one of a known number but of another wire type is an
+ * unknown field, skipped (the field keeps what it had), like any field the reader does not know.
+ * Strings are checked as UTF-8 as protobuf checks them (once, when the columns are sized), so a
+ * caller need not validate them again.
+ *
+ * Both raise ValueError for bytes whose framing is not such an answer's (a message's length
+ * past the answer's end, a truncated field between the messages) and OverflowError for columns
+ * past Arrow's 2 GiB int32 offsets; neither reads outside the buffers.
  *
  * The same values as parsing with protobuf and reading the fields
  * (tests/unit/test_wire_columns.py checks them against each other with hypothesis).
@@ -84,7 +92,7 @@ static int read_tag(cursor *c, uint64_t *tag) {
     return 0;
 }
 
-static int read_len(cursor *c, span *out) {
+static inline int read_len(cursor *c, span *out) {
     uint64_t n;
     if (read_varint(c, &n) < 0)
         return -1;
@@ -96,8 +104,17 @@ static int read_len(cursor *c, span *out) {
     return 0;
 }
 
-/* Skip a field of wire type `wire` whose tag was read. */
-static int skip_field(cursor *c, unsigned wire) {
+/* Groups nested deeper than this are refused, as protobuf refuses messages nested deeper. */
+#define MAX_GROUP_DEPTH 100
+
+/* Rare (no node writes a group): kept out of line, so the common fields' skip stays small. */
+#if defined(__GNUC__)
+__attribute__((noinline))
+#endif
+static int skip_group(cursor *c, uint64_t field, int depth);
+
+/* Skip a field numbered `field` of wire type `wire` whose tag was read. */
+static int skip_field(cursor *c, uint64_t field, unsigned wire) {
     uint64_t ignored;
     span s;
     switch (wire) {
@@ -110,6 +127,8 @@ static int skip_field(cursor *c, unsigned wire) {
         return 0;
     case 2:
         return read_len(c, &s);
+    case 3:
+        return skip_group(c, field, 1);
     case 5:
         if (c->end - c->p < 4)
             return bad("a fixed32 runs past the end");
@@ -118,6 +137,79 @@ static int skip_field(cursor *c, unsigned wire) {
     default:
         return bad("an unsupported wire type");
     }
+}
+
+/* Skip a group's fields up to its end-group tag (protobuf keeps such a field as an unknown one). */
+static int skip_group(cursor *c, uint64_t field, int depth) {
+    if (depth > MAX_GROUP_DEPTH)
+        return bad("groups nested too deep");
+    while (c->p < c->end) {
+        uint64_t tag;
+        if (read_tag(c, &tag) < 0)
+            return -1;
+        unsigned wire = (unsigned)(tag & 7);
+        if ((tag >> 3) == 0)
+            return bad("field number 0");
+        if (wire == 4)
+            return (tag >> 3) == field ? 0 : bad("a group ends with another field's number");
+        if (wire == 3 ? skip_group(c, tag >> 3, depth + 1) < 0 : skip_field(c, tag >> 3, wire) < 0)
+            return -1;
+    }
+    return bad("a group runs past the end");
+}
+
+/* Whether `s` is ASCII: eight bytes at a time (the last eight overlapping), no branch per byte. */
+static inline int is_ascii(span s) {
+    uint64_t high = 0, word;
+    if (s.n >= 8) {
+        for (Py_ssize_t i = 0; i + 8 <= s.n; i += 8) {
+            memcpy(&word, s.p + i, 8);
+            high |= word;
+        }
+        memcpy(&word, s.p + s.n - 8, 8);
+        high |= word;
+    } else {
+        for (Py_ssize_t i = 0; i < s.n; i++)
+            high |= s.p[i];
+    }
+    return !(high & 0x8080808080808080ULL);
+}
+
+/* Whether `s` is UTF-8, as protobuf checks a string field: no overlong forms, no surrogates,
+ * nothing past U+10FFFF. Most strings are ASCII, told without decoding. */
+static int is_utf8(span s) {
+    if (is_ascii(s))
+        return 1;
+    const unsigned char *p = s.p, *end = s.p + s.n;
+    while (p < end) {
+        unsigned char b = *p;
+        if (b < 0x80) {
+            p++;
+            continue;
+        }
+        int size;
+        uint32_t code;
+        if (b >= 0xC2 && b <= 0xDF)
+            size = 2, code = b & 0x1F;
+        else if (b >= 0xE0 && b <= 0xEF)
+            size = 3, code = b & 0x0F;
+        else if (b >= 0xF0 && b <= 0xF4)
+            size = 4, code = b & 0x07;
+        else
+            return 0;
+        if (end - p < size)
+            return 0;
+        for (int k = 1; k < size; k++) {
+            if ((p[k] & 0xC0) != 0x80)
+                return 0;
+            code = (code << 6) | (p[k] & 0x3F);
+        }
+        if ((size == 3 && (code < 0x800 || (code >= 0xD800 && code <= 0xDFFF))) ||
+            (size == 4 && (code < 0x10000 || code > 0x10FFFF)))
+            return 0;
+        p += size;
+    }
+    return 1;
 }
 
 /* The next length-delimited field numbered `field` after the cursor, in a buffer whose framing was
@@ -130,7 +222,7 @@ static int next_len_field(cursor *c, unsigned field, span *out) {
             read_len(c, out);
             return 1;
         }
-        skip_field(c, (unsigned)(tag & 7));
+        skip_field(c, tag >> 3, (unsigned)(tag & 7));
     }
     return 0;
 }
@@ -142,8 +234,8 @@ typedef struct {
     Py_ssize_t n_properties;
 } message;
 
-/* The key and value of one UserProperty. */
-static int read_property(span body, span *key, span *value) {
+/* The key and value of one UserProperty (with `check`, each occurrence of either checked as UTF-8). */
+static int read_property(span body, span *key, span *value, int check) {
     cursor c = {body.p, body.p + body.n};
     key->p = value->p = body.p;
     key->n = value->n = 0;
@@ -151,20 +243,31 @@ static int read_property(span body, span *key, span *value) {
         uint64_t tag = 0;
         if (read_tag(&c, &tag) < 0)
             return -1;
-        unsigned field = (unsigned)(tag >> 3), wire = (unsigned)(tag & 7);
+        uint64_t field = tag >> 3;
+        unsigned wire = (unsigned)(tag & 7);
+        if (field == 0)
+            return bad("field number 0");
         if ((field == 1 || field == 2) && wire == 2) {
-            if (read_len(&c, field == 1 ? key : value) < 0)
+            span *s = field == 1 ? key : value;
+            if (read_len(&c, s) < 0)
                 return -1;
-        } else if (field == 1 || field == 2 || field == 0) {
-            return bad("a user property field has the wrong wire type");
-        } else if (skip_field(&c, wire) < 0) {
+            if (check && !is_utf8(*s))
+                return bad("a user property is not UTF-8");
+        } else if (skip_field(&c, field, wire) < 0) {
             return -1;
         }
     }
     return 0;
 }
 
-static int read_message(span body, message *m) {
+/* The expected wire type of each Message field the reader reads (1 to 7). */
+static const unsigned char message_wire[8] = {0xFF, 2, 2, 2, 0, 0, 2, 1};
+
+/* One message's fields, read as protobuf reads them. With `check`, also what protobuf checks that a
+ * read does not need (strings as UTF-8, the user properties' bodies): -1 (a ValueError set) for a
+ * message protobuf could not parse, the caller's cue to skip its row. Without it, for a message
+ * checked before: its fields, the user properties only counted. */
+static int read_message(span body, message *m, int check) {
     cursor c = {body.p, body.p + body.n};
     memset(m, 0, sizeof(*m));
     m->topic.p = m->payload.p = m->sender.p = body.p;
@@ -172,32 +275,37 @@ static int read_message(span body, message *m) {
         uint64_t tag = 0;
         if (read_tag(&c, &tag) < 0)
             return -1;
-        unsigned field = (unsigned)(tag >> 3), wire = (unsigned)(tag & 7);
-        span s;
+        uint64_t field = tag >> 3;
+        unsigned wire = (unsigned)(tag & 7);
+        span s, key, value;
         int r;
+        if (field >= sizeof(message_wire) || message_wire[field] != wire) { /* message_wire[0] matches none */
+            /* Not a field the reader reads, or one of another wire type: an unknown field to protobuf. */
+            if (field == 0)
+                return bad("field number 0");
+            if (skip_field(&c, field, wire) < 0)
+                return -1;
+            continue;
+        }
         switch (field) {
         case 1:
         case 2:
         case 3:
-            if (wire != 2)
-                return bad("a message's topic, payload or sender has the wrong wire type");
             r = read_len(&c, field == 1 ? &m->topic : field == 2 ? &m->payload : &m->sender);
+            if (check && r == 0 && field != 2 && !is_utf8(field == 1 ? m->topic : m->sender))
+                return bad("a message's topic or sender is not UTF-8");
             break;
         case 4:
         case 5:
-            if (wire != 0)
-                return bad("a message's qos or retain has the wrong wire type");
             r = read_varint(&c, field == 4 ? &m->qos : &m->retain);
             break;
         case 6:
-            if (wire != 2)
-                return bad("a message's user property has the wrong wire type");
             r = read_len(&c, &s);
+            if (check && r == 0)
+                r = read_property(s, &key, &value, 1);
             m->n_properties++;
             break;
-        case 7:
-            if (wire != 1)
-                return bad("a message's timestamp has the wrong wire type");
+        default: /* 7 */
             if (c.end - c.p < 8)
                 return bad("a fixed64 runs past the end");
             m->timestamp = 0;
@@ -205,11 +313,6 @@ static int read_message(span body, message *m) {
                 m->timestamp = (m->timestamp << 8) | c.p[i];
             c.p += 8;
             r = 0;
-            break;
-        case 0:
-            return bad("field number 0");
-        default:
-            r = skip_field(&c, wire);
         }
         if (r < 0)
             return -1;
@@ -230,12 +333,10 @@ static int walk_answer(span answer, message_fn each, void *ctx) {
         unsigned field = (unsigned)(tag >> 3), wire = (unsigned)(tag & 7);
         if (field == 0)
             return bad("field number 0");
-        if (field == 1) {
-            if (wire != 2)
-                return bad("a message has the wrong wire type");
+        if (field == 1 && wire == 2) {
             if (read_len(&c, &s) < 0 || each(ctx, s) < 0)
                 return -1;
-        } else if (skip_field(&c, wire) < 0) {
+        } else if (skip_field(&c, field, wire) < 0) { /* of another wire type: an unknown field, as in protobuf */
             return -1;
         }
     }
@@ -265,11 +366,7 @@ static PyObject *envelope(PyObject *self, PyObject *arg) {
             bad("field number 0");
             goto done;
         }
-        if (field == 1 || field == 2 || field == 4) {
-            if (wire != 2) {
-                bad("a message, iterator or timestamps field has the wrong wire type");
-                goto done;
-            }
+        if ((field == 1 || field == 2 || field == 4) && wire == 2) {
             if (read_len(&c, &s) < 0)
                 goto done;
             if (field == 1)
@@ -278,14 +375,10 @@ static PyObject *envelope(PyObject *self, PyObject *arg) {
                 iterator_len += s.n;
             else
                 stamps = s;
-        } else if (field == 3 || field == 5) {
-            if (wire != 0) {
-                bad("end_of_stream or streams_done has the wrong wire type");
-                goto done;
-            }
+        } else if ((field == 3 || field == 5) && wire == 0) {
             if (read_varint(&c, field == 3 ? &end_of_stream : &streams_done) < 0)
                 goto done;
-        } else if (skip_field(&c, wire) < 0) {
+        } else if (skip_field(&c, field, wire) < 0) { /* another wire type too: an unknown field */
             goto done;
         }
     }
@@ -312,17 +405,42 @@ done:
 
 /* ---- columns --------------------------------------------------------------------------- */
 
+/* The messages that are no row (protobuf could not parse them), by their place among the answers'
+ * messages: found when the columns are sized, skipped when they are filled without checking again. */
+typedef struct {
+    Py_ssize_t *at;
+    Py_ssize_t n, cap;
+} skips;
+
 typedef struct {
     int want;
-    Py_ssize_t n;
+    Py_ssize_t n, seen;
+    skips skipped;
     Py_ssize_t topic_bytes, payload_bytes, sender_bytes, n_properties, key_bytes, value_bytes;
 } sizes;
 
 static int size_one(void *ctx, span body) {
     sizes *z = ctx;
     message m;
-    if (read_message(body, &m) < 0)
-        return -1;
+    Py_ssize_t place = z->seen++;
+    if (read_message(body, &m, 1) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_ValueError))
+            return -1;
+        PyErr_Clear(); /* no row: the others are read */
+        skips *k = &z->skipped;
+        if (k->n == k->cap) {
+            Py_ssize_t cap = k->cap ? 2 * k->cap : 16;
+            Py_ssize_t *grown = realloc(k->at, (size_t)cap * sizeof(Py_ssize_t));
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            k->at = grown;
+            k->cap = cap;
+        }
+        k->at[k->n++] = place;
+        return 0;
+    }
     z->n++;
     z->topic_bytes += m.topic.n;
     z->payload_bytes += m.payload.n;
@@ -332,8 +450,7 @@ static int size_one(void *ctx, span body) {
         cursor c = {body.p, body.p + body.n};
         span s, key, value;
         while (next_len_field(&c, 6, &s)) {
-            if (read_property(s, &key, &value) < 0)
-                return -1;
+            read_property(s, &key, &value, 0); /* checked by read_message */
             z->n_properties++;
             z->key_bytes += key.n;
             z->value_bytes += value.n;
@@ -356,7 +473,8 @@ static void put_string(strings *s, Py_ssize_t row, span v) {
 
 typedef struct {
     int want;
-    Py_ssize_t row;
+    Py_ssize_t row, seen, skip;
+    const skips *skipped;
     strings topic, payload, sender, key, value;
     int32_t *qos;
     unsigned char *retain;
@@ -381,7 +499,7 @@ static int put_properties(filling *f, span body, Py_ssize_t count) {
     cursor c = {body.p, body.p + body.n};
     span s;
     while (next_len_field(&c, 6, &s)) {
-        read_property(s, &f->pairs[2 * k], &f->pairs[2 * k + 1]); /* checked when sized */
+        read_property(s, &f->pairs[2 * k], &f->pairs[2 * k + 1], 0); /* checked when sized */
         k++;
     }
     for (Py_ssize_t i = 0; i < k; i++) {
@@ -404,8 +522,13 @@ static int put_properties(filling *f, span body, Py_ssize_t count) {
 static int fill_one(void *ctx, span body) {
     filling *f = ctx;
     message m;
+    Py_ssize_t place = f->seen++;
+    if (f->skip < f->skipped->n && f->skipped->at[f->skip] == place) {
+        f->skip++;
+        return 0;
+    }
+    read_message(body, &m, 0); /* checked when sized */
     Py_ssize_t row = f->row++;
-    read_message(body, &m); /* checked when sized */
     if (f->want & WANT_TOPIC)
         put_string(&f->topic, row, m.topic);
     if (f->want & WANT_PAYLOAD)
@@ -444,6 +567,8 @@ static PyObject *columns(PyObject *self, PyObject *args) {
     Py_ssize_t n_views = 0;
     filling f;
     memset(&f, 0, sizeof(f));
+    sizes z;
+    memset(&z, 0, sizeof(z));
     if (!PyArg_ParseTuple(args, "O!i:columns", &PyList_Type, &answers, &want))
         return NULL;
     held = PyList_AsTuple(answers); /* the list may change meanwhile; this tuple does not */
@@ -458,8 +583,6 @@ static PyObject *columns(PyObject *self, PyObject *args) {
     for (; n_views < n_answers; n_views++)
         if (PyObject_GetBuffer(PyTuple_GET_ITEM(held, n_views), &views[n_views], PyBUF_SIMPLE) < 0)
             goto done;
-    sizes z;
-    memset(&z, 0, sizeof(z));
     z.want = want;
     for (Py_ssize_t i = 0; i < n_answers; i++) {
         span answer = {views[i].buf, views[i].len};
@@ -518,16 +641,18 @@ static PyObject *columns(PyObject *self, PyObject *args) {
         f.timestamps = (int64_t *)PyBytes_AS_STRING(out[13]);
     }
     f.want = want;
+    f.skipped = &z.skipped;
     for (Py_ssize_t i = 0; i < n_answers; i++) {
         span answer = {views[i].buf, views[i].len};
         if (walk_answer(answer, fill_one, &f) < 0)
             goto done;
     }
-    result = PyTuple_New(N_OUT + 1);
+    result = PyTuple_New(N_OUT + 2);
     if (result == NULL)
         goto done;
     PyTuple_SET_ITEM(result, 0, PyLong_FromSsize_t(z.n));
-    if (PyTuple_GET_ITEM(result, 0) == NULL) {
+    PyTuple_SET_ITEM(result, N_OUT + 1, PyLong_FromSsize_t(z.skipped.n));
+    if (PyTuple_GET_ITEM(result, 0) == NULL || PyTuple_GET_ITEM(result, N_OUT + 1) == NULL) {
         Py_CLEAR(result);
         goto done;
     }
@@ -543,6 +668,7 @@ done:
         PyBuffer_Release(&views[i]);
     PyMem_Free(views);
     free(f.pairs);
+    free(z.skipped.at);
     Py_XDECREF(held);
     return result;
 }
@@ -552,7 +678,7 @@ static PyMethodDef methods[] = {
      "envelope(answer) -> (count, iterator, end_of_stream, timestamps, streams_done): a NextResponse without its "
      "messages"},
     {"columns", columns, METH_VARARGS,
-     "columns(answers, want) -> (n, topic_offsets, topic_data, ..., timestamps): the answers' messages as "
+     "columns(answers, want) -> (n, topic_offsets, topic_data, ..., timestamps, skipped): the answers' messages as "
      "Arrow buffers"},
     {NULL, NULL, 0, NULL},
 };

@@ -20,4 +20,5 @@ def columns(
     bytes | None,
     bytes | None,
     bytes | None,
+    int,
 ]: ...

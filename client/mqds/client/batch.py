@@ -11,6 +11,10 @@ reader that wants objects gets them one at a time, as before.
 A batch read with the C extension (``mqds.client.wire_columns``) holds the
 answer's bytes themselves, not even parsed: protobuf parses them the first
 time a message is read, and a reader of columns reads them from the bytes.
+
+A message of the answer that does not parse (damaged bytes) is left out
+when the answer is parsed, and counted (``skipped``): until then such a
+batch's length counts it (the C reader only checked the answer's framing).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from operator import attrgetter
 from typing import overload
 
+from mqds.client.answer_rows import parse_answer
 from mqds.client.model import Message, Properties
 from mqds.v1 import storage_pb2 as pb
 
@@ -36,7 +41,7 @@ class MessageBatch(Sequence[Message]):
     field without building them. Equal to any sequence of the same messages.
     """
 
-    __slots__ = ("_answer", "_count", "_items", "_nbytes", "_times")
+    __slots__ = ("_answer", "_count", "_items", "_nbytes", "_times", "skipped")
 
     def __init__(self, items: Sequence[pb.Message] = (), times: Sequence[int] | None = None, nbytes: int = 0) -> None:
         self._items: Sequence[pb.Message] | None = items
@@ -44,6 +49,8 @@ class MessageBatch(Sequence[Message]):
         self._nbytes = nbytes
         self._answer: bytes | None = None
         self._count = 0
+        self.skipped = 0
+        """Messages of the answer left out because they do not parse (known once it was parsed)."""
 
     @classmethod
     def of_answer(cls, answer: bytes, count: int, times: Sequence[int] | None = None) -> MessageBatch:
@@ -66,7 +73,13 @@ class MessageBatch(Sequence[Message]):
         if items is None:
             answer = self._answer
             assert answer is not None
-            items = self._items = pb.NextResponse.FromString(answer).messages
+            response, skipped = parse_answer(answer)
+            items = self._items = response.messages
+            if skipped:
+                self.skipped = len(skipped)
+                if self._times is not None:
+                    gone = set(skipped)
+                    self._times = [t for i, t in enumerate(self._times) if i not in gone]
             # Parsed once: the bytes go, so a batch read ahead holds what its nbytes counts, not twice that.
             self._answer = None
         return items

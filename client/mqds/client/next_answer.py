@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mqds.client.answer_rows import parse_answer
 from mqds.client.batch import MessageBatch, wire_times
 from mqds.client.model import Iterator, NextResult
 from mqds.client.wire_columns import envelope, native
@@ -40,9 +41,14 @@ def next_result(raw: bytes) -> NextResult:
 
 
 def parsed_next_result(raw: bytes) -> NextResult:
-    """:func:`next_result` by protobuf alone: every message parsed (where the C extension is not built)."""
-    response = pb.NextResponse.FromString(raw)
+    """:func:`next_result` by protobuf alone: every message parsed (where the C extension is not built).
+
+    A message that does not parse is left out (``MessageBatch.skipped``
+    counts it), not the whole answer refused.
+    """
+    response, skipped = parse_answer(raw)
     batch = MessageBatch(response.messages, _times(response.timestamps, len(response.messages)), len(raw))
+    batch.skipped = len(skipped)
     return NextResult(batch, Iterator.from_pb(response.iterator), response.end_of_stream, response.streams_done)
 
 

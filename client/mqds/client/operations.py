@@ -30,6 +30,7 @@ from mqds.client.model import (
     ReadPosition,
     Stream,
 )
+from mqds.client.pipeline_calls import check_messages
 from mqds.client.routing import ShardFailures
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, PartialBatchError, Reason
@@ -210,7 +211,9 @@ class StoreBatch:
     id and sequence, so a shard stores its part once); ``record`` takes its
     answer (raising :class:`ShardFailures` for the shards it says failed);
     ``outcome`` turns what was recorded and the shards' final errors into
-    the stored messages, or the error to raise.
+    the stored messages, or the error to raise. A message no node stores
+    (:func:`~mqds.client.pipeline_calls.check_messages`) is not sent, and
+    one a node refused fails alone: the others are stored.
     """
 
     def __init__(self, messages: Iterable[Message], n_shards: int, producer_id: str, sequence: int, sync: bool) -> None:
@@ -219,9 +222,12 @@ class StoreBatch:
         self.producer_id = producer_id
         self.sequence = check_sequence(sequence)
         self.sync = sync
+        self.refused = check_messages(self.batch)
+        """The messages that failed alone (index -> error): before sending, or refused by their node."""
         self.by_shard: dict[int, list[int]] = {}
         for index, message in enumerate(self.batch):
-            self.by_shard.setdefault(shard_of(message.sender, n_shards), []).append(index)
+            if index not in self.refused:
+                self.by_shard.setdefault(shard_of(message.sender, n_shards), []).append(index)
         self._encoded = [m.to_pb() for m in self.batch]
         self.positions: dict[int, tuple[int, int]] = {}
 
@@ -244,6 +250,11 @@ class StoreBatch:
         for index, position in zip(indexes, response.positions, strict=True):
             if position.timestamp_us:
                 self.positions[index] = (position.timestamp_us, position.shard)
+        for refused in response.message_failures:
+            if refused.index < len(indexes):
+                index = indexes[refused.index]
+                self.positions.pop(index, None)
+                self.refused[index] = errors.from_message_failure(refused, f"message {index}")
         if response.failures:
             raise ShardFailures({f.shard: errors.from_failure(f) for f in response.failures})
 
@@ -257,9 +268,8 @@ class StoreBatch:
                 stored.append(Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, ts, shard))
             else:
                 shard = shard_of(m.sender, self.n_shards)
-                failed.append(
-                    (Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, None, shard), failures[shard])
-                )
+                err = self.refused[index] if index in self.refused else failures[shard]
+                failed.append((Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, None, shard), err))
         if not failed:
             return stored
         if not stored:

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from mqds.client.pipeline_calls import PendingCall, PipelineLimits, check_message, resolve_limits
+from mqds.client.pipeline_calls import PendingCall, PipelineLimits, check_message, check_messages, resolve_limits
 from mqds.client.retry import Backoff
 from mqds.client.routing_table import RoutingTable
 from mqds.protocol import errors
@@ -45,6 +45,7 @@ __all__ = [
     "Plan",
     "StreamState",
     "check_message",
+    "check_messages",
     "resolve_limits",
 ]
 
@@ -137,15 +138,18 @@ class Pipeline:
         return self.unsettled_messages == 0 or self.unsettled_messages + count <= self.limits.max_in_flight_messages
 
     def add(self, call: PendingCall) -> list[PendingCall]:
-        """Queue a call's messages per shard; the calls settled at once (nothing to store)."""
+        """Queue a call's messages per shard (not those it refused); the calls settled at once (nothing to send)."""
         self.stats["calls"] += 1
-        if not call.messages:
+        if not call.parts_left:
             call.done = True
             return [call]
         self.unsettled_messages += len(call.messages)
         heapq.heappush(self._deadlines, (call.deadline, call.id, call))
         shards = self.shards
+        refused = call.failed
         for index, (m, shard) in enumerate(zip(call.messages, call.shards, strict=True)):
+            if refused and index in refused:
+                continue
             encoded = encode_message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties)
             state = shards.get(shard) or shards.setdefault(shard, _Shard(self.backoff))
             state.queued.append((call, index, encoded, len(encoded) + _FRAME_BYTES))
@@ -308,8 +312,15 @@ class Pipeline:
         else:
             state.batches.remove(batch)
         state.delays = state.backoff.delays()
-        for (call, index), position in zip(batch.entries, result.positions, strict=True):
+        entries = batch.entries
+        for (call, index), position in zip(entries, result.positions, strict=True):
             call.positions[index] = (position.timestamp_us, position.shard)
+        # Messages the node refused alone (the rest of the batch is stored): each fails its own call.
+        for refused in result.message_failures:
+            if refused.index < len(entries):
+                call, index = entries[refused.index]
+                call.positions[index] = None
+                call.failed[index] = errors.from_message_failure(refused, f"message {index}")
         self._parts_done(batch, out)
         return out
 

@@ -21,7 +21,7 @@ import grpc
 
 from mqds.client.aio_routing import AsyncRouter
 from mqds.client.model import Message
-from mqds.client.pipeline import PendingCall, Pipeline, PipelineLimits, Plan, StreamState, check_message
+from mqds.client.pipeline import PendingCall, Pipeline, PipelineLimits, Plan, StreamState, check_messages
 from mqds.client.pipeline_calls import closed_error, open_failed, read_failed, resolve, store_stream
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
@@ -101,13 +101,11 @@ class AsyncPipeline:
     ) -> asyncio.Future[list[Message]]:
         """Queue a call (awaiting room in the window until its deadline); its future."""
         future: asyncio.Future[list[Message]] = asyncio.get_running_loop().create_future()
-        try:
-            for index, message in enumerate(messages):
-                check_message(index, message)
-        except MqdsError as err:
-            future.set_exception(err)
+        refused = check_messages(messages)
+        if refused and len(refused) == len(messages):  # nothing to send: the first one's error
+            future.set_exception(refused[0])
             return future
-        call = PendingCall(messages, n_shards, deadline)
+        call = PendingCall(messages, n_shards, deadline, refused)
         call.handle = future
         if not self._closed and not self.core.has_room(len(call.messages)):
             try:

@@ -15,16 +15,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from mqds.client.model import Message
-from mqds.protocol import errors
+from mqds.protocol import errors, messages
 from mqds.protocol.errors import MqdsError, PartialBatchError, Reason
 from mqds.protocol.sharding import shard_of
-from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_topic
 from mqds.v1 import storage_pb2 as pb
 
 __all__ = [
     "PendingCall",
     "PipelineLimits",
     "check_message",
+    "check_messages",
     "closed_error",
     "open_failed",
     "read_failed",
@@ -74,15 +74,23 @@ def resolve_limits(
 
 
 def check_message(index: int, message: Message) -> None:
-    """Raise what the node would for a message it can never store (a bad topic, qos or sender)."""
-    try:
-        validate_topic(message.topic)
-    except TopicError as err:
-        raise errors.error(Reason.INVALID_TOPIC, f"message {index}: {err}") from None
-    if message.qos not in (0, 1, 2):
-        raise errors.error(Reason.INVALID_MESSAGE, f"message {index}: qos must be 0, 1 or 2, got {message.qos}")
-    if len(message.sender.encode("utf-8")) > MAX_TOPIC_BYTES:
-        raise errors.error(Reason.INVALID_MESSAGE, f"message {index}: sender clientid is over 65,535 bytes")
+    """Raise what a node would for a message it can never store (the rules of :mod:`mqds.protocol.messages`:
+    a bad topic, qos or sender, too many or too large user properties; not the payload's size, which is the
+    node's limit)."""
+    m = message
+    messages.check_message(f"message {index}", m.topic, m.payload, m.sender, m.qos, m.properties)
+
+
+def check_messages(batch: Sequence[Message]) -> dict[int, MqdsError]:
+    """The messages of a call a node can never store, each with its error (:func:`check_message`); {} when
+    there are none, the common case. They fail alone: the call's other messages are sent."""
+    refused: dict[int, MqdsError] = {}
+    for index, message in enumerate(batch):
+        try:
+            check_message(index, message)
+        except MqdsError as err:
+            refused[index] = err
+    return refused
 
 
 class PendingCall:
@@ -108,18 +116,22 @@ class PendingCall:
     )
     _ids = itertools.count()
 
-    def __init__(self, messages: Sequence[Message], n_shards: int, deadline: float) -> None:
+    def __init__(
+        self, messages: Sequence[Message], n_shards: int, deadline: float, refused: dict[int, MqdsError] | None = None
+    ) -> None:
+        """``refused``: messages that fail at once (not sent), each with its error (:func:`check_messages`)."""
         self.id = next(self._ids)
         self.messages = messages if type(messages) is list else list(messages)
         self.deadline = deadline
         if len(self.messages) == 1:
             self.shards = [shard_of(self.messages[0].sender, n_shards)]
-            self.parts_left = 1
+            self.parts_left = 0 if refused else 1
         else:
             self.shards = [shard_of(m.sender, n_shards) for m in self.messages]
-            self.parts_left = len(set(self.shards))
+            sent = self.shards if not refused else [s for i, s in enumerate(self.shards) if i not in refused]
+            self.parts_left = len(set(sent))
         self.positions: list[tuple[int, int] | None] = [None] * len(self.messages)
-        self.failed: dict[int, MqdsError] = {}  # index -> error
+        self.failed: dict[int, MqdsError] = dict(refused) if refused else {}  # index -> error
         self.last_error: MqdsError | None = None
         self.sequence = 0
         self.done = False

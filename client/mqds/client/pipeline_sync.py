@@ -20,7 +20,7 @@ from concurrent import futures
 import grpc
 
 from mqds.client.model import Message
-from mqds.client.pipeline import PendingCall, Pipeline, PipelineLimits, Plan, StreamState, check_message
+from mqds.client.pipeline import PendingCall, Pipeline, PipelineLimits, Plan, StreamState, check_messages
 from mqds.client.pipeline_calls import closed_error, open_failed, read_failed, resolve, store_stream
 from mqds.client.routing import Router
 from mqds.protocol import errors
@@ -85,13 +85,11 @@ class SyncPipeline:
     def submit(self, messages: Sequence[Message], n_shards: int, deadline: float) -> futures.Future[list[Message]]:
         """Queue a call (waiting for room in the window until its deadline); its future."""
         future: futures.Future[list[Message]] = futures.Future()
-        try:
-            for index, message in enumerate(messages):
-                check_message(index, message)
-        except MqdsError as err:
-            future.set_exception(err)
+        refused = check_messages(messages)
+        if refused and len(refused) == len(messages):  # nothing to send: the first one's error
+            future.set_exception(refused[0])
             return future
-        call = PendingCall(messages, n_shards, deadline)
+        call = PendingCall(messages, n_shards, deadline, refused)
         call.handle = future
         with self._cond:
             while not self._closed and not self.core.has_room(len(call.messages)):

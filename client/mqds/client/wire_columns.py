@@ -12,7 +12,9 @@ directly:
 - :func:`columns`: the messages of several answers as the buffers of Arrow
   arrays (offsets and data for strings, a bitmap for booleans, int32 and
   int64 values), built in one pass, no Python object per message. The
-  client does not need pyarrow: the Spark source wraps these buffers.
+  client does not need pyarrow: the Spark source wraps these buffers. A
+  message protobuf could not parse (damaged bytes) is no row and is counted
+  (``Columns.skipped``): one bad message never costs the others.
 
 :data:`native` is None where the extension was not built (no C compiler when
 the package was installed): callers then parse with protobuf, as before.
@@ -58,6 +60,8 @@ class Columns(NamedTuple):
     ``retain``: a bitmap of n bits; properties: ``n + 1`` int32 offsets into
     the entries, whose keys and values are strings (``property_offsets[-1]``
     of them); ``timestamps``: n int64 (µs). In the machine's byte order.
+    ``skipped``: the answers' messages that are not rows (protobuf could not
+    parse them); n counts the others.
     """
 
     n: int
@@ -75,6 +79,7 @@ class Columns(NamedTuple):
     value_offsets: bytes | None
     value_data: bytes | None
     timestamps: bytes | None
+    skipped: int
 
 
 def envelope(answer: bytes) -> Envelope:
@@ -86,9 +91,10 @@ def envelope(answer: bytes) -> Envelope:
 def columns(answers: Sequence[bytes], want: int = WANT_ALL) -> Columns:
     """The messages of ``answers`` (serialized ``NextResponse``), in order, as :class:`Columns`.
 
-    ``want``: the ``WANT_*`` bits of the columns to build. ValueError for
-    bytes that are not such answers; OverflowError past 2 GiB in a column.
-    Needs :data:`native`.
+    ``want``: the ``WANT_*`` bits of the columns to build. A message that
+    does not parse is left out and counted in ``skipped``; ValueError for
+    bytes whose framing is not such answers'; OverflowError past 2 GiB in a
+    column. Needs :data:`native`.
     """
     assert native is not None, "mqds.client._wire_columns is not built"
     return Columns(*native.columns(list(answers), want))

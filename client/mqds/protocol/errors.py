@@ -355,3 +355,10 @@ def from_failure(failure: Any) -> MqdsError:
     metadata = dict(failure.metadata)
     metadata.setdefault("shard", str(failure.shard))
     return error(reason, failure.message, **metadata)
+
+
+def from_message_failure(failure: Any, where: str) -> MqdsError:
+    """The exception for one message a node refused (an ``mqds.v1.MessageFailure``); ``where`` names the message
+    as the caller numbers it ("message 3"), which may not be its index in the request the node saw."""
+    reason = Reason[failure.reason] if failure.reason in Reason.__members__ else Reason.INTERNAL
+    return error(reason, f"{where}: {failure.message}")

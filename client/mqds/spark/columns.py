@@ -5,19 +5,27 @@ Two ways to the same rows:
 - **From the answers' bytes** (the client's C extension,
   :mod:`mqds.client.wire_columns`): every column is built in one pass of C
   code over the serialized answers, straight into Arrow's buffers; no
-  protobuf parse, no Python object per message. Strings are then validated
-  as UTF-8 by pyarrow, so a damaged answer is refused rather than passed on.
+  protobuf parse, no Python object per message. The C code checks strings
+  as UTF-8 as protobuf does, so no damaged string is passed on.
 - **From protobuf messages** (batches that are not whole answers, or no C
   extension): one C-level pass over the parsed messages per column, as
   Python lists, then into Arrow.
 
 Either way the timestamps, the vnode and the generation of a schema that
 names only those are built without reading any message.
+
+A message that does not parse (damaged bytes; a node stores only messages
+that parse) is no row: both ways leave it out and count it, and the record
+batch is built from the others, with a warning in the executor's log. A
+schema of only the timestamps, vnode and generation reads no message, so
+its rows include such a message (as a count by Spark's CSV source counts
+malformed lines).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import struct
 import sys
 from collections.abc import Callable, Sequence
@@ -28,6 +36,8 @@ import pyarrow as pa
 
 from mqds.client import MessageBatch
 from mqds.client import wire_columns as wc
+
+log = logging.getLogger(__name__)
 
 _WITHOUT_MESSAGES = frozenset({"timestamp", "shard", "generation"})
 """Columns built without reading the messages (the packed timestamps, the slice's vnode and generation)."""
@@ -49,15 +59,18 @@ def to_record_batch(batches: Sequence[MessageBatch], shard: int, generation: int
     Only the columns ``schema`` names are built. Properties become a map; a
     property name that repeats keeps its first place and its last value.
     """
-    n = sum(map(len, batches))
     content = any(field.name not in _WITHOUT_MESSAGES for field in schema)
     answers = [batch.answer for batch in batches]
     if content and wc.native is not None and all(answer is not None for answer in answers):
-        column = _from_answers(answers, n, schema)  # type: ignore[arg-type]  # checked just above
+        column, n, skipped = _from_answers(answers, sum(map(len, batches)), schema)  # type: ignore[arg-type]
     elif content:
-        column = _from_messages(batches, n)
+        column, n, skipped = _from_messages(batches)
     else:
-        column = {}
+        column, n, skipped = {}, sum(map(len, batches)), 0
+    if skipped:
+        log.warning(
+            "mqds: vnode %d generation %d: left out %d messages that do not parse (damaged)", shard, generation, skipped
+        )
     column["shard"] = lambda t: pa.array(itertools.repeat(shard, n), t, size=n)
     column["generation"] = lambda t: pa.array(itertools.repeat(generation, n), t, size=n)
     if "timestamp" not in column:
@@ -69,47 +82,51 @@ def to_record_batch(batches: Sequence[MessageBatch], shard: int, generation: int
 Builders = dict[str, Callable[[pa.DataType], pa.Array]]
 
 
-def _from_answers(answers: list[bytes], n: int, schema: pa.Schema) -> Builders:
-    """The columns ``schema`` names (but the vnode and generation), read by C code from the answers' bytes."""
+def _from_answers(answers: list[bytes], count: int, schema: pa.Schema) -> tuple[Builders, int, int]:
+    """The columns ``schema`` names (but the vnode and generation), read by C code from the answers' bytes
+    (``count`` messages); the rows, and the messages that are not rows (they do not parse)."""
     want = 0
     for field in schema:
         want |= _WANT.get(field.name, 0)
     cols = wc.columns(answers, want)
-    if cols.n != n:
-        raise ValueError(f"the answers hold {cols.n} messages, their batches {n}")
+    n = cols.n
+    if n + cols.skipped != count:
+        raise ValueError(f"the answers hold {n + cols.skipped} messages, their batches {count}")
     buf = pa.py_buffer
 
-    def strings(t: pa.DataType, count: int, offsets: bytes | None, data: bytes | None, check: bool) -> pa.Array:
-        array = pa.Array.from_buffers(t, count, [None, buf(offsets), buf(data)])
-        if check:
-            array.validate(full=True)  # UTF-8: the C code copies bytes as they came
-        return array
+    def strings(t: pa.DataType, count: int, offsets: bytes | None, data: bytes | None) -> pa.Array:
+        # No validation pass: the C code checked every string as UTF-8 (a message with one that is not
+        # is no row), and built the offsets itself.
+        return pa.Array.from_buffers(t, count, [None, buf(offsets), buf(data)])
 
     def properties(t: pa.DataType) -> pa.Array:
         offsets = pa.Array.from_buffers(pa.int32(), n + 1, [None, buf(cols.property_offsets)])
         entries = offsets[n].as_py() if n else 0
-        keys = strings(pa.string(), entries, cols.key_offsets, cols.key_data, True)
-        values = strings(pa.string(), entries, cols.value_offsets, cols.value_data, True)
+        keys = strings(pa.string(), entries, cols.key_offsets, cols.key_data)
+        values = strings(pa.string(), entries, cols.value_offsets, cols.value_data)
         return pa.MapArray.from_arrays(offsets, keys, values, type=t)
 
-    return {
-        "topic": lambda t: strings(t, n, cols.topic_offsets, cols.topic_data, True),
-        "payload": lambda t: strings(t, n, cols.payload_offsets, cols.payload_data, False),
-        "sender": lambda t: strings(t, n, cols.sender_offsets, cols.sender_data, True),
+    builders: Builders = {
+        "topic": lambda t: strings(t, n, cols.topic_offsets, cols.topic_data),
+        "payload": lambda t: strings(t, n, cols.payload_offsets, cols.payload_data),
+        "sender": lambda t: strings(t, n, cols.sender_offsets, cols.sender_data),
         "qos": lambda t: pa.Array.from_buffers(t, n, [None, buf(cols.qos)]),
         "retain": lambda t: pa.Array.from_buffers(t, n, [None, buf(cols.retain)]),
         "properties": properties,
         "timestamp": lambda t: pa.Array.from_buffers(t, n, [None, buf(cols.timestamps)]),
     }
+    return builders, n, cols.skipped
 
 
-def _from_messages(batches: Sequence[MessageBatch], n: int) -> Builders:
-    """The content columns from the batches' protobuf messages: one C-level pass over them per column."""
+def _from_messages(batches: Sequence[MessageBatch]) -> tuple[Builders, int, int]:
+    """The content columns from the batches' protobuf messages: one C-level pass over them per column; the
+    rows, and the messages left out because they do not parse."""
     items: list[Any] = []
     for batch in batches:
-        items.extend(batch.wire)
+        items.extend(batch.wire)  # parses an answer kept as bytes: then its skipped is known
+    n = len(items)
     messages = MessageBatch(items)
-    return {
+    builders: Builders = {
         "topic": lambda t: pa.array(messages.topics(), t),
         "payload": lambda t: pa.array(messages.payloads(), t),
         "sender": lambda t: pa.array(messages.senders(), t),
@@ -117,6 +134,7 @@ def _from_messages(batches: Sequence[MessageBatch], n: int) -> Builders:
         "retain": lambda t: pa.array(messages.retain(), t),
         "properties": lambda t: _properties_column(items, n, t),
     }
+    return builders, n, sum(batch.skipped for batch in batches)
 
 
 def _properties_column(items: Sequence[Any], n: int, map_type: pa.DataType) -> pa.Array:

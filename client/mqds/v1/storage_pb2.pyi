@@ -71,12 +71,24 @@ class MessagePosition(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., timestamp_us: _Optional[int] = ...) -> None: ...
 
 class StoreBatchResponse(_message.Message):
-    __slots__ = ("positions", "failures")
+    __slots__ = ("positions", "failures", "message_failures")
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     positions: _containers.RepeatedCompositeFieldContainer[MessagePosition]
     failures: _containers.RepeatedCompositeFieldContainer[ShardFailure]
-    def __init__(self, positions: _Optional[_Iterable[_Union[MessagePosition, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[ShardFailure, _Mapping]]] = ...) -> None: ...
+    message_failures: _containers.RepeatedCompositeFieldContainer[MessageFailure]
+    def __init__(self, positions: _Optional[_Iterable[_Union[MessagePosition, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[ShardFailure, _Mapping]]] = ..., message_failures: _Optional[_Iterable[_Union[MessageFailure, _Mapping]]] = ...) -> None: ...
+
+class MessageFailure(_message.Message):
+    __slots__ = ("index", "reason", "message")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    reason: str
+    message: str
+    def __init__(self, index: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ShardFailure(_message.Message):
     __slots__ = ("shard", "reason", "message", "metadata")

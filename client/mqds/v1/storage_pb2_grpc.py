@@ -117,7 +117,9 @@ class StorageServicer:
     def StoreBatch(self, request, context):
         """Stores a batch of messages. The node assigns each message its shard and
         a timestamp that is strictly increasing within the shard. Messages of one
-        sender come back from replay in the order they were stored.
+        sender come back from replay in the order they were stored. A message
+        that breaks a rule fails alone (StoreBatchResponse.message_failures):
+        the others are stored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -130,11 +132,12 @@ class StorageServicer:
         batches were sent. Every batch carries the stream's producer_id and a
         sequence greater than the previous batch's, so a client that resends
         its unacknowledged batches on a new stream (after a lost connection or a
-        leader change) has each stored once. A batch that fails (NOT_LEADER, an
-        invalid message) is answered with its error in `failures` and the stream
-        goes on; once a batch of a shard failed, the later batches of that shard
-        on the stream fail too without being stored, so a resend keeps their
-        order. The node reads a batch only when fewer than its window are
+        leader change) has each stored once. A batch that fails (NOT_LEADER, say)
+        is answered with its error in `failures` and the stream goes on; an
+        invalid message is answered in `message_failures` and the rest of its
+        batch is stored. Once a batch of a shard failed, the later batches of
+        that shard on the stream fail too without being stored, so a resend
+        keeps their order. The node reads a batch only when fewer than its window are
         unanswered, so a client that does not read its acknowledgements is
         slowed down by flow control, never buffered for without bound. The
         stream ends with a status on a protocol error (a sequence out of order,

@@ -1,4 +1,5 @@
-/* The read path's answer encoding in C: mqds.server.wire.encode_rows without Python per message.
+/* The node's wire work in C: the read path's answer encoding (mqds.server.wire.encode_rows without
+ * Python per message), and the store path's check for fields a stored message must not hold.
  *
  * encode_rows(tag, rows, tail) -> (body, stamps)
  *   tag:   the repeated field's tag byte(s), e.g. b"\x0a" (NextResponse.messages)
@@ -12,9 +13,24 @@
  * against each other). The copy runs without the GIL, over a tuple of the rows taken first: it
  * holds every row, rows are tuples and bytes never change, so nothing it reads can change or
  * be freed meanwhile, whatever other threads do to the list.
+ *
+ * unknown_fields(request, message_types, property_field, property_types) -> list or None
+ *   request:        a serialized StoreBatchRequest that parsed (the store path's raw bytes)
+ *   message_types:  per field number of mqds.v1.Message, the wire type it must come as (0xFF:
+ *                   no such field), built from the descriptor by mqds.server.wire
+ *   property_field: the number of Message's repeated UserProperty field
+ *   property_types: the same table for mqds.v1.UserProperty
+ * For each message (field 1) holding a field its table does not have, or one of another wire
+ * type (protobuf keeps either as an unknown field, which the node would store), one tuple
+ * (index, property, field, wire type): its first such field, or when its own fields are all
+ * known, property (1-based) is the first user property holding one and field is that one's.
+ * [] for the common request; None where the request holds a group (wire type 3) beside its
+ * messages, which this scan does not skip (the caller asks protobuf instead); ValueError for
+ * bytes that do not parse. Tag-level only: a payload is skipped by its length, never read.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <string.h>
 
 #define KEY_SIZE 13   /* b"D" + u32 stream + u64 timestamp */
@@ -109,14 +125,183 @@ fail:
     return NULL;
 }
 
+/* ---- unknown_fields ------------------------------------------------------------------- */
+
+typedef struct {
+    const unsigned char *p;
+    const unsigned char *end;
+} cursor;
+
+/* 0, or -1 where the varint runs past the end or past 10 bytes. */
+static inline int read_varint(cursor *c, uint64_t *out) {
+    if (c->p < c->end && *c->p < 0x80) { /* most tags and lengths */
+        *out = *c->p++;
+        return 0;
+    }
+    uint64_t v = 0;
+    for (int shift = 0; shift < 64 && c->p < c->end; shift += 7) {
+        unsigned char b = *c->p++;
+        v |= (uint64_t)(b & 0x7F) << shift;
+        if (!(b & 0x80)) {
+            *out = v;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* Skip the value of a field of wire type 0, 1, 2 or 5 (the start of its body in `body` for 2):
+ * 0, or -1 where it runs past the end (or the wire type is another). */
+static inline int skip_value(cursor *c, unsigned wire, cursor *body) {
+    uint64_t n;
+    switch (wire) {
+    case 0:
+        return read_varint(c, &n);
+    case 1:
+    case 5:
+        n = wire == 1 ? 8 : 4;
+        break;
+    case 2:
+        if (read_varint(c, &n) < 0)
+            return -1;
+        break;
+    default:
+        return -1;
+    }
+    if (n > (uint64_t)(c->end - c->p))
+        return -1;
+    if (body != NULL) {
+        body->p = c->p;
+        body->end = c->p + n;
+    }
+    c->p += n;
+    return 0;
+}
+
+typedef struct {
+    const unsigned char *types;
+    Py_ssize_t n_types;
+} table;
+
+static unsigned expected_wire(table t, uint64_t field) { return field < (uint64_t)t.n_types ? t.types[field] : 0xFF; }
+
+/* The first field of `c` its table does not have as it came: 1 and (field, wire), 0 if none, -1 if malformed. */
+static int first_unknown(cursor c, table t, uint64_t *field, unsigned *wire) {
+    while (c.p < c.end) {
+        uint64_t tag;
+        if (read_varint(&c, &tag) < 0)
+            return -1;
+        *field = tag >> 3;
+        *wire = (unsigned)(tag & 7);
+        if (expected_wire(t, *field) != *wire)
+            return 1;
+        if (skip_value(&c, *wire, NULL) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* One message's tuple where it holds an unknown field (appended to `out`): 0, or -1 with an exception set. */
+static int check_message(cursor c, Py_ssize_t index, table message, uint64_t property_field, table property,
+                         PyObject *out) {
+    Py_ssize_t properties = 0, property_at = 0;
+    uint64_t field, property_unknown = 0;
+    unsigned wire, property_wire = 0;
+    while (c.p < c.end) {
+        uint64_t tag;
+        if (read_varint(&c, &tag) < 0)
+            goto malformed;
+        field = tag >> 3;
+        wire = (unsigned)(tag & 7);
+        if (expected_wire(message, field) != wire) {
+            property_at = 0;
+            goto found;
+        }
+        cursor body = {NULL, NULL};
+        if (skip_value(&c, wire, &body) < 0)
+            goto malformed;
+        if (field == property_field) {
+            properties++;
+            if (!property_at) {
+                int r = first_unknown(body, property, &property_unknown, &property_wire);
+                if (r < 0)
+                    goto malformed;
+                if (r)
+                    property_at = properties;
+            }
+        }
+    }
+    if (!property_at)
+        return 0;
+    field = property_unknown;
+    wire = property_wire;
+found:;
+    PyObject *item = Py_BuildValue("(nnKI)", index, property_at, (unsigned long long)field, wire);
+    if (item == NULL)
+        return -1;
+    int r = PyList_Append(out, item);
+    Py_DECREF(item);
+    return r;
+malformed:
+    PyErr_Format(PyExc_ValueError, "message %zd of the request does not parse", index);
+    return -1;
+}
+
+static PyObject *unknown_fields(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer request;
+    const char *message_types, *property_types;
+    Py_ssize_t n_message_types, n_property_types;
+    unsigned long long property_field;
+    if (!PyArg_ParseTuple(args, "y*y#Ky#:unknown_fields", &request, &message_types, &n_message_types, &property_field,
+                          &property_types, &n_property_types))
+        return NULL;
+    table message = {(const unsigned char *)message_types, n_message_types};
+    table property = {(const unsigned char *)property_types, n_property_types};
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        goto done;
+    cursor c = {(const unsigned char *)request.buf, (const unsigned char *)request.buf + request.len};
+    Py_ssize_t index = 0;
+    while (c.p < c.end) {
+        uint64_t tag;
+        cursor body = {NULL, NULL};
+        if (read_varint(&c, &tag) < 0)
+            goto malformed;
+        unsigned wire = (unsigned)(tag & 7);
+        if (wire == 3 || wire == 4) { /* a group beside the messages: protobuf skips it, not this scan */
+            Py_DECREF(out);
+            out = Py_None;
+            Py_INCREF(out);
+            goto done;
+        }
+        if (skip_value(&c, wire, &body) < 0)
+            goto malformed;
+        if ((tag >> 3) == 1 && wire == 2 && check_message(body, index++, message, property_field, property, out) < 0)
+            goto fail;
+    }
+    goto done;
+malformed:
+    PyErr_SetString(PyExc_ValueError, "the request does not parse");
+fail:
+    Py_CLEAR(out);
+done:
+    PyBuffer_Release(&request);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"encode_rows", encode_rows, METH_VARARGS,
      "encode_rows(tag, rows, tail) -> (body, stamps): stored rows as a repeated mqds.v1.Message field."},
+    {"unknown_fields", unknown_fields, METH_VARARGS,
+     "unknown_fields(request, message_types, property_field, property_types) -> [(index, property, field, wire)] "
+     "or None: the messages of a StoreBatchRequest holding fields mqds.v1.Message does not have as they came."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_wire_native", "The read path's answer encoding in C.", -1, methods, NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "_wire_native", "The node's wire work in C: read answers, store requests' fields.", -1,
+    methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__wire_native(void) { return PyModule_Create(&module); }

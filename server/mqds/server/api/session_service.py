@@ -15,14 +15,15 @@ from typing import Any
 
 from mqds.protocol import errors, share_groups
 from mqds.protocol.errors import MqdsError, Reason
+from mqds.protocol.messages import check_message
 from mqds.protocol.sharding import shard_of
-from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_topic
+from mqds.protocol.topics import MAX_TOPIC_BYTES
 from mqds.server.api import shared_fetch
-from mqds.server.api.shards_api import Shards, ShardsAPI, check_properties, now_us
+from mqds.server.api.shards_api import Shards, ShardsAPI, now_us
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.storage.expiry import NEVER
 from mqds.server.storage.sessions import FetchFilter
-from mqds.server.wire import encode_messages, repeated_field
+from mqds.server.wire import encode_messages, message_unknown_field, repeated_field, unknown_field_text
 from mqds.v1 import sessions_pb2 as spb
 
 _MESSAGES_TAG = b"\x0a"  # FetchMessagesResponse.messages, field 1, length-delimited
@@ -153,21 +154,11 @@ class SessionService(ShardsAPI):
     # -- retained messages ----------------------------------------------------
 
     def Retain(self, request: spb.RetainRequest) -> spb.RetainResponse:
-        message = request.message
-        try:
-            validate_topic(message.topic)
-        except TopicError as err:
-            raise errors.error(Reason.INVALID_TOPIC, f"retained message: {err}") from None
-        if len(message.payload) > self.max_payload_bytes:
-            raise errors.error(
-                Reason.PAYLOAD_TOO_LARGE,
-                f"retained message on {message.topic!r}: payload is {len(message.payload)} bytes, "
-                f"over the limit of {self.max_payload_bytes} (max_payload_bytes)",
-            )
-        _check_qos(message.qos, "retained message")
-        if len(message.sender.encode("utf-8")) > MAX_TOPIC_BYTES:
-            raise errors.error(Reason.INVALID_MESSAGE, "retained message: sender clientid is over 65,535 bytes")
-        check_properties("retained message", message)
+        m = message = request.message
+        check_message("retained message", m.topic, m.payload, m.sender, m.qos, m.properties, self.max_payload_bytes)
+        unknown = message_unknown_field(0, message)
+        if unknown is not None:  # kept as it came, it would reach readers as it came
+            raise errors.error(Reason.INVALID_MESSAGE, f"retained message: {unknown_field_text(unknown)}")
         message.ClearField("timestamp_us")
         message.ClearField("shard")
         stored = self._log(shard_of(message.topic, self.shards.n_shards), retain=message)

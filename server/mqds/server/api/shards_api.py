@@ -19,15 +19,7 @@ from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.protocol.topics import TopicError, validate_filter
 from mqds.server.raft.group import PendingRead, Proposal
-from mqds.v1 import storage_pb2 as pb
 
-# MQTT 5 user properties of one message: how many, and their keys and values
-# together in UTF-8 bytes.
-MAX_USER_PROPERTIES = 1024
-MAX_USER_PROPERTY_BYTES = 65_536
-# What pysyncobj adds to a command in its log entry (the command type byte),
-# with room to spare: a command this much under the entry limit is sent whole.
-_ENTRY_OVERHEAD = 64
 # What pysyncobj adds to a command in its log entry (the command type byte),
 # with room to spare: a command this much under the entry limit is sent whole.
 _ENTRY_OVERHEAD = 64
@@ -35,23 +27,6 @@ _ENTRY_OVERHEAD = 64
 
 def now_us() -> int:
     return time.time_ns() // 1000
-
-
-def check_properties(where: str, message: pb.Message) -> None:
-    """Refuse user properties over MAX_USER_PROPERTIES or MAX_USER_PROPERTY_BYTES (INVALID_MESSAGE)."""
-    properties = message.properties
-    if len(properties) > MAX_USER_PROPERTIES:
-        raise errors.error(
-            Reason.INVALID_MESSAGE,
-            f"{where}: {len(properties):,} user properties, over the limit of {MAX_USER_PROPERTIES:,}",
-        )
-    size = sum(len(p.key.encode("utf-8")) + len(p.value.encode("utf-8")) for p in properties)
-    if size > MAX_USER_PROPERTY_BYTES:
-        raise errors.error(
-            Reason.INVALID_MESSAGE,
-            f"{where}: user properties take {size:,} bytes (keys and values), over the limit of "
-            f"{MAX_USER_PROPERTY_BYTES:,}",
-        )
 
 
 class Replica(Protocol):

@@ -21,16 +21,25 @@ from typing import Any
 
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
+from mqds.protocol.messages import Problem, message_problem, problem_error
 from mqds.protocol.sharding import shard_of
-from mqds.protocol.topics import MAX_TOPIC_BYTES, TopicError, validate_filter, validate_topic
+from mqds.protocol.topics import TopicError, validate_filter
 from mqds.protocol.wire import varint
 from mqds.server.api import backup_service, delete_service, follow, store_stream
 from mqds.server.api.handlers import takes_raw_request
-from mqds.server.api.shards_api import Shards, ShardsAPI, check_properties, now_us
+from mqds.server.api.shards_api import Shards, ShardsAPI, now_us
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.group import Proposal
 from mqds.server.storage import GenerationInfo, IteratorDecodeError, IteratorState
-from mqds.server.wire import encode_rows, positions_bytes, repeated_field, store_command, times_field
+from mqds.server.wire import (
+    encode_rows,
+    positions_bytes,
+    repeated_field,
+    store_command,
+    times_field,
+    unknown_field_text,
+    unknown_fields,
+)
 from mqds.v1 import storage_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -61,16 +70,24 @@ _PER_MESSAGE_BYTES = 24
 class StoreInFlight:
     """A batch whose parts are proposed (``StorageService.start_store``); ``finish`` waits for them and answers."""
 
-    __slots__ = ("by_shard", "count", "order", "started")
+    __slots__ = ("by_shard", "count", "invalid", "order", "started")
 
     def __init__(
-        self, order: list[int], by_shard: dict[int, list[int]], count: int, started: list[Proposal | MqdsError]
+        self,
+        order: list[int],
+        by_shard: dict[int, list[int]],
+        count: int,
+        started: list[Proposal | MqdsError],
+        invalid: dict[int, tuple[int, Problem]] | None = None,
     ) -> None:
         self.order = order
         """The shards of the batch, in order."""
         self.by_shard = by_shard
+        """Each shard's messages (their indexes in the request), in order: the ones its part stores."""
         self.count = count
         self.started = started
+        self.invalid = invalid or {}
+        """The messages refused alone (not in any part): index -> (their shard, what is wrong)."""
 
     def outcome(self, timeout_s: float) -> list[int | MqdsError]:
         """Each shard's first timestamp, or its error, once every part committed (or failed, or timed out)."""
@@ -87,18 +104,21 @@ class StoreInFlight:
         return results
 
     def finish(self, timeout_s: float) -> pb.StoreBatchResponse | bytes:
-        """The StoreBatch answer; raises the error when no part was stored."""
+        """The StoreBatch answer; raises the error when no message was stored."""
         if not self.order:
+            if self.invalid:
+                index = min(self.invalid)
+                raise problem_error(f"message {index}", self.invalid[index][1])
             return pb.StoreBatchResponse()
         return self.answer(self.outcome(timeout_s), raise_if_none=True)
 
     def answer(self, results: list[int | MqdsError], raise_if_none: bool) -> pb.StoreBatchResponse | bytes:
         """The StoreBatchResponse for the parts' results (encoded when one shard stored all)."""
-        order, by_shard = self.order, self.by_shard
+        order, by_shard, invalid = self.order, self.by_shard, self.invalid
         failed = [(shard, r) for shard, r in zip(order, results, strict=True) if isinstance(r, MqdsError)]
-        if raise_if_none and len(failed) == len(order):
+        if raise_if_none and order and len(failed) == len(order):
             raise failed[0][1]
-        if len(order) == 1 and not failed:
+        if len(order) == 1 and not failed and not invalid:
             first = results[0]
             assert isinstance(first, int)
             return positions_bytes(order[0], first, self.count)
@@ -108,12 +128,17 @@ class StoreInFlight:
             for offset, index in enumerate(by_shard[shard]):
                 timestamps[index] = 0 if isinstance(first, MqdsError) else first + offset
                 shards[index] = shard
+        for index, (shard, _) in invalid.items():
+            shards[index] = shard
         response = pb.StoreBatchResponse()
         add = response.positions.add
         for ts, shard in zip(timestamps, shards, strict=True):
             add(shard=shard, timestamp_us=ts)
         for shard, err in failed:
             response.failures.add(shard=shard, reason=err.reason.value, message=err.message, metadata=err.metadata)
+        for index in sorted(invalid):
+            reason, text = invalid[index][1]
+            response.message_failures.add(index=index, reason=reason.value, message=text)
         return response
 
 
@@ -181,22 +206,10 @@ class StorageService(ShardsAPI):
             current=info.current,
         )
 
-    def _check_message(self, index: int, message: pb.Message) -> None:
-        try:
-            validate_topic(message.topic)
-        except TopicError as err:
-            raise errors.error(Reason.INVALID_TOPIC, f"message {index}: {err}") from None
-        if len(message.payload) > self.max_payload_bytes:
-            raise errors.error(
-                Reason.PAYLOAD_TOO_LARGE,
-                f"message {index} (topic {message.topic!r}): payload is {len(message.payload)} bytes, "
-                f"over the limit of {self.max_payload_bytes} (max_payload_bytes)",
-            )
-        if message.qos > 2:
-            raise errors.error(Reason.INVALID_MESSAGE, f"message {index}: qos must be 0, 1 or 2, got {message.qos}")
-        if len(message.sender.encode("utf-8")) > MAX_TOPIC_BYTES:
-            raise errors.error(Reason.INVALID_MESSAGE, f"message {index}: sender clientid is over 65,535 bytes")
-        check_properties(f"message {index}", message)
+    def _check_message(self, message: pb.Message) -> Problem | None:
+        """What is wrong with a message of a batch (the rules of ``mqds.protocol.messages``), or None."""
+        m = message
+        return message_problem(m.topic, m.payload, m.sender, m.qos, m.properties, self.max_payload_bytes)
 
     # -- RPCs ----------------------------------------------------------------
 
@@ -212,7 +225,9 @@ class StorageService(ShardsAPI):
 
         A part for a shard in ``refused`` is not proposed: it fails with that
         error (a stream's earlier batch of the shard failed, see StoreStream).
-        Raises ``MqdsError`` for a batch refused as a whole.
+        A message that breaks a rule is left out of its shard's part and
+        answered alone (``StoreInFlight.invalid``). Raises ``MqdsError`` for a
+        batch refused as a whole.
         """
         messages = request.messages
         self.check_batch_size(request)
@@ -233,15 +248,16 @@ class StorageService(ShardsAPI):
         as_sent = raw is not None
         by_shard: dict[int, list[int]] = {}
         shard_cache: dict[str, int] = {}
+        invalid: dict[int, tuple[int, Problem]] = {}
         for index, message in enumerate(messages):
             topic = message.topic
             sender = message.sender
-            shard = shard_cache.get(sender)
+            shard = shard_cache.get(sender, -1)
             # The common case is checked cheaply (16,383 characters are at
             # most 65,535 UTF-8 bytes; a sender's length once); anything else
             # gets the full check and its precise error.
             if (
-                shard is None
+                shard < 0
                 or not 0 < len(topic) <= 16383
                 or "+" in topic
                 or "#" in topic
@@ -250,14 +266,28 @@ class StorageService(ShardsAPI):
                 or (check_payload and len(message.payload) > max_payload)
                 or len(message.properties)
             ):
-                self._check_message(index, message)
-            if shard is None:
-                shard = shard_cache[sender] = shard_of(sender, n_shards)
+                if shard < 0:
+                    shard = shard_cache[sender] = shard_of(sender, n_shards)
+                problem = self._check_message(message)
+                if problem is not None:
+                    invalid[index] = (shard, problem)
+                    continue
             if message.timestamp_us or message.shard:
                 message.ClearField("timestamp_us")
                 message.ClearField("shard")
                 as_sent = False
             by_shard.setdefault(shard, []).append(index)
+        # Fields protobuf kept as unknown ones would be stored as they came: such a message fails alone too.
+        for found in unknown_fields(raw if raw is not None else request.SerializeToString()):
+            index = found[0]
+            if index not in invalid:
+                shard = shard_cache[messages[index].sender]
+                by_shard[shard].remove(index)
+                if not by_shard[shard]:
+                    del by_shard[shard]
+                invalid[index] = (shard, (Reason.INVALID_MESSAGE, unknown_field_text(found)))
+        if invalid:
+            as_sent = False  # the command is built without them
         now = self.clock()
         order = sorted(by_shard)
         commands = []
@@ -274,12 +304,12 @@ class StorageService(ShardsAPI):
                     store.producer_id = producer
                     store.sequence = request.sequence
                 indexes = by_shard[shard]
-                if len(order) == 1:
+                if len(order) == 1 and not invalid:
                     store.messages.extend(messages)
                 else:
                     store.messages.extend([messages[i] for i in indexes])
                 commands.append((shard, cmd.SerializeToString()))
-        return StoreInFlight(order, by_shard, len(messages), self._propose_started(commands, refused))
+        return StoreInFlight(order, by_shard, len(messages), self._propose_started(commands, refused), invalid)
 
     def check_batch_size(self, request: pb.StoreBatchRequest) -> None:
         """Refuse a batch of more than max_batch_messages (BATCH_TOO_LARGE)."""

@@ -15,15 +15,16 @@ Rules of the stream (a break ends it with a status, after the answers to
 the batches before): every batch names the stream's producer_id and a
 sequence above the previous batch's (OUT_OF_ORDER otherwise); a batch within
 max_batch_messages and max_request_bytes; a batch at least every
-``idle_s`` (STREAM_IDLE). A batch the node refuses (an invalid message, a
-shard it does not lead) is answered with its error in ``failures``, and the
-stream goes on; after a shard's batch failed in a way a client retries
-(NOT_LEADER, a timeout), the stream's later batches of that shard are
-answered with the same failure without being proposed, so the client's
-resend, in order and with the same sequences, keeps them in order and
-stores each once. The reader learns of such a failure from the shard's
-latest proposal itself, before it proposes the next batch, not only when
-the answering thread gets to it.
+``idle_s`` (STREAM_IDLE). A batch the node refuses (a shard it does not
+lead, a producer_id too long) is answered with its error in ``failures``,
+and the stream goes on; an invalid message is answered alone in
+``message_failures`` and the rest of its batch is stored. After a shard's
+batch failed in a way a client retries (NOT_LEADER, a timeout), the
+stream's later batches of that shard are answered with the same failure
+without being proposed, so the client's resend, in order and with the same
+sequences, keeps them in order and stores each once. The reader learns of
+such a failure from the shard's latest proposal itself, before it proposes
+the next batch, not only when the answering thread gets to it.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class _Stream:
                 else:  # refused at once: not the leader, say
                     self.note_failure(shard, item)
             return batch.sequence, started
-        except MqdsError as err:  # refused as a whole: an invalid message, say
+        except MqdsError as err:  # refused as a whole: a producer_id too long, say
             n_shards = self.service.shards.n_shards
             return batch.sequence, _Refused(err, shard_of(batch.messages[0].sender, n_shards) if batch.messages else 0)
 
