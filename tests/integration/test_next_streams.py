@@ -117,7 +117,7 @@ def test_then_is_refused_where_it_cannot_mean_anything(cluster: LocalCluster, st
         (pb.NextRequest(start=start(streams[0]), then=[start(other)], batch_size=5, fence_us=fence), "generation"),
         (
             pb.NextRequest(start=start(streams[0]), then=[start(streams[1])] * 1001, batch_size=5, fence_us=fence),
-            "at most 1000",
+            "NextRequest.then holds 1,001 entries; at most 1,000",
         ),
     ]
     for request, words in cases:

@@ -237,7 +237,7 @@ def test_bad_input_is_invalid_argument_with_what_was_wrong(cluster: LocalCluster
         (
             stub.FetchMessagesShared,
             spb.FetchMessagesSharedRequest(sessions=[session] * too_many),
-            "over the limit of 1,000",
+            "FetchMessagesSharedRequest.sessions holds 1,001 entries; at most 1,000",
         ),
         (
             stub.FetchMessagesShared,
@@ -259,7 +259,11 @@ def test_bad_input_is_invalid_argument_with_what_was_wrong(cluster: LocalCluster
             "sessions[0].shards names shard 1",
         ),
         (stub.GetReadPositions, spb.ReadPositionsRequest(), "pairs is empty"),
-        (stub.StartReadPositions, spb.ReadPositionsRequest(pairs=[pair] * too_many), "over the limit of 1,000"),
+        (
+            stub.StartReadPositions,
+            spb.ReadPositionsRequest(pairs=[pair] * too_many),
+            "ReadPositionsRequest.pairs holds 1,001 entries; at most 1,000",
+        ),
         (
             stub.GetReadPositions,
             spb.ReadPositionsRequest(pairs=[pair, spb.ReadPositionPair(clientid="", topic_filter="a")]),

@@ -202,7 +202,7 @@ class SessionService(ShardsAPI):
     def _positions(self, request: spb.ReadPositionsRequest, *, start: bool) -> spb.ReadPositionsResponse:
         """The read positions of many pairs, each read in its clientid's shard; ``start``: start the missing ones."""
         pairs = request.pairs
-        shared_fetch.check_count(len(pairs), "pairs")
+        shared_fetch.check_not_empty(len(pairs), "pairs")
         homes: list[int] = []
         for i, pair in enumerate(pairs):
             try:

@@ -28,7 +28,6 @@ from typing import Any
 
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
-from mqds.protocol.limits import MAX_SESSIONS_PER_CALL
 from mqds.protocol.topics import TopicError, validate_filter
 from mqds.protocol.wire import varint
 from mqds.server.storage.sessions import FetchFilter
@@ -47,16 +46,11 @@ Key = tuple[int, int]
 """A message's place in a session's order: (timestamp_us, shard)."""
 
 
-def check_count(count: int, what: str) -> None:
-    """Refuse an empty list, or one over MAX_SESSIONS_PER_CALL, of the sessions or pairs a call names."""
+def check_not_empty(count: int, what: str) -> None:
+    """Refuse an empty list of the sessions or pairs a call names (the guard refused one over
+    MAX_SESSIONS_PER_CALL before the call got here: ``api/methods.py``)."""
     if count == 0:
         raise errors.error(Reason.INVALID_REQUEST, f"{what} is empty: name at least one")
-    if count > MAX_SESSIONS_PER_CALL:
-        raise errors.error(
-            Reason.INVALID_REQUEST,
-            f"{what} has {count:,} entries, over the limit of {MAX_SESSIONS_PER_CALL:,} per call; split them "
-            "into several calls",
-        )
 
 
 def check_filter(topic_filter: str, where: str) -> list[str]:
@@ -145,7 +139,7 @@ class _Answer:
 
 def serve(api: Any, request: spb.FetchMessagesSharedRequest) -> bytes:
     """Answer one FetchMessagesShared call; ``api`` is the ``SessionService`` (its shards, limits and clock)."""
-    check_count(len(request.sessions), "sessions")
+    check_not_empty(len(request.sessions), "sessions")
     numbers: list[int] = api._shard_numbers(0, True, request.shards)
     allowed = set(numbers)
     now = api.clock()

@@ -49,8 +49,6 @@ _ITERATOR_TAG = b"\x12"  # NextResponse.iterator, field 2, length-delimited
 _END_OF_STREAM = b"\x18\x01"  # NextResponse.end_of_stream = true
 _TIMESTAMPS_TAG = b"\x22"  # NextResponse.timestamps, field 4, length-delimited
 _STREAMS_DONE_TAG = b"\x28"  # NextResponse.streams_done, field 5, varint
-_MAX_THEN = 1000
-"""NextRequest.then's most streams."""
 
 
 def _stored_bytes(rows: list[tuple[bytes, bytes]]) -> int:
@@ -435,8 +433,6 @@ class StorageService(ShardsAPI):
             raise errors.error(
                 Reason.INVALID_REQUEST, "then needs fence_us: a stream is read to its end only up to a fence"
             )
-        if len(request.then) > _MAX_THEN:
-            raise errors.error(Reason.INVALID_REQUEST, f"then holds {len(request.then)} streams; at most {_MAX_THEN}")
         starts = [request.start, *request.then]
         first = request.start.stream
         for where in starts:
