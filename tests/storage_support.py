@@ -15,6 +15,9 @@ from mqds.protocol.errors import (
     Reason,
 )
 from mqds.protocol.topics import matches, validate_filter
+from mqds.server.cluster.v1 import commands_pb2 as cpb
+from mqds.server.cluster.vnode import VnodeReplica
+from mqds.server.storage import Engine
 from mqds.server.storage.iterators import IteratorState
 from mqds.server.storage.shard import (
     ShardStorage,
@@ -160,3 +163,22 @@ def random_message(rng: random.Random) -> pb.Message:
         retain=rng.random() < 0.3,
         properties=props,
     )
+
+
+@contextmanager
+def vnode_replica(directory: str) -> Iterator[VnodeReplica]:
+    """A vnode replica of shard 0 in ``directory`` with its first generation, as a leader's first entry makes it."""
+    replica = VnodeReplica(
+        0,
+        directory,
+        Engine(),
+        node_id="n1",
+        fetch_snapshot=lambda *_: 0,
+        lts_threshold_top=100,
+        lts_threshold=10,
+    )
+    replica.apply(cpb.VnodeCommand(add_generation=cpb.AddGeneration(now_us=1_000, if_current=0)).SerializeToString(), 1)
+    try:
+        yield replica
+    finally:
+        replica.close()

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 from pysyncobj import FAIL_REASON
+from storage_support import vnode_replica
 
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.cluster.vnode import VnodeReplica
 from mqds.server.raft import batching
 from mqds.server.raft.futures import Proposal
-from mqds.server.storage import Engine
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
 
@@ -91,18 +91,8 @@ def test_a_failed_entry_fails_every_proposal_in_it() -> None:
 
 @pytest.fixture
 def replica(tmp_path: Path) -> Iterator[VnodeReplica]:
-    r = VnodeReplica(
-        0,
-        str(tmp_path / "v0"),
-        Engine(),
-        node_id="n1",
-        fetch_snapshot=lambda *_: 0,
-        lts_threshold_top=100,
-        lts_threshold=10,
-    )
-    r.apply(cpb.VnodeCommand(add_generation=cpb.AddGeneration(now_us=1_000, if_current=0)).SerializeToString(), 1)
-    yield r
-    r.close()
+    with vnode_replica(str(tmp_path / "v0")) as r:
+        yield r
 
 
 def store(topic: str, n: int, now_us: int, producer: str = "", sequence: int = 0) -> bytes:

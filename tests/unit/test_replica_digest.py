@@ -9,12 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from storage_support import vnode_replica
 
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.api.replica_digest import KEY_COST_BYTES, MAX_DIGESTS, DigestLimiter, digest
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.cluster.vnode import VnodeReplica
-from mqds.server.storage import Engine
 from mqds.v1 import storage_pb2 as pb
 
 FAST = 1 << 40
@@ -23,18 +23,8 @@ FAST = 1 << 40
 
 @pytest.fixture
 def replica(tmp_path: Path) -> Iterator[VnodeReplica]:
-    r = VnodeReplica(
-        0,
-        str(tmp_path / "v0"),
-        Engine(),
-        node_id="n1",
-        fetch_snapshot=lambda *_: 0,
-        lts_threshold_top=100,
-        lts_threshold=10,
-    )
-    r.apply(cpb.VnodeCommand(add_generation=cpb.AddGeneration(now_us=1_000, if_current=0)).SerializeToString(), 1)
-    yield r
-    r.close()
+    with vnode_replica(str(tmp_path / "v0")) as r:
+        yield r
 
 
 def fill(replica: VnodeReplica, batches: int, per_batch: int = 200, first_index: int = 2) -> int:
