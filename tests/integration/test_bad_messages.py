@@ -25,7 +25,7 @@ from mqds.client import wire_columns as wc
 from mqds.client.pipeline import PipelineLimits
 from mqds.protocol.errors import Reason, from_rpc_error
 from mqds.protocol.sharding import shard_of
-from mqds.protocol.wire import encode_message
+from mqds.protocol.wire import encode_message, length_delimited
 from mqds.tools.localproc import LocalCluster
 from mqds.v1 import storage_pb2 as pb
 
@@ -71,18 +71,9 @@ def raw_store(channel: grpc.Channel, request: bytes) -> pb.StoreBatchResponse:
 
 def batch_bytes(*messages: bytes, producer: str = "", sequence: int = 0) -> bytes:
     """A StoreBatchRequest of encoded messages (field 1 each), as a client sends it."""
-    out = b"".join(b"\x0a" + bytes(_varint(len(m))) + m for m in messages)
+    out = b"".join(length_delimited(b"\x0a", m) for m in messages)
     if producer:
         out += pb.StoreBatchRequest(producer_id=producer, sequence=sequence).SerializeToString()
-    return out
-
-
-def _varint(value: int) -> bytearray:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
     return out
 
 
@@ -239,7 +230,7 @@ def test_a_store_stream_batch_with_a_bad_message_stores_the_rest(cluster: LocalC
 
     def frame(sequence: int, *messages: bytes) -> bytes:
         batch = batch_bytes(*messages, producer=producer, sequence=sequence)
-        return b"\x0a" + bytes(_varint(len(batch))) + batch
+        return length_delimited(b"\x0a", batch)
 
     frames = [
         frame(1, encode_message(topic, b"a", sender, 1, False)),
@@ -277,7 +268,7 @@ def test_a_store_stream_batch_with_a_bad_message_stores_the_rest(cluster: LocalC
 def test_a_retained_message_with_a_mistyped_field_is_refused(cluster: LocalCluster, client: Client) -> None:
     topic = f"bad/retained/{uuid.uuid4().hex[:8]}"
     message = qos_as_bytes(topic, "bad-retain")
-    request = b"\x0a" + bytes(_varint(len(message))) + message  # RetainRequest.message
+    request = length_delimited(b"\x0a", message)  # RetainRequest.message
     call = grpc.insecure_channel(cluster.nodes[cluster.wait_for_leader(shard_of(topic, N_SHARDS))].address).unary_unary(
         "/mqds.v1.Sessions/Retain", request_serializer=None, response_deserializer=None
     )

@@ -13,19 +13,18 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from harness import MQDS
 
 from mqds.tools.localproc import LocalCluster, free_port, free_port_block
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-MQDS = str(Path(sys.executable).with_name("mqds"))
 README = Path(__file__).resolve().parents[2] / "README.md"
 N_SHARDS = 4
 

@@ -22,7 +22,7 @@ from pysyncobj import FAIL_REASON
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.messages import MAX_USER_PROPERTIES, message_problem
 from mqds.protocol.sharding import shard_of
-from mqds.protocol.wire import encode_message
+from mqds.protocol.wire import encode_message, length_delimited, varint
 from mqds.server import wire
 from mqds.server.api.storage_service import StorageService
 from mqds.server.cluster.v1 import commands_pb2 as cpb
@@ -61,16 +61,7 @@ def service(shards: Shards) -> StorageService:
 
 
 def request_bytes(*messages: bytes) -> bytes:
-    return b"".join(b"\x0a" + encode_varint(len(m)) + m for m in messages)
-
-
-def encode_varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+    return b"".join(length_delimited(b"\x0a", m) for m in messages)
 
 
 def store(shards: Shards, raw: bytes) -> pb.StoreBatchResponse:
@@ -164,13 +155,13 @@ def test_node_and_client_apply_one_set_of_rules() -> None:
 
 
 def _field(number: int, wire_type: int, value: bytes) -> bytes:
-    return encode_varint(number << 3 | wire_type) + value
+    return varint(number << 3 | wire_type) + value
 
 
 _VALUES = {
-    0: st.integers(0, 2**64 - 1).map(encode_varint),
+    0: st.integers(0, 2**64 - 1).map(varint),
     1: st.binary(min_size=8, max_size=8),
-    2: st.text(max_size=4).map(lambda t: encode_varint(len(t.encode())) + t.encode()),
+    2: st.text(max_size=4).map(lambda t: varint(len(t.encode())) + t.encode()),
     5: st.binary(min_size=4, max_size=4),
 }
 _strays = st.lists(
@@ -186,7 +177,7 @@ def _message(topic: str, strays: list[bytes], properties: list[tuple[str, str, l
     body = encode_message(topic or "t", b"p", "s", 1, False) + b"".join(strays)
     for key, value, extra in properties:
         prop = pb.UserProperty(key=key, value=value).SerializeToString() + b"".join(extra)
-        body += _field(6, 2, encode_varint(len(prop)) + prop)
+        body += _field(6, 2, varint(len(prop)) + prop)
     return body
 
 

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from mqds.client import Message
 from mqds.client import wire_columns as wc
 from mqds.client.next_answer import next_result, parsed_next_result
+from mqds.protocol.wire import varint
 from mqds.v1 import storage_pb2 as pb
 
 
@@ -215,24 +216,15 @@ def test_a_field_number_past_protobufs_range_is_refused() -> None:
             read(forged)
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def _field(number: int, wire: int, value: bytes) -> bytes:
     """One encoded field: its tag and ``value`` (already encoded for the wire type)."""
-    return _varint(number << 3 | wire) + value
+    return varint(number << 3 | wire) + value
 
 
 _VALUES = {
-    0: st.integers(0, 2**64 - 1).map(_varint),
+    0: st.integers(0, 2**64 - 1).map(varint),
     1: st.binary(min_size=8, max_size=8),
-    2: st.binary(max_size=6).map(lambda b: _varint(len(b)) + b),
+    2: st.binary(max_size=6).map(lambda b: varint(len(b)) + b),
     5: st.binary(min_size=4, max_size=4),
 }
 # A field of any number a Message has or not (and 1000), of any wire type but a group: with a known number
@@ -252,7 +244,7 @@ def _with_strays(message: pb.Message, strays: list[bytes], before: bool) -> byte
 
 
 def _answer_of(bodies: list[bytes]) -> bytes:
-    return b"".join(_field(1, 2, _varint(len(b)) + b) for b in bodies)
+    return b"".join(_field(1, 2, varint(len(b)) + b) for b in bodies)
 
 
 def _parseable(bodies: list[bytes]) -> list[pb.Message]:
@@ -324,7 +316,7 @@ def test_a_message_that_does_not_parse_costs_its_row_not_the_answer(damage: str)
     """Both readers, the C one (columns) and protobuf's (the client's fallback): the other rows, and a count."""
     bodies = [_good[0].SerializeToString(), _DAMAGED[damage], _good[1].SerializeToString()]
     stamps = b"".join(struct.pack("<Q", t) for t in (10, 15, 20))
-    raw = _answer_of(bodies) + _field(4, 2, _varint(len(stamps)) + stamps)
+    raw = _answer_of(bodies) + _field(4, 2, varint(len(stamps)) + stamps)
     with pytest.raises(Exception):  # noqa: B017 - what protobuf raises varies with the damage
         pb.NextResponse.FromString(raw)
     cols = wc.columns([raw, _answer(_good)])

@@ -36,7 +36,7 @@ from mqds.server.api.follow import FollowLimits
 from mqds.server.api.guard import ApiGuard, CallLimits
 from mqds.server.api.handlers import service_handler
 from mqds.server.api.raft_service import raft_handler
-from mqds.server.api.server import grpc_server, receive_limit
+from mqds.server.api.server import grpc_server
 from mqds.server.api.session_service import SessionService
 from mqds.server.api.shards_api import now_us
 from mqds.server.api.storage_service import StorageService
@@ -230,8 +230,6 @@ class Node:
                 max_peer_calls=_PEER_STREAM_WORKERS,
             ),
             config=config,
-            max_request_bytes=config.max_request_bytes,
-            max_frame_bytes=receive_limit(config),
             control_pool=self._control_pool,
             stream_pool=self._stream_pool,
             peer_pool=self._peer_pool,

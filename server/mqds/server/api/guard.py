@@ -50,7 +50,9 @@ from mqds.server.api.methods import (
     Role,
 )
 from mqds.server.api.request_bounds import FieldBounds, Refused, bounded_parser
+from mqds.server.api.server import receive_limit
 from mqds.server.auth import ROLES, set_deadline
+from mqds.server.config import NodeConfig
 from mqds.server.raft.cluster_auth import SECRET_HEADER, ClusterAuth
 
 
@@ -133,9 +135,7 @@ class ApiGuard(grpc.ServerInterceptor):
         cluster: ClusterAuth,
         limits: CallLimits,
         *,
-        config: Any = None,
-        max_request_bytes: int = 64 * 1024 * 1024,
-        max_frame_bytes: int | None = None,
+        config: NodeConfig | None = None,
         control_pool: futures.ThreadPoolExecutor | None = None,
         stream_pool: futures.ThreadPoolExecutor | None = None,
         peer_pool: futures.ThreadPoolExecutor | None = None,
@@ -155,32 +155,28 @@ class ApiGuard(grpc.ServerInterceptor):
             Lane.PEER: peer_pool,
         }
         self._control_pool = control_pool
+        config = config or NodeConfig()
+        max_request_bytes = config.max_request_bytes
         self._bytes = {
             RequestBytes.DATA: (max_request_bytes, "max_request_bytes"),
             RequestBytes.CONTROL: (
                 min(max_request_bytes, CONTROL_REQUEST_BYTES),
                 "4 MiB for a request that carries no messages",
             ),
-            RequestBytes.FRAME: (max_frame_bytes or 2 * max_request_bytes, "the port's receive limit"),
+            RequestBytes.FRAME: (receive_limit(config), "the port's receive limit"),
         }
-        self._fields = self._compile_fields(config)
+        # Each served method's request field bounds, with the node's settings.
+        self._fields = {
+            f"/{service.full_name}/{method.name}": FieldBounds.of(method.input_type, FIELD_LIMITS, config)
+            for service in SERVED
+            for method in service.methods
+        }
         self._lock = threading.Lock()
         self._in_flight: collections.Counter[str] = collections.Counter()
         self._lanes: collections.Counter[Lane] = collections.Counter()
         self._reflection = 0
         self.rejected: collections.Counter[str] = collections.Counter()
         """Refused calls by reason (UNAUTHENTICATED, PERMISSION_DENIED, OVERLOADED, UNKNOWN_METHOD, ...)."""
-
-    @staticmethod
-    def _compile_fields(config: Any) -> dict[str, FieldBounds | None]:
-        """Each served method's request field bounds (with ``config``'s settings; none without a config)."""
-        if config is None:
-            return {}
-        return {
-            f"/{service.full_name}/{method.name}": FieldBounds.of(method.input_type, FIELD_LIMITS, config)
-            for service in SERVED
-            for method in service.methods
-        }
 
     @property
     def enabled(self) -> bool:
