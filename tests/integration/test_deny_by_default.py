@@ -172,8 +172,11 @@ def test_a_credit_request_of_millions_of_ids_is_refused_before_anything_is_built
     """Issue 44, case 3: a 50 MB FollowCredit of fifty million ids took a node from 83 MiB to 1.9 GiB.
 
     One with a million ids (a megabyte) is refused for its count, one of fifty
-    megabytes for its size, each before the node builds anything from them; the
-    node's memory stays where it was.
+    megabytes for its size, each before the node builds anything from them. gRPC
+    itself reads a message whole before the guard sees it (its slices, then the
+    bytes handed to the deserializer, and what the stream's window let in of the
+    next one), so the node may hold the raw request two or three times over; never
+    the objects parsed from it, which were forty times its size.
     """
     assert node.pid is not None
     before = rss_bytes(node.pid)
@@ -194,7 +197,8 @@ def test_a_credit_request_of_millions_of_ids_is_refused_before_anything_is_built
     assert answers["bytes"][0] == grpc.StatusCode.INVALID_ARGUMENT, answers
     assert "4 MiB for a request that carries no messages" in answers["bytes"][1]
     grown = rss_bytes(node.pid) - before
-    assert grown < 100 * 2**20, f"the node grew by {grown / 2**20:.0f} MiB"
+    held = 3 * len(huge)
+    assert grown < held, f"the node grew by {grown / 2**20:.0f} MiB for a {len(huge) / 2**20:.0f} MiB request"
 
 
 def test_idle_streams_take_no_worker_from_unary_calls_or_peers(tmp_path: Path) -> None:
