@@ -70,6 +70,7 @@ from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.raft import codec
 from mqds.server.raft.group import Outgoing, RaftGroup, RaftTiming
 from mqds.server.raft.journal import NodeLog
+from mqds.server.raft.scheduler import RaftScheduler
 from mqds.server.raft.v1 import raft_pb2 as rpb
 
 log = logging.getLogger(__name__)
@@ -266,6 +267,7 @@ class Replica:
     machine: RecordingMachine = field(default_factory=RecordingMachine)
     node_log: NodeLog | None = None
     group: RaftGroup | None = None
+    scheduler: RaftScheduler | None = None
 
     @property
     def running(self) -> bool:
@@ -298,6 +300,7 @@ class Cluster:
         assert replica.group is None, f"{node_id} is running"
         kwargs = {} if self.segment_bytes is None else {"segment_bytes": self.segment_bytes}
         replica.node_log = NodeLog(str(replica.directory / "wal"), **kwargs)
+        replica.scheduler = RaftScheduler()
         group = RaftGroup(
             GROUP,
             node_id,
@@ -307,6 +310,7 @@ class Cluster:
             replica.node_log.journal(GROUP),
             self.network.outbox(node_id),
             self.timing,
+            scheduler=replica.scheduler,
         )
         replica.group = group
         self.network.attach(node_id, group)
@@ -314,14 +318,17 @@ class Cluster:
         return group
 
     def stop(self, node_id: str) -> None:
-        """Take a replica down: its links go down, its thread stops, its journal is closed."""
+        """Take a replica down: its links go down, its scheduler stops, its journal is closed."""
         replica = self.replicas[node_id]
         group, node_log = replica.group, replica.node_log
         assert group is not None and node_log is not None, f"{node_id} is not running"
         self.network.detach(node_id)
         group.stop()
+        if replica.scheduler is not None:
+            replica.scheduler.stop()
         node_log.close()
         replica.group = replica.node_log = None
+        replica.scheduler = None
 
     def close(self) -> None:
         for node_id in self.ids:

@@ -12,6 +12,7 @@ from typing import Any
 from mqds.server.raft import codec
 from mqds.server.raft.group import Outgoing, RaftGroup, RaftTiming
 from mqds.server.raft.journal import NodeLog
+from mqds.server.raft.scheduler import RaftScheduler
 
 
 class Machine:
@@ -57,11 +58,15 @@ class Outbox:
         return f"{node_id}:1"
 
 
-def make_group(tmp_path: Path, members: list[str]) -> tuple[RaftGroup, Machine, Outbox]:
-    """Group 0 on n3 with ``members``, its log and manifest under ``tmp_path``."""
+def make_group(
+    tmp_path: Path, members: list[str], scheduler: RaftScheduler | None = None
+) -> tuple[RaftGroup, Machine, Outbox]:
+    """Group 0 on n3 with ``members``, its log and manifest under ``tmp_path``; driven by hand unless ``scheduler``."""
     machine, outbox = Machine(), Outbox()
     log = NodeLog(str(tmp_path / "wal"))
-    group = RaftGroup(0, "n3", members, machine, str(tmp_path / "g"), log.journal(0), outbox, RaftTiming())
+    group = RaftGroup(
+        0, "n3", members, machine, str(tmp_path / "g"), log.journal(0), outbox, RaftTiming(), scheduler=scheduler
+    )
     return group, machine, outbox
 
 

@@ -12,6 +12,7 @@ from raft_support import HEARTBEAT, follower, kinds_since, leader, make_group, s
 
 from mqds.server.raft import codec
 from mqds.server.raft import group as raft_group
+from mqds.server.raft.scheduler import RaftScheduler
 from mqds.server.raft.timing import IDLE_KEEP_BYTES, IdleLog
 from mqds.server.raft.transport import FrameQueue
 
@@ -175,15 +176,20 @@ def test_the_frame_queue_drops_what_waits_when_the_link_goes_down_or_overflows()
 def test_a_replica_cut_off_from_every_peer_sleeps_instead_of_spinning(tmp_path: Path) -> None:
     """A node alone with its peers down used about half a core: every group woke every millisecond,
     past its election deadline but unable to campaign (pysyncobj needs a connected peer)."""
-    group, _, _ = make_group(tmp_path, ["n1", "n2", "n3"])
+    scheduler = RaftScheduler()  # its workers not started: the test takes what a pass would
+    group, _, _ = make_group(tmp_path, ["n1", "n2", "n3"], scheduler)
+    scheduler.attach(group)
+    assert scheduler.take_ready() == [group]  # a first cycle
     group._quiet_until = 0.0
     group._SyncObj__raftElectionDeadline = 0
-    assert group._sleep_s() == 1.0
+    assert group.sleep_s() == 1.0
     group._cycle()
+    scheduler.rearm(group)
     assert group.raftCurrentTerm == 0  # nobody to ask for a vote
+    assert scheduler.take_ready() == []  # nothing due for a second
     # A link coming up wakes the group, and it campaigns at once.
     group.peer_connected("n1", True)
-    assert group._wake.is_set()
+    assert scheduler.take_ready() == [group]
     group._cycle()
     assert group.raftCurrentTerm == 1 and group.role == raft_group.ROLE_CANDIDATE
     group.stop()

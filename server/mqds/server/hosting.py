@@ -38,6 +38,7 @@ from mqds.server.peers import Peers
 from mqds.server.raft.cluster_auth import ClusterAuth
 from mqds.server.raft.group import META_GROUP, ROLE_LEADER, PendingRead, RaftGroup, RaftTiming
 from mqds.server.raft.journal import NodeLog
+from mqds.server.raft.scheduler import RaftScheduler
 from mqds.server.raft.transport import PeerRouter
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.storage import Engine
@@ -91,6 +92,8 @@ class Hosting:
         self._changed = changed
         """Set on every change the maintenance loop should act on: a new role, a new cluster map."""
         self._lock = threading.RLock()
+        self.scheduler = RaftScheduler(config.raft_pass_threads, config.raft_long_step_threads)
+        """Steps every group hosted here (``raft/scheduler.py``): no thread per group."""
         self._groups: dict[int, RaftGroup] = {}
         self.vnodes: dict[int, Vnode] = {}
         self.meta: meta_mod.MetaMachine | None = None
@@ -140,6 +143,7 @@ class Hosting:
             joining=joining,
             on_disk_failure=self.raft_log.fail,
             admit=admit,
+            scheduler=self.scheduler,
         )
         self._groups[group_id] = group
         for member in group.members:
@@ -299,6 +303,7 @@ class Hosting:
             self.meta_group.stop()
             self.meta_group = None
         self._groups.clear()
+        self.scheduler.stop()
 
     # -- what the API layer uses -------------------------------------------------
 

@@ -134,6 +134,16 @@ class NodeConfig:
         "the same frame as other Raft messages to that peer, in seconds (0 = send each at once); anything "
         "a commit, a read or an election waits for is sent at once and takes the waiting ones with it",
     )
+    raft_pass_threads: int = _opt(
+        1,
+        "threads that step the node's Raft groups (every group with work in one pass: one log write and "
+        "fdatasync, one frame per peer), however many groups the node hosts",
+    )
+    raft_long_step_threads: int = _opt(
+        4,
+        "threads for the Raft steps that may take long and must not hold up the others: the metadata group, "
+        "receiving and installing a snapshot, a stopping group; each runs one group at a time",
+    )
     raft_election_timeout_s: float = _opt(
         1.0, "a follower that hears no leader for this long (to twice as long, at random) starts an election, seconds"
     )
@@ -319,6 +329,8 @@ class NodeConfig:
             "disk_check_interval_s",
             "replication_factor",
             "raft_heartbeat_s",
+            "raft_pass_threads",
+            "raft_long_step_threads",
             "raft_log_max_bytes",
             "raft_segment_bytes",
             "raft_compaction_interval_s",

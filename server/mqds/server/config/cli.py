@@ -40,6 +40,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "raft_listen",
         "raft_heartbeat_s",
         "raft_heartbeat_linger_s",
+        "raft_pass_threads",
+        "raft_long_step_threads",
         "raft_election_timeout_s",
         "raft_log_max_bytes",
         "raft_segment_bytes",

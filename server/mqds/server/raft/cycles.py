@@ -1,4 +1,4 @@
-"""Running the cycles of the groups a frame touched on the thread that received it, with one log sync.
+"""A pass: the cycles of several groups around one log sync, on a scheduler's worker or a receiving thread.
 
 A frame from a peer carries messages for many groups (a leader's appends for
 every vnode it leads there, a follower's answers to them). Handing each
@@ -10,12 +10,13 @@ itself, in two halves (``RaftGroup.cycle_before_sync`` and
 durable at once: the order inside each group's cycle, and so "durable before
 anything leaves", is unchanged.
 
-A group runs here only when nothing else is running its cycle
-(``cycle_lock``, taken without waiting) and only for the ordinary traffic of a
-vnode: a snapshot transfer, a log due for compaction or the metadata group
-(whose applies start and stop replicas) go to the group's own thread, so a long
-step never holds up the other groups' messages behind it on the same stream.
-A group this thread could not run is woken, as before.
+The node's scheduler (``scheduler.py``) runs the same pass (``run_pass``) over
+the groups that have work. A group runs in a pass only when nothing else is
+running its cycle (``cycle_lock``, taken without waiting) and, on a receiving
+thread or the scheduler's pass lane, only for the ordinary traffic of a vnode:
+a snapshot transfer, a log due for compaction or the metadata group (whose
+applies start and stop replicas) go to the scheduler's long lane, so a long
+step never holds up the other groups' messages.
 """
 
 from __future__ import annotations
@@ -31,25 +32,47 @@ log = logging.getLogger(__name__)
 
 
 def inline_eligible(group: RaftGroup) -> bool:
-    """Whether ``group``'s cycle may run on a receiving thread now (a vnode, nothing long due)."""
+    """Whether ``group``'s cycle may run in a pass (a vnode, nothing long due): else the long lane runs it."""
     return (
         group.proposals is not None
         and not group.stopping
         and not group.installing_snapshot
+        and not group.snapshot_inbound
         and group.journal.size_bytes <= group.timing.log_max_bytes
     )
 
 
 def run_cycles(groups: Iterable[RaftGroup]) -> None:
-    """Run a cycle of each group on this thread, sharing one log write; wake the groups it cannot run."""
+    """On a receiving thread: run a cycle of each group here, sharing one log write; hand the others on."""
     taken: list[RaftGroup] = []
     for group in groups:
-        if inline_eligible(group) and group.cycle_lock.acquire(blocking=False):
+        if inline_eligible(group) and group.try_begin_cycle(long_lane=False):
             taken.append(group)
         else:
-            group.wake()
-    if not taken:
-        return
+            group.wake()  # the scheduler runs it (on the long lane if it must)
+    if taken:
+        _run_taken(taken, retry_now=True)
+
+
+def run_pass(groups: list[RaftGroup], long_lane: bool) -> None:
+    """A scheduler's pass (``scheduler.py``): a cycle of each group, sharing one log write.
+
+    A group whose cycle runs elsewhere is skipped; the other thread hands it
+    back to the scheduler when it ends (``RaftGroup.end_cycle``).
+    """
+    taken = [group for group in groups if group.try_begin_cycle(long_lane)]
+    if taken:
+        _run_taken(taken, retry_now=False)
+
+
+def _run_taken(taken: list[RaftGroup], retry_now: bool) -> None:
+    """The cycles of groups whose ``cycle_lock`` this thread holds: before-sync, one log write, after-sync.
+
+    A cycle that fails is run again by the scheduler: at once when it failed
+    on a receiving thread (``retry_now``), else after a pause, so a failing
+    disk cannot spin a worker.
+    """
+    failed: set[int] = set()
     try:
         ready: list[RaftGroup] = []
         rounds: list[int] = []
@@ -58,8 +81,8 @@ def run_cycles(groups: Iterable[RaftGroup]) -> None:
                 group.cycle_before_sync()
                 round_ = group.journal.stage()
             except Exception:
-                log.exception("%s: Raft cycle failed on a receiving thread; its own thread retries", group.name)
-                group.wake()
+                log.exception("%s: Raft cycle failed; it runs again", group.name)
+                failed.add(id(group))
                 continue
             ready.append(group)
             if round_ is not None:
@@ -68,17 +91,21 @@ def run_cycles(groups: Iterable[RaftGroup]) -> None:
             try:
                 ready[0].journal.wait_durable(max(rounds))
             except Exception:
-                log.exception("syncing the Raft log failed on a receiving thread; the groups' threads retry")
-                for group in ready:
-                    group.wake()
+                log.exception("syncing the Raft log failed; the groups' cycles run again")
+                failed.update(id(group) for group in ready)
                 return
         for group in ready:
             try:
                 group.cycle_after_sync()
             except Exception:
-                log.exception("%s: Raft cycle failed on a receiving thread; its own thread retries", group.name)
-                group.wake()
+                log.exception("%s: Raft cycle failed; it runs again", group.name)
+                failed.add(id(group))
             group.note_cycle()
     finally:
         for group in taken:
-            group.cycle_lock.release()
+            if id(group) in failed:
+                group.end_cycle(failed=not retry_now)
+                if retry_now:
+                    group.wake()
+            else:
+                group.end_cycle()

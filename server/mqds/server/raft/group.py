@@ -56,6 +56,7 @@ from mqds.server.raft.outbox import GroupTransport, Outbox, carries_entries
 from mqds.server.raft.outbox import Outgoing as Outgoing
 from mqds.server.raft.pysyncobj_glue import NoPoller, SyncObjOverrides
 from mqds.server.raft.reads import ReadIndex
+from mqds.server.raft.scheduler import RaftScheduler, Slot
 from mqds.server.raft.snapshot import Manifest as Manifest
 from mqds.server.raft.snapshot import ManifestFiles
 from mqds.server.raft.snapshot import decode_manifest as decode_manifest
@@ -91,6 +92,7 @@ class RaftGroup(
         joining: bool = False,
         on_disk_failure: Callable[[BaseException], None] | None = None,
         admit: Callable[[bytes], None] | None = None,
+        scheduler: RaftScheduler | None = None,
     ) -> None:
         self.group = group
         self.name = group_name(group)
@@ -110,9 +112,20 @@ class RaftGroup(
         )
         """Group commit (``batching.py``): proposals for the next cycle; None if the machine takes no batches."""
         self._inbox: collections.deque[tuple[int, str, Any]] = collections.deque()
-        self._wake = threading.Event()
+        self._scheduler = scheduler
+        """Steps this group with the node's others (``scheduler.py``); None: only driven by hand (tests)."""
+        self.slot = Slot()
+        """The scheduler's bookkeeping for this group."""
         self.cycle_lock = threading.Lock()
-        """Held while a cycle runs: by the group's thread, or by a receiving thread (``cycles.run_cycles``)."""
+        """Held while a cycle runs: by a scheduler's worker, or by a receiving thread (``cycles.run_cycles``)."""
+        self._cycle_missed = False
+        """A thread found the cycle running elsewhere: whoever ends it hands the group back to the scheduler."""
+        self._cycle_thread = 0
+        """The thread running a cycle now (0: none)."""
+        self._long_lane = False
+        """Whether the cycle running now is on the scheduler's long lane (where a snapshot may be installed)."""
+        self.snapshot_inbound = False
+        """A snapshot's transfer waits in the inbox: the next cycle must run on the long lane."""
         self._stopping = False
         self._retiring = False
         self.not_ready = False
@@ -168,19 +181,30 @@ class RaftGroup(
             # Alone in the group: nobody else can lead it, so campaign at once.
             self._heard_leader = True
             self._SyncObj__raftElectionDeadline = 0
-        self._thread = threading.Thread(target=self._run, name=f"raft-{self.name}", daemon=True)
 
     # -- lifecycle -------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        """Have the node's scheduler step this group from now on."""
+        if self._scheduler is None:
+            raise RuntimeError(f"{self.name} has no scheduler to step it")
+        self._scheduler.start()
+        self._scheduler.attach(self)
 
     def stop(self) -> None:
-        """Stop the group's thread and close its journal."""
+        """Stop stepping the group (waiting for a cycle in progress) and sync its journal."""
         self._stopping = True
-        self._wake.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
+        if self._scheduler is not None:
+            self._scheduler.detach(self)
+        ours = self._cycle_thread == threading.get_ident()
+        held = ours or self.cycle_lock.acquire(timeout=30)
+        try:
+            self.journal.sync()
+        except OSError:
+            log.exception("%s: final journal sync failed", self.name)
+        finally:
+            if held and not ours:
+                self.cycle_lock.release()
         self._fail_reads_stopping()
         if self.proposals is not None:
             self.proposals.fail_all(FAIL_REASON.NOT_LEADER)
@@ -217,27 +241,72 @@ class RaftGroup(
         (the leader balancer), and writes stopped for the whole grace period.
         """
         self._retiring = True
-        self._wake.set()
+        self.wake()
 
     # -- inputs from other threads ---------------------------------------------
 
     def deliver(self, node_id: str, message: dict[str, Any], echo: int, wake: bool = True) -> None:
         """A decoded message from a peer (any thread); ``wake=False``: the caller runs or wakes the cycle."""
+        if "serialized" in message:
+            self.snapshot_inbound = True  # set before it is queued: no pass may take it (``cycles.inline_eligible``)
         self._inbox.append((_MESSAGE, node_id, (message, echo)))
         if wake:
-            self._wake.set()
+            self.wake()
 
     def wake(self) -> None:
-        """Have the group's thread run a cycle soon."""
-        self._wake.set()
+        """Have the scheduler run a cycle of this group soon (any thread)."""
+        if self._scheduler is not None:
+            self._scheduler.notify(self)
 
     def note_cycle(self) -> None:
-        """A cycle ran on another thread (``cycles.run_cycles``): what the group's thread notes after each."""
+        """A cycle ended (``cycles.py``): what is noted after each."""
         self._note_apply_progress()
+
+    # -- who runs a cycle (``cycles.py``, ``scheduler.py``) ----------------------
+
+    def try_begin_cycle(self, long_lane: bool) -> bool:
+        """Take the cycle for this thread, without waiting; False if another thread runs it (or the group stopped).
+
+        Whoever then ends that cycle hands the group back to the scheduler, so
+        the work that brought this thread here is not lost.
+        """
+        lock = self.cycle_lock
+        if not lock.acquire(blocking=False):
+            self._cycle_missed = True
+            if not lock.acquire(blocking=False):  # released meanwhile? Then the holder may not have seen the mark
+                return False
+            self._cycle_missed = False
+        if self._stopping:
+            lock.release()
+            return False
+        self._cycle_thread = threading.get_ident()
+        self._long_lane = long_lane
+        if long_lane:
+            self.snapshot_inbound = False  # this cycle takes what is queued; a later one sets it again
+        return True
+
+    def end_cycle(self, failed: bool = False) -> None:
+        """Release the cycle (``try_begin_cycle``); set the group's timer; hand it back if a thread found it busy."""
+        self._cycle_thread = 0
+        self._long_lane = False
+        self.cycle_lock.release()
+        scheduler = self._scheduler
+        if scheduler is None:
+            return
+        scheduler.rearm(self, failed)
+        if self._cycle_missed or self.snapshot_inbound:
+            self._cycle_missed = False
+            scheduler.notify(self)
+
+    def long_step_due(self) -> bool:
+        """Whether this group's next cycle belongs on the scheduler's long lane (``cycles.inline_eligible``)."""
+        from mqds.server.raft.cycles import inline_eligible
+
+        return not inline_eligible(self)
 
     def peer_connected(self, node_id: str, connected: bool) -> None:
         self._inbox.append((_CONNECTED if connected else _DISCONNECTED, node_id, None))
-        self._wake.set()
+        self.wake()
 
     def propose(self, body: bytes) -> Proposal:
         """Log a regular command (on the leader, if ``admit`` takes it); the returned proposal's ``wait`` gives
@@ -250,7 +319,7 @@ class RaftGroup(
             self.proposals.add(body, proposal)  # logged by the next cycle, with whatever else came
         else:
             self._applyCommand(body, proposal.on_result, codec.COMMAND_REGULAR)
-        self._wake.set()
+        self.wake()
         return proposal
 
     def change_membership(self, add: bool, node_id: str) -> Proposal:
@@ -259,7 +328,7 @@ class RaftGroup(
         self._check_accepting()
         kind = codec.rpb.MembershipChange.KIND_ADD if add else codec.rpb.MembershipChange.KIND_REMOVE
         self._applyCommand(codec.encode_membership(kind, node_id), proposal.on_result, codec.COMMAND_MEMBERSHIP)
-        self._wake.set()
+        self.wake()
         return proposal
 
     def transfer_leadership(self, node_id: str | None) -> None:
@@ -280,7 +349,7 @@ class RaftGroup(
             done.set()
 
         self._inbox.append((_TRANSFER, node_id or "", callback))
-        self._wake.set()
+        self.wake()
         if not done.wait(5) or result[0] != FAIL_REASON.SUCCESS:
             raise errors.error(
                 Reason.NO_LEADER, f"{self.name}: leadership transfer to {node_id or 'a follower'} was refused"
@@ -357,27 +426,10 @@ class RaftGroup(
     def last_log_index(self) -> int:
         return int(self._SyncObj__raftLog[-1][1])
 
-    # -- the group's thread -----------------------------------------------------
-
-    def _run(self) -> None:
-        while not self._stopping:
-            self._wake.wait(self._sleep_s())
-            self._wake.clear()
-            if self._stopping:
-                break
-            try:
-                with self.cycle_lock:
-                    self._cycle()
-            except Exception:
-                log.exception("%s: Raft cycle failed; retrying", self.name)
-                time.sleep(0.5)
-            self._note_apply_progress()
-        try:
-            self.journal.sync()
-        except OSError:
-            log.exception("%s: final journal sync failed", self.name)
+    # -- the cycle ---------------------------------------------------------------
 
     def _cycle(self) -> None:
+        """One whole cycle on the calling thread (tests drive groups by hand with it; passes run its halves)."""
         self.cycle_before_sync()
         self.journal.sync()
         self.cycle_after_sync()
@@ -390,6 +442,12 @@ class RaftGroup(
             kind, node_id, payload = inbox.popleft()
             if kind == _MESSAGE:
                 message, echo = payload
+                if "serialized" in message and not self._long_lane and self._scheduler is not None:
+                    # A snapshot's transfer came after this cycle was taken for a pass: it and
+                    # what follows it wait for the long lane (``end_cycle`` hands the group on).
+                    inbox.appendleft((kind, node_id, payload))
+                    self.snapshot_inbound = True
+                    break
                 if node_id not in members:
                     members = self._members_set()  # a change applied earlier in this cycle?
                 if node_id not in members and message["type"] != "append_entries":
@@ -458,11 +516,11 @@ class RaftGroup(
             SyncObj._SyncObj__applyLogEntries(self)
             self._serve_reads()  # reads that waited for this apply
             if self._transport.outbox or set(self.members) != self._members_recorded:
-                self._wake.set()  # the next cycle syncs and sends them
+                self.wake()  # the next cycle syncs and sends them
         if self._isLeader() and not self.otherNodes and self.raftCommitIndex < self.last_log_index:
             # Alone in the group: nobody's answer will wake us to commit what
             # was just appended (and synced), so go round again at once.
-            self._wake.set()
+            self.wake()
 
     def _send_outbox(self) -> None:
         outbox = self._transport.outbox

@@ -1,12 +1,12 @@
 """Where a RaftGroup meets pysyncobj: what is patched in the library, and the methods it overrides.
 
-pysyncobj is used as a library of Raft's rules, driven by the group's own
-thread (``group.py``). A few of its defaults do not fit and are changed here,
+pysyncobj is used as a library of Raft's rules, driven by the node's
+scheduler (``scheduler.py``). A few of its defaults do not fit and are changed here,
 in one place:
 
 - ``createJournal`` accepts a ready journal object (the node's shared log,
-  ``journal.py``), and pysyncobj's pipe notifier is off (a group's thread is
-  woken by an event instead, without two syscalls per command);
+  ``journal.py``), and pysyncobj's pipe notifier is off (a group is
+  woken through the scheduler instead, without two syscalls per command);
 - its poller has nothing to poll (``NoPoller``: ``transport.py`` carries the
   messages);
 - ``SyncObjOverrides``: committed entries are applied by the group's cycle,
@@ -37,7 +37,7 @@ def _create_journal(journal_file: Any) -> Any:
 
 pysyncobj.syncobj.createJournal = _create_journal
 # pysyncobj wakes its own poller through a pipe on every command (a write and
-# a read syscall each); a group's thread is woken by ``_wake`` instead.
+# a read syscall each); the node's scheduler is notified instead (``RaftGroup.wake``).
 pysyncobj.syncobj.PIPE_NOTIFIER_ENABLED = False
 
 

@@ -48,7 +48,7 @@ class ReadIndex(SyncObj):
         read = PendingRead(self.group)
         with self._reads_lock:
             self._reads_new.append(read)
-        self._wake.set()
+        self.wake()
         return read
 
     def _fail_reads_stopping(self) -> None:

@@ -2,7 +2,7 @@
 
 pysyncobj keeps the deadlines (next heartbeat, election) and acts on them
 when ticked; it never sleeps itself (``autoTick=False``). The group's thread
-sleeps until the next deadline unless woken (:meth:`ElectionTimers._sleep_s`),
+sleeps until the next deadline unless woken (:meth:`ElectionTimers.sleep_s`),
 and pushes the election deadline back while the replica must not campaign
 (:meth:`ElectionTimers._hold_election`): a retiring replica, or a new or
 wiped one that has not heard a leader yet.
@@ -181,7 +181,7 @@ class ElectionTimers(SyncObj):
             # Not campaigning: a retiring replica, or a new one that has not heard a leader yet.
             self._SyncObj__raftElectionDeadline = raft_clock() + self.timing.election_timeout_max_s
 
-    def _sleep_s(self) -> float:
+    def sleep_s(self) -> float:
         """How long nothing needs doing unless woken: until the next heartbeat or election deadline."""
         now = raft_clock()
         if self._isLeader():

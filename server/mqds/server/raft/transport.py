@@ -436,7 +436,6 @@ class PeerRouter:
             log.warning("dropped a Raft frame from %s that does not parse: %s", sender, err)
             return
         touched: dict[int, RaftGroup] = {}
-        threaded: set[int] = set()
         for env in frame.messages:
             group = self._lookup(env.group)
             if group is None:
@@ -448,15 +447,11 @@ class PeerRouter:
                 self.dropped_malformed += 1
                 log.warning("dropped a malformed Raft message from %s for group %d: %s", sender, env.group, err)
                 continue
-            if "serialized" in message or env.group in threaded:
-                # A snapshot's transfer (and what follows it): the group's own thread installs it.
-                group.deliver(sender, message, env.message.echo)
-                touched.pop(env.group, None)
-                threaded.add(env.group)
-                continue
+            # A snapshot's transfer marks its group for the scheduler's long lane (``RaftGroup.deliver``):
+            # run_cycles then hands it on, with whatever follows it in the frame.
             group.deliver(sender, message, env.message.echo, wake=False)
             touched.setdefault(env.group, group)
-        # Their cycles run here, sharing one log write, instead of waking each group's thread (cycles.py).
+        # Their cycles run here, sharing one log write, instead of handing each group to the scheduler (cycles.py).
         run_cycles(touched.values())
 
 
