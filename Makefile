@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # --disk journal: every node's data directory on a fault filesystem (root and FUSE), so the mix has the disk nemeses.
 CHAOS_ARGS ?= --duration 1800 --nodes 5 --nemesis mix --disk journal --report-json chaos-report.json
 
-.PHONY: help install fuse-libs lint test test-unit test-integration test-spark chaos proto bench-storage bench-cluster bench-spark demo server cluster clean
+.PHONY: help install fuse-libs lint test test-unit test-integration test-spark chaos proto bench-storage bench-cluster bench-peer bench-spark demo server cluster clean
 
 help:
 	@echo "make demo            set up, start a local 3-node cluster, publish, kill a leader, replay, check, stop"
@@ -19,6 +19,7 @@ help:
 	@echo "make lint            ruff and mypy only"
 	@echo "make bench-storage   storage-layer benchmark: 1,000,000 messages vs raw rocksdict"
 	@echo "make bench-cluster   replicated writes: 3 nodes x 3 replicas vs 1 node, failover time"
+	@echo "make bench-peer      the small-write scenarios and the peer (NATS JetStream) alternating, with their ratios"
 	@echo "make bench-spark     Spark connector: 1,000,000 stored messages read into Spark vs the client's replay"
 	@echo "make test-spark      only the Spark connector tests (local[2] Spark against a real 3-node cluster)"
 	@echo "make server          run one node in the foreground on 127.0.0.1:7101 (data in ./data/n1)"
@@ -100,6 +101,13 @@ bench-storage: $(STAMP)
 
 bench-cluster: $(STAMP)
 	$(BIN)/python -m mqds.tools.bench_cluster
+
+# The peer's scripts (jetstream_bench.py, setup.sh): the anchors directory; its setup.sh installs the peer once per
+# machine under $$ANCHORS. BENCH_PEER_ARGS="--duration 3 --peer-args '--n 30000 --n-sync 1000'" for a short sitting.
+PEER_ANCHORS ?= ../shared/anchors
+BENCH_PEER_ARGS ?=
+bench-peer: $(STAMP)
+	$(BIN)/mqds bench --start-cluster --small-writes --peer-anchors $(PEER_ANCHORS) $(BENCH_PEER_ARGS)
 
 bench-spark: $(STAMP)
 	$(BIN)/python -m mqds.spark.bench

@@ -163,6 +163,8 @@ def test_a_progress_line_on_a_terminal_is_redrawn_in_place_and_ends_its_line() -
         (["bench", "--in-flight", "4", "--rate", "100"], "give --rate or --in-flight, not both"),
         (["bench", "--small-writes", "--kill-leader"], "--small-writes runs its own scenarios"),
         (["bench", "--small-writes", "--rounds", "0"], "--rounds must be at least 1"),
+        (["bench", "--peer-anchors", "anchors"], "--peer-anchors sets the peer beside the figures of --small-writes"),
+        (["bench", "--small-writes", "--peer-python", "python3"], "go with --peer-anchors DIR"),
         (["bench", "--reconnect-storm", "--sessions", "0"], "--sessions must be at least 1"),
         (["bench", "--reconnect-storm", "--backlog", "0"], "--backlog must be at least 1"),
         (["bench", "--reconnect-storm", "--sessions", "2", "--filters", "3"], "--filters must be at most --sessions"),

@@ -104,6 +104,10 @@ def _report_replay(
 def run(opts: argparse.Namespace) -> int:
     if opts.batch is None:
         opts.batch = 100 if opts.subscribers else 1000
+    if opts.peer_anchors is None and (opts.peer_python or opts.peer_nats_server or opts.peer_args):
+        raise CommandError("--peer-python, --peer-nats-server and --peer-args go with --peer-anchors DIR", EXIT_USAGE)
+    if opts.peer_anchors is not None and not opts.small_writes:
+        raise CommandError("--peer-anchors sets the peer beside the figures of --small-writes: add it", EXIT_USAGE)
     if opts.session_soak:
         return bench_sessions.run(opts)
     if opts.backup:
@@ -298,7 +302,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         "(default 2) of --duration seconds, and print each one's msg/s, p50/p99 latency and CPU per 1,000 "
         "messages (nodes' CPU with --start-cluster or --data-dir) with its target and PASS/MISS: one writer "
         "storing 1 message per blocking call (target p50 <= 2 ms); --publishers x --in-flight pipelined "
-        "1-message calls (target 50,000 msg/s; baseline: as many blocking calls from threads); 'mqds exhook' "
+        "1-message calls (target 50,000 msg/s; baseline: as many blocking calls from threads); 1 process x "
+        f"{bench_small.SINGLE_PROCESS_IN_FLIGHT:,} pipelined 1-message calls (the peer's shape, see --peer-anchors); "
+        "'mqds exhook' "
         f"driven by {bench_small.EXHOOK_CALLERS} concurrent OnMessagePublish calls (target 20,000 msg/s; "
         "ceiling: the same callers against a provider that stores nothing); "
         "--publishers x blocking calls of --batch messages (target 100,000 msg/s). --json: one object, "
@@ -370,6 +376,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         "to that vnode failed (failover_s), then restart the node; needs --start-cluster or --data-dir",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object with the figures instead")
+    bench_small.register_options(parser)
     bench_mqtt.register_options(parser)
     bench_storm.register_options(parser)
     bench_sessions.register_options(parser)

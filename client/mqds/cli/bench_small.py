@@ -11,6 +11,10 @@ comparison. The figures of a scenario are those of all its rounds together:
   pipelined ``store_async`` calls of one message outstanding; target
   50,000 msg/s. Baseline: blocking StoreBatch calls of one message from
   IN_FLIGHT threads in each of the same processes.
+- 1-msg calls, 1 process x 1000 in flight: one publisher process keeping
+  1,000 pipelined ``store_async`` calls of one message outstanding (the
+  shape of the peer's pipelined publish: one client process, 1,000 PubAcks
+  outstanding); its target is a ratio to the peer.
 - ExHook, 64 concurrent OnMessagePublish: an ``mqds exhook`` process (rules
   that store every message) driven by 64 concurrent grpc.aio callers (in two
   processes); target 20,000 msg/s. Ceiling: the same callers against a
@@ -24,6 +28,13 @@ CPU per 1,000 acknowledged messages is that of the load processes (their
 loops only), of the ExHook provider in its scenario, and of the cluster's
 node processes when this command knows them (``--start-cluster`` or
 ``--data-dir``), read from ``/proc`` between the start and the end of a run.
+
+With ``--peer-anchors DIR`` the peer's benchmark (NATS JetStream,
+:mod:`mqds.bench_peer`) runs after each round, so the two alternate in one
+sitting, and a second table sets mqds's figures beside the peer's with their
+ratios: pipelined one-message writes (1 x 1000 and PUBLISHERS x IN_FLIGHT)
+against JetStream's pipelined publish, one writer's p50 against its
+``publish_sync`` p50, and ExHook against its no-store ceiling.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,6 +51,7 @@ from typing import Any
 
 from mqds.bench import TOPIC_PREFIX, RunResult, pct_ms, publisher_ids, run_load, shard_leaders
 from mqds.bench_exhook import run_exhook_load
+from mqds.bench_peer import PeerFailed, PeerMissing, PeerSetup, PeerSummary, locate, ratio, run_peer
 from mqds.cli import local_cluster
 from mqds.cli.bench_mqtt import _cpu_total
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, ProgressLine, bar, connection, table
@@ -48,6 +61,8 @@ from mqds.client.client import parse_endpoints
 
 DEFAULT_DURATION_S = 5.0
 DEFAULT_IN_FLIGHT = 64
+# One client process with this many one-message calls outstanding: the peer's pipelined publish (its --window).
+SINGLE_PROCESS_IN_FLIGHT = 1000
 EXHOOK_CALLERS = 64
 EXHOOK_PROCESSES = 2
 # The rule that makes the provider store every message it is called with (QoS 1 and 2).
@@ -135,7 +150,7 @@ Runner = Callable[[Callable[[int, float, float], None], Callable[[], float | Non
 @dataclass
 class Scenario:
     name: str
-    target: Target
+    target: Target | None  # None: its target is a ratio to the peer (see Comparison)
     run: Runner
     figures: Figures
     watch_pids: list[int] = field(default_factory=list)  # processes whose CPU counts besides the nodes'
@@ -144,6 +159,7 @@ class Scenario:
     ceiling_run: Runner | None = None  # the same load where nothing is stored: the most the scenario can reach
     ceiling: Figures | None = None
     ceiling_pids: list[int] = field(default_factory=list)
+    shape: str = ""  # the key of its figures in the comparison with the peer
 
     def side(self, kind: str) -> tuple[Runner, Figures, list[int], str]:
         """The runner, figures, watched processes and title suffix of ``kind``: "", "baseline" or "ceiling"."""
@@ -213,6 +229,18 @@ def check(opts: argparse.Namespace) -> None:
         raise CommandError("--rounds must be at least 1", EXIT_USAGE)
 
 
+def _peer_setup(opts: argparse.Namespace, peer: PeerSummary) -> PeerSetup | None:
+    """The peer to run after each round (None without --peer-anchors, or when it is not installed: then says so)."""
+    if opts.peer_anchors is None:
+        return None
+    try:
+        return locate(opts.peer_anchors, opts.peer_python, opts.peer_nats_server, opts.peer_args or "")
+    except PeerMissing as err:
+        peer.error = str(err)
+        print(f"mqds bench: {err}; measuring mqds only", file=sys.stderr, flush=True)
+        return None
+
+
 def run(opts: argparse.Namespace) -> int:
     check(opts)
     duration = opts.duration if opts.duration is not None else DEFAULT_DURATION_S
@@ -224,6 +252,8 @@ def run(opts: argparse.Namespace) -> int:
         if not opts.json:
             print(text, flush=True)
 
+    peer = PeerSummary()
+    peer_setup = _peer_setup(opts, peer)
     with contextlib.ExitStack() as stack:
         endpoints, node_pids = stack.enter_context(_cluster(opts))
         client = stack.enter_context(Client(endpoints, settings=settings))
@@ -272,6 +302,7 @@ def run(opts: argparse.Namespace) -> int:
                 Target("p50_ms", 2.0, at_most=True),
                 load(1, 1),
                 Figures("1 publisher, blocking store_batch"),
+                shape="single",
             ),
             Scenario(
                 f"1-msg calls, {in_flight} in flight",
@@ -282,6 +313,14 @@ def run(opts: argparse.Namespace) -> int:
                 baseline=Figures(
                     f"{publishers} publishers x {in_flight} threads, blocking store_batch ({calls} calls)"
                 ),
+                shape="pipelined_8x64",
+            ),
+            Scenario(
+                f"1-msg calls, 1 process x {SINGLE_PROCESS_IN_FLIGHT} in flight",
+                None,
+                load(1, 1, flight=SINGLE_PROCESS_IN_FLIGHT),
+                Figures(f"1 publisher x {SINGLE_PROCESS_IN_FLIGHT} store_async in flight"),
+                shape="pipelined_1x1000",
             ),
             Scenario(
                 f"ExHook, {EXHOOK_CALLERS} concurrent OnMessagePublish",
@@ -292,6 +331,7 @@ def run(opts: argparse.Namespace) -> int:
                 ceiling_run=exhook(idle_provider.address),
                 ceiling=Figures("the same callers, a provider whose rules store nothing"),
                 ceiling_pids=[idle_provider.proc.pid],
+                shape="exhook",
             ),
             Scenario(
                 f"batched, {opts.batch:,} msgs/call",
@@ -306,6 +346,7 @@ def run(opts: argparse.Namespace) -> int:
             f"{opts.rounds} round(s) alternating, {size} B payloads, against {len(endpoints)} node(s), "
             f"{n_shards} vnodes"
             + ("" if node_pids else "; CPU: load processes and provider only (nodes not started by this command)")
+            + ("; the peer's benchmark after each round" if peer_setup is not None else "")
         )
         runs: list[tuple[Scenario, str]] = []
         for scenario in scenarios:
@@ -355,19 +396,24 @@ def run(opts: argparse.Namespace) -> int:
                         f"{result.acked_msgs_per_s:>9,.0f} msg/s  p50 {result.p50_ms:6.2f} ms  "
                         f"p99 {result.p99_ms:7.2f} ms"
                     )
+                if peer_setup is not None and peer.error is None:
+                    line.close()
+                    _peer_round(peer_setup, peer, round_no, opts.rounds, size, say)
         finally:
             line.close()
     reports = []
     for scenario in scenarios:
         report = {"name": scenario.name, **scenario.figures.report()}
-        report["target"] = scenario.target.as_json()
-        report["met"] = scenario.target.met(report)
+        report["target"] = scenario.target.as_json() if scenario.target is not None else None
+        report["met"] = scenario.target.met(report) if scenario.target is not None else None
+        if scenario.shape:
+            report["shape"] = scenario.shape
         if scenario.baseline is not None:
             report["baseline"] = scenario.baseline.report()
         if scenario.ceiling is not None:
             report["ceiling"] = scenario.ceiling.report()
         reports.append(report)
-    main = reports[1]
+    main = next(r for r in reports if r.get("shape") == "pipelined_8x64")
     if opts.json:
         summary = {
             "mode": "small_writes",
@@ -380,13 +426,18 @@ def run(opts: argparse.Namespace) -> int:
             "acked_msgs_per_s": main["acked_msgs_per_s"],
             "p50_ms": main["p50_ms"],
             "p99_ms": main["p99_ms"],
+            **comparison(reports, peer if opts.peer_anchors is not None else None),
             "scenarios": reports,
         }
         print(json.dumps(summary, indent=2))
         return EXIT_OK
     rows: list[list[object]] = []
     for report in reports:
-        rows.append(_row(report["name"], report, report["target"]["text"], "PASS" if report["met"] else "MISS"))
+        target = report["target"]
+        if target is None:
+            rows.append(_row(report["name"], report, "(beside the peer)", ""))
+        else:
+            rows.append(_row(report["name"], report, target["text"], "PASS" if report["met"] else "MISS"))
         base = report.get("baseline")
         if base is not None:
             ratio = report["acked_msgs_per_s"] / base["acked_msgs_per_s"] if base["acked_msgs_per_s"] else 0.0
@@ -419,7 +470,220 @@ def run(opts: argparse.Namespace) -> int:
         f"(figures over {opts.rounds} round(s) of {duration:g} s; CPU: {cpu_note}; nodes: the nodes' share of it; "
         "switches/msg: the nodes' threads' context switches per message)"
     )
+    if opts.peer_anchors is not None:
+        say("")
+        say(peer_table(comparison(reports, peer), peer))
     return EXIT_OK
+
+
+def _peer_round(
+    setup: PeerSetup, peer: PeerSummary, round_no: int, rounds: int, size: int, say: Callable[[str], None]
+) -> None:
+    """One run of the peer's benchmark after an mqds round; a failure ends the peer's runs (mqds's go on)."""
+    say(f"  round {round_no + 1}/{rounds}  the peer's benchmark ({setup.script.name}, {setup.nats_server}) ...")
+
+    def echo(text: str) -> None:
+        print(f"    peer: {text}", file=sys.stderr, flush=True)
+
+    try:
+        run = run_peer(setup, window=SINGLE_PROCESS_IN_FLIGHT, size=size, echo=echo)
+    except (PeerFailed, OSError) as err:
+        peer.error = str(err)
+        print(f"mqds bench: {err}; no more runs of the peer, mqds's figures go on", file=sys.stderr, flush=True)
+        return
+    peer.runs.append(run)
+    cpu = "" if run.pipelined_cpu_ms_per_1k is None else f" ({run.pipelined_cpu_ms_per_1k:,.1f} ms CPU per 1,000)"
+    redone = f"; it redid {run.discarded} run(s) other processes disturbed" if run.discarded else ""
+    say(
+        f"  round {round_no + 1}  {'the peer: JetStream ' + run.server_version:<42} "
+        f"{run.pipelined_msgs_per_s:>9,.0f} msg/s pipelined{cpu}, publish_sync p50 {run.sync_p50_ms:.2f} ms{redone}"
+    )
+
+
+# The issue's targets for the ratios, in one sitting: (key, at least / at most, value).
+RATIO_TARGETS = {
+    "ratio_pipelined_1x1000": (">=", 1.0),
+    "ratio_pipelined_8x64": (">=", 0.8),
+    "ratio_single_p50": ("<=", 1.0),
+    "ratio_exhook_ceiling": (">=", 0.8),
+}
+
+
+def comparison(reports: list[dict[str, Any]], peer: PeerSummary | None) -> dict[str, Any]:
+    """mqds's figures beside the peer's, and their ratios, under the keys ``--json`` prints.
+
+    Throughput ratios are mqds / peer (1.0 or more: mqds is as fast); the
+    p50 ratio is mqds's p50 / the peer's (1.0 or less: mqds answers as fast);
+    the ExHook ratio is the storing provider's msg/s / the ceiling's. Without a
+    peer its figures and the ratios to it are None (``peer_error`` says why).
+    """
+    shapes = {r["shape"]: r for r in reports if r.get("shape")}
+
+    def figure(shape: str, key: str) -> float | None:
+        report = shapes.get(shape)
+        return None if report is None else report.get(key)
+
+    exhook = shapes.get("exhook", {})
+    ceiling = exhook.get("ceiling") or {}
+    cpu: dict[str, dict[str, float | None]] = {}
+    for shape, report in [*shapes.items(), *([("exhook_ceiling", ceiling)] if ceiling else [])]:
+        if shape == "batched":
+            continue
+        cpu[shape] = {
+            "total": report.get("cpu_ms_per_1k"),
+            "client": report.get("load_cpu_ms_per_1k"),
+            "nodes": report.get("node_cpu_ms_per_1k"),
+        }
+    peer_pipelined = peer.pipelined_msgs_per_s if peer is not None else None
+    peer_p50 = peer.sync_p50_ms if peer is not None else None
+    single_p50 = figure("single", "p50_ms")
+    out: dict[str, Any] = {
+        "pipelined_1x1000_msgs_s": figure("pipelined_1x1000", "acked_msgs_per_s"),
+        "pipelined_8x64_msgs_s": figure("pipelined_8x64", "acked_msgs_per_s"),
+        "single_p50_ms": single_p50,
+        "exhook_msgs_s": exhook.get("acked_msgs_per_s"),
+        "exhook_ceiling_msgs_s": ceiling.get("acked_msgs_per_s"),
+        "cpu_ms_per_1000": cpu,
+        "peer_publish_pipelined_msgs_s": peer_pipelined,
+        "peer_publish_sync_p50_ms": peer_p50,
+        "peer_cpu_ms_per_1000": {
+            "publish_pipelined": peer.pipelined_cpu_ms_per_1k if peer is not None else None,
+            "publish_sync": peer.sync_cpu_ms_per_1k if peer is not None else None,
+        },
+        "peer_runs": len(peer.runs) if peer is not None else 0,
+        "peer_server_version": peer.runs[0].server_version if peer is not None and peer.runs else None,
+        "peer_error": peer.error if peer is not None else None,
+        "ratio_pipelined_1x1000": ratio(figure("pipelined_1x1000", "acked_msgs_per_s"), peer_pipelined),
+        "ratio_pipelined_8x64": ratio(figure("pipelined_8x64", "acked_msgs_per_s"), peer_pipelined),
+        "ratio_single_p50": ratio(single_p50, peer_p50),
+        "ratio_exhook_ceiling": ratio(exhook.get("acked_msgs_per_s"), ceiling.get("acked_msgs_per_s")),
+    }
+    out["ratio_targets"] = {key: f"{op} {value:g}" for key, (op, value) in RATIO_TARGETS.items()}
+    return out
+
+
+def _meets(key: str, value: float | None) -> str:
+    if value is None:
+        return ""
+    op, target = RATIO_TARGETS[key]
+    return "PASS" if (value >= target if op == ">=" else value <= target) else "MISS"
+
+
+def peer_table(figures: dict[str, Any], peer: PeerSummary) -> str:
+    """The comparison as a table: each mqds figure and its CPU, the peer's, the ratio and its target."""
+
+    def num(value: float | None, unit: str, places: int = 0) -> str:
+        return "-" if value is None else f"{value:,.{places}f} {unit}"
+
+    def cpu(entry: dict[str, float | None] | None) -> str:
+        if not entry or entry.get("total") is None:
+            return "-"
+        split = [f"{who} {entry[who]:,.1f}" for who in ("client", "nodes") if entry.get(who) is not None]
+        return f"{entry['total']:,.1f}" + (f" ({', '.join(split)})" if split else "")
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:,.1f}"
+
+    def rat(key: str) -> str:
+        value = figures[key]
+        return "-" if value is None else f"{value:.2f}x"
+
+    shares = figures["cpu_ms_per_1000"]
+    peer_cpu = figures["peer_cpu_ms_per_1000"]
+    rows: list[list[object]] = [
+        [
+            f"pipelined 1-msg writes, 1 process x {SINGLE_PROCESS_IN_FLIGHT:,} in flight",
+            num(figures["pipelined_1x1000_msgs_s"], "msg/s"),
+            cpu(shares.get("pipelined_1x1000")),
+            num(figures["peer_publish_pipelined_msgs_s"], "msg/s"),
+            ms(peer_cpu["publish_pipelined"]),
+            rat("ratio_pipelined_1x1000"),
+            ">= 1.0x",
+            _meets("ratio_pipelined_1x1000", figures["ratio_pipelined_1x1000"]),
+        ],
+        [
+            "pipelined 1-msg writes, --publishers x --in-flight",
+            num(figures["pipelined_8x64_msgs_s"], "msg/s"),
+            cpu(shares.get("pipelined_8x64")),
+            num(figures["peer_publish_pipelined_msgs_s"], "msg/s"),
+            ms(peer_cpu["publish_pipelined"]),
+            rat("ratio_pipelined_8x64"),
+            ">= 0.8x",
+            _meets("ratio_pipelined_8x64", figures["ratio_pipelined_8x64"]),
+        ],
+        [
+            "one writer, one message at a time, p50",
+            num(figures["single_p50_ms"], "ms", 2),
+            cpu(shares.get("single")),
+            num(figures["peer_publish_sync_p50_ms"], "ms", 2),
+            ms(peer_cpu["publish_sync"]),
+            rat("ratio_single_p50"),
+            "<= 1.0x",
+            _meets("ratio_single_p50", figures["ratio_single_p50"]),
+        ],
+        [
+            "ExHook / its no-store ceiling (same run)",
+            num(figures["exhook_msgs_s"], "msg/s"),
+            cpu(shares.get("exhook")),
+            "ceiling " + num(figures["exhook_ceiling_msgs_s"], "msg/s"),
+            cpu(shares.get("exhook_ceiling")),
+            rat("ratio_exhook_ceiling"),
+            ">= 0.8x",
+            _meets("ratio_exhook_ceiling", figures["ratio_exhook_ceiling"]),
+        ],
+    ]
+    lines = [
+        f"Beside the peer: {peer.describe()}",
+        table(
+            ["figure", "mqds", "CPU ms/1k msgs", "peer", "peer CPU ms/1k", "ratio", "target", "result"],
+            rows,
+            right=(1, 3, 4, 5),
+        ),
+        "(ratio: mqds / peer for msg/s, mqds p50 / peer p50 for latency, storing / ceiling for ExHook; "
+        "CPU per 1,000 messages: mqds's load processes (client) and nodes, the peer's client process and servers)",
+    ]
+    if peer.error is not None:
+        lines.append(f"the peer: {peer.error}")
+    return "\n".join(lines)
+
+
+def register_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``mqds bench --small-writes --peer-anchors DIR``: the peer in the same sitting."""
+    group = parser.add_argument_group("--small-writes beside the peer (NATS JetStream) in the same sitting")
+    group.add_argument(
+        "--peer-anchors",
+        metavar="DIR",
+        help="with --small-writes: after each round, run the peer's benchmark (DIR/jetstream_bench.py: NATS "
+        "JetStream, 3 servers, 3 replicas, fsync before each PubAck, one client process, 1,000 PubAcks "
+        "outstanding), so mqds and the peer alternate, and print each mqds figure beside the peer's with the "
+        "ratio and CPU per 1,000 messages: pipelined 1-msg writes from 1 process x 1,000 in flight and from "
+        "--publishers x --in-flight against its publish_pipelined msg/s, one writer's p50 against its "
+        "publish_sync p50, ExHook against its no-store ceiling. DIR is the anchors directory that holds the "
+        "script and setup.sh; setup.sh (once per machine) installs the peer under $ANCHORS. Where the peer is "
+        "not installed this says so and prints mqds's figures alone. --json keys pipelined_1x1000_msgs_s, "
+        "pipelined_8x64_msgs_s, single_p50_ms, peer_publish_pipelined_msgs_s, peer_publish_sync_p50_ms, "
+        "ratio_pipelined_1x1000, ratio_pipelined_8x64, ratio_single_p50, ratio_exhook_ceiling, "
+        "cpu_ms_per_1000 (per shape)",
+    )
+    group.add_argument(
+        "--peer-python",
+        metavar="PATH",
+        help="the Python that runs the peer's script, with nats-py (default: $ANCHORS/venv/bin/python, "
+        "where setup.sh puts it; $ANCHORS defaults to 'anchors' in the temporary directory)",
+    )
+    group.add_argument(
+        "--peer-nats-server",
+        metavar="PATH",
+        help="the nats-server binary of the peer, 2.10 or newer for sync_interval: always (default: the newest "
+        "$ANCHORS/bin/nats-server-<version> that setup.sh installs, else nats-server on PATH)",
+    )
+    group.add_argument(
+        "--peer-args",
+        metavar="ARGS",
+        help="more arguments for the peer's script, one string (e.g. '--n 20000 --n-sync 1000' for a short "
+        "run, '--base-port 15222', '--quiet-wait 0'); given after this command's own (--runs 1 --sync always "
+        "--window 1000 --size SIZE --nats-server ... and a temporary --base-dir and --out), so they win",
+    )
 
 
 def _row(name: str, report: dict[str, Any], target: str, result: str) -> list[object]:
