@@ -152,7 +152,7 @@ class Hosting:
         return group
 
     def _role_changed(self, group: RaftGroup, old: int, new: int) -> None:
-        """Called on the group's thread when its role changes."""
+        """Called inside the group's cycle when its role changes."""
         if new == ROLE_LEADER:
             vnode = self.vnodes.get(group.group)
             if vnode is not None and group.group != META_GROUP and not vnode.replica.storage.initialized:

@@ -12,7 +12,7 @@ The few things that are events with nowhere else to live (call latencies,
 refused calls, snapshot transfers, retention drops) are counted here as
 they happen, and never per message: the write path (StoreBatch, propose,
 apply) pays one histogram observation per call, and the apply loop two
-integer additions per batch, done by the group's thread (the only writer)
+integer additions per batch, done inside the group's cycle (one thread at a time: the only writer)
 on the replica's own counters.
 
 Every metric is named ``mqds_*``, with its unit in the name. Raft and

@@ -78,7 +78,7 @@ class VnodeReplica:
         self.catchup = CatchUp(shard, feed_bytes, ANSWER_TAG)
         """Push subscribers' recent disk reads, shared by those at nearby positions (``catchup.py``)."""
         # For the metrics, counted per applied batch (never per message) by
-        # the group's thread, the only one that applies: plain ints suffice.
+        # the group's cycle, the only place that applies: plain ints suffice.
         self.stored_messages = 0
         """Messages this replica stored since it was opened (a retry the dedup memory recognised stores none)."""
         self.stored_bytes = 0

@@ -1,4 +1,4 @@
-"""Group commit: regular commands proposed while the group's thread was busy go into one log entry.
+"""Group commit: regular commands proposed while the group's cycle was running go into one log entry.
 
 A proposal does not reach pysyncobj at once: it waits in the group's queue
 until the thread's next cycle, which hands everything queued since the last
@@ -81,7 +81,7 @@ class Fanout:
 
 
 class ProposalQueue:
-    """Proposals waiting for the group's next cycle (any thread adds; the group's thread drains)."""
+    """Proposals waiting for the group's next cycle (any thread adds; the group's cycle drains)."""
 
     def __init__(self, max_entry_bytes: int) -> None:
         self._items: collections.deque[tuple[bytes, Proposal]] = collections.deque()

@@ -3,7 +3,7 @@
 A :class:`Proposal` waits for a command to be committed and applied, and
 carries the state machine's result (or pysyncobj's failure reason, turned
 into an ``MqdsError``); a :class:`PendingRead` waits for a read index to be
-confirmed (see ``reads.py``). Both are completed by the group's thread and
+confirmed (see ``reads.py``). Both are completed by the thread running the group's cycle and
 waited on by the caller's (a gRPC handler), so they only hold an event and a
 result, and know nothing of the group beyond its id.
 """

@@ -64,7 +64,7 @@ class StateMachine(Protocol):
     def install(self, payload: bytes, index: int, source: str, members: list[str]) -> None:
         """Replace the state with one that includes log index ``index`` (from ``source``'s manifest).
 
-        Blocks until done; called on the group's thread, only when
+        Blocks until done; called inside the group's cycle (on the scheduler's long lane), only when
         ``applied_index < index``. Must not return before the state is installed.
         """
 

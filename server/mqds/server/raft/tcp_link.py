@@ -1,6 +1,6 @@
 """The sending end of Raft over TCP: one connection to each peer, written by the thread that sends.
 
-A group's cycle (on its own thread, or a receiving thread running it: see
+A group's cycle (on a scheduler's worker, or a receiving thread running it: see
 ``cycles.py``) hands its messages to ``enqueue``, which writes the frame to the
 peer's socket right there: no queue, no sender thread and no gRPC threads
 between a cycle and the wire. The socket does not block; what the kernel does

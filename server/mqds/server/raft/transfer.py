@@ -30,13 +30,13 @@ class LeadershipTransfer(SyncObj):
     timing: RaftTiming
 
     def _init_transfer(self) -> None:
-        # A leadership transfer in progress (the group's thread only): the
+        # A leadership transfer in progress (inside the group's cycle only): the
         # target ("" = the most caught-up follower), the caller's callback,
         # and when to give up. New proposals are refused until
         # ``_paused_until`` (any thread reads it).
         self._transfer: tuple[str, Callable[[Any, int], None], float] | None = None
         self._paused_until = 0.0
-        # Followers whose latest answer said their node is stopping (group's thread only).
+        # Followers whose latest answer said their node is stopping (inside the group's cycle only).
         self._declining: set[str] = set()
 
     def _check_accepting(self) -> None:
