@@ -53,6 +53,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
+import os
 import random
 import threading
 from collections import Counter
@@ -81,7 +82,14 @@ PASS_S = 0.0002
 """Simulated time a step that ran cycles takes (so a group that keeps waking itself cannot stop the clock)."""
 SEGMENT_BYTES = 1 << 30
 """Log segments larger than any run writes: no roll-over, so the log's reaper thread never starts."""
-REPLAY_HINT = "replay: MQDS_SIM_SEED={seed} pytest tests/unit/test_raft_sim.py"
+
+
+def replay_hint(seed: int) -> str:
+    """The command that replays ``seed`` in the test running now (pytest names it), with its reordering if any."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "tests/unit/test_raft_sim.py").split(" ")[0]
+    reorder = os.environ.get("MQDS_SIM_REORDER")
+    prefix = f"MQDS_SIM_REORDER={reorder} " if reorder else ""
+    return f"replay: {prefix}MQDS_SIM_SEED={seed} pytest '{test}'"
 
 
 class SimClock:
@@ -505,7 +513,7 @@ class Simulation:
         recent = "\n".join(repr(e) for e in self.trace[-25:])
         return SimFailure(
             f"seed {self.seed}, at {self.elapsed:.4f} simulated s: {what}\n"
-            f"{REPLAY_HINT.format(seed=self.seed)}\n{self.describe()}\nlast events:\n{recent}"
+            f"{replay_hint(self.seed)}\n{self.describe()}\nlast events:\n{recent}"
         )
 
     # -- reading the replicas ----------------------------------------------------------
