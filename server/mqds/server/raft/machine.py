@@ -18,11 +18,11 @@ from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 from pysyncobj import SyncObj
-from pysyncobj.monotonic import monotonic as raft_clock
 
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.server.raft import batching, codec
+from mqds.server.raft.clock import now as raft_clock
 
 log = logging.getLogger(__name__)
 

@@ -229,6 +229,19 @@ class RaftScheduler:
             self._collect_due(self.clock())
             return self._take_locked(self.clock())
 
+    def next_due(self) -> float | None:
+        """When a group next has work, without taking it: now if one is ready, else the earliest timer (None: none).
+
+        Read-only, for a harness that steps groups itself on a simulated clock
+        (``tests/raft_sim.py``): it advances the clock to this time, then calls
+        :meth:`take_ready`. The time may be early (a timer that moved later
+        since), never late.
+        """
+        with self._cond:
+            if self._ready:
+                return self.clock()
+            return self._heap[0][0] if self._heap else None
+
     def _take_locked(self, now: float) -> list[RaftGroup]:
         """The ready list, emptied (holding the lock); groups that failed lately are put off until their retry."""
         taken, self._ready = self._ready, []

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pysyncobj import SyncObj
-from pysyncobj.monotonic import monotonic as raft_clock
 
+from mqds.server.raft.clock import now as raft_clock
 from mqds.server.raft.names import PeerNode
 
 

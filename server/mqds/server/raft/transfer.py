@@ -16,10 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from pysyncobj import FAIL_REASON, SyncObj
-from pysyncobj.monotonic import monotonic as raft_clock
 
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
+from mqds.server.raft.clock import now as raft_clock
 from mqds.server.raft.timing import RaftTiming
 
 
