@@ -238,7 +238,7 @@ class LoopbackNetwork:
                     log.exception("%s sent %s a message its decoder refuses", sender, node_id)
                     continue
                 self.sent[kind] += 1
-                target.deliver(sender, message, parsed.echo)
+                target.deliver(sender, message, parsed.echo, sequence=parsed.sequence)
 
 
 @dataclass

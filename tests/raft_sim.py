@@ -226,7 +226,7 @@ class SimNetwork:
             message = codec.decode_message(parsed)  # a message the decoder refuses is a bug: let it raise
             self.sent[kind] += 1
             self._sim.record("recv", sender, target, group_id, kind, message.get("term"))
-            group.deliver(sender, message, parsed.echo, wake=True)
+            group.deliver(sender, message, parsed.echo, wake=True, sequence=parsed.sequence)
 
     def outbox(self, node_id: str) -> SimOutbox:
         return SimOutbox(self, node_id)

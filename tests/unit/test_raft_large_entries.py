@@ -51,12 +51,13 @@ def _append_entries(draw: st.DrawFn) -> dict[str, Any]:
 
 
 @settings(max_examples=200)
-@given(_append_entries(), st.integers(0, 1 << 40))
-def test_append_entries_framed_by_hand_are_protobufs_bytes(message: dict[str, Any], echo: int) -> None:
-    raw = codec._encode_append_entries(message, echo)
-    assert raw == codec.encode_message(message, echo).SerializeToString() == codec.encode(message, echo)
+@given(_append_entries(), st.integers(0, 1 << 40), st.integers(0, 1 << 40))
+def test_append_entries_framed_by_hand_are_protobufs_bytes(message: dict[str, Any], echo: int, sequence: int) -> None:
+    raw = codec._encode_append_entries(message, echo, sequence)
+    assert raw == codec.encode_message(message, echo, sequence).SerializeToString()
+    assert raw == codec.encode(message, echo, sequence)
     parsed = rpb.RaftMessage.FromString(raw)
-    assert parsed.echo == echo
+    assert parsed.echo == echo and parsed.sequence == sequence
     assert codec.decode_message(parsed) == message
 
 

@@ -99,7 +99,7 @@ class ObservedNode(Protocol):
     def hosted_vnodes(self) -> list[tuple[int, Vnode]]: ...
 
 
-DROP_REASONS = ("malformed_frame", "malformed_message", "unknown_group", "not_member", "queue_overflow")
+DROP_REASONS = ("malformed_frame", "malformed_message", "unknown_group", "not_member", "queue_overflow", "overtaken")
 
 
 def shard_label(group: int) -> str:
@@ -352,6 +352,7 @@ class _NodeCollector(Collector):
         installs = counter("mqds_snapshot_installs", "Snapshots this replica installed")
         install_seconds = counter("mqds_snapshot_install_seconds", "Time spent fetching and installing snapshots")
         not_member = node.dropped_by_closed_groups
+        overtaken = 0
         for group_id, group in node.groups():
             label = shard_label(group_id)
             try:
@@ -381,6 +382,7 @@ class _NodeCollector(Collector):
             installs.add_metric([label], group.snapshots_installed)
             install_seconds.add_metric([label], group.snapshot_install_seconds)
             not_member += group.dropped_messages
+            overtaken += group.overtaken_messages
         yield from (role, has_leader, term, commit, applied, last_log, catch_up, follower_lag, members)
         yield from (journal_bytes, journal_entries, leader_changes, elections, grouped_entries, grouped_commands)
         yield from (installing, installs, install_seconds)
@@ -389,7 +391,8 @@ class _NodeCollector(Collector):
         dropped = CounterMetricFamily(
             "mqds_raft_dropped_messages",
             "Raft traffic dropped, by reason: malformed_frame (frames), malformed_message, unknown_group (a group "
-            "not hosted here), not_member (from a node outside the group), queue_overflow (outgoing, resent by Raft)",
+            "not hosted here), not_member (from a node outside the group), queue_overflow (outgoing, resent by Raft), "
+            "overtaken (an append-entries that came after a newer one from the same leader)",
             labels=["reason"],
         )
         counts = (
@@ -398,6 +401,7 @@ class _NodeCollector(Collector):
             router.dropped_unknown_group,
             not_member,
             router.dropped_overflow,
+            overtaken,
         )
         for reason, count in zip(DROP_REASONS, counts, strict=True):
             dropped.add_metric([reason], count)

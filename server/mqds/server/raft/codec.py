@@ -101,10 +101,10 @@ def _entries(entries: list[tuple[bytes, int, int]]) -> list[rpb.Entry]:
     return [rpb.Entry(command=cmd, index=idx, term=term) for cmd, idx, term in entries]
 
 
-def encode_message(message: dict[str, Any], echo: int = 0) -> rpb.RaftMessage:
+def encode_message(message: dict[str, Any], echo: int = 0, sequence: int = 0) -> rpb.RaftMessage:
     """A pysyncobj message dict as a RaftMessage; ValueError for ones mqds never sends."""
     kind = message["type"]
-    out = rpb.RaftMessage(echo=echo)
+    out = rpb.RaftMessage(echo=echo, sequence=sequence)
     if kind == "append_entries":
         if "transmission" in message:
             # pysyncobj pickles an entry larger than appendEntriesBatchSizeBytes
@@ -174,14 +174,14 @@ def command_bytes(message: dict[str, Any]) -> int:
     return sum(len(entry[0]) for entry in message.get("entries") or ())
 
 
-def encode(message: dict[str, Any], echo: int = 0) -> bytes:
+def encode(message: dict[str, Any], echo: int = 0, sequence: int = 0) -> bytes:
     """A pysyncobj message dict as a serialised RaftMessage; ValueError for ones mqds never sends."""
     if message["type"] == "append_entries" and command_bytes(message) >= _FRAME_BY_HAND_BYTES:
-        return _encode_append_entries(message, echo)  # a chunked one ("transmission") carries no entries
-    return encode_message(message, echo).SerializeToString()
+        return _encode_append_entries(message, echo, sequence)  # a chunked one ("transmission") carries no entries
+    return encode_message(message, echo, sequence).SerializeToString()
 
 
-def _encode_append_entries(message: dict[str, Any], echo: int) -> bytes:
+def _encode_append_entries(message: dict[str, Any], echo: int, sequence: int = 0) -> bytes:
     """The same bytes as ``encode_message(...).SerializeToString()``, each command copied once.
 
     Protobuf copies a command three times on the way (into its ``Entry``, into
@@ -210,8 +210,8 @@ def _encode_append_entries(message: dict[str, Any], echo: int) -> bytes:
         parts += (entry_head, command_head, command, rest)
         size += len(entry_head) + entry_size
     parts[0] = b"\x1a" + varint(size)
-    if echo:
-        parts.append(rpb.RaftMessage(echo=echo).SerializeToString())
+    if echo or sequence:
+        parts.append(rpb.RaftMessage(echo=echo, sequence=sequence).SerializeToString())  # fields 14, 15: last
     return b"".join(parts)
 
 

@@ -138,6 +138,10 @@ class RaftGroup(
         self.installing_snapshot = False
         """True while a snapshot is being fetched and installed: the replica cannot serve (readiness)."""
         self.dropped_messages = 0
+        self.overtaken_messages = 0
+        """Append-entries dropped because a newer one from the same leader came first (``_overtaken``)."""
+        self._last_sequence: dict[str, tuple[int, int]] = {}
+        """Per leader: the (term, sequence) of the newest append-entries taken from it."""
         self.apply_failures = 0
         """Committed entries whose command could not be applied (recorded as failed on every replica)."""
         self.elections = 0
@@ -245,11 +249,14 @@ class RaftGroup(
 
     # -- inputs from other threads ---------------------------------------------
 
-    def deliver(self, node_id: str, message: dict[str, Any], echo: int, wake: bool = True) -> None:
-        """A decoded message from a peer (any thread); ``wake=False``: the caller runs or wakes the cycle."""
+    def deliver(self, node_id: str, message: dict[str, Any], echo: int, wake: bool = True, sequence: int = 0) -> None:
+        """A decoded message from a peer (any thread); ``wake=False``: the caller runs or wakes the cycle.
+
+        ``sequence``: the number its leader gave an append-entries (``RaftMessage.sequence``; 0: none).
+        """
         if "serialized" in message:
             self.snapshot_inbound = True  # set before it is queued: no pass may take it (``cycles.inline_eligible``)
-        self._inbox.append((_MESSAGE, node_id, (message, echo)))
+        self._inbox.append((_MESSAGE, node_id, (message, echo, sequence)))
         if wake:
             self.wake()
 
@@ -441,7 +448,7 @@ class RaftGroup(
         while inbox:
             kind, node_id, payload = inbox.popleft()
             if kind == _MESSAGE:
-                message, echo = payload
+                message, echo, sequence = payload
                 if "serialized" in message and not self._long_lane and self._scheduler is not None:
                     # A snapshot's transfer came after this cycle was taken for a pass: it and
                     # what follows it wait for the long lane (``end_cycle`` hands the group on).
@@ -458,7 +465,7 @@ class RaftGroup(
                     # has not received yet, and only its entries can tell it.
                     self.dropped_messages += 1
                     continue
-                self._receive(node_id, message, echo)
+                self._receive(node_id, message, echo, sequence)
             elif kind == _CONNECTED:
                 members = self._members_set()
                 if node_id in members:
@@ -543,7 +550,28 @@ class RaftGroup(
     def _members_set(self) -> set[str]:
         return {n.id for n in self.otherNodes}
 
-    def _receive(self, node_id: str, message: dict[str, Any], echo: int) -> None:
+    def _overtaken(self, node_id: str, message: dict[str, Any], sequence: int) -> bool:
+        """Whether an append-entries from ``node_id`` was overtaken by a newer one it sent in the same term.
+
+        Messages from one leader can arrive out of order (the connection they
+        left on went down while a new one already delivered later ones).
+        Raft lets a follower drop a message; taking an old one is not safe
+        with pysyncobj, which deletes every entry after its ``prevLogIdx``
+        whether or not they conflict, so a follower would lose entries it had
+        acknowledged and the leader may have committed (found by the
+        deterministic simulation with reordering: DESIGN.md).
+        """
+        if not sequence:
+            return False  # a node of a version that does not number its messages
+        term = message["term"]
+        last = self._last_sequence.get(node_id)
+        if last is not None and last[0] == term and sequence <= last[1]:
+            return True
+        if last is None or term >= last[0]:
+            self._last_sequence[node_id] = (term, sequence)
+        return False
+
+    def _receive(self, node_id: str, message: dict[str, Any], echo: int, sequence: int = 0) -> None:
         kind = message["type"]
         if kind == "request_vote" and self._staying_quiet():
             return
@@ -551,6 +579,9 @@ class RaftGroup(
             self.dropped_messages += 1
             return
         if kind == "append_entries":
+            if self._overtaken(node_id, message, sequence):
+                self.overtaken_messages += 1
+                return
             self._heard_leader = True
             self.last_echo_from[node_id] = echo
             self._transport.answering_entries = carries_entries(message)

@@ -79,6 +79,8 @@ class GroupTransport(Transport):
         # and the (next index, read round, declines) of the last answer.
         self._last_beat: dict[str, tuple[int, int]] = {}
         self._last_answer: dict[str, tuple[int, int, bool]] = {}
+        self._sequence: dict[str, int] = {}
+        """Per peer: the number of the last append-entries sent (``RaftMessage.sequence``)."""
 
     def send(self, node: Node, message: dict[str, Any]) -> bool:
         """Encode a message for ``node``, and say whether anybody waits for it.
@@ -96,7 +98,9 @@ class GroupTransport(Transport):
         group = self._group
         kind = message["type"]
         lazy = False
+        sequence = 0
         if kind == "append_entries":
+            sequence = self._sequence[node.id] = self._sequence.get(node.id, 0) + 1
             echo = group.echo_round
             beat = (message["term"], echo)
             lazy = not carries_entries(message) and self._last_beat.get(node.id) == beat
@@ -118,7 +122,7 @@ class GroupTransport(Transport):
         else:
             echo = 0
         try:
-            raw = codec.encode(message, echo)
+            raw = codec.encode(message, echo, sequence)
         except ValueError:
             log.exception("%s: cannot send %s to %s", group.name, kind, node.id)
             return False

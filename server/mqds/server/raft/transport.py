@@ -449,7 +449,7 @@ class PeerRouter:
                 continue
             # A snapshot's transfer marks its group for the scheduler's long lane (``RaftGroup.deliver``):
             # run_cycles then hands it on, with whatever follows it in the frame.
-            group.deliver(sender, message, env.message.echo, wake=False)
+            group.deliver(sender, message, env.message.echo, wake=False, sequence=env.message.sequence)
             touched.setdefault(env.group, group)
         # Their cycles run here, sharing one log write, instead of handing each group to the scheduler (cycles.py).
         run_cycles(touched.values())

@@ -150,7 +150,7 @@ class TimeoutNow(_message.Message):
     def __init__(self, term: _Optional[int] = ...) -> None: ...
 
 class RaftMessage(_message.Message):
-    __slots__ = ("request_vote", "response_vote", "append_entries", "install_snapshot", "next_index", "apply_command", "apply_command_response", "timeout_now", "echo")
+    __slots__ = ("request_vote", "response_vote", "append_entries", "install_snapshot", "next_index", "apply_command", "apply_command_response", "timeout_now", "sequence", "echo")
     REQUEST_VOTE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_VOTE_FIELD_NUMBER: _ClassVar[int]
     APPEND_ENTRIES_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class RaftMessage(_message.Message):
     APPLY_COMMAND_FIELD_NUMBER: _ClassVar[int]
     APPLY_COMMAND_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_NOW_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
     request_vote: RequestVote
     response_vote: ResponseVote
@@ -168,8 +169,9 @@ class RaftMessage(_message.Message):
     apply_command: ApplyCommand
     apply_command_response: ApplyCommandResponse
     timeout_now: TimeoutNow
+    sequence: int
     echo: int
-    def __init__(self, request_vote: _Optional[_Union[RequestVote, _Mapping]] = ..., response_vote: _Optional[_Union[ResponseVote, _Mapping]] = ..., append_entries: _Optional[_Union[AppendEntries, _Mapping]] = ..., install_snapshot: _Optional[_Union[InstallSnapshot, _Mapping]] = ..., next_index: _Optional[_Union[NextIndex, _Mapping]] = ..., apply_command: _Optional[_Union[ApplyCommand, _Mapping]] = ..., apply_command_response: _Optional[_Union[ApplyCommandResponse, _Mapping]] = ..., timeout_now: _Optional[_Union[TimeoutNow, _Mapping]] = ..., echo: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_vote: _Optional[_Union[RequestVote, _Mapping]] = ..., response_vote: _Optional[_Union[ResponseVote, _Mapping]] = ..., append_entries: _Optional[_Union[AppendEntries, _Mapping]] = ..., install_snapshot: _Optional[_Union[InstallSnapshot, _Mapping]] = ..., next_index: _Optional[_Union[NextIndex, _Mapping]] = ..., apply_command: _Optional[_Union[ApplyCommand, _Mapping]] = ..., apply_command_response: _Optional[_Union[ApplyCommandResponse, _Mapping]] = ..., timeout_now: _Optional[_Union[TimeoutNow, _Mapping]] = ..., sequence: _Optional[int] = ..., echo: _Optional[int] = ...) -> None: ...
 
 class FetchSnapshotRequest(_message.Message):
     __slots__ = ("group", "min_index")
