@@ -375,9 +375,9 @@ class Cluster:
         leaders = [n for n in nodes if self.group(n).is_leader]
         if not leaders:
             return None
-        best = max(leaders, key=lambda n: self.group(n).raftCurrentTerm)
-        term = self.group(best).raftCurrentTerm
-        followers = [n for n in nodes if self.group(n).leader_id == best and self.group(n).raftCurrentTerm == term]
+        best = max(leaders, key=lambda n: self.group(n).raft.term)
+        term = self.group(best).raft.term
+        followers = [n for n in nodes if self.group(n).leader_id == best and self.group(n).raft.term == term]
         return best if len(followers) > len(self.ids) // 2 else None
 
     def describe(self) -> str:

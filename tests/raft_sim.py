@@ -349,9 +349,9 @@ class Simulation:
             machine = node.machines[gid] = kind(self.witness, gid, node.node_id)
 
         def role_changed(group: RaftGroup, old: int, new: int) -> None:
-            self.record("role", group.node_id, group.group, new, group.raftCurrentTerm)
+            self.record("role", group.node_id, group.group, new, group.raft.term)
             if new == ROLE_LEADER:
-                self.witness.became_leader(group.group, group.raftCurrentTerm, group.node_id)
+                self.witness.became_leader(group.group, group.raft.term, group.node_id)
 
         group = RaftGroup(
             gid,
@@ -531,12 +531,12 @@ class Simulation:
         leaders = [n for n in nodes if self.group(n, gid).is_leader]
         if not leaders:
             return None
-        best = max(leaders, key=lambda n: self.group(n, gid).raftCurrentTerm)
+        best = max(leaders, key=lambda n: self.group(n, gid).raft.term)
         lead = self.group(best, gid)
         followers = [
             n
             for n in nodes
-            if self.group(n, gid).leader_id == best and self.group(n, gid).raftCurrentTerm == lead.raftCurrentTerm
+            if self.group(n, gid).leader_id == best and self.group(n, gid).raft.term == lead.raft.term
         ]
         return best if len(followers) > len(lead.members) // 2 else None
 
@@ -584,7 +584,7 @@ class Simulation:
         for gid in self.group_ids if gids is None else gids:
             seen: dict[int, tuple[int, bytes, str]] = {}
             for node_id in self.replicas(gid):
-                commit = self.group(node_id, gid).raftCommitIndex
+                commit = self.group(node_id, gid).raft.commit_index
                 for index, term, command in self.log_entries(node_id, gid):
                     if index > commit:
                         break
@@ -614,7 +614,7 @@ class Simulation:
                 digest.update(repr((node_id, gid, node.machines[gid].entries)).encode())
                 if gid in node.groups:
                     group = node.groups[gid]
-                    state = (group.raftCurrentTerm, group.raftCommitIndex, self.log_entries(node_id, gid))
+                    state = (group.raft.term, group.raft.commit_index, self.log_entries(node_id, gid))
                     digest.update(repr(state).encode())
         return digest.hexdigest()
 

@@ -89,9 +89,9 @@ def leader(tmp_path: Path) -> tuple[RaftGroup, Outbox]:
     for peer in ("n1", "n2"):
         group.peer_connected(peer, True)
     group._quiet_until = 0.0
-    group._SyncObj__raftElectionDeadline = 0
+    group.raft.election_deadline = 0
     group._cycle()
-    group.deliver("n1", {"type": "response_vote", "term": group.raftCurrentTerm}, 0)
+    group.deliver("n1", {"type": "response_vote", "term": group.raft.term}, 0)
     group._cycle()
     assert group.is_leader
     return group, outbox

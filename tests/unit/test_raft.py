@@ -37,7 +37,7 @@ def test_a_follower_connects_to_a_member_added_by_the_leader(tmp_path: Path) -> 
     group._cycle()
     assert group.members == ["n1", "n2", "n3", "n4"]
     # Connected in pysyncobj's eyes, so as a leader it would send n4 entries.
-    assert group.isNodeConnected(PeerNode("n4"))
+    assert PeerNode("n4") in group.raft.connected
     group.stop()
 
 
@@ -86,7 +86,7 @@ def test_messages_from_non_members_cannot_disturb_the_group(tmp_path: Path) -> N
     group, _, outbox = make_group(tmp_path, ["n1", "n2", "n3"])
     group.deliver("intruder", {"type": "request_vote", "term": 99, "last_log_index": 50, "last_log_term": 50}, 0)
     group._cycle()
-    assert group.raftCurrentTerm == 0
+    assert group.raft.term == 0
     assert group.dropped_messages == 1
     assert not [m for _, node, m in outbox.sent if node == "intruder"]
     group.stop()
@@ -112,7 +112,7 @@ def test_entries_that_change_nothing_still_move_the_machines_applied_index(tmp_p
     _append(group, 5, 5, [])
     assert machine.applied == [(2, b"a")]
     assert machine.skipped == [3, 4, 5]
-    assert machine.applied_index == group.raftLastApplied == 5
+    assert machine.applied_index == group.raft.last_applied == 5
     group.stop()
 
 
@@ -152,7 +152,7 @@ def test_an_entry_the_machine_cannot_apply_is_recorded_as_failed_and_the_log_goe
     _append(group, 1, 1, [(b"\x00a", 2, 1), (b"\x00poison", 3, 1), (b"\x00b", 4, 1)])
     _append(group, 4, 4, [])
     assert machine.applied == [(2, b"a"), (4, b"b")]
-    assert machine.skipped == [3] and group.raftLastApplied == 4
+    assert machine.skipped == [3] and group.raft.last_applied == 4
     assert group.apply_failures == 1 and group.apply_stalled_s() == 0
     group.stop()
 
@@ -168,7 +168,7 @@ def test_an_entry_the_machine_refuses_without_writing_still_moves_its_applied_in
     machine.apply = refuse  # type: ignore[method-assign]
     _append(group, 1, 1, [(b"\x00again", 2, 1)])
     _append(group, 2, 2, [])
-    assert machine.skipped == [2] and machine.applied_index == group.raftLastApplied == 2
+    assert machine.skipped == [2] and machine.applied_index == group.raft.last_applied == 2
     group.stop()
 
 
@@ -221,7 +221,7 @@ def test_a_failing_disk_is_retried_not_skipped_and_the_group_reports_it_stalled(
         "STORAGE_ERROR: write failed: IO error"
     ]  # told, and not recorded as the entry's failure
     group._note_apply_progress()
-    assert group.raftLastApplied == 1 and machine.skipped == []
+    assert group.raft.last_applied == 1 and machine.skipped == []
     group._applied_moved_at -= 30  # thirty seconds later, still failing
     group._note_apply_progress()
     assert group.apply_stalled_s() >= 30

@@ -19,11 +19,11 @@ def test_a_retiring_replica_neither_takes_a_transfer_nor_campaigns(tmp_path: Pat
     group.retire()
     group.deliver("n1", {"type": "timeout_now", "term": 1}, 0)
     group._cycle()
-    assert group.raftCurrentTerm == 1 and not [m for _, _, m in outbox.sent if m["type"] == "request_vote"]
+    assert group.raft.term == 1 and not [m for _, _, m in outbox.sent if m["type"] == "request_vote"]
     # Nor does it campaign when it stops hearing the leader...
-    group._SyncObj__raftElectionDeadline = 0
+    group.raft.election_deadline = 0
     group._cycle()
-    assert group.raftCurrentTerm == 1 and not [m for _, _, m in outbox.sent if m["type"] == "request_vote"]
+    assert group.raft.term == 1 and not [m for _, _, m in outbox.sent if m["type"] == "request_vote"]
     # It tells its leader so in its answers...
     group.deliver("n1", HEARTBEAT, 0)
     group._cycle()
@@ -39,7 +39,7 @@ def test_a_replica_that_is_not_retiring_takes_a_transfer(tmp_path: Path) -> None
     group, outbox = follower(tmp_path)
     group.deliver("n1", {"type": "timeout_now", "term": 1}, 0)
     group._cycle()
-    assert group.raftCurrentTerm == 2 and [m for _, _, m in outbox.sent if m["type"] == "request_vote"]
+    assert group.raft.term == 2 and [m for _, _, m in outbox.sent if m["type"] == "request_vote"]
     group.stop()
 
 
@@ -120,9 +120,9 @@ def test_a_replica_that_is_not_ready_declines_leadership_but_still_campaigns(tmp
     assert [m for _, _, m in outbox.sent if m["type"] == "next_node_idx"][-1].get("declines_leadership")
     group.deliver("n1", {"type": "timeout_now", "term": 1}, 0)
     group._cycle()
-    assert group.raftCurrentTerm == 1
+    assert group.raft.term == 1
     # When its leader is gone, it stands in the election like any replica.
-    group._SyncObj__raftElectionDeadline = 0
+    group.raft.election_deadline = 0
     group._cycle()
-    assert group.raftCurrentTerm == 2 and [m for _, _, m in outbox.sent if m["type"] == "request_vote"]
+    assert group.raft.term == 2 and [m for _, _, m in outbox.sent if m["type"] == "request_vote"]
     group.stop()

@@ -67,7 +67,7 @@ def test_a_leader_cut_off_cannot_commit_and_catches_up_after_the_heal(tmp_path: 
         buddy = next(n for n in cluster.ids if n != old)
         minority = [old, buddy]
         majority = [n for n in cluster.ids if n not in minority]
-        term_when_cut = cluster.group(old).raftCurrentTerm
+        term_when_cut = cluster.group(old).raft.term
         cluster.partition(*minority)
         commit_when_cut = cluster.group(old).status()["commit_index"]
         try:
@@ -78,7 +78,7 @@ def test_a_leader_cut_off_cannot_commit_and_catches_up_after_the_heal(tmp_path: 
 
         new = cluster.wait_leader(timeout=5, among=majority)
         assert new in majority
-        assert cluster.group(new).raftCurrentTerm > term_when_cut
+        assert cluster.group(new).raft.term > term_when_cut
         after = _commit_all(cluster, "after", 5, among=majority)
         cluster.wait_applied(after[-1], timeout=5, nodes=majority)
 
@@ -123,7 +123,7 @@ def test_leadership_is_handed_to_a_follower_which_then_serves(tmp_path: Path, na
         first = _commit_all(cluster, "first", 5)
         cluster.wait_applied(first[-1], timeout=5)
         target = next(n for n in reversed(cluster.ids) if n != old)
-        term = cluster.group(old).raftCurrentTerm
+        term = cluster.group(old).raft.term
 
         cluster.group(old).transfer_leadership(target if named else None)
         new = cluster.wait_for(
@@ -131,7 +131,7 @@ def test_leadership_is_handed_to_a_follower_which_then_serves(tmp_path: Path, na
         )
         if named:
             assert new == target
-        assert cluster.group(new).raftCurrentTerm > term
+        assert cluster.group(new).raft.term > term
         # The old leader now follows, and says whom to ask.
         cluster.wait_for(lambda: not cluster.group(old).is_leader, 3, f"{old} to step down")
         with pytest.raises(MqdsError) as caught:

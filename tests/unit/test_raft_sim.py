@@ -111,7 +111,7 @@ def test_elections_in_many_groups_at_once_and_again_when_a_node_dies(tmp_path: P
         leaders = _leaders(sim)
         for gid in sim.group_ids:
             assert [n for n in sim.replicas(gid) if sim.group(n, gid).is_leader] == [leaders[gid]]
-        terms = {gid: sim.group(leaders[gid], gid).raftCurrentTerm for gid in sim.group_ids}
+        terms = {gid: sim.group(leaders[gid], gid).raft.term for gid in sim.group_ids}
         for gid in sim.group_ids:
             sim.commit(gid, b"a %d" % gid)
 
@@ -125,7 +125,7 @@ def test_elections_in_many_groups_at_once_and_again_when_a_node_dies(tmp_path: P
         for gid in orphaned:
             new = sim.leader(gid, alive)
             assert new is not None and new != dead
-            assert sim.group(new, gid).raftCurrentTerm > terms[gid]
+            assert sim.group(new, gid).raft.term > terms[gid]
         for gid in sim.group_ids:
             sim.commit(gid, b"b %d" % gid, among=alive)
 
@@ -297,7 +297,7 @@ def test_leadership_is_handed_over_in_many_groups_at_once(tmp_path: Path, named:
         for gid in sim.group_ids:
             sim.commit(gid, b"first %d" % gid)
         leaders = _leaders(sim)
-        terms = {gid: sim.group(leaders[gid], gid).raftCurrentTerm for gid in sim.group_ids}
+        terms = {gid: sim.group(leaders[gid], gid).raft.term for gid in sim.group_ids}
         targets = {gid: next(n for n in reversed(sim.replicas(gid)) if n != leaders[gid]) for gid in sim.group_ids}
         answers = {gid: sim.transfer(gid, leaders[gid], targets[gid] if named else None) for gid in sim.group_ids}
         sim.run_until(lambda: all(answers.values()), 5, "every transfer to be answered")
@@ -310,7 +310,7 @@ def test_leadership_is_handed_over_in_many_groups_at_once(tmp_path: Path, named:
             assert new is not None
             if named:
                 assert new == targets[gid]
-            assert sim.group(new, gid).raftCurrentTerm > terms[gid]
+            assert sim.group(new, gid).raft.term > terms[gid]
             index = sim.commit(gid, b"new leader %d" % gid)
             assert sim.leader(gid) == new
             assert sim.group(new, gid).machine.applied_index >= index

@@ -25,7 +25,7 @@ def test_a_follower_gives_a_leader_busy_with_a_large_entry_time_before_campaigni
     """
     group, outbox = follower(tmp_path)
     timing = group.timing
-    assert group._SyncObj__raftElectionDeadline <= time.monotonic() + timing.election_timeout_max_s
+    assert group.raft.election_deadline <= time.monotonic() + timing.election_timeout_max_s
     large = bytes([codec.COMMAND_REGULAR]) + b"x" * (32 * 1024 * 1024)
     group.deliver("n1", {**HEARTBEAT, "entries": [(large, 2, 1)]}, 0)
     group._cycle()
@@ -34,18 +34,18 @@ def test_a_follower_gives_a_leader_busy_with_a_large_entry_time_before_campaigni
     group._cycle()
     busy_s = len(large) / timing.busy_bytes_per_s
     assert busy_s >= 1
-    assert group._SyncObj__raftElectionDeadline >= time.monotonic() + busy_s - 0.5 + timing.election_timeout_min_s
+    assert group.raft.election_deadline >= time.monotonic() + busy_s - 0.5 + timing.election_timeout_min_s
     # Once that time has passed, a silent leader is given up on as ever.
     group._leader_busy_until = 0.0
-    group._SyncObj__raftElectionDeadline = 0
+    group.raft.election_deadline = 0
     group._cycle()
-    assert group.raftCurrentTerm == 2 and [m for _, _, m in outbox.sent if m["type"] == "request_vote"]
+    assert group.raft.term == 2 and [m for _, _, m in outbox.sent if m["type"] == "request_vote"]
     group.stop()
 
 
 def test_a_leader_busy_with_a_large_entry_does_not_step_down_for_its_own_silence(tmp_path: Path) -> None:
     group, _ = leader(tmp_path)
-    answered = group._SyncObj__lastResponseTime
+    answered = group.raft.last_response_times
     # The followers answered its last append-entries 2.5 s ago; its thread has been applying
     # since (3 s between two ticks), sending nothing they could answer.
     now = time.monotonic()
@@ -64,9 +64,9 @@ def test_a_leader_busy_with_a_large_entry_does_not_step_down_for_its_own_silence
 
 def test_a_leader_gives_followers_time_to_take_in_a_large_entry_before_stepping_down(tmp_path: Path) -> None:
     group, _ = leader(tmp_path)
-    answered = group._SyncObj__lastResponseTime
+    answered = group.raft.last_response_times
     large = bytes([codec.COMMAND_REGULAR]) + b"x" * (32 * 1024 * 1024)
-    last, term = group.last_log_index, group.raftCurrentTerm
+    last, term = group.last_log_index, group.raft.term
     entries = {"type": "append_entries", "term": term, "commit_index": last, "prevLogIdx": last, "prevLogTerm": term}
     # The followers last answered 1.5 s ago (past the fallback timeout); since, the leader sent
     # them a large entry, which they are still taking in.
@@ -86,7 +86,7 @@ def test_a_leader_lets_only_repeated_heartbeats_wait_for_company(tmp_path: Path)
     assert sorted(appends[:2]) == [("n1", False), ("n2", False)]
     # A heartbeat in the same term and read round: nobody waits for it.
     mark = len(outbox.sent)
-    group._SyncObj__newAppendEntriesTime = 0
+    group.raft.next_heartbeat_at = 0
     group._cycle()
     assert sorted(kinds_since(outbox, mark)) == [("n1", "append_entries", True), ("n2", "append_entries", True)]
     # Entries: a commit waits for their acknowledgement.
@@ -181,17 +181,17 @@ def test_a_replica_cut_off_from_every_peer_sleeps_instead_of_spinning(tmp_path: 
     scheduler.attach(group)
     assert scheduler.take_ready() == [group]  # a first cycle
     group._quiet_until = 0.0
-    group._SyncObj__raftElectionDeadline = 0
+    group.raft.election_deadline = 0
     assert group.sleep_s() == 1.0
     group._cycle()
     scheduler.rearm(group)
-    assert group.raftCurrentTerm == 0  # nobody to ask for a vote
+    assert group.raft.term == 0  # nobody to ask for a vote
     assert scheduler.take_ready() == []  # nothing due for a second
     # A link coming up wakes the group, and it campaigns at once.
     group.peer_connected("n1", True)
     assert scheduler.take_ready() == [group]
     group._cycle()
-    assert group.raftCurrentTerm == 1 and group.role == raft_group.ROLE_CANDIDATE
+    assert group.raft.term == 1 and group.role == raft_group.ROLE_CANDIDATE
     group.stop()
 
 

@@ -434,5 +434,5 @@ class Hosting:
             vnode = self.vnodes.get(info.shard)
             if vnode is not None and vnode.group.leader_id:
                 info.leader = vnode.group.leader_id
-                info.term = vnode.group.raftCurrentTerm
+                info.term = vnode.group.raft.term
         return cmap

@@ -107,7 +107,7 @@ class RetentionRules:
 
     def _vnode_round(self, vnode: Any, policy: clpb.RetentionPolicy, key: bytes, due: bool) -> None:
         shard = vnode.shard
-        term = vnode.group.raftCurrentTerm
+        term = vnode.group.raft.term
         running = self._passes.get(shard)
         if running is not None and (running.policy != key or running.term != term):
             del self._passes[shard]  # the policy or the leadership changed: start again

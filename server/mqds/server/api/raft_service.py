@@ -99,7 +99,7 @@ class RaftAPI:
         except Exception as err:  # DecodeError, or a RuntimeError from upb
             raise errors.error(Reason.MALFORMED_REQUEST, f"command is not a metadata command ({err})") from None
         group.propose(request.command).wait(self.node.config.write_timeout_s)
-        return rpb.ProposeMetaResponse(index=group.raftLastApplied)
+        return rpb.ProposeMetaResponse(index=group.raft.last_applied)
 
     def InjectFault(self, request: rpb.InjectFaultRequest) -> rpb.InjectFaultResponse:
         if not self.node.config.fault_injection:

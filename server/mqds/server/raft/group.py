@@ -1,4 +1,4 @@
-"""One Raft group: a pysyncobj ``SyncObj`` driven by a thread of its own.
+"""One Raft group: pysyncobj's Raft, held and stepped by the node's scheduler.
 
 A group replicates one state machine (a vnode's storage, or the cluster
 metadata). Its contract with pysyncobj, and where it departs from pysyncobj's
@@ -7,9 +7,9 @@ defaults (see DESIGN.md for why):
 - **One replicated entry point taking bytes.** ``propose(body)`` logs
   ``0x00 + body``; applying calls ``machine.apply(body, index)``. Nothing in
   the log is pickled: membership changes are ``0x02 + MembershipChange``
-  protobuf, decoded by us instead of by pysyncobj's unpickler (two
-  name-mangled methods in ``machine.py`` replace pysyncobj's).
-- **Durable before anything leaves.** The group thread runs cycles: deliver
+  protobuf, decoded by us instead of by pysyncobj's unpickler (the hooks of
+  ``CommandApplier`` in ``machine.py``, which ``RaftCore`` calls).
+- **Durable before anything leaves.** The group runs cycles: deliver
   the messages that arrived, tick pysyncobj, then ``journal.sync()``
   (fdatasync of new entries, term, vote) and only then hand the messages
   pysyncobj produced to the network. A follower's acknowledgement and a vote
@@ -25,9 +25,11 @@ defaults (see DESIGN.md for why):
   transport echoes round numbers) and the state machine applied everything
   committed before it.
 
-``RaftGroup`` is assembled from parts, one concern per module (DESIGN.md,
-"Files"); this one keeps the group's thread and cycle, the inputs from other
-threads, and the state that other modules read.
+``RaftGroup`` holds its Raft state machine, a ``RaftCore``
+(``pysyncobj_adapter.py``, the only code that knows pysyncobj's internals),
+and is assembled from parts, one concern per module (DESIGN.md, "Files");
+this one keeps the group's cycle, the inputs from other threads, and the
+state that other modules read.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf
+from pysyncobj import FAIL_REASON
 
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
@@ -51,10 +53,11 @@ from mqds.server.raft.futures import Proposal
 from mqds.server.raft.journal import RaftJournal
 from mqds.server.raft.machine import CommandApplier, StateMachine
 from mqds.server.raft.names import META_GROUP as META_GROUP
-from mqds.server.raft.names import PeerNode, group_name
+from mqds.server.raft.names import PeerNode as PeerNode
+from mqds.server.raft.names import group_name
 from mqds.server.raft.outbox import GroupTransport, Outbox, carries_entries
 from mqds.server.raft.outbox import Outgoing as Outgoing
-from mqds.server.raft.pysyncobj_glue import NoPoller, SyncObjOverrides
+from mqds.server.raft.pysyncobj_adapter import RaftCore
 from mqds.server.raft.reads import ReadIndex
 from mqds.server.raft.scheduler import RaftScheduler, Slot
 from mqds.server.raft.snapshot import Manifest as Manifest
@@ -73,10 +76,14 @@ ROLE_NAMES = {ROLE_FOLLOWER: "follower", ROLE_CANDIDATE: "candidate", ROLE_LEADE
 _MESSAGE, _CONNECTED, _DISCONNECTED, _TRANSFER = 0, 1, 2, 3
 
 
-class RaftGroup(
-    ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, ManifestFiles, SyncObjOverrides, SyncObj
-):
-    """A Raft group replicating ``machine``, with this node as one member."""
+class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, ManifestFiles):
+    """A Raft group replicating ``machine``, with this node as one member.
+
+    Its Raft state is ``self.raft``, a ``RaftCore``: the group ticks it,
+    hands it what arrived, and is called back to apply entries
+    (``CommandApplier``), to write and read snapshots (``ManifestFiles``) and
+    when its role changes (``_state_changed``).
+    """
 
     def __init__(
         self,
@@ -161,30 +168,26 @@ class RaftGroup(
             self.journal.set_members(initial)
         self._members_recorded = set(initial)
         self._init_quiet(len(self.journal) > 0, joining)
-        t = self.timing
-        conf = SyncObjConf(
-            autoTick=False,
-            appendEntriesUseBatch=False,
-            commandsWaitLeader=False,
-            dynamicMembershipChange=True,
-            journalFile=self.journal,
-            fullDumpFile=os.path.join(directory, "snapshot"),
+        self._transport = GroupTransport(self)
+        others = [m for m in initial if m != node_id]
+        self.raft = RaftCore(
+            node_id,
+            others,
+            self._transport,
+            self,
+            journal=self.journal,
+            dump_file=os.path.join(directory, "snapshot"),
             serializer=self._write_manifest,
             deserializer=self._read_manifest,
-            logCompactionMinEntries=2**62,
-            logCompactionBatchSize=1024 * 1024,
-            appendEntriesBatchSizeBytes=t.max_entry_bytes,
-            onStateChanged=self._state_changed,
-            **syncobj_timers(t),
+            max_entry_bytes=self.timing.max_entry_bytes,
+            on_state_changed=self._state_changed,
+            timers=syncobj_timers(self.timing),
         )
-        self._transport = GroupTransport(self)
-        others = [PeerNode(m) for m in initial if m != node_id]
-        super().__init__(PeerNode(node_id), others, conf, nodeClass=PeerNode, transport=self._transport)
-        self._poller = NoPoller()
+        """This group's Raft (pysyncobj's, through the adapter): ticked by the cycle, nothing else steps it."""
         if not others:
             # Alone in the group: nobody else can lead it, so campaign at once.
             self._heard_leader = True
-            self._SyncObj__raftElectionDeadline = 0
+            self.raft.election_deadline = 0
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -212,7 +215,7 @@ class RaftGroup(
         self._fail_reads_stopping()
         if self.proposals is not None:
             self.proposals.fail_all(FAIL_REASON.NOT_LEADER)
-        self._doDestroy()
+        self.raft.destroy()
 
     @property
     def stopping(self) -> bool:
@@ -325,7 +328,7 @@ class RaftGroup(
         if self.proposals is not None:
             self.proposals.add(body, proposal)  # logged by the next cycle, with whatever else came
         else:
-            self._applyCommand(body, proposal.on_result, codec.COMMAND_REGULAR)
+            self.raft.append(body, proposal.on_result, codec.COMMAND_REGULAR)
         self.wake()
         return proposal
 
@@ -334,7 +337,7 @@ class RaftGroup(
         proposal = Proposal(self.group)
         self._check_accepting()
         kind = codec.rpb.MembershipChange.KIND_ADD if add else codec.rpb.MembershipChange.KIND_REMOVE
-        self._applyCommand(codec.encode_membership(kind, node_id), proposal.on_result, codec.COMMAND_MEMBERSHIP)
+        self.raft.append(codec.encode_membership(kind, node_id), proposal.on_result, codec.COMMAND_MEMBERSHIP)
         self.wake()
         return proposal
 
@@ -370,16 +373,15 @@ class RaftGroup(
 
     @property
     def is_leader(self) -> bool:
-        return bool(self._isLeader())
+        return self.raft.is_leader
 
     @property
     def leader_id(self) -> str | None:
-        leader = self._getLeader()
-        return None if leader is None else str(leader.id)
+        return self.raft.leader_id
 
     @property
     def members(self) -> list[str]:
-        return sorted([self.node_id, *(n.id for n in self.otherNodes)])
+        return sorted([self.node_id, *(n.id for n in self.raft.peers)])
 
     def not_leader_error(self) -> errors.MqdsError:
         leader = self.leader_id
@@ -397,17 +399,17 @@ class RaftGroup(
         """The group's Raft state, read from another thread."""
         for _ in range(10):
             try:
-                raw = self.getStatus()
+                raw = self.raft.status()
                 break
-            except RuntimeError:  # a dict changed size while pysyncobj's thread updated it
+            except RuntimeError:  # a dict changed size while a cycle updated it
                 time.sleep(0.001)
         else:
-            raw = self.getStatus()
-        last = raw["log_len"] and self._SyncObj__raftLog[-1][1]
+            raw = self.raft.status()
+        last = raw["log_len"] and self.raft.last_log_index
         lag = {}
         match = {}
         if self.is_leader:
-            for node in self.otherNodes:
+            for node in self.raft.peers:
                 match[node.id] = raw.get(f"match_idx_server_{node.id}", 0)
                 lag[node.id] = max(0, last - match[node.id])
         return {
@@ -427,11 +429,11 @@ class RaftGroup(
         }
 
     def match_index(self, node_id: str) -> int:
-        return int(self._SyncObj__raftMatchIndex.get(PeerNode(node_id), 0))
+        return self.raft.match_index(node_id)
 
     @property
     def last_log_index(self) -> int:
-        return int(self._SyncObj__raftLog[-1][1])
+        return self.raft.last_log_index
 
     # -- the cycle ---------------------------------------------------------------
 
@@ -469,26 +471,27 @@ class RaftGroup(
             elif kind == _CONNECTED:
                 members = self._members_set()
                 if node_id in members:
-                    self._transport._onNodeConnected(PeerNode(node_id))
+                    self.raft.node_connected(node_id)
             elif kind == _DISCONNECTED:
-                self._transport._onNodeDisconnected(PeerNode(node_id))
+                self.raft.node_disconnected(node_id)
             elif kind == _TRANSFER:
                 self._begin_transfer(node_id, payload)
         self._hold_election()
         self._excuse_own_silence()
         if self.proposals:
             self._log_proposals()
-        self._onTick(0)
+        raft = self.raft
+        raft.tick()
         if self._transfer is not None:
             self._advance_transfer()
-        leader = self._SyncObj__raftLeader
-        if leader is not None and (leader.id != self._seen_leader or self.raftCurrentTerm != self._seen_term):
+        leader = raft.leader_id
+        if leader is not None and (leader != self._seen_leader or raft.term != self._seen_term):
             if self._seen_leader is not None:
                 self.leader_changes += 1
-            self._seen_leader, self._seen_term = leader.id, self.raftCurrentTerm
+            self._seen_leader, self._seen_term = leader, raft.term
         self._serve_reads()
         if self.journal.size_bytes > self.timing.log_max_bytes or self._idle_compaction_due():
-            self.forceLogCompaction()
+            raft.compact()
         current = set(self.members)
         if current != self._members_recorded:
             self.journal.set_members(sorted(current))
@@ -509,7 +512,7 @@ class RaftGroup(
         entries would do.
         """
         last = self.last_log_index
-        if self._role == ROLE_LEADER and any(self.match_index(str(n.id)) < last for n in self.otherNodes):
+        if self._role == ROLE_LEADER and any(self.match_index(str(n.id)) < last for n in self.raft.peers):
             return False
         return self._idle_log.due(last, self.journal.size_bytes, raft_clock())
 
@@ -519,12 +522,13 @@ class RaftGroup(
         # Only now, with this cycle's acknowledgements and append-entries on
         # their way, apply what is committed: a follower's answer to the next
         # batch does not wait for the previous one to reach RocksDB.
-        if self.raftCommitIndex > self.raftLastApplied:
-            SyncObj._SyncObj__applyLogEntries(self)
+        raft = self.raft
+        if raft.commit_index > raft.last_applied:
+            raft.apply_committed()
             self._serve_reads()  # reads that waited for this apply
             if self._transport.outbox or set(self.members) != self._members_recorded:
                 self.wake()  # the next cycle syncs and sends them
-        if self._isLeader() and not self.otherNodes and self.raftCommitIndex < self.last_log_index:
+        if raft.is_leader and not raft.peers and raft.commit_index < raft.last_log_index:
             # Alone in the group: nobody's answer will wake us to commit what
             # was just appended (and synced), so go round again at once.
             self.wake()
@@ -538,17 +542,17 @@ class RaftGroup(
     def _log_proposals(self) -> None:
         """Hand the proposals queued since the last cycle to pysyncobj, batched (group commit)."""
         assert self.proposals is not None
-        if not self._isLeader():
+        if not self.raft.is_leader:
             self.proposals.fail_all(FAIL_REASON.NOT_LEADER)
             return
 
         def log(body: bytes, callback: Callable[[Any, int], None], is_batch: bool) -> None:
-            self._applyCommand(body, callback, codec.COMMAND_BATCH if is_batch else codec.COMMAND_REGULAR)
+            self.raft.append(body, callback, codec.COMMAND_BATCH if is_batch else codec.COMMAND_REGULAR)
 
         self.proposals.drain(log)
 
     def _members_set(self) -> set[str]:
-        return {n.id for n in self.otherNodes}
+        return {n.id for n in self.raft.peers}
 
     def _overtaken(self, node_id: str, message: dict[str, Any], sequence: int) -> bool:
         """Whether an append-entries from ``node_id`` was overtaken by a newer one it sent in the same term.
@@ -592,11 +596,8 @@ class RaftGroup(
                 self._declining.add(node_id)
             else:
                 self._declining.discard(node_id)
-            if message.get("success") and not message.get("reset"):
-                self._ack_without_rewind(PeerNode(node_id), message)
-                return
         try:
-            self._transport._onMessageReceived(PeerNode(node_id), message)
+            self.raft.receive(node_id, message)  # an acknowledgement never rewinds the follower's next index
         finally:
             self._transport.answering_entries = False
         if kind == "append_entries":
@@ -606,7 +607,7 @@ class RaftGroup(
         self._role = new
         if new == ROLE_CANDIDATE:
             self.elections += 1
-        log.info("%s: %s -> %s (term %d)", self.name, ROLE_NAMES[old], ROLE_NAMES[new], self.raftCurrentTerm)
+        log.info("%s: %s -> %s (term %d)", self.name, ROLE_NAMES[old], ROLE_NAMES[new], self.raft.term)
         if self._on_role_change is not None:
             self._on_role_change(self, old, new)
 

@@ -2,7 +2,7 @@
 
 Like hashicorp/raft's ``fsm.go``: :class:`StateMachine` is all a group knows of
 what it replicates, and :class:`CommandApplier` (part of ``RaftGroup``)
-overrides the two pysyncobj methods that read commands, so the log holds
+is what ``RaftCore`` calls to read and apply commands, so the log holds
 bytes, never pickles: ``0x00 + body`` goes to ``machine.apply``, ``0x02 +
 MembershipChange`` changes the members. Applying is made total here: an
 entry whose command fails the same way on every replica is recorded as
@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from pysyncobj import SyncObj
 
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.server.raft import batching, codec
 from mqds.server.raft.clock import now as raft_clock
+
+if TYPE_CHECKING:
+    from mqds.server.raft.pysyncobj_adapter import RaftCore
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +71,14 @@ class StateMachine(Protocol):
         """
 
 
-class CommandApplier(SyncObj):
-    """Part of ``RaftGroup``: parsing and applying commands that are bytes, and how far apply trails the commits."""
+class CommandApplier:
+    """Part of ``RaftGroup``: parsing and applying commands that are bytes, and how far apply trails the commits.
+
+    Its ``apply_entry`` and ``parse_membership`` are the hooks ``RaftCore`` calls (``CoreHooks``).
+    """
 
     name: str
+    raft: RaftCore
     machine: StateMachine
     apply_failures: int
     on_disk_failure: Callable[[BaseException], None] | None
@@ -93,12 +99,12 @@ class CommandApplier(SyncObj):
 
         Cheaper than ``status()``: readiness asks it of every group several times a second.
         """
-        known = max(self._SyncObj__leaderCommitIndex or 0, self.raftCommitIndex)
-        return max(0, int(known) - int(self.raftLastApplied))
+        raft = self.raft
+        return max(0, max(raft.leader_commit_index, raft.commit_index) - raft.last_applied)
 
     def _note_apply_progress(self) -> None:
         """After each cycle: remember when the applied index last moved, or had nothing to catch up."""
-        applied = int(self.raftLastApplied)
+        applied = self.raft.last_applied
         if applied != self._applied_seen or self.catch_up_lag() == 0:
             self._applied_seen = applied
             self._applied_moved_at = raft_clock()
@@ -114,13 +120,14 @@ class CommandApplier(SyncObj):
             return 0.0
         return max(0.0, raft_clock() - self._applied_moved_at)
 
-    def _SyncObj__parseChangeClusterRequest(self, command: bytes) -> tuple[str, str] | None:
+    def parse_membership(self, command: bytes) -> tuple[str, str] | None:
+        """Whether a command is a membership change: ``0x02 + MembershipChange``, never a pickle."""
         if not command or command[0] != codec.COMMAND_MEMBERSHIP:
             return None
         return codec.decode_membership(command[1:])
 
-    def _SyncObj__doApplyCommand(self, command: bytes) -> Any:
-        index = self.raftLastApplied + 1
+    def apply_entry(self, command: bytes, index: int) -> Any:
+        """Apply committed entry ``index``: its result goes to its proposer."""
         kind = command[0]
         if kind == codec.COMMAND_REGULAR:
             return self._apply_regular(command[1:], index)
@@ -130,7 +137,7 @@ class CommandApplier(SyncObj):
         if kind == codec.COMMAND_MEMBERSHIP:
             # After a restart the journal is replayed: apply the change again
             # (a no-op when already in effect).
-            self._SyncObj__doChangeCluster(codec.decode_membership(command[1:]))
+            self.raft.change_cluster(codec.decode_membership(command[1:]))
         if index > self.machine.applied_index:
             self.machine.skip(index)
         return None

@@ -14,19 +14,22 @@ can never serve a stale read. Reads are answered through a
 from __future__ import annotations
 
 import threading
-
-from pysyncobj import SyncObj
+from collections.abc import Callable
 
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.server.raft.futures import PendingRead
+from mqds.server.raft.pysyncobj_adapter import RaftCore
 
 
-class ReadIndex(SyncObj):
+class ReadIndex:
     """Part of ``RaftGroup``: the reads waiting for their read index, and the heartbeat rounds they wait on."""
 
     group: int
     name: str
+    raft: RaftCore
+    wake: Callable[[], None]
+    not_leader_error: Callable[[], errors.MqdsError]
 
     def _init_reads(self) -> None:
         self.echo_round = 0
@@ -43,7 +46,7 @@ class ReadIndex(SyncObj):
         Raises NOT_LEADER or NO_LEADER at once when this replica is not the
         leader; ``wait`` raises them when leadership was lost meanwhile.
         """
-        if not self._isLeader():
+        if not self.raft.is_leader:
             raise self.not_leader_error()
         read = PendingRead(self.group)
         with self._reads_lock:
@@ -64,11 +67,12 @@ class ReadIndex(SyncObj):
             new, self._reads_new = self._reads_new, []
             if not new and not self._reads:
                 return
-        term = self.raftCurrentTerm
+        raft = self.raft
+        term = raft.term
         if term != self._acks_term:
             self._acked_round = {}
             self._acks_term = term
-        if not self.is_leader:
+        if not raft.is_leader:
             for read in new + self._reads:
                 read.error = self.not_leader_error()
                 read.done.set()
@@ -77,14 +81,14 @@ class ReadIndex(SyncObj):
         if new:
             self.echo_round += 1
             for read in new:
-                read.round, read.term, read.read_index = self.echo_round, term, self.raftCommitIndex
+                read.round, read.term, read.read_index = self.echo_round, term, raft.commit_index
             self._reads.extend(new)
             # A heartbeat now, stamped with the new round, instead of waiting
             # for the next period.
-            self._SyncObj__sendAppendEntries()
-        others = [n.id for n in self.otherNodes]
-        noop = self._SyncObj__noopIDx
-        ready_commit = noop is not None and self.raftCommitIndex >= noop
+            raft.send_heartbeats()
+        others = [n.id for n in raft.peers]
+        noop = raft.noop_index
+        ready_commit = noop is not None and raft.commit_index >= noop
         waiting = []
         for read in self._reads:
             if read.term != term:
@@ -92,7 +96,7 @@ class ReadIndex(SyncObj):
                 read.done.set()
                 continue
             acks = 1 + sum(1 for n in others if self._acked_round.get(n, 0) >= read.round)
-            if 2 * acks > len(others) + 1 and ready_commit and self.raftLastApplied >= read.read_index:
+            if 2 * acks > len(others) + 1 and ready_commit and raft.last_applied >= read.read_index:
                 read.done.set()
             else:
                 waiting.append(read)

@@ -11,12 +11,14 @@ wiped one that has not heard a leader yet.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pysyncobj import SyncObj
 
 from mqds.server.raft.clock import now as raft_clock
 from mqds.server.raft.names import PeerNode
+
+if TYPE_CHECKING:
+    from mqds.server.raft.pysyncobj_adapter import RaftCore
 
 
 @dataclass(frozen=True)
@@ -91,10 +93,11 @@ class IdleLog:
         return True
 
 
-class ElectionTimers(SyncObj):
-    """Part of ``RaftGroup``: the thread's sleep, and the election deadline of a replica that must not campaign."""
+class ElectionTimers:
+    """Part of ``RaftGroup``: the group's sleep, and the election deadline of a replica that must not campaign."""
 
     timing: RaftTiming
+    raft: RaftCore
     _retiring: bool
     _heard_leader: bool
     """Whether this replica heard from a leader (or had a journal when it started)."""
@@ -103,8 +106,7 @@ class ElectionTimers(SyncObj):
     _leader_busy_until: float = 0.0
     """Until when the leader is taken to be busy with the entries it sent (``_allow_for_leaders_work``)."""
     _last_tick_at: float = 0.0
-    """When the group's thread last ticked (``_excuse_own_silence``)."""
-    _SyncObj__raftElectionDeadline: float
+    """When the group last ticked (``_excuse_own_silence``)."""
 
     def _init_quiet(self, has_journal: bool, joining: bool) -> None:
         # A replica with an empty journal may be new in a group that has a
@@ -127,16 +129,16 @@ class ElectionTimers(SyncObj):
         pysyncobj's deadline, do not shorten that); the deadline is at least
         one minimum election timeout after it.
         """
-        current = self._SyncObj__raftLeader
-        if self._isLeader() or current is None or current.id != leader:
+        raft = self.raft
+        if raft.is_leader or raft.leader_id != leader:
             return
         now = raft_clock()
         if entry_bytes:
             self._leader_busy_until = max(self._leader_busy_until, now + entry_bytes / self.timing.busy_bytes_per_s)
         if self._leader_busy_until > now:
             deadline = self._leader_busy_until + self.timing.election_timeout_min_s
-            if deadline > self._SyncObj__raftElectionDeadline:
-                self._SyncObj__raftElectionDeadline = deadline
+            if deadline > raft.election_deadline:
+                raft.election_deadline = deadline
 
     def _excuse_own_silence(self) -> None:
         """Before a tick: a leader does not blame its followers for the time its own thread was busy.
@@ -150,9 +152,9 @@ class ElectionTimers(SyncObj):
         now = raft_clock()
         gap = now - self._last_tick_at - self.timing.heartbeat_s
         self._last_tick_at = now
-        if gap <= 0 or not self._isLeader():
+        if gap <= 0 or not self.raft.is_leader:
             return
-        answered = self._SyncObj__lastResponseTime
+        answered = self.raft.last_response_times
         for node, at in answered.items():
             answered[node] = max(at, min(at + gap, now))
 
@@ -169,7 +171,7 @@ class ElectionTimers(SyncObj):
         busy_s = entry_bytes / self.timing.busy_bytes_per_s
         if busy_s < self.timing.heartbeat_s:
             return
-        answered = self._SyncObj__lastResponseTime
+        answered = self.raft.last_response_times
         node = PeerNode(node_id)
         if node in answered:
             # Counted as an answer when its busy time is over (pysyncobj only compares it).
@@ -179,16 +181,17 @@ class ElectionTimers(SyncObj):
         """Before a tick: keep a replica that must not campaign from reaching its election deadline."""
         if self._retiring or self._staying_quiet():
             # Not campaigning: a retiring replica, or a new one that has not heard a leader yet.
-            self._SyncObj__raftElectionDeadline = raft_clock() + self.timing.election_timeout_max_s
+            self.raft.election_deadline = raft_clock() + self.timing.election_timeout_max_s
 
     def sleep_s(self) -> float:
         """How long nothing needs doing unless woken: until the next heartbeat or election deadline."""
         now = raft_clock()
-        if self._isLeader():
-            due = self._SyncObj__newAppendEntriesTime
+        raft = self.raft
+        if raft.is_leader:
+            due = raft.next_heartbeat_at
         else:
-            due = self._SyncObj__raftElectionDeadline
-            if due <= now and self.otherNodes and not self._SyncObj__connectedNodes:
+            due = raft.election_deadline
+            if due <= now and not raft.connected and raft.peers:
                 # Past the deadline, but pysyncobj campaigns only when some
                 # peer is connected, and a link coming up wakes the group. A
                 # node alone with its peers down used to wake every group

@@ -15,19 +15,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pysyncobj import FAIL_REASON, SyncObj
+from pysyncobj import FAIL_REASON
 
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.server.raft.clock import now as raft_clock
+from mqds.server.raft.pysyncobj_adapter import RaftCore
 from mqds.server.raft.timing import RaftTiming
 
 
-class LeadershipTransfer(SyncObj):
+class LeadershipTransfer:
     """Part of ``RaftGroup``: a leadership transfer in progress, and the proposals it holds back."""
 
     name: str
     timing: RaftTiming
+    raft: RaftCore
+    not_leader_error: Callable[[], errors.MqdsError]
+    _members_set: Callable[[], set[str]]
 
     def _init_transfer(self) -> None:
         # A leadership transfer in progress (inside the group's cycle only): the
@@ -40,13 +44,13 @@ class LeadershipTransfer(SyncObj):
         self._declining: set[str] = set()
 
     def _check_accepting(self) -> None:
-        if not self._isLeader():
+        if not self.raft.is_leader:
             raise self.not_leader_error()
         if raft_clock() < self._paused_until:
             raise errors.error(Reason.NO_LEADER, f"{self.name}: leadership is being handed over; retry")
 
     def _begin_transfer(self, node_id: str, callback: Callable[[Any, int], None]) -> None:
-        if not self._isLeader():
+        if not self.raft.is_leader:
             callback(None, FAIL_REASON.NOT_LEADER)
             return
         if node_id and (node_id not in self._members_set() or node_id in self._declining):
@@ -62,14 +66,14 @@ class LeadershipTransfer(SyncObj):
         """Send TimeoutNow once the target has the whole log (after this cycle's appends); give up at the deadline."""
         assert self._transfer is not None
         node_id, callback, deadline = self._transfer
-        if not self._isLeader():
+        if not self.raft.is_leader:
             fail = FAIL_REASON.NOT_LEADER
         elif (target := node_id or self._transfer_target()) is None:
             fail = FAIL_REASON.REQUEST_DENIED  # nobody to hand over to: no point waiting
         else:
             # pysyncobj answers at once: denied unless the target has the whole log.
             answers: list[int] = []
-            self.transferLeadership(target, lambda _, answer: answers.append(answer))
+            self.raft.transfer_leadership(target, lambda _, answer: answers.append(answer))
             fail = answers[0]
             if fail == FAIL_REASON.REQUEST_DENIED and raft_clock() < deadline:
                 return  # not caught up yet: the next cycle looks again
@@ -82,8 +86,9 @@ class LeadershipTransfer(SyncObj):
 
     def _transfer_target(self) -> str | None:
         """The most caught-up connected follower that does not decline leadership."""
-        connected = self._SyncObj__connectedNodes
+        raft = self.raft
+        connected = raft.connected
         candidates = [
-            (self.match_index(n.id), n.id) for n in self.otherNodes if n in connected and n.id not in self._declining
+            (raft.match_index(n.id), n.id) for n in raft.peers if n in connected and n.id not in self._declining
         ]
         return max(candidates)[1] if candidates else None
