@@ -143,12 +143,14 @@ class RaftCore(SyncObj):
 
     Everything a group reads or changes of Raft's state goes through the
     properties and methods below; nothing else names pysyncobj's private
-    fields. Node ids are strings outside, ``PeerNode`` inside. pysyncobj's
-    public ``destroy()`` (journal and transport released) ends it.
+    fields. Arguments name nodes by id; the sets and dicts that are
+    pysyncobj's own (``peers``, ``connected``, ``last_response_times``) hold
+    ``PeerNode``s. pysyncobj's public ``destroy()`` (journal and transport
+    released) ends it.
 
     ``SyncObj.__init__`` reads every attribute of the object (looking for
-    ``@replicated`` methods) before it has set them all: the class defaults
-    below keep those properties readable meanwhile.
+    ``@replicated`` methods) before it has set them all: the class default
+    below keeps ``next_heartbeat_at`` readable meanwhile.
     """
 
     _SyncObj__newAppendEntriesTime = 0.0
