@@ -17,7 +17,6 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.server.raft import batching, codec

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-
 from mqds.server.raft.clock import now as raft_clock
 from mqds.server.raft.names import PeerNode
 
