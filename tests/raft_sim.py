@@ -534,9 +534,7 @@ class Simulation:
         best = max(leaders, key=lambda n: self.group(n, gid).raft.term)
         lead = self.group(best, gid)
         followers = [
-            n
-            for n in nodes
-            if self.group(n, gid).leader_id == best and self.group(n, gid).raft.term == lead.raft.term
+            n for n in nodes if self.group(n, gid).leader_id == best and self.group(n, gid).raft.term == lead.raft.term
         ]
         return best if len(followers) > len(lead.members) // 2 else None
 
