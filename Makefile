@@ -31,7 +31,8 @@ help:
 	@echo "make clean           remove .venv and caches"
 
 $(STAMP): pyproject.toml setup.py client/pyproject.toml client/setup.py server/mqds/server/_wire_native.c \
-         server/mqds/server/storage/_store_native.c client/mqds/client/_wire_columns.c | fuse-libs
+         server/mqds/server/storage/_store_native.c client/mqds/client/_wire_columns.c \
+         client/mqds/client/_store_frames.c | fuse-libs
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ./client -e '.[dev]'

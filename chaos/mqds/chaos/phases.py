@@ -99,6 +99,12 @@ class ChaosRun:
         assert self.cluster is not None
         return self.cluster.client(timeout_s=self.opts.call_timeout_s)
 
+    @property
+    def pipelined_call_timeout_s(self) -> float:
+        """The deadline of a pipelined publisher's calls: long enough for the pipeline to resend through a
+        fault; the drain closes what is left."""
+        return max(self.opts.call_timeout_s, self.opts.drain_timeout_s / 2)
+
     def start_cluster(self, work: Path, network: HookNetwork | NetnsNetwork) -> nem.Env:
         """Start the nodes (raises HarnessError when they do not start); the nemeses' environment."""
         opts = self.opts
@@ -130,7 +136,9 @@ class ChaosRun:
             workload=self.pause,
             compaction_interval_s=opts.raft_compaction_interval_s,
             idle_s=opts.idle_s,
-            pause_timeout_s=2 * opts.call_timeout_s + 10,
+            # A paused worker finishes its unit first: a publisher's batch with a retry (two calls), or a
+            # pipelined publisher's wave, whose calls may each take their whole (longer) deadline.
+            pause_timeout_s=max(2 * opts.call_timeout_s, self.pipelined_call_timeout_s) + 10,
         )
 
     def warm_up(self) -> float:
@@ -164,8 +172,7 @@ class ChaosRun:
                     opts.shards,
                     in_flight=opts.pipeline_in_flight,
                     interval_s=opts.interval_s,
-                    # Long enough for the pipeline to resend through a fault; the drain closes what is left.
-                    call_timeout_s=max(opts.call_timeout_s, opts.drain_timeout_s / 2),
+                    call_timeout_s=self.pipelined_call_timeout_s,
                 )
             )
         if opts.queue_consumers:

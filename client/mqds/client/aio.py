@@ -195,9 +195,11 @@ class Client(AsyncBrokerStateCalls):
         """Queue messages for pipelined storing (awaiting room in the window); a future of the stored messages.
 
         As :meth:`mqds.client.Client.store_async`: ``await`` this to queue
-        the messages, then the future it returns for their acknowledgement.
+        the messages, then the future it returns for their acknowledgement
+        (an ``asyncio.Future`` that is the call itself, one object:
+        :class:`~mqds.client.pipeline_handles.AsyncStoreFuture`).
         """
-        batch = [messages] if isinstance(messages, Message) else list(messages)
+        batch = messages if isinstance(messages, Message) else list(messages)
         deadline = self._deadline(timeout_s)
         try:
             n_shards = await self._n_shards(deadline)

@@ -24,6 +24,7 @@ from mqds.client.follow_sync import FollowMux, Subscription
 from mqds.client.model import Fence, Iterator, Message, NextResult, Rank, Stream
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.pipeline import PipelineLimits, resolve_limits
+from mqds.client.pipeline_handles import StoreFuture
 from mqds.client.pipeline_sync import SyncPipeline
 from mqds.client.replay import GROUP_BYTES, GROUP_DEPTH, WEIGH_BATCH
 from mqds.client.replay import read_ahead as read_ahead_batches
@@ -287,32 +288,34 @@ class Client(BrokerStateCalls, StorageAdminCalls):
         _, failures = self._per_leader_partial(plan.shards, send, deadline)
         return plan.outcome(failures)
 
-    def store_async(
-        self, messages: Message | Iterable[Message], *, timeout_s: float | None = None
-    ) -> futures.Future[list[Message]]:
+    def store_async(self, messages: Message | Iterable[Message], *, timeout_s: float | None = None) -> StoreFuture:
         """Queue messages for pipelined storing; a future of them with ``timestamp_us`` and ``shard`` set.
 
+        The future is a :class:`~mqds.client.pipeline_handles.StoreFuture`:
+        a ``concurrent.futures.Future`` that is the call itself (one object;
+        it makes a lock only for a caller that waits before it is done).
         Messages go to their shards' leaders on one ``StoreStream`` per node,
         coalesced with other calls' into batches. Blocks while the window
         (``max_in_flight_messages``) is full. The future fails with the
         call's error; a call whose messages a node can never store (a bad
         topic) fails alone. Futures of one shard complete in call order.
         Failover (a leader change, a lost node) resends the unacknowledged
-        batches, each stored once, until the call's deadline. See
+        batches, each stored once, until the call's deadline; the future
+        completes by then (DEADLINE_EXCEEDED, or the last error). See
         ``docs/client.md``, "Pipelined writes".
         """
-        batch = [messages] if isinstance(messages, Message) else list(messages)
+        batch = messages if isinstance(messages, Message) else list(messages)
         deadline = self._deadline(timeout_s)
         try:
             n_shards = self._n_shards(deadline)
         except MqdsError as err:
-            failed: futures.Future[list[Message]] = futures.Future()
-            failed.set_exception(err)
-            return failed
-        with self._pipeline_lock:
-            if self._pipeline is None:
-                self._pipeline = SyncPipeline(self._router, self.producer_id, self._sequences, self.pipeline_limits)
-            pipeline = self._pipeline
+            return StoreFuture.failed_with(err)
+        pipeline = self._pipeline
+        if pipeline is None:
+            with self._pipeline_lock:
+                if self._pipeline is None:
+                    self._pipeline = SyncPipeline(self._router, self.producer_id, self._sequences, self.pipeline_limits)
+                pipeline = self._pipeline
         return pipeline.submit(batch, n_shards, deadline)
 
     def pipeline_stats(self) -> dict[str, int]:
@@ -340,7 +343,8 @@ class Client(BrokerStateCalls, StorageAdminCalls):
             return
         waiting = pipeline.pending()
         budget = self.settings.timeout_s if timeout_s is None else timeout_s
-        _, left = futures.wait(waiting, timeout=budget)
+        end = time.monotonic() + budget
+        left = [f for f in waiting if not f.wait(end - time.monotonic())]
         if left:
             raise errors.error(
                 Reason.DEADLINE_EXCEEDED,

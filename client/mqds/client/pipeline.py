@@ -1,12 +1,19 @@
-"""Pipelined writes (``store_async`` / ``publish``): batches, the window, acks and resends; no I/O.
+"""Pipelined writes (``store_async`` / ``publish``): batches, the window, acks, resends, deadlines; no I/O.
 
 Both clients share this bookkeeping; they only run the streams
 (:mod:`mqds.client.pipeline_sync` with threads, :mod:`mqds.client.pipeline_aio`
-with tasks). A :class:`PendingCall` is one ``store_async`` call; its messages
-wait per shard until :meth:`Pipeline.plan` seals them into :class:`Batch` es
-(everything queued for a shard goes out together, up to the batch limits),
-each with a new sequence of the client's counter, and says on which
-``StoreStream`` (one per leader node, a :class:`StreamState`) to send them.
+with tasks). A call (:class:`~mqds.client.pipeline_calls.CallState`: the
+handle the caller holds) waits in its shard's queue until :meth:`Pipeline.plan`
+seals what is queued into :class:`Batch` es (everything queued for a shard
+goes out together, up to the batch limits), each with a new sequence of the
+client's counter, and says on which ``StoreStream`` (one per leader node, a
+:class:`StreamState`) to send them.
+
+What a call costs: the call itself, one object. A call of one message is
+queued as it is (no tuple, no encoded copy); the shard's batch is encoded
+from the messages when it is sealed (:func:`mqds.client.store_frames.store_frame`)
+and its answer sets the call's timestamp. ``plan`` looks only at the shards
+that got something to do (``_ready``), not at every shard for every call.
 
 Rules that keep writes exactly once and in order per shard:
 
@@ -19,23 +26,38 @@ Rules that keep writes exactly once and in order per shard:
   its batches failed there: a resend that cannot be appended restarts the
   node's stream (cancels it and resends everything it had in flight, in
   sequence order, on a new one).
+
+And the rule that settles every call by its deadline: ``check_at`` is never
+later than the earliest deadline of a call not settled, the end of a
+shard's backoff, or the moment a stream with batches in flight has answered
+nothing for ``stall_s``; the transport runs :meth:`Pipeline.plan` then (a
+timer), which fails the calls past their deadlines, wherever they wait
+(queued, sealed, sent), and gives up a stalled stream: its batches go to
+the shards' leaders again, as after a broken stream.
 """
 
 from __future__ import annotations
 
-import heapq
+import math
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from mqds.client.pipeline_calls import PendingCall, PipelineLimits, check_message, check_messages, resolve_limits
+from mqds.client import store_frames
+from mqds.client.pipeline_calls import (
+    CallState,
+    PendingCall,
+    PipelineLimits,
+    check_message,
+    check_messages,
+    resolve_limits,
+)
 from mqds.client.retry import Backoff
 from mqds.client.routing_table import RoutingTable
 from mqds.protocol import errors
 from mqds.protocol.errors import BUSY, MqdsError, Reason
-from mqds.protocol.wire import encode_message, store_stream_frame
-from mqds.v1 import storage_pb2 as pb
 
 __all__ = [
     "Batch",
@@ -52,22 +74,32 @@ __all__ = [
 _REDIRECTS = (Reason.NOT_LEADER, Reason.NOT_HOSTED)
 # Per-message framing in a request, on top of the message's own size.
 _FRAME_BYTES = 16
+_NOTHING: tuple[CallState, ...] = ()
+
+Entry = Any
+"""A queued or sealed message: a one-message call itself, or ``(call, index)`` for a call of several."""
 
 
-@dataclass(eq=False)
+def _call_of(entry: Entry) -> CallState:
+    return entry[0] if type(entry) is tuple else entry
+
+
 class Batch:
-    """One shard's batch on a stream: its sequence, messages, and which call each message belongs to."""
+    """One shard's batch on a stream: its sequence, its entries (one per message, in order), its frame."""
 
-    shard: int
-    sequence: int
-    entries: list[tuple[PendingCall, int]]
-    request: bytes
-    """The encoded ``StoreStreamRequest`` (see :func:`mqds.protocol.wire.store_stream_frame`)."""
-    stream: StreamState | None = None
+    __slots__ = ("entries", "request", "sequence", "shard", "stream")
+
+    def __init__(self, shard: int, sequence: int, entries: list[Entry], request: bytes) -> None:
+        self.shard = shard
+        self.sequence = sequence
+        self.entries = entries
+        self.request = request
+        """The encoded ``StoreStreamRequest`` (see :func:`mqds.client.store_frames.store_frame`)."""
+        self.stream: StreamState | None = None
 
     @property
     def settled(self) -> bool:
-        return all(call.done for call, _ in self.entries)
+        return all(_call_of(e).settled for e in self.entries)
 
 
 @dataclass(eq=False)
@@ -81,6 +113,8 @@ class StreamState:
     closed: bool = False
     handle: object = None
     """The transport's call object."""
+    waiting_since: float = 0.0
+    """When the stream last answered, or got its first batch in flight after answering all it had."""
 
 
 @dataclass
@@ -90,16 +124,19 @@ class Plan:
     opened: list[StreamState] = field(default_factory=list)
     cancelled: list[StreamState] = field(default_factory=list)
     sends: list[tuple[StreamState, Batch]] = field(default_factory=list)
-    settled: list[PendingCall] = field(default_factory=list)
+    settled: list[CallState] = field(default_factory=list)
     refresh_map: bool = False
     wake_at: float | None = None
 
 
 class _Shard:
+    __slots__ = ("backoff", "batches", "delays", "earliest", "not_before", "queued")
+
     def __init__(self, backoff: Backoff) -> None:
-        self.queued: deque[tuple[PendingCall, int, bytes, int]] = deque()
+        self.queued: deque[Entry] = deque()
         self.batches: deque[Batch] = deque()  # sealed, not acknowledged, in sequence order
         self.not_before = 0.0
+        self.earliest = math.inf  # no later than the earliest deadline of a call queued or in a batch here
         self.backoff = backoff
         self.delays: Iterator[float] = backoff.delays()
 
@@ -128,8 +165,12 @@ class Pipeline:
         self.unsettled_messages = 0
         self.stats = {"calls": 0, "batches": 0, "messages": 0}
         """Calls taken, and batches (with their messages) built from them; resends not counted."""
-        self._deadlines: list[tuple[float, int, PendingCall]] = []
+        self.check_at = math.inf
+        """No later than the next moment :meth:`plan` has timed work: a deadline, a backoff's end, a stall."""
+        self._ready: dict[int, _Shard] = {}
         self._refresh = False
+        self._stalled: dict[str, float] = {}
+        """Addresses whose stream stalled, avoided until then while their shards' leaders are unknown."""
 
     # -- calls -----------------------------------------------------------------
 
@@ -137,42 +178,77 @@ class Pipeline:
         """Whether a call of ``count`` messages fits the window now (one larger than it fits an empty one)."""
         return self.unsettled_messages == 0 or self.unsettled_messages + count <= self.limits.max_in_flight_messages
 
-    def add(self, call: PendingCall) -> list[PendingCall]:
+    @property
+    def has_work(self) -> bool:
+        """Some shard has something to seal or send (the transport calls :meth:`plan` then)."""
+        return bool(self._ready)
+
+    def _shard(self, shard: int) -> _Shard:
+        state = self.shards.get(shard)
+        if state is None:
+            state = self.shards[shard] = _Shard(self.backoff)
+        return state
+
+    def add(self, call: CallState) -> Sequence[CallState]:
         """Queue a call's messages per shard (not those it refused); the calls settled at once (nothing to send)."""
         self.stats["calls"] += 1
         if not call.parts_left:
-            call.done = True
+            call.settled = True
             return [call]
+        deadline = call.deadline
+        if deadline < self.check_at:
+            self.check_at = deadline
+        if call.messages is None:  # one message: the call is its own entry
+            self.unsettled_messages += 1
+            shard = call.shard
+            state = self.shards.get(shard) or self._shard(shard)
+            state.queued.append(call)
+            if deadline < state.earliest:
+                state.earliest = deadline
+            if len(state.batches) < self.limits.max_batches_per_shard:
+                self._ready[shard] = state
+            return _NOTHING
         self.unsettled_messages += len(call.messages)
-        heapq.heappush(self._deadlines, (call.deadline, call.id, call))
-        shards = self.shards
         refused = call.failed
-        for index, (m, shard) in enumerate(zip(call.messages, call.shards, strict=True)):
+        assert call.shards is not None
+        for index, shard in enumerate(call.shards):
             if refused and index in refused:
                 continue
-            encoded = encode_message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties)
-            state = shards.get(shard) or shards.setdefault(shard, _Shard(self.backoff))
-            state.queued.append((call, index, encoded, len(encoded) + _FRAME_BYTES))
-        return []
+            state = self._shard(shard)
+            state.queued.append((call, index))
+            if deadline < state.earliest:
+                state.earliest = deadline
+            self._ready[shard] = state
+        return _NOTHING
 
-    def unsettled(self) -> list[object]:
-        """The transport handles (futures) of every call taken and not settled yet (``flush`` waits for them)."""
-        return [call.handle for _, _, call in self._deadlines if not call.done]
+    def unsettled(self) -> list[CallState]:
+        """Every call taken and not settled yet, once each (``flush`` waits for them)."""
+        seen: dict[int, CallState] = {}
+        for state in self.shards.values():
+            for entry in state.queued:
+                call = _call_of(entry)
+                if not call.settled:
+                    seen.setdefault(id(call), call)
+            for batch in state.batches:
+                for entry in batch.entries:
+                    call = _call_of(entry)
+                    if not call.settled:
+                        seen.setdefault(id(call), call)
+        return list(seen.values())
 
-    def _settle(self, call: PendingCall, out: list[PendingCall]) -> None:
-        call.done = True
-        self.unsettled_messages -= len(call.messages)
+    def _settle(self, call: CallState, out: list[CallState]) -> None:
+        call.settled = True
+        self.unsettled_messages -= call.count
         out.append(call)
 
-    def close(self, err: MqdsError) -> list[PendingCall]:
+    def close(self, err: MqdsError) -> list[CallState]:
         """Fail every call not settled yet with ``err``; the streams to cancel are ``self.streams``."""
-        out: list[PendingCall] = []
-        for _, _, call in self._deadlines:
-            if not call.done:
-                call.fail(err)
-                self._settle(call, out)
-        self._deadlines.clear()
+        out: list[CallState] = []
+        for call in self.unsettled():
+            call.fail(err)
+            self._settle(call, out)
         self.shards.clear()
+        self._ready.clear()
         for stream in self.streams.values():
             stream.closed = True
         return out
@@ -180,95 +256,163 @@ class Pipeline:
     # -- planning --------------------------------------------------------------
 
     def plan(self, now: float | None = None) -> Plan:
-        """Expire calls past their deadline, seal queued messages into batches, and say where to send them."""
+        """Do what is due: expire calls past their deadline, give up stalled streams, seal the ready shards'
+        queued messages into batches, and say where to send them."""
         now = time.monotonic() if now is None else now
-        plan = Plan(refresh_map=self._refresh)
-        self._refresh = False
-        self._expire(now, plan.settled)
-        for shard, state in self.shards.items():
-            if state.not_before <= now:
-                self._seal(shard, state)
+        plan = Plan()
+        if now >= self.check_at:
+            self._timed(now, plan)
+        ready, self._ready = self._ready, {}
+        waiting: list[_Shard] = []
+        for shard, state in ready.items():
+            if state.not_before > now:
+                waiting.append(state)
+                continue
+            self._seal(shard, state)
         while True:
-            sends = self._ready(now)
+            sends = self._unsent(ready, now)
             stuck = [a for a, batches in sends.items() if not self._appendable(self.streams.get(a), batches)]
             if not stuck:
                 break
             for address in stuck:  # restart: resend everything it had in flight on a new stream
                 old = self.streams.pop(address)
                 plan.cancelled.append(old)
-                self._requeue_stream(old)
+                for shard in self._requeue_stream(old):
+                    ready[shard] = self.shards[shard]
         for address, batches in sends.items():
             stream = self.streams.get(address)
             if stream is None:
                 stream = self.streams[address] = StreamState(address)
                 plan.opened.append(stream)
+            if not stream.in_flight:
+                stream.waiting_since = now
+                self.check_at = min(self.check_at, now + self.limits.stall_s)
             for batch in batches:
                 batch.stream = stream
                 stream.in_flight[batch.sequence] = batch
                 stream.last_sequence = batch.sequence
                 plan.sends.append((stream, batch))
-        waits = [s.not_before for s in self.shards.values() if s.not_before > now and (s.batches or s.queued)]
-        while self._deadlines and self._deadlines[0][2].done:
-            heapq.heappop(self._deadlines)
-        if self._deadlines:
-            waits.append(self._deadlines[0][0])
-        plan.wake_at = min(waits) if waits else None
+        for state in waiting:
+            self.check_at = min(self.check_at, state.not_before)
+        plan.refresh_map, self._refresh = self._refresh, False
+        plan.wake_at = self.check_at if self.check_at < math.inf else None
         return plan
 
-    def _expire(self, now: float, out: list[PendingCall]) -> None:
-        while self._deadlines and (self._deadlines[0][0] <= now or self._deadlines[0][2].done):
-            _, _, call = heapq.heappop(self._deadlines)
-            if not call.done:
-                call.fail(call.last_error or errors.error(Reason.DEADLINE_EXCEEDED, "not acknowledged in time"))
-                self._settle(call, out)
+    def _timed(self, now: float, plan: Plan) -> None:
+        """Expire calls past their deadlines, end backoffs, give up stalled streams; then ``check_at`` anew."""
+        out = plan.settled
+        for address, stream in list(self.streams.items()):
+            if stream.in_flight and now - stream.waiting_since >= self.limits.stall_s:
+                plan.cancelled.append(stream)
+                self._stalled[address] = now + self.limits.stall_s
+                err = errors.error(
+                    Reason.UNAVAILABLE,
+                    f"no answer from {address} in {now - stream.waiting_since:.1f} s (stall_s "
+                    f"{self.limits.stall_s:g}): the stream was given up and its batches resent",
+                )
+                out.extend(self.stream_ended(stream, err, now))
+        next_at = math.inf
+        for shard, state in list(self.shards.items()):
+            if state.earliest <= now:
+                self._expire(state, now, out)
+            if not (state.queued or state.batches):
+                if state.not_before <= now:
+                    del self.shards[shard]  # idle: a shard that gets calls again starts afresh
+                    self._ready.pop(shard, None)
+                    continue
+            elif state.not_before <= now:
+                self._ready[shard] = state
+            else:
+                next_at = min(next_at, state.not_before)
+            next_at = min(next_at, state.earliest)
+        for address, until in list(self._stalled.items()):
+            if until <= now:
+                del self._stalled[address]
+        stall_s = self.limits.stall_s
+        for stream in self.streams.values():
+            if stream.in_flight:
+                next_at = min(next_at, stream.waiting_since + stall_s)
+        self.check_at = next_at
+
+    def _expire(self, state: _Shard, now: float, out: list[CallState]) -> None:
+        earliest = math.inf
+        for entries in (state.queued, *(b.entries for b in state.batches)):
+            for entry in entries:
+                call = _call_of(entry)
+                if call.settled:
+                    continue
+                if call.deadline <= now:
+                    call.fail(call.last_error or errors.error(Reason.DEADLINE_EXCEEDED, "not acknowledged in time"))
+                    self._settle(call, out)
+                elif call.deadline < earliest:
+                    earliest = call.deadline
+        state.earliest = earliest
 
     def _seal(self, shard: int, state: _Shard) -> None:
         limits = self.limits
-        while state.queued and len(state.batches) < limits.max_batches_per_shard:
-            entries: list[tuple[PendingCall, int]] = []
-            messages: list[bytes] = []
+        queued = state.queued
+        while queued and len(state.batches) < limits.max_batches_per_shard:
+            entries: list[Entry] = []
+            messages: list[Any] = []
             size = 0
-            while state.queued and len(messages) < limits.max_batch_messages:
-                call, index, encoded, nbytes = state.queued[0]
-                if messages and size + nbytes > limits.max_batch_bytes:
+            while queued and len(entries) < limits.max_batch_messages:
+                entry = queued[0]
+                if type(entry) is tuple:
+                    call, index = entry
+                    m = call.messages[index]
+                    nbytes = store_frames.message_size(index, m) + _FRAME_BYTES
+                else:
+                    call = entry
+                    m = call.message
+                    nbytes = call.nbytes + _FRAME_BYTES
+                if entries and size + nbytes > limits.max_batch_bytes:
                     break
-                state.queued.popleft()
-                if call.done:
+                queued.popleft()
+                if call.settled:
                     continue
-                entries.append((call, index))
-                messages.append(encoded)
+                entries.append(entry)
+                messages.append(m)
                 size += nbytes
             if not entries:
                 continue
             sequence = next(self.sequences)
             self.stats["batches"] += 1
             self.stats["messages"] += len(messages)
-            for call, _ in entries:
-                call.sequence = call.sequence or sequence
-            request = store_stream_frame(messages, self.producer_id, sequence)
+            for entry in entries:
+                if type(entry) is tuple and not entry[0].sequence:
+                    entry[0].sequence = sequence
+            request = store_frames.store_frame(messages, self.producer_id, sequence)
             state.batches.append(Batch(shard, sequence, entries, request))
 
-    def _ready(self, now: float) -> dict[str, list[Batch]]:
-        """The unsent batches of every shard that may send now, by the address they go to, in sequence order."""
+    def _unsent(self, ready: dict[int, _Shard], now: float) -> dict[str, list[Batch]]:
+        """The unsent batches of the ready shards that may send now, by the address they go to, in sequence order."""
         sends: dict[str, list[Batch]] = {}
-        for shard, state in self.shards.items():
-            if state.not_before > now:
+        for shard, state in ready.items():
+            if state.not_before > now or not state.batches:
+                continue
+            if state.batches[-1].stream is not None:  # all sent (the common case)
                 continue
             # Drop unsent batches whose calls all settled (their deadline passed).
-            kept = deque(b for b in state.batches if b.stream is not None or not b.settled)
-            state.batches = kept
-            unsent = [b for b in kept if b.stream is None]
+            state.batches = deque(b for b in state.batches if b.stream is not None or not b.settled)
+            unsent = [b for b in state.batches if b.stream is None]
             if not unsent:
                 continue
             sticky = state.stream()
-            address = sticky.address if sticky is not None else self._route(shard)
+            address = sticky.address if sticky is not None else self._route(shard, now)
             sends.setdefault(address, []).extend(unsent)
         for batches in sends.values():
-            batches.sort(key=lambda b: b.sequence)
+            if len(batches) > 1:
+                batches.sort(key=lambda b: b.sequence)
         return sends
 
-    def _route(self, shard: int) -> str:
-        return self.table.leader_of(shard) or self.table.known_addresses()[0]
+    def _route(self, shard: int, now: float) -> str:
+        address = self.table.leader_of(shard) or self.table.known_addresses()[0]
+        if self._stalled and self._stalled.get(address, 0.0) > now:
+            # Its stream stalled lately and no leader is known yet: another replica answers with a hint.
+            others = [a for a in self.table.replica_addresses(shard) if self._stalled.get(a, 0.0) <= now]
+            if others:
+                return others[shard % len(others)]
+        return address
 
     @staticmethod
     def _appendable(stream: StreamState | None, batches: list[Batch]) -> bool:
@@ -276,11 +420,15 @@ class Pipeline:
             return True
         return batches[0].sequence > stream.last_sequence and not any(b.shard in stream.poisoned for b in batches)
 
-    def _requeue_stream(self, stream: StreamState) -> None:
+    def _requeue_stream(self, stream: StreamState) -> set[int]:
+        """Take back what ``stream`` had in flight (to be sent again); the shards it belonged to."""
         stream.closed = True
+        shards = set()
         for batch in stream.in_flight.values():
             batch.stream = None
+            shards.add(batch.shard)
         stream.in_flight.clear()
+        return shards
 
     def _requeue_shard(self, stream: StreamState, shard: int) -> None:
         for batch in self.shards[shard].batches:
@@ -290,85 +438,136 @@ class Pipeline:
 
     # -- answers ---------------------------------------------------------------
 
-    def acked(self, stream: StreamState, response: pb.StoreStreamResponse) -> list[PendingCall]:
-        """A batch's answer on ``stream``; the calls it settled. Answers of batches moved elsewhere are ignored."""
-        out: list[PendingCall] = []
-        batch = stream.in_flight.pop(response.sequence, None) if not stream.closed else None
+    def acked(self, stream: StreamState, response: Any) -> Sequence[CallState]:
+        """A batch's answer on ``stream`` (a ``StoreStreamResponse``, or ``(sequence, timestamps)`` for one that
+        stored every message); the calls it settled. Answers of batches moved elsewhere are ignored."""
+        plain = type(response) is tuple
+        sequence = response[0] if plain else response.sequence
+        batch = stream.in_flight.pop(sequence, None) if not stream.closed else None
         if batch is None:
-            return out
-        result = response.result
-        failure = next((f for f in result.failures if f.shard == batch.shard), None)
-        if failure is not None or len(result.positions) != len(batch.entries):
-            err = (
-                errors.from_failure(failure)
-                if failure is not None
-                else errors.error(Reason.INTERNAL, "the node answered a batch with the wrong number of positions")
-            )
-            self._batch_failed(stream, batch, err, out)
-            return out
+            return []
+        if stream.in_flight:
+            stream.waiting_since = time.monotonic()
+        entries = batch.entries
+        if plain:
+            timestamps = response[1]
+            if len(timestamps) != len(entries):
+                return self._wrong_count(stream, batch)
+            shard = batch.shard
+            result = None
+        else:
+            result = response.result
+            failure = next((f for f in result.failures if f.shard == batch.shard), None)
+            if failure is not None:
+                out: list[CallState] = []
+                self._batch_failed(stream, batch, errors.from_failure(failure), out)
+                return out
+            if len(result.positions) != len(entries):
+                return self._wrong_count(stream, batch)
         state = self.shards[batch.shard]
         if state.batches and state.batches[0] is batch:
             state.batches.popleft()
         else:
             state.batches.remove(batch)
         state.delays = state.backoff.delays()
-        entries = batch.entries
-        for (call, index), position in zip(entries, result.positions, strict=True):
-            call.positions[index] = (position.timestamp_us, position.shard)
+        if state.queued or (state.batches and state.batches[-1].stream is None):
+            self._ready[batch.shard] = state
+        if plain:
+            out = []
+            for entry, ts in zip(entries, timestamps, strict=True):
+                if type(entry) is tuple:
+                    call, index = entry
+                    call.positions[index] = (ts, shard)
+                else:
+                    entry.timestamp_us = ts
+            return self._parts_done(batch, out)
+        assert result is not None
+        for entry, position in zip(entries, result.positions, strict=True):
+            if type(entry) is tuple:
+                call, index = entry
+                call.positions[index] = (position.timestamp_us, position.shard)
+            else:
+                entry.timestamp_us = position.timestamp_us
         # Messages the node refused alone (the rest of the batch is stored): each fails its own call.
         for refused in result.message_failures:
             if refused.index < len(entries):
-                call, index = entries[refused.index]
-                call.positions[index] = None
-                call.failed[index] = errors.from_message_failure(refused, f"message {index}")
-        self._parts_done(batch, out)
+                entry = entries[refused.index]
+                if type(entry) is tuple:
+                    call, index = entry
+                    call.positions[index] = None
+                    call.failed[index] = errors.from_message_failure(refused, f"message {index}")
+                elif not entry.settled:
+                    entry.timestamp_us = 0
+                    entry.error = errors.from_message_failure(refused, "message 0")
+        return self._parts_done(batch, [])
+
+    def _wrong_count(self, stream: StreamState, batch: Batch) -> list[CallState]:
+        out: list[CallState] = []
+        err = errors.error(Reason.INTERNAL, "the node answered a batch with the wrong number of positions")
+        self._batch_failed(stream, batch, err, out)
         return out
 
-    def _parts_done(self, batch: Batch, out: list[PendingCall]) -> None:
+    def _parts_done(self, batch: Batch, out: list[CallState]) -> list[CallState]:
         """Settle, in call order, the calls whose part on ``batch``'s shard this batch completed."""
         checked: set[int] = set()
-        for call, _ in batch.entries:
-            if call.done:
+        for entry in batch.entries:
+            if type(entry) is not tuple:  # the common case: a one-message call, answered
+                if not entry.settled:
+                    entry.parts_left = 0
+                    entry.settled = True
+                    self.unsettled_messages -= 1
+                    out.append(entry)
                 continue
-            if len(call.messages) == 1:  # the common case: its one message is answered
-                call.parts_left = 0
+            call = entry[0]
+            if call.settled or id(call) in checked:
+                continue
+            checked.add(id(call))
+            positions, failed = call.positions, call.failed
+            if (
+                all(positions[i] is not None or i in failed for i, s in enumerate(call.shards) if s == batch.shard)
+                and call.part_settled()
+            ):
                 self._settle(call, out)
-            elif call.id not in checked:
-                checked.add(call.id)
-                positions, failed = call.positions, call.failed
-                if (
-                    all(positions[i] is not None or i in failed for i, s in enumerate(call.shards) if s == batch.shard)
-                    and call.part_settled()
-                ):
-                    self._settle(call, out)
+        return out
 
-    def _batch_failed(self, stream: StreamState, batch: Batch, err: MqdsError, out: list[PendingCall]) -> None:
+    def _batch_failed(self, stream: StreamState, batch: Batch, err: MqdsError, out: list[CallState]) -> None:
         stream.poisoned.add(batch.shard)
         self._requeue_shard(stream, batch.shard)
         batch.stream = None
+        self._ready[batch.shard] = self.shards[batch.shard]
         if err.retriable:
-            for call, _ in batch.entries:
-                call.last_error = err
+            for entry in batch.entries:
+                _call_of(entry).last_error = err
             self._retry_later(batch.shard, err)
             return
         self.shards[batch.shard].batches.remove(batch)
-        for call, index in batch.entries:
-            call.failed[index] = err
+        self._fail_entries(batch, err)
         self._parts_done(batch, out)
 
-    def _retry_later(self, shard: int, err: MqdsError) -> None:
+    @staticmethod
+    def _fail_entries(batch: Batch, err: MqdsError) -> None:
+        for entry in batch.entries:
+            if type(entry) is tuple:
+                call, index = entry
+                call.failed[index] = err
+            elif not entry.settled:
+                entry.error = err
+
+    def _retry_later(self, shard: int, err: MqdsError, now: float | None = None) -> None:
         state = self.shards[shard]
+        self._ready[shard] = state
         if err.reason in _REDIRECTS and self.table.learn(err, shard):
             return  # the hinted leader, at once
         if err.reason not in BUSY and err.reason is not Reason.STREAM_IDLE:
             self.table.forget_leader(shard)
             self._refresh = True
         if err.reason is not Reason.STREAM_IDLE:
-            state.not_before = time.monotonic() + next(state.delays)
+            state.not_before = (time.monotonic() if now is None else now) + next(state.delays)
+            self.check_at = min(self.check_at, state.not_before)
 
-    def stream_ended(self, stream: StreamState, err: MqdsError | None) -> list[PendingCall]:
+    def stream_ended(self, stream: StreamState, err: MqdsError | None, now: float | None = None) -> list[CallState]:
         """``stream`` ended (``err`` None: closed by the node without a status); the calls that settles."""
-        out: list[PendingCall] = []
+        out: list[CallState] = []
         if stream.closed:
             return out
         if self.streams.get(stream.address) is stream:
@@ -378,16 +577,15 @@ class Pipeline:
         if not batches:
             return out
         err = err or errors.error(Reason.UNAVAILABLE, f"the node at {stream.address} ended the stream")
-        for shard in sorted({b.shard for b in batches}):
-            if err.retriable:
-                for batch in batches:
-                    for call, _ in batch.entries:
-                        call.last_error = err
-                self._retry_later(shard, err)
-        if not err.retriable:
+        if err.retriable:
             for batch in batches:
-                self.shards[batch.shard].batches.remove(batch)
-                for call, index in batch.entries:
-                    call.failed[index] = err
-                self._parts_done(batch, out)
+                for entry in batch.entries:
+                    _call_of(entry).last_error = err
+            for shard in sorted({b.shard for b in batches}):
+                self._retry_later(shard, err, now)
+            return out
+        for batch in batches:
+            self.shards[batch.shard].batches.remove(batch)
+            self._fail_entries(batch, err)
+            self._parts_done(batch, out)
         return out

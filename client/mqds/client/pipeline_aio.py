@@ -1,10 +1,14 @@
 """The asyncio client's pipelined writes: one ``grpc.aio`` StoreStream per leader node, run with tasks.
 
 :class:`AsyncPipeline` runs the rules of :mod:`mqds.client.pipeline` on the
-event loop: callers queue calls (awaiting room in the window), one pump task
-seals batches, opens, cancels and feeds the streams and completes the
-futures in the order the calls settled; each stream has a writer task (so a
-node that stops reading slows the writer, never the loop) and a reader task.
+event loop: callers queue calls (awaiting room in the window); the calls
+queued during one pass of the loop are sealed and sent once, by a callback
+scheduled with ``call_soon`` when the first of them finds its shard with
+room; a stream's reader task takes an answer, completes its calls' futures
+(in the order they settled) and sends what queued meanwhile. A timer
+(``call_at``) runs the pipeline at its ``check_at``: a deadline, the end of a
+backoff, a stalled stream. Each stream has a writer task (so a node that
+stops reading slows the writer, never the loop) and a reader task.
 """
 
 from __future__ import annotations
@@ -12,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,11 +25,11 @@ import grpc
 
 from mqds.client.aio_routing import AsyncRouter
 from mqds.client.model import Message
-from mqds.client.pipeline import PendingCall, Pipeline, PipelineLimits, Plan, StreamState, check_messages
-from mqds.client.pipeline_calls import closed_error, open_failed, read_failed, resolve, store_stream
+from mqds.client.pipeline import Pipeline, PipelineLimits, Plan, StreamState
+from mqds.client.pipeline_calls import CallState, closed_error, open_failed, read_failed, store_stream
+from mqds.client.pipeline_handles import AsyncStoreFuture, publish_async
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
-from mqds.v1 import storage_pb2 as pb
 
 __all__ = ["AsyncPipeline"]
 
@@ -64,6 +68,8 @@ class _Stream:
         except Exception as unexpected:  # never leave the calls waiting
             log.exception("store stream to %s failed", self.state.address)
             err = read_failed(unexpected)
+            self.call.cancel()
+        self.requests.put_nowait(None)
         self.owner.on_end(self.state, err)
 
     def send(self, request: bytes) -> None:
@@ -82,89 +88,93 @@ class AsyncPipeline:
     ) -> None:
         self.router = router
         self.core = Pipeline(router.table, producer_id, sequences, limits, router.backoff)
-        self._dirty = asyncio.Event()
-        self._room = asyncio.Condition()
+        self._room_waiters: list[asyncio.Future[None]] = []  # callers waiting for room in the window
         self._closed = False
         self._refreshing = False
-        self._settled: deque[PendingCall] = deque()
-        self._pump: asyncio.Task[None] | None = None
+        self._flush_soon = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
         self._streams: list[_Stream] = []
         self._refresh_task: asyncio.Future[None] | None = None
 
-    def pending(self) -> list[asyncio.Future[list[Message]]]:
+    def pending(self) -> list[AsyncStoreFuture]:
         """The futures of every call submitted so far that is not complete yet."""
-        handles = [call.handle for call in self._settled] + self.core.unsettled()
-        return [f for f in handles if isinstance(f, asyncio.Future) and not f.done()]
+        return [c for c in self.core.unsettled() if isinstance(c, AsyncStoreFuture) and not c.done()]
 
-    async def submit(
-        self, messages: Sequence[Message], n_shards: int, deadline: float
-    ) -> asyncio.Future[list[Message]]:
+    async def submit(self, messages: Message | Sequence[Message], n_shards: int, deadline: float) -> AsyncStoreFuture:
         """Queue a call (awaiting room in the window until its deadline); its future."""
-        future: asyncio.Future[list[Message]] = asyncio.get_running_loop().create_future()
-        refused = check_messages(messages)
-        if refused and len(refused) == len(messages):  # nothing to send: the first one's error
-            future.set_exception(refused[0])
-            return future
-        call = PendingCall(messages, n_shards, deadline, refused)
-        call.handle = future
-        if not self._closed and not self.core.has_room(len(call.messages)):
-            try:
-                async with self._room:
-                    await asyncio.wait_for(
-                        self._room.wait_for(lambda: self._closed or self.core.has_room(len(call.messages))),
-                        max(0.0, deadline - time.monotonic()),
-                    )
-            except TimeoutError:
-                future.set_exception(
-                    errors.error(Reason.DEADLINE_EXCEEDED, "no room in the write window before the deadline")
-                )
-                return future
+        loop = asyncio.get_running_loop()
+        call = AsyncStoreFuture.create(loop, messages, n_shards, deadline)
+        core = self.core
+        if not self._closed and not core.has_room(call.count):
+            await self._wait_for_room(call)
+        if call.settled:  # no room before its deadline
+            publish_async((call,))
+            return call
         if self._closed:
-            future.set_exception(closed_error())
-            return future
-        self._settled.extend(self.core.add(call))
-        self._dirty.set()
-        if self._pump is None:
-            self._pump = asyncio.ensure_future(self._run())
-        return future
+            call.fail(closed_error())
+            publish_async((call,))
+            return call
+        settled = core.add(call)
+        if settled:  # refused: its messages are bad
+            publish_async(settled)
+        if core.has_work and not self._flush_soon:
+            self._flush_soon = True
+            loop.call_soon(self._flush)
+        if core.check_at < self._timer_at:
+            self._arm_timer(loop)
+        return call
+
+    async def _wait_for_room(self, call: AsyncStoreFuture) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed and not self.core.has_room(call.count):
+            remaining = call.deadline - time.monotonic()
+            if remaining <= 0:
+                call.fail(errors.error(Reason.DEADLINE_EXCEEDED, "no room in the write window before the deadline"))
+                return
+            room: asyncio.Future[None] = loop.create_future()
+            self._room_waiters.append(room)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(room, remaining)
 
     # -- events from the streams ---------------------------------------------------
 
-    def on_response(self, state: StreamState, response: pb.StoreStreamResponse) -> None:
-        self._settled.extend(self.core.acked(state, response))
-        self._dirty.set()
+    def on_response(self, state: StreamState, response: Any) -> None:
+        settled = self.core.acked(state, response)
+        if self.core.has_work:
+            self._run(self.core.plan())
+        self._settled(settled)
 
     def on_end(self, state: StreamState, err: MqdsError | None) -> None:
         if not self._closed:
-            self._settled.extend(self.core.stream_ended(state, err))
-            self._dirty.set()
+            settled = self.core.stream_ended(state, err)
+            if self.core.has_work:
+                self._run(self.core.plan())
+            self._settled(settled)
+            if self.core.check_at < self._timer_at:
+                self._arm_timer(asyncio.get_running_loop())
 
-    # -- the pump ------------------------------------------------------------------
+    # -- planning --------------------------------------------------------------------
 
-    async def _run(self) -> None:
-        wake_at: float | None = None
-        while not self._closed:
-            timeout = None if wake_at is None else max(0.0, wake_at - time.monotonic())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._dirty.wait(), timeout)
-            if self._closed:
-                return
-            self._dirty.clear()
-            plan = self.core.plan()
-            wake_at = plan.wake_at
-            self._execute(plan)
-            settled = list(self._settled) + plan.settled
-            self._settled.clear()
-            for call in settled:
-                resolve(call)
-            if settled:
-                async with self._room:
-                    self._room.notify_all()
-            if plan.refresh_map and not self._refreshing:
-                self._refreshing = True
-                self._refresh_task = asyncio.ensure_future(self._refresh())
+    def _flush(self) -> None:
+        self._flush_soon = False
+        if not self._closed and self.core.has_work:
+            self._run(self.core.plan())
 
-    def _execute(self, plan: Plan) -> None:
+    def _on_timer(self) -> None:
+        self._timer, self._timer_at = None, math.inf
+        if self._closed:
+            return
+        self._run(self.core.plan())
+
+    def _arm_timer(self, loop: asyncio.AbstractEventLoop) -> None:
+        at = self.core.check_at
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = loop.call_later(max(0.0, at - time.monotonic()), self._on_timer) if at < math.inf else None
+
+    def _run(self, plan: Plan) -> None:
         for state in plan.cancelled:
             if isinstance(state.handle, _Stream):
                 state.handle.cancel()
@@ -172,7 +182,7 @@ class AsyncPipeline:
             try:
                 stream = _Stream(self, state)
             except Exception as err:  # a closed channel: end the stream at once
-                self._settled.extend(self.core.stream_ended(state, open_failed(err)))
+                plan.settled.extend(self.core.stream_ended(state, open_failed(err)))
                 continue
             state.handle = stream
             self._streams = [s for s in self._streams if not s.state.closed]
@@ -180,32 +190,45 @@ class AsyncPipeline:
         for state, batch in plan.sends:
             if isinstance(state.handle, _Stream):
                 state.handle.send(batch.request)
+        if plan.refresh_map and not self._refreshing:
+            self._refreshing = True
+            self._refresh_task = asyncio.ensure_future(self._refresh())
+        if self.core.check_at < self._timer_at or self._timer is None:
+            self._arm_timer(asyncio.get_running_loop())
+        self._settled(plan.settled)
+
+    def _settled(self, calls: Sequence[CallState]) -> None:
+        if not calls:
+            return
+        publish_async(calls)
+        if self._room_waiters:
+            self._wake_room()
+
+    def _wake_room(self) -> None:
+        waiters, self._room_waiters = self._room_waiters, []
+        for room in waiters:
+            if not room.done():
+                room.set_result(None)
 
     async def _refresh(self) -> None:
         try:
             await self.router.refresh_quietly(2.0)
         finally:
             self._refreshing = False
-            self._dirty.set()
 
     async def close(self) -> None:
         """Cancel the streams; calls not acknowledged yet fail with UNAVAILABLE."""
         if self._closed:
             return
         self._closed = True
-        settled = list(self._settled) + self.core.close(closed_error())
-        self._settled.clear()
-        for call in settled:
-            resolve(call)
+        publish_async(self.core.close(closed_error()))
+        if self._timer is not None:
+            self._timer.cancel()
         tasks: list[asyncio.Future[Any]] = []
         for stream in self._streams:
             stream.cancel()
             tasks.extend(stream.tasks)
-        if self._pump is not None:
-            self._dirty.set()
-            tasks.append(self._pump)
-        async with self._room:
-            self._room.notify_all()
+        self._wake_room()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

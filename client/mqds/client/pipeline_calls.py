@@ -5,22 +5,20 @@ Part of :mod:`mqds.client.pipeline` (which re-exports these names).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
-import itertools
 from collections.abc import Sequence
-from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from mqds.client import store_frames
 from mqds.client.model import Message
 from mqds.protocol import errors, messages
 from mqds.protocol.errors import MqdsError, PartialBatchError, Reason
 from mqds.protocol.sharding import shard_of
-from mqds.v1 import storage_pb2 as pb
 
 __all__ = [
+    "CALL_SLOTS",
+    "CallState",
     "PendingCall",
     "PipelineLimits",
     "check_message",
@@ -28,7 +26,6 @@ __all__ = [
     "closed_error",
     "open_failed",
     "read_failed",
-    "resolve",
     "resolve_limits",
     "store_stream",
 ]
@@ -52,12 +49,19 @@ class PipelineLimits:
     max_batch_messages: int = 1_000
     max_batch_bytes: int = 4 * 1024 * 1024
     max_batches_per_shard: int = 2
+    stall_s: float = 5.0
+    """A stream with batches in flight that answers nothing for this long is given up: cancelled, its
+    node's leaderships forgotten, the map refreshed, and its batches resent (same sequences) to the
+    shards' leaders then. A stopped node (SIGSTOP, a frozen VM) or a connection that carries nothing
+    no longer holds its calls until their deadlines; a slow answer costs a resend, deduplicated."""
 
     def __post_init__(self) -> None:
         for name in ("max_in_flight_messages", "max_batch_messages", "max_batch_bytes", "max_batches_per_shard"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.stall_s, (int, float)) or isinstance(self.stall_s, bool) or not self.stall_s > 0:
+            raise ValueError(f"stall_s must be a positive number of seconds, got {self.stall_s!r}")
 
 
 def resolve_limits(
@@ -93,113 +97,175 @@ def check_messages(batch: Sequence[Message]) -> dict[int, MqdsError]:
     return refused
 
 
-class PendingCall:
-    """One ``store_async`` call: its messages, deadline, the positions acknowledged so far, its outcome.
+CALL_SLOTS = (
+    "deadline",
+    "error",
+    "failed",
+    "last_error",
+    "message",
+    "messages",
+    "nbytes",
+    "parts_left",
+    "positions",
+    "sequence",
+    "settled",
+    "shard",
+    "shards",
+    "timestamp_us",
+)
+"""What the pipeline keeps of a call: slots of the handle the caller gets, so that a call is one object."""
 
-    Built once per call on the write path, so it keeps to slots and fills
-    ``positions`` (a list, one entry per message) instead of dictionaries.
+
+class CallState:
+    """One ``store_async`` call as the pipeline sees it: messages, deadline, positions so far, outcome.
+
+    A mixin without slots of its own: :class:`PendingCall` and the clients'
+    handles (:class:`mqds.client.pipeline_handles.StoreFuture`, a
+    ``concurrent.futures.Future``, and ``AsyncStoreFuture``, an
+    ``asyncio.Future``) put :data:`CALL_SLOTS` on themselves. A call of one
+    message (the common case) keeps it in ``message``, its shard in ``shard``,
+    its wire size in ``nbytes`` and its timestamp in ``timestamp_us``: no list,
+    no tuple. A call of several keeps lists (``messages``, ``shards``,
+    ``positions``), the refused ones in ``failed`` and ``parts_left``, its
+    shards not settled yet. ``settled`` is the pipeline's: the outcome is
+    decided (the handle publishes it to its waiters a moment later).
     """
 
-    __slots__ = (
-        "deadline",
-        "done",
-        "error",
-        "failed",
-        "handle",
-        "id",
-        "last_error",
-        "messages",
-        "parts_left",
-        "positions",
-        "sequence",
-        "shards",
-    )
-    _ids = itertools.count()
+    if not TYPE_CHECKING:  # the classes that mix it in hold the slots (type checkers see the attributes)
+        __slots__ = ()
 
-    def __init__(
-        self, messages: Sequence[Message], n_shards: int, deadline: float, refused: dict[int, MqdsError] | None = None
+    deadline: float
+    error: MqdsError | None
+    failed: dict[int, MqdsError] | None
+    last_error: MqdsError | None
+    message: Message | None
+    messages: list[Message] | None
+    nbytes: int
+    parts_left: int
+    positions: list[tuple[int, int] | None] | None
+    sequence: int
+    settled: bool
+    shard: int
+    shards: list[int] | None
+    timestamp_us: int
+
+    def setup(
+        self,
+        messages: Message | Sequence[Message],
+        n_shards: int,
+        deadline: float,
+        refused: dict[int, MqdsError] | None = None,
     ) -> None:
-        """``refused``: messages that fail at once (not sent), each with its error (:func:`check_messages`)."""
-        self.id = next(self._ids)
-        self.messages = messages if type(messages) is list else list(messages)
+        """Check the messages (one no node stores fails alone: :func:`check_messages`) and set the call's state.
+
+        ``refused``: the messages already found bad, each with its error (checked here when None).
+        """
         self.deadline = deadline
-        if len(self.messages) == 1:
-            self.shards = [shard_of(self.messages[0].sender, n_shards)]
-            self.parts_left = 0 if refused else 1
+        self.error = self.last_error = None
+        self.settled = False
+        self.sequence = self.timestamp_us = 0
+        if isinstance(messages, Message):
+            m = messages
+        elif len(messages) == 1:
+            m = messages[0]
         else:
-            self.shards = [shard_of(m.sender, n_shards) for m in self.messages]
-            sent = self.shards if not refused else [s for i, s in enumerate(self.shards) if i not in refused]
-            self.parts_left = len(set(sent))
-        self.positions: list[tuple[int, int] | None] = [None] * len(self.messages)
-        self.failed: dict[int, MqdsError] = dict(refused) if refused else {}  # index -> error
-        self.last_error: MqdsError | None = None
-        self.sequence = 0
-        self.done = False
-        self.error: MqdsError | None = None
-        self.handle: object = None
-        """The transport's future for this call."""
+            self._setup_many(list(messages), n_shards, refused)
+            return
+        self.message, self.messages, self.positions, self.shards, self.failed = m, None, None, None, None
+        self.shard = shard_of(m.sender, n_shards)
+        self.parts_left = 1
+        if refused:
+            self.error, self.parts_left = refused[0], 0
+            return
+        try:
+            self.nbytes = store_frames.message_size(0, m)
+        except MqdsError as err:
+            self.error, self.parts_left = err, 0
+
+    def _setup_many(self, batch: list[Message], n_shards: int, refused: dict[int, MqdsError] | None) -> None:
+        self.message, self.messages, self.nbytes, self.shard = None, batch, 0, -1
+        self.shards = [shard_of(m.sender, n_shards) for m in batch]
+        if refused is None:
+            _, refused = store_frames.check_messages(batch)
+        self.positions = [None] * len(batch)
+        self.failed = dict(refused)
+        sent = self.shards if not refused else [s for i, s in enumerate(self.shards) if i not in refused]
+        self.parts_left = len(set(sent))
+        if not sent and batch:  # every message refused: the first one's error
+            self.error = refused[min(refused)]
+
+    @property
+    def count(self) -> int:
+        """How many messages the call holds."""
+        return 1 if self.messages is None else len(self.messages)
 
     def part_settled(self) -> bool:
         """One shard's part is acknowledged or failed for good; True when that settles the call."""
         self.parts_left -= 1
-        return self.parts_left <= 0 and not self.done
+        return self.parts_left <= 0 and not self.settled
 
     def fail(self, err: MqdsError) -> None:
-        self.done, self.error = True, err
+        self.settled, self.error = True, err
 
     def outcome(self) -> list[Message]:
         """The messages with ``timestamp_us`` and ``shard`` set; raises the call's error."""
         if self.error is not None:
             raise self.error
-        if not self.failed:
+        m = self.message
+        if m is not None:
+            ts = self.timestamp_us or None
+            return [Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, ts, self.shard)]
+        batch, positions, shards, failed = self.messages, self.positions, self.shards, self.failed
+        assert batch is not None and positions is not None and shards is not None
+        if not failed:
             return [
                 Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, *at)
                 if at is not None
-                else Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, None, self.shards[i])
-                for i, (m, at) in enumerate(zip(self.messages, self.positions, strict=True))
+                else Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, None, shards[i])
+                for i, (m, at) in enumerate(zip(batch, positions, strict=True))
             ]
         stored: list[Message] = []
-        failed: list[tuple[Message, MqdsError]] = []
-        for index, m in enumerate(self.messages):
-            ts, shard = self.positions[index] or (None, self.shards[index])
+        lost: list[tuple[Message, MqdsError]] = []
+        for index, m in enumerate(batch):
+            ts, shard = positions[index] or (None, shards[index])
             copy = Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, ts, shard)
-            if index in self.failed:
-                failed.append((copy, self.failed[index]))
+            if index in failed:
+                lost.append((copy, failed[index]))
             else:
                 stored.append(copy)
         if not stored:
-            raise failed[0][1]
-        raise PartialBatchError(stored, failed, self.sequence)
+            raise lost[0][1]
+        raise PartialBatchError(stored, lost, self.sequence)
 
 
-_ALREADY_DONE = (futures.InvalidStateError, asyncio.InvalidStateError)
+class PendingCall(CallState):
+    """A call's state without a handle to wait on (the pipeline's unit tests drive the rules with it)."""
 
+    __slots__ = CALL_SLOTS
 
-def resolve(call: PendingCall) -> None:
-    """Complete a settled call's future (a ``concurrent.futures`` or an asyncio one) with its messages or error.
-
-    A future the caller cancelled meanwhile is left as it is.
-    """
-    future: Any = call.handle
-    try:
-        result = call.outcome()
-    except MqdsError as err:
-        with contextlib.suppress(*_ALREADY_DONE):
-            future.set_exception(err)
-        return
-    with contextlib.suppress(*_ALREADY_DONE):
-        future.set_result(result)
+    def __init__(
+        self,
+        messages: Message | Sequence[Message],
+        n_shards: int,
+        deadline: float,
+        refused: dict[int, MqdsError] | None = None,
+    ) -> None:
+        self.setup(messages, n_shards, deadline, refused)
 
 
 STORE_STREAM_METHOD = "/mqds.v1.Storage/StoreStream"
 
 
 def store_stream(channel: Any) -> Any:
-    """``Storage.StoreStream`` on a channel (sync or ``grpc.aio``), taking requests already encoded (bytes)."""
+    """``Storage.StoreStream`` on a channel (sync or ``grpc.aio``), taking requests already encoded (bytes).
+
+    Its answers are ``(sequence, timestamps)`` pairs, or parsed ``StoreStreamResponse`` s where the C
+    reader leaves them to protobuf (:func:`mqds.client.store_frames.read_answer`).
+    """
     return channel.stream_stream(
         STORE_STREAM_METHOD,
         request_serializer=None,
-        response_deserializer=pb.StoreStreamResponse.FromString,
+        response_deserializer=store_frames.read_answer,
         _registered_method=True,
     )
 

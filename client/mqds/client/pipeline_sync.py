@@ -1,31 +1,36 @@
 """The synchronous client's pipelined writes: one StoreStream per leader node, run with threads.
 
-:class:`SyncPipeline` runs the rules of :mod:`mqds.client.pipeline`: callers
-queue calls (waiting for room in the window), one pump thread seals batches,
-opens, cancels and feeds the streams and completes the futures (in the order
-the calls settled, so a shard's futures complete in call order), and one
-reader thread per stream hands its acknowledgements back.
+:class:`SyncPipeline` runs the rules of :mod:`mqds.client.pipeline` without
+a thread of its own on the path of a write: the caller's thread queues its
+call and, when the shard has room, seals and sends the batch itself; the
+reader thread of a stream takes an answer, settles its calls and sends what
+queued meanwhile. Settled calls are published (their futures completed,
+callbacks run) outside the lock, in the order they settled, by whichever of
+those threads settled them (one at a time). A timer thread sleeps until the
+pipeline's ``check_at`` (a deadline, the end of a backoff, a stalled
+stream) and does what is due then.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent import futures
+from typing import Any
 
 import grpc
 
 from mqds.client.model import Message
-from mqds.client.pipeline import PendingCall, Pipeline, PipelineLimits, Plan, StreamState, check_messages
-from mqds.client.pipeline_calls import closed_error, open_failed, read_failed, resolve, store_stream
+from mqds.client.pipeline import Pipeline, PipelineLimits, Plan, StreamState
+from mqds.client.pipeline_calls import CallState, closed_error, open_failed, read_failed, store_stream
+from mqds.client.pipeline_handles import StoreFuture, publish
 from mqds.client.routing import Router
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
-from mqds.v1 import storage_pb2 as pb
 
 __all__ = ["SyncPipeline"]
 
@@ -57,6 +62,8 @@ class _Stream:
         except Exception as unexpected:  # never leave the calls waiting
             log.exception("store stream to %s failed", self.state.address)
             err = read_failed(unexpected)
+            self.call.cancel()
+        self.requests.put(None)  # ends gRPC's thread that reads the requests
         self.owner.on_end(self.state, err)
 
     def send(self, request: bytes) -> None:
@@ -75,95 +82,94 @@ class SyncPipeline:
     ) -> None:
         self.router = router
         self.core = Pipeline(router.table, producer_id, sequences, limits, router.backoff)
-        self._cond = threading.Condition()
-        self._dirty = False
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # the timer and callers waiting for room
+        self._room_waiters = 0
         self._closed = False
         self._refreshing = False
-        self._settled: deque[PendingCall] = deque()
-        self._pump: threading.Thread | None = None
+        self._settled: deque[CallState] = deque()
+        self._publishing = False
+        self._timer: threading.Thread | None = None
+        self._timer_at = math.inf
 
-    def submit(self, messages: Sequence[Message], n_shards: int, deadline: float) -> futures.Future[list[Message]]:
+    def submit(self, messages: Message | Sequence[Message], n_shards: int, deadline: float) -> StoreFuture:
         """Queue a call (waiting for room in the window until its deadline); its future."""
-        future: futures.Future[list[Message]] = futures.Future()
-        refused = check_messages(messages)
-        if refused and len(refused) == len(messages):  # nothing to send: the first one's error
-            future.set_exception(refused[0])
-            return future
-        call = PendingCall(messages, n_shards, deadline, refused)
-        call.handle = future
-        with self._cond:
-            while not self._closed and not self.core.has_room(len(call.messages)):
-                remaining = deadline - time.monotonic()
+        call = StoreFuture(messages, n_shards, deadline)
+        count = call.count
+        core = self.core
+        with self._lock:
+            if not core.has_room(count) and not self._closed:
+                self._wait_for_room(call, count)
+            if call.settled:  # no room before its deadline
+                alone = True
+            elif self._closed:
+                call.fail(closed_error())
+                alone = True
+            else:
+                alone = False
+                settled = core.add(call)
+                if settled:  # refused: its messages are bad
+                    self._settled.extend(settled)
+                if core.has_work:
+                    self._execute(core.plan())
+                if core.check_at < self._timer_at:
+                    self._wake_timer()
+        if alone:
+            publish((call,))
+        elif self._settled:
+            self._publish()
+        return call
+
+    def _wait_for_room(self, call: StoreFuture, count: int) -> None:
+        self._room_waiters += 1
+        try:
+            while not self._closed and not self.core.has_room(count):
+                remaining = call.deadline - time.monotonic()
                 if remaining <= 0:
-                    future.set_exception(
-                        errors.error(Reason.DEADLINE_EXCEEDED, "no room in the write window before the deadline")
-                    )
-                    return future
+                    call.fail(errors.error(Reason.DEADLINE_EXCEEDED, "no room in the write window before the deadline"))
+                    return
                 self._cond.wait(remaining)
-            if self._closed:
-                future.set_exception(closed_error())
-                return future
-            self._settled.extend(self.core.add(call))
-            self._wake()
-            if self._pump is None:
-                self._pump = threading.Thread(target=self._run, name="mqds-store-pump", daemon=True)
-                self._pump.start()
-        return future
+        finally:
+            self._room_waiters -= 1
 
-    def _wake(self) -> None:
-        self._dirty = True
-        self._cond.notify_all()
-
-    def pending(self) -> list[futures.Future[list[Message]]]:
+    def pending(self) -> list[StoreFuture]:
         """The futures of every call submitted so far that is not complete yet."""
-        with self._cond:
-            handles = [call.handle for call in self._settled] + self.core.unsettled()
-        return [f for f in handles if isinstance(f, futures.Future) and not f.done()]
+        with self._lock:
+            calls = [*self._settled, *self.core.unsettled()]
+        return [c for c in calls if isinstance(c, StoreFuture) and not c.done()]
 
     # -- events from the streams (reader threads) ----------------------------------
 
-    def on_response(self, state: StreamState, response: pb.StoreStreamResponse) -> None:
-        with self._cond:
-            self._settled.extend(self.core.acked(state, response))
-            self._wake()
+    def on_response(self, state: StreamState, response: Any) -> None:
+        core = self.core
+        with self._lock:
+            settled = core.acked(state, response)
+            if settled:
+                self._settled.extend(settled)
+                if self._room_waiters:
+                    self._cond.notify_all()
+            if core.has_work:
+                self._execute(core.plan())
+                if core.check_at < self._timer_at:
+                    self._wake_timer()
+        if self._settled:
+            self._publish()
 
     def on_end(self, state: StreamState, err: MqdsError | None) -> None:
-        with self._cond:
+        with self._lock:
             if not self._closed:
                 self._settled.extend(self.core.stream_ended(state, err))
-            self._wake()
+                if self.core.has_work:
+                    self._execute(self.core.plan())
+                if self.core.check_at < self._timer_at:
+                    self._wake_timer()
+        if self._settled:
+            self._publish()
 
-    # -- the pump ------------------------------------------------------------------
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._dirty and not self._closed:
-                    wake_at = self._wake_at
-                    timeout = None if wake_at is None else max(0.0, wake_at - time.monotonic())
-                    if timeout == 0.0:
-                        break
-                    self._cond.wait(timeout)
-                if self._closed:
-                    return
-                self._dirty = False
-                plan = self.core.plan()
-                self._wake_at = plan.wake_at
-                self._execute(plan)
-                settled = list(self._settled) + plan.settled
-                self._settled.clear()
-                if plan.settled:
-                    self._cond.notify_all()  # room in the window
-                refresh = plan.refresh_map and not self._refreshing
-                self._refreshing = self._refreshing or refresh
-            for call in settled:
-                resolve(call)
-            if refresh:
-                self.router.submit(self._refresh)
-
-    _wake_at: float | None = None
+    # -- under the lock --------------------------------------------------------------
 
     def _execute(self, plan: Plan) -> None:
+        """Run a plan: cancel, open and feed streams (in the lock: a stream's frames go in sequence order)."""
         for state in plan.cancelled:
             if isinstance(state.handle, _Stream):
                 state.handle.cancel()
@@ -173,31 +179,86 @@ class SyncPipeline:
             except Exception as err:  # a closed channel: end the stream at once
                 self._settled.extend(self.core.stream_ended(state, open_failed(err)))
         for state, batch in plan.sends:
-            if isinstance(state.handle, _Stream):
-                state.handle.send(batch.request)
+            handle = state.handle
+            if isinstance(handle, _Stream):
+                handle.send(batch.request)
+        if plan.settled:
+            self._settled.extend(plan.settled)
+            if self._room_waiters:
+                self._cond.notify_all()
+        if plan.refresh_map and not self._refreshing:
+            self._refreshing = True
+            self.router.submit(self._refresh)
+
+    def _wake_timer(self) -> None:
+        if self._timer is None:
+            self._timer = threading.Thread(target=self._run_timer, name="mqds-store-timer", daemon=True)
+            self._timer.start()
+        else:
+            self._cond.notify_all()
+
+    # -- publishing, outside the lock ----------------------------------------------------
+
+    def _publish(self) -> None:
+        """Complete the settled calls' futures in the order they settled; one thread at a time does it."""
+        with self._lock:
+            if self._publishing or not self._settled:
+                return
+            self._publishing = True
+        try:
+            while True:
+                with self._lock:
+                    if not self._settled:
+                        self._publishing = False
+                        return
+                    calls = list(self._settled)
+                    self._settled.clear()
+                publish(calls)
+        except BaseException:
+            with self._lock:
+                self._publishing = False
+            raise
+
+    # -- the timer ---------------------------------------------------------------------
+
+    def _run_timer(self) -> None:
+        core = self.core
+        while True:
+            with self._lock:
+                while not self._closed:
+                    now = time.monotonic()
+                    if core.check_at <= now or core.has_work:
+                        break
+                    self._timer_at = core.check_at
+                    self._cond.wait(None if core.check_at == math.inf else core.check_at - now)
+                self._timer_at = math.inf
+                if self._closed:
+                    return
+                self._execute(core.plan())
+                self._timer_at = core.check_at
+            if self._settled:
+                self._publish()
 
     def _refresh(self) -> None:
         try:
             self.router.refresh_quietly(2.0)
         finally:
-            with self._cond:
+            with self._lock:
                 self._refreshing = False
-                self._wake()
 
     def close(self) -> None:
         """Cancel the streams; calls not acknowledged yet fail with UNAVAILABLE."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
             streams = [s.handle for s in self.core.streams.values()]
-            settled = list(self._settled) + self.core.close(closed_error())
-            self._settled.clear()
+            self._settled.extend(self.core.close(closed_error()))
             self._cond.notify_all()
         for stream in streams:
             if isinstance(stream, _Stream):
                 stream.cancel()
-        for call in settled:
-            resolve(call)
-        if self._pump is not None and self._pump is not threading.current_thread():
-            self._pump.join(timeout=5)
+        self._publish()
+        timer = self._timer
+        if timer is not None and timer is not threading.current_thread():
+            timer.join(timeout=5)

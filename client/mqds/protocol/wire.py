@@ -64,9 +64,8 @@ def encode_message(
     The same bytes as ``Message(...).SerializeToString()``: fields in number
     order, defaults (an empty string, qos 0, retain false) left out.
     """
-    v = _SMALL_VARINTS
     t = topic.encode("utf-8")
-    parts = [_TOPIC, v[len(t)], t] if t else []
+    parts = [_TOPIC, varint(len(t)), t] if t else []
     if payload:
         parts += (_PAYLOAD, varint(len(payload)), payload)
     if sender:
