@@ -140,17 +140,15 @@ class AsyncPipeline:
     # -- events from the streams ---------------------------------------------------
 
     def on_response(self, state: StreamState, response: Any) -> None:
-        settled = self.core.acked(state, response)
+        self._settled(self.core.acked(state, response))
         if self.core.has_work:
             self._run(self.core.plan())
-        self._settled(settled)
 
     def on_end(self, state: StreamState, err: MqdsError | None) -> None:
         if not self._closed:
-            settled = self.core.stream_ended(state, err)
+            self._settled(self.core.stream_ended(state, err))
             if self.core.has_work:
                 self._run(self.core.plan())
-            self._settled(settled)
             if self.core.check_at < self._timer_at:
                 self._arm_timer(asyncio.get_running_loop())
 

@@ -143,11 +143,7 @@ class SyncPipeline:
     def on_response(self, state: StreamState, response: Any) -> None:
         core = self.core
         with self._lock:
-            settled = core.acked(state, response)
-            if settled:
-                self._settled.extend(settled)
-                if self._room_waiters:
-                    self._cond.notify_all()
+            self._took(core.acked(state, response))
             if core.has_work:
                 self._execute(core.plan())
                 if core.check_at < self._timer_at:
@@ -158,7 +154,7 @@ class SyncPipeline:
     def on_end(self, state: StreamState, err: MqdsError | None) -> None:
         with self._lock:
             if not self._closed:
-                self._settled.extend(self.core.stream_ended(state, err))
+                self._took(self.core.stream_ended(state, err))
                 if self.core.has_work:
                     self._execute(self.core.plan())
                 if self.core.check_at < self._timer_at:
@@ -182,13 +178,17 @@ class SyncPipeline:
             handle = state.handle
             if isinstance(handle, _Stream):
                 handle.send(batch.request)
-        if plan.settled:
-            self._settled.extend(plan.settled)
-            if self._room_waiters:
-                self._cond.notify_all()
+        self._took(plan.settled)
         if plan.refresh_map and not self._refreshing:
             self._refreshing = True
             self.router.submit(self._refresh)
+
+    def _took(self, settled: Sequence[CallState]) -> None:
+        """Calls the pipeline settled: to be published; room in the window for the callers waiting."""
+        if settled:
+            self._settled.extend(settled)
+            if self._room_waiters:
+                self._cond.notify_all()
 
     def _wake_timer(self) -> None:
         if self._timer is None:
