@@ -119,18 +119,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     parser.add_argument("--size", type=int, default=100, help="payload bytes (default 100)")
     opts = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="mqds-callbench-") as work:
-        with LocalCluster(Path(work) / "cluster", 3, n_shards=16) as cluster:
-            cluster.start()
-            cluster.wait_leaders_settled(60)
-            with Client(cluster.addresses, timeout_s=30, max_in_flight_messages=10_000) as client:
-                client.cluster_map()
-                steady(client, 5_000, opts.in_flight, opts.size)  # warm up: streams open, code paths hot
-                rounds = [steady(client, opts.messages, opts.in_flight, opts.size) for _ in range(opts.rounds)]
-                for r in rounds:
-                    print(json.dumps(r), flush=True)
-                memory = held(client, cluster, 2_000, opts.size)
-                stats = client.pipeline_stats()
+    with (
+        tempfile.TemporaryDirectory(prefix="mqds-callbench-") as work,
+        LocalCluster(Path(work) / "cluster", 3, n_shards=16) as cluster,
+    ):
+        cluster.start()
+        cluster.wait_leaders_settled(60)
+        with Client(cluster.addresses, timeout_s=30, max_in_flight_messages=10_000) as client:
+            client.cluster_map()
+            steady(client, 5_000, opts.in_flight, opts.size)  # warm up: streams open, code paths hot
+            rounds = [steady(client, opts.messages, opts.in_flight, opts.size) for _ in range(opts.rounds)]
+            for r in rounds:
+                print(json.dumps(r), flush=True)
+            memory = held(client, cluster, 2_000, opts.size)
+            stats = client.pipeline_stats()
     summary = {
         "client_cpu_us_per_msg": sorted(r["client_cpu_us_per_msg"] for r in rounds)[len(rounds) // 2],
         "call_us": sorted(r["call_us"] for r in rounds)[len(rounds) // 2],
