@@ -18,6 +18,7 @@ from tls_certs import TestCA
 from mqds.client import Client, ConnectionSettings, Message, aio
 from mqds.client import errors as E
 from mqds.client.connection import resolve_settings
+from mqds.client.retry import MIN_RETRY_S
 from mqds.client.routing import Backoff, Fanout, MapRefresh, MapWait, RoutingTable, ShardRetry
 from mqds.protocol import errors as perrors
 from mqds.v1 import cluster_pb2 as clpb
@@ -341,6 +342,57 @@ def test_an_overloaded_node_keeps_its_leaderships_and_the_map_is_not_refreshed()
         fan.failed(group, busy)
     assert fan.end_round() is True and fan.refresh_map is False
     assert fan.pending == [0, 1] and table.leader_of(0) == "a:1" and table.leader_of(1) == "b:2"
+
+
+def _sleep_until(moment: float) -> None:
+    time.sleep(max(0.0, moment - time.monotonic()))
+
+
+def test_a_pause_that_overran_ends_the_call_with_the_error_it_was_retrying() -> None:
+    """A node over its disk quota answers STORAGE_FULL and the client backs off and asks again until the
+    deadline. On a busy machine a pause overran, and the next attempt went out with a few milliseconds
+    left: the call then failed with that attempt's DEADLINE_EXCEEDED, and the caller never learned that
+    the node was full (a CI run hit this with 8 ms left of a 4 s call). Now no retry starts with less
+    than MIN_RETRY_S, and the call ends with the error it was retrying, in one-shard and fan-out calls."""
+    table = RoutingTable(["a:1"])
+    table.view.addresses.update({"n1": "a:1", "n2": "b:2"})
+    table.view.leaders.update({0: (1, "n1"), 1: (1, "n2")})
+    full = perrors.error(perrors.Reason.STORAGE_FULL, "node n1's data directory holds 34 MiB, over its quota")
+
+    deadline = time.monotonic() + 1.0
+    retry = ShardRetry(table, 0, deadline, Backoff(initial_s=0.01))
+    retry.next_attempt()
+    assert retry.failed(full) is True
+    retry.backoff_s(full)  # a short pause was asked for...
+    _sleep_until(deadline - MIN_RETRY_S / 2)  # ...and the machine slept far longer
+    with pytest.raises(E.UnavailableError) as raised:
+        retry.next_attempt()
+    assert raised.value.reason is perrors.Reason.STORAGE_FULL
+
+    deadline = time.monotonic() + 1.0
+    fan = Fanout(table, [0, 1], deadline, Backoff(initial_s=0.01))
+    groups, _ = fan.next_round() or ({}, 0.0)
+    for group in groups.values():
+        fan.failed(group, full)
+    assert fan.end_round() is True and fan.backoff_s() is not None
+    _sleep_until(deadline - MIN_RETRY_S / 2)
+    assert fan.next_round() is None
+    assert {shard: err.reason for shard, err in fan.failures.items()} == {
+        0: perrors.Reason.STORAGE_FULL,
+        1: perrors.Reason.STORAGE_FULL,
+    }
+
+    # No pause asked for when less than MIN_RETRY_S would be left after it; with time to spare, the retry goes.
+    retry = ShardRetry(table, 0, time.monotonic() + MIN_RETRY_S, Backoff(initial_s=0.01))
+    retry.failed(full)
+    with pytest.raises(E.UnavailableError):
+        retry.backoff_s(full)
+    retry = ShardRetry(table, 0, time.monotonic() + 5, Backoff(initial_s=0.01))
+    retry.failed(full)
+    time.sleep(retry.backoff_s(full))
+    assert retry.next_attempt()[0] == "a:1"
+    # A call that has not failed yet still gets its one attempt, however short its deadline.
+    assert ShardRetry(table, 0, time.monotonic() + 0.01, Backoff()).next_attempt()[0] == "a:1"
 
 
 def _placed(replicas: list[str]) -> RoutingTable:

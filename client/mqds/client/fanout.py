@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
-from mqds.client.retry import Backoff
+from mqds.client.retry import MIN_RETRY_S, Backoff
 from mqds.client.routing_table import RoutingTable
 from mqds.protocol import errors
 from mqds.protocol.errors import BUSY, MqdsError, Reason
@@ -44,8 +44,10 @@ class Fanout:
     decides what is retried: shards that failed retriably are regrouped by
     their (new) leaders; without a leader hint the map is refreshed and the
     caller backs off (``backoff_s``) first. Shards that cannot succeed end in
-    ``failures`` with their final error (DEADLINE_EXCEEDED, or the last
-    retriable error, once the deadline passes).
+    ``failures`` with their final error: DEADLINE_EXCEEDED, or the last
+    retriable error when the deadline would pass during a pause or less than
+    :data:`~mqds.client.retry.MIN_RETRY_S` would be left after it (also when
+    the pause overran).
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class Fanout:
         self.failures: dict[int, MqdsError] = {}
         self._delays = backoff.delays()
         self._failed: dict[int, MqdsError] = {}
+        self._paused = False
         self.refresh_map = False
         """After a round that backs off: whether to refresh the cluster map first (not when all were OVERLOADED)."""
 
@@ -66,6 +69,11 @@ class Fanout:
         if not self.pending:
             return None
         remaining = self.deadline - time.monotonic()
+        paused, self._paused = self._paused, False
+        if paused and remaining < MIN_RETRY_S:
+            self.failures.update((shard, self._failed[shard]) for shard in self.pending)
+            self.pending = []
+            return None
         if remaining <= 0:
             timeout = errors.error(Reason.DEADLINE_EXCEEDED, "the call did not succeed before its deadline")
             self.failures.update((shard, timeout) for shard in self.pending)
@@ -119,10 +127,11 @@ class Fanout:
     def backoff_s(self) -> float | None:
         """The pause before the next round; None (the pending shards failed) when the deadline would pass."""
         delay = next(self._delays)
-        if time.monotonic() + delay >= self.deadline:
+        if time.monotonic() + delay + MIN_RETRY_S >= self.deadline:
             self.failures.update((shard, self._failed[shard]) for shard in self.pending)
             self.pending = []
             return None
+        self._paused = True
         return delay
 
 

@@ -24,10 +24,14 @@ from mqds.client.routing_table import RoutingTable
 from mqds.protocol import errors
 from mqds.protocol.errors import BUSY, MqdsError, Reason
 
-__all__ = ["Backoff", "MapWait", "ShardRetry", "time_left"]
+__all__ = ["MIN_RETRY_S", "Backoff", "MapWait", "ShardRetry", "time_left"]
 
 # While waiting for a first map, a refresh is not started with less time than this.
 _MIN_MAP_WAIT_TRY_S = 0.1
+
+# A retry after a pause is not started with less time than this: the call fails with the error it was
+# retrying (STORAGE_FULL, NO_LEADER, ...), not with a DEADLINE_EXCEEDED of an attempt that had no time to work.
+MIN_RETRY_S = 0.1
 
 # Errors after which the node asked may be down: try another replica, refresh.
 _UNREACHABLE = (Reason.UNAVAILABLE, Reason.SHUTTING_DOWN, Reason.DEADLINE_EXCEEDED)
@@ -147,9 +151,13 @@ class ShardRetry:
         self._replica_turn = table.next_turn() if any_replica else 0
         self.refresh_map = True
         """After a failure that backs off: whether to refresh the cluster map first."""
+        self._paused_after: MqdsError | None = None
 
     def next_attempt(self) -> tuple[str, float]:
         remaining = self.deadline - time.monotonic()
+        paused_after, self._paused_after = self._paused_after, None
+        if paused_after is not None and remaining < MIN_RETRY_S:
+            raise paused_after
         if remaining <= 0:
             raise errors.error(Reason.DEADLINE_EXCEEDED, "the call did not succeed before its deadline")
         address = self.table.address_for(self.shard, any_replica=self.any_replica, attempt=self._replica_turn)
@@ -183,6 +191,7 @@ class ShardRetry:
 
     def backoff_s(self, err: MqdsError) -> float:
         delay = next(self._delays)
-        if time.monotonic() + delay >= self.deadline:
+        if time.monotonic() + delay + MIN_RETRY_S >= self.deadline:
             raise err
+        self._paused_after = err
         return delay
