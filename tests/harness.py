@@ -8,11 +8,24 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from mqds.client import Message
+from mqds.protocol.sharding import shard_of
 from mqds.tools.localproc import SERVER, LocalCluster, NodeProcess, free_port, free_port_block, wait_serving
 
 ServerProcess = NodeProcess
 
-__all__ = ["MQDS", "SERVER", "ServerProcess", "cluster_up", "free_port", "rss_bytes", "run_server", "wait_serving"]
+__all__ = [
+    "MQDS",
+    "SERVER",
+    "ServerProcess",
+    "cluster_up",
+    "free_port",
+    "replayed",
+    "rss_bytes",
+    "run_server",
+    "sender_on",
+    "wait_serving",
+]
 
 
 MQDS = str(Path(sys.executable).with_name("mqds"))
@@ -48,3 +61,14 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def sender_on(shard: int, prefix: str, n_shards: int) -> str:
+    """A clientid starting with ``prefix`` whose messages go to ``shard`` of ``n_shards``."""
+    return next(f"{prefix}-{i}" for i in range(10_000) if shard_of(f"{prefix}-{i}", n_shards) == shard)
+
+
+def replayed(cluster: LocalCluster, topic_filter: str) -> list[Message]:
+    """Everything the cluster holds under ``topic_filter``, read by a client of its own."""
+    with cluster.client(timeout_s=30) as reader:
+        return list(reader.replay(topic_filter))

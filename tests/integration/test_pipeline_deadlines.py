@@ -19,11 +19,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from harness import replayed, sender_on
 
 from mqds.client import Client, Message, aio
 from mqds.client import errors as E
 from mqds.client.pipeline import PipelineLimits
-from mqds.protocol.sharding import shard_of
 from mqds.tools.localproc import LocalCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -41,21 +41,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
 
 
-def sender_on(shard: int, prefix: str) -> str:
-    return next(f"{prefix}-{i}" for i in range(10_000) if shard_of(f"{prefix}-{i}", N_SHARDS) == shard)
-
-
-def replayed(cluster: LocalCluster, topic_filter: str) -> list[Message]:
-    with cluster.client(timeout_s=30) as reader:
-        return list(reader.replay(topic_filter))
-
-
 def test_calls_on_a_stopped_leaders_stream_move_to_the_new_leader_long_before_their_deadline(
     cluster: LocalCluster,
 ) -> None:
     """SIGSTOP the leader while calls are in flight on its stream: they are stored elsewhere, each once."""
     shard = 1
-    sender = sender_on(shard, "stall")
+    sender = sender_on(shard, "stall", N_SHARDS)
     deadline_s = 25.0
     with Client(cluster.addresses, timeout_s=30, pipeline=PipelineLimits(stall_s=1.0)) as client:
         client.publish(Message("stall/a", b"warm", sender, qos=1))
@@ -86,14 +77,14 @@ def test_every_call_settles_by_its_deadline_when_no_node_answers(cluster: LocalC
     """Every node SIGSTOPped with calls queued, sealed and sent: each settles within its deadline plus a slack."""
     deadline_s = 3.0
     with Client(cluster.addresses, timeout_s=30, max_in_flight_messages=100) as client:
-        client.publish(Message("stop/a", b"warm", sender_on(0, "stop"), qos=1))
+        client.publish(Message("stop/a", b"warm", sender_on(0, "stop", N_SHARDS), qos=1))
         for node in cluster.nodes.values():
             node.pause()
         try:
             pending = []
             settled_at: dict[int, float] = {}
             for i in range(300):  # more than the window: the last ones wait for room, until their deadline
-                sender = sender_on(i % N_SHARDS, "stop")
+                sender = sender_on(i % N_SHARDS, "stop", N_SHARDS)
                 submitted = time.monotonic()
                 handle = client.store_async(Message("stop/a", str(i).encode(), sender, qos=1), timeout_s=deadline_s)
                 handle.add_done_callback(lambda _h, i=i: settled_at.setdefault(i, time.monotonic()))
@@ -117,14 +108,14 @@ def test_the_asyncio_client_settles_every_call_by_its_deadline_too(cluster: Loca
 
     async def run() -> tuple[float, list[BaseException | None]]:
         async with aio.Client(cluster.addresses, timeout_s=30, pipeline=limits) as client:
-            await client.publish(Message("astop/a", b"warm", sender_on(2, "astop"), qos=1))
+            await client.publish(Message("astop/a", b"warm", sender_on(2, "astop", N_SHARDS), qos=1))
             for node in cluster.nodes.values():
                 node.pause()
             try:
                 started = time.monotonic()
                 pending = [
                     await client.store_async(
-                        Message("astop/a", str(i).encode(), sender_on(i % N_SHARDS, "astop"), qos=1),
+                        Message("astop/a", str(i).encode(), sender_on(i % N_SHARDS, "astop", N_SHARDS), qos=1),
                         timeout_s=deadline_s,
                     )
                     for i in range(100)

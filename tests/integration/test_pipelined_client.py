@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from concurrent import futures
 
 import pytest
+from harness import replayed, sender_on
 
 from mqds.client import Client, Message, aio
 from mqds.client import errors as E
@@ -27,15 +28,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         c.start()
         c.wait_leaders_settled()
         yield c
-
-
-def sender_on(shard: int, prefix: str) -> str:
-    return next(f"{prefix}-{i}" for i in range(10_000) if shard_of(f"{prefix}-{i}", N_SHARDS) == shard)
-
-
-def replayed(cluster: LocalCluster, topic_filter: str) -> list[Message]:
-    with cluster.client(timeout_s=30) as reader:
-        return list(reader.replay(topic_filter))
 
 
 def test_many_single_message_calls_through_a_small_window_are_stored_once_in_call_order(
@@ -119,7 +111,7 @@ def test_an_invalid_topic_fails_only_its_own_call(cluster: LocalCluster) -> None
 def test_every_acknowledged_message_is_stored_once_across_a_leader_kill(cluster: LocalCluster) -> None:
     # Last in the module: it kills a node (and starts it again).
     shard = 2
-    sender = sender_on(shard, "pipe-fo")
+    sender = sender_on(shard, "pipe-fo", N_SHARDS)
     victim = cluster.wait_for_leader(shard)
     total, kill_after = 3000, 600
     acked = threading.Semaphore(0)
@@ -158,7 +150,7 @@ def test_every_acknowledged_message_is_stored_once_across_a_leader_kill(cluster:
 
 
 def test_flush_waits_for_every_call_before_it_and_says_when_they_outlast_it(cluster: LocalCluster) -> None:
-    sender = sender_on(1, "flush")
+    sender = sender_on(1, "flush", N_SHARDS)
     with Client(cluster.addresses, timeout_s=30) as client:
         client.flush()  # nothing in flight: returns at once
         pending = [client.store_async(Message("flush/a", str(i).encode(), sender, qos=1)) for i in range(300)]
