@@ -38,17 +38,24 @@ class PipelineLimits:
     ``max_batches_per_shard`` is what makes calls share batches: a shard
     sends a new batch only while fewer than that are unacknowledged, so the
     calls made meanwhile wait and go out together in the next one (like a
-    Kafka producer's ``max.in.flight``). Two keep a shard's Raft pipeline
-    busy (one batch travels while the next gathers calls); in a trial of
-    one-message calls, 64 in flight from each of 8 processes, 1, 2 and 4
-    gave 14,710, 15,698 and 12,436 msg/s, and 64 (no coalescing while
-    slots were free) about 11,500.
+    Kafka producer's ``max.in.flight``). One is the default: the calls made
+    during a round go out as one batch when it ends, so a Raft round carries
+    as many as it can, and a round's fixed cost on the nodes is what
+    one-message calls are bound by. Alternated against two (2026-12-07, one
+    message per call): 8 processes x 64 in flight 13,027 / 12,237, 14,266 /
+    11,797, 11,380 / 8,770 and 13,044 / 11,321 msg/s (the nodes' CPU per
+    1,000 messages 151 / 208 and 141 / 163); one process x 1,000 in flight
+    39,944 / 41,633, 38,226 / 35,433, 42,019 / 33,095, 34,969 / 34,144 and
+    31,192 / 38,051; ExHook 505 / 440 and 586 / 574. (A first trial, on
+    2026-11-25 with a thread per Raft group, gave 14,710 for 1, 15,698 for
+    2 and 12,436 for 4, and 64, no coalescing while slots were free, about
+    11,500.)
     """
 
     max_in_flight_messages: int = 10_000
     max_batch_messages: int = 1_000
     max_batch_bytes: int = 4 * 1024 * 1024
-    max_batches_per_shard: int = 2
+    max_batches_per_shard: int = 1
     stall_s: float = 5.0
     """A stream with batches in flight that answers nothing for this long is given up: cancelled, its
     node's leaderships forgotten, the map refreshed, and its batches resent (same sequences) to the
