@@ -125,7 +125,7 @@ class Fanout:
         return bool(self.pending) and (busy or not hinted)
 
     def backoff_s(self) -> float | None:
-        """The pause before the next round; None (the pending shards failed) when the deadline would pass."""
+        """The pause before the next round; None (the pending shards failed) if under MIN_RETRY_S would be left."""
         delay = next(self._delays)
         if time.monotonic() + delay + MIN_RETRY_S >= self.deadline:
             self.failures.update((shard, self._failed[shard]) for shard in self.pending)
