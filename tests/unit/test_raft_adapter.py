@@ -121,3 +121,21 @@ def test_the_adapter_is_the_only_subclass_of_syncobj() -> None:
 
     ours = {c for c in subclasses(SyncObj) if c.__module__.startswith("mqds")}
     assert ours == {adapter.RaftCore}
+
+
+def test_pysyncobj_reads_its_clock_through_the_alias_the_raft_clock_replaces() -> None:
+    """raft/clock.py points ``pysyncobj.syncobj.monotonicTime`` at the Raft clock, so a simulation's
+    clock drives pysyncobj's election deadlines and heartbeats too. A release that read the time
+    another way would leave the simulation's groups on the real clock, silently: fail here instead."""
+    from mqds.server.raft import clock
+
+    assert pysyncobj.syncobj.monotonicTime is clock.now
+    readers = {
+        name
+        for name, member in vars(SyncObj).items()
+        if "monotonicTime" in getattr(getattr(member, "__code__", None), "co_names", ())
+    }
+    assert {"_onTick", "_SyncObj__onMessageReceived", "_SyncObj__sendAppendEntries"} <= readers, readers
+    for name, member in vars(SyncObj).items():
+        names = getattr(getattr(member, "__code__", None), "co_names", ())
+        assert "monotonic" not in names, f"SyncObj.{name} reads a clock other than monotonicTime"

@@ -17,7 +17,9 @@ is checked in one file:
   object (the node's shared log, ``journal.py``), and pysyncobj's pipe
   notifier is off (a group is woken through the scheduler instead, without
   two syscalls per command); its poller has nothing to poll (``NoPoller``:
-  ``transport.py`` carries the messages);
+  ``transport.py`` carries the messages); and ``clock.py`` points
+  ``pysyncobj.syncobj.monotonicTime``, the one clock pysyncobj reads, at the
+  Raft clock (the test checks that no method of ``SyncObj`` reads another);
 - what :class:`RaftCore` overrides: committed entries are applied when the
   group's cycle says so (:meth:`RaftCore.apply_committed`), not by the tick;
   a follower's acknowledgement never rewinds its next index
