@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import queue
@@ -40,6 +39,7 @@ from typing import Any
 
 import grpc
 
+from mqds.tools.alternation import alternate
 from mqds.tools.ports import free_port
 
 __all__ = ["KINDS", "main", "run_kind"]
@@ -240,22 +240,20 @@ def main(argv: list[str] | None = None) -> int:
     if opts.count < 1 or opts.callers < 1 or opts.rounds < 1 or opts.size < 0 or not opts.duration > 0:
         parser.error("--count, --callers and --rounds must be at least 1, --size at least 0, --duration above 0")
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    report: dict[str, list[dict[str, dict[str, float]]]] = {kind: [] for kind in KINDS}
-    for _ in range(opts.rounds):
-        for kind in KINDS:
-            result = run_kind(kind, opts.count, opts.callers, opts.duration, opts.size)
-            report[kind].append(result)
-            if not opts.json:
-                one, many = result["one_caller"], result["many_callers"]
-                print(
-                    f"{kind:7}  one caller: p50 {one['p50_us']:7.1f} us  p99 {one['p99_us']:7.1f} us  "
-                    f"server CPU {one['server_cpu_ms_per_1000']:6.1f} ms per 1,000 calls  |  "
-                    f"{opts.callers} callers: {many['calls_per_s']:8.1f} calls/s  p50 {many['p50_ms']:6.2f} ms  "
-                    f"server CPU {many['server_cpu_ms_per_1000']:6.1f} ms per 1,000 calls",
-                    flush=True,
-                )
-    if opts.json:
-        print(json.dumps(report, indent=2))
+
+    def line(kind: str, result: dict[str, dict[str, float]]) -> str:
+        one, many = result["one_caller"], result["many_callers"]
+        return (
+            f"{kind:7}  one caller: p50 {one['p50_us']:7.1f} us  p99 {one['p99_us']:7.1f} us  "
+            f"server CPU {one['server_cpu_ms_per_1000']:6.1f} ms per 1,000 calls  |  "
+            f"{opts.callers} callers: {many['calls_per_s']:8.1f} calls/s  p50 {many['p50_ms']:6.2f} ms  "
+            f"server CPU {many['server_cpu_ms_per_1000']:6.1f} ms per 1,000 calls"
+        )
+
+    def measure(kind: str) -> dict[str, dict[str, float]]:
+        return run_kind(kind, opts.count, opts.callers, opts.duration, opts.size)
+
+    alternate(KINDS, opts.rounds, measure, line, opts.json)
     return 0
 
 

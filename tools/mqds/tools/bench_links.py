@@ -16,7 +16,6 @@ latency and CPU (see docs/performance.md, "Where a small call's cost goes").
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import queue
@@ -30,6 +29,7 @@ from typing import Any
 
 import grpc
 
+from mqds.tools.alternation import alternate
 from mqds.tools.ports import free_port
 
 _STOP = b"stop"
@@ -175,19 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--count and --rounds must be at least 1, --size at least 0")
     # The children inherit it: gRPC's notice of the peer's GOAWAY at the end of each pair is not news.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    report: dict[str, list[dict[str, float]]] = {"grpc": [], "tcp": []}
-    for _ in range(opts.rounds):
-        for kind in ("grpc", "tcp"):
-            result = run_pair(kind, opts.count, opts.size)
-            report[kind].append(result)
-            if not opts.json:
-                print(
-                    f"{kind:4}  round trip p50 {result['p50_us']:7.1f} us  p99 {result['p99_us']:7.1f} us  "
-                    f"CPU {result['cpu_us_per_round_trip']:6.1f} us per round trip (initiating process)",
-                    flush=True,
-                )
-    if opts.json:
-        print(json.dumps(report, indent=2))
+
+    def line(kind: str, result: dict[str, float]) -> str:
+        return (
+            f"{kind:4}  round trip p50 {result['p50_us']:7.1f} us  p99 {result['p99_us']:7.1f} us  "
+            f"CPU {result['cpu_us_per_round_trip']:6.1f} us per round trip (initiating process)"
+        )
+
+    alternate(("grpc", "tcp"), opts.rounds, lambda kind: run_pair(kind, opts.count, opts.size), line, opts.json)
     return 0
 
 
