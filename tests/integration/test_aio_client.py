@@ -9,6 +9,7 @@ from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 import pytest
+from harness import sender_on
 
 from mqds.client import Client, ConnectionSettings, Message, aio
 from mqds.client import errors as E
@@ -34,10 +35,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         # nodes) soon after start; let it settle so the tests see stable leaders.
         c.wait_leaders_settled()
         yield c
-
-
-def sender_on(shard: int, prefix: str) -> str:
-    return next(f"{prefix}-{i}" for i in range(10_000) if shard_of(f"{prefix}-{i}", N_SHARDS) == shard)
 
 
 def test_store_and_replay_match_the_sync_client(cluster: LocalCluster) -> None:
@@ -205,7 +202,7 @@ def test_size_limits_give_a_clear_typed_error(cluster: LocalCluster) -> None:
 def test_a_retry_after_a_lost_answer_stores_once_and_a_partial_failure_says_what_was_stored(
     cluster: LocalCluster,
 ) -> None:
-    names = [sender_on(shard, f"eo{k}") for shard in range(N_SHARDS) for k in range(2)]
+    names = [sender_on(shard, f"eo{k}", N_SHARDS) for shard in range(N_SHARDS) for k in range(2)]
 
     def batch(first: int) -> list[Message]:
         return [Message(topic=f"eo/{n}", payload=str(i).encode(), sender=n) for n in names for i in (first, first + 1)]
@@ -262,7 +259,7 @@ def test_a_retry_after_a_lost_answer_stores_once_and_a_partial_failure_says_what
 def test_an_iterator_continues_after_its_leader_is_killed(cluster: LocalCluster) -> None:
     # Last in the module: it kills a node (and starts it again).
     shard = 1
-    sender = sender_on(shard, "fo")
+    sender = sender_on(shard, "fo", N_SHARDS)
 
     def batch(start: int, count: int) -> list[Message]:
         return [

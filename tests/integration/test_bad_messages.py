@@ -18,6 +18,7 @@ from concurrent import futures
 
 import grpc
 import pytest
+from harness import sender_on
 
 from mqds.client import Client, Message, aio
 from mqds.client import errors as E
@@ -49,10 +50,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 def client(cluster: LocalCluster) -> Iterator[Client]:
     with Client(cluster.addresses, timeout_s=30) as c:
         yield c
-
-
-def sender_on(shard: int, prefix: str) -> str:
-    return next(f"{prefix}-{i}" for i in range(10_000) if shard_of(f"{prefix}-{i}", N_SHARDS) == shard)
 
 
 def leader_channel(cluster: LocalCluster, sender: str) -> grpc.Channel:
@@ -158,7 +155,7 @@ def test_a_store_batch_with_bad_messages_stores_the_good_ones_and_names_the_bad(
     cluster: LocalCluster, client: Client
 ) -> None:
     """One shard's batch from the request's own bytes: the bad messages are dropped from the logged command."""
-    sender = sender_on(0, "bad-batch")
+    sender = sender_on(0, "bad-batch", N_SHARDS)
     tag = uuid.uuid4().hex[:8]
     topic = f"bad/batch/{tag}"
     messages = [
@@ -183,7 +180,7 @@ def test_a_store_batch_with_bad_messages_stores_the_good_ones_and_names_the_bad(
 
 
 def test_a_batch_of_only_bad_messages_is_refused_with_the_first_ones_status(cluster: LocalCluster) -> None:
-    sender = sender_on(1, "bad-all")
+    sender = sender_on(1, "bad-all", N_SHARDS)
     messages = [encode_message("bad/all/+", b"", sender, 0, False), encode_message("bad/all", b"", sender, 3, False)]
     with leader_channel(cluster, sender) as channel, pytest.raises(grpc.RpcError) as exc:
         raw_store(channel, batch_bytes(*messages))
@@ -196,7 +193,7 @@ def test_a_message_with_a_mistyped_field_is_refused_and_what_is_stored_reads_as_
     cluster: LocalCluster, client: Client
 ) -> None:
     """qos sent length-delimited (and a field Message does not have): refused alone, naming index and field."""
-    sender = sender_on(1, "bad-wire")
+    sender = sender_on(1, "bad-wire", N_SHARDS)
     tag = uuid.uuid4().hex[:8]
     topic = f"bad/wire/{tag}"
     unknown = encode_message(topic, b"unknown", sender, 1, False) + b"\xa0\x06\x01"  # field 100, a varint
@@ -223,7 +220,7 @@ def test_a_message_with_a_mistyped_field_is_refused_and_what_is_stored_reads_as_
 
 
 def test_a_store_stream_batch_with_a_bad_message_stores_the_rest(cluster: LocalCluster, client: Client) -> None:
-    sender = sender_on(0, "bad-stream")
+    sender = sender_on(0, "bad-stream", N_SHARDS)
     tag = uuid.uuid4().hex[:8]
     topic = f"bad/stream/{tag}"
     producer = uuid.uuid4().hex
