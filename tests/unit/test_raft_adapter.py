@@ -130,12 +130,8 @@ def test_pysyncobj_reads_its_clock_through_the_alias_the_raft_clock_replaces() -
     from mqds.server.raft import clock
 
     assert pysyncobj.syncobj.monotonicTime is clock.now
-    readers = {
-        name
-        for name, member in vars(SyncObj).items()
-        if "monotonicTime" in getattr(getattr(member, "__code__", None), "co_names", ())
-    }
+    names = {name: getattr(getattr(member, "__code__", None), "co_names", ()) for name, member in vars(SyncObj).items()}
+    readers = {name for name, used in names.items() if "monotonicTime" in used}
     assert {"_onTick", "_SyncObj__onMessageReceived", "_SyncObj__sendAppendEntries"} <= readers, readers
-    for name, member in vars(SyncObj).items():
-        names = getattr(getattr(member, "__code__", None), "co_names", ())
-        assert "monotonic" not in names, f"SyncObj.{name} reads a clock other than monotonicTime"
+    others = [name for name, used in names.items() if "monotonic" in used]
+    assert not others, f"SyncObj.{others} read a clock other than monotonicTime"
