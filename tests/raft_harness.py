@@ -7,7 +7,7 @@ of ours, the real ``NodeLog`` journal in a temporary directory, the real
 protobuf codec), with only the network replaced.
 
 The seam is the ``Outbox`` protocol (``raft/outbox.py``) that a group is
-given in place of the router: ``send(group, messages)``, ``is_connected``,
+given in place of the router: ``send(sends)``, ``is_connected``,
 ``address_of``. On a real node it is ``PeerRouter`` (``raft/transport.py``),
 which frames the encoded messages, ships them over gRPC, and on the peer's
 side decodes them with ``codec.decode_message`` and calls
@@ -248,8 +248,9 @@ class LoopbackOutbox:
     network: LoopbackNetwork
     node_id: str
 
-    def send(self, group: int, messages: list[Outgoing]) -> None:
-        self.network.send(self.node_id, group, messages)
+    def send(self, sends: list[tuple[int, list[Outgoing]]]) -> None:
+        for group, messages in sends:
+            self.network.send(self.node_id, group, messages)
 
     def is_connected(self, node_id: str) -> bool:
         return self.network.linked(self.node_id, node_id)

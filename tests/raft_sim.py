@@ -239,8 +239,9 @@ class SimOutbox:
         self.network = network
         self.node_id = node_id
 
-    def send(self, group: int, messages: list[Outgoing]) -> None:
-        self.network.send(self.node_id, group, messages)
+    def send(self, sends: list[tuple[int, list[Outgoing]]]) -> None:
+        for group, messages in sends:
+            self.network.send(self.node_id, group, messages)
 
     def is_connected(self, node_id: str) -> bool:
         return self.network.linked(self.node_id, node_id)

@@ -47,9 +47,10 @@ class Outbox:
         self.sent: list[tuple[int, str, dict[str, Any]]] = []
         self.lazy: list[bool] = []
 
-    def send(self, group: int, messages: list[Outgoing]) -> None:
-        self.sent.extend((group, node, codec.decode(raw)) for node, raw, _ in messages)
-        self.lazy.extend(lazy for _, _, lazy in messages)
+    def send(self, sends: list[tuple[int, list[Outgoing]]]) -> None:
+        for group, messages in sends:
+            self.sent.extend((group, node, codec.decode(raw)) for node, raw, _ in messages)
+            self.lazy.extend(lazy for _, _, lazy in messages)
 
     def is_connected(self, node_id: str) -> bool:
         return True

@@ -16,7 +16,7 @@ from raft_harness import RecordingMachine
 from raft_support import Outbox
 
 from mqds.server.raft import cycles
-from mqds.server.raft.group import RaftGroup, RaftTiming
+from mqds.server.raft.group import Outgoing, RaftGroup, RaftTiming
 from mqds.server.raft.journal import NodeLog
 from mqds.server.raft.scheduler import RaftScheduler
 
@@ -254,3 +254,97 @@ def test_timers_of_many_groups_run_from_one_heap_on_one_thread(tmp_path: Path) -
     assert 3 <= len(slow.runs) <= 6, len(slow.runs)
     # The five fast groups were due together: they shared passes instead of one wake-up each.
     assert len(passes) < sum(len(g.runs) for g in [*fast, slow]) / 3
+
+
+class NodeOutbox(Outbox):
+    """One outbox for all of a node's groups (as its router is), remembering each send: its groups, the syncs then."""
+
+    def __init__(self, log: NodeLog) -> None:
+        super().__init__()
+        self.log = log
+        self.calls: list[tuple[list[int], int]] = []
+
+    def send(self, sends: list[tuple[int, list[Outgoing]]]) -> None:
+        self.calls.append(([group for group, _ in sends], self.log.flushes))
+        super().send(sends)
+
+
+def replicas(tmp_path: Path, log: NodeLog, outbox: NodeOutbox, count: int) -> list[RaftGroup]:
+    """``count`` vnode groups of n3 with peers n1 and n2 (connected), sharing ``log`` and ``outbox``."""
+    groups = []
+    for gid in range(1, count + 1):
+        group = RaftGroup(
+            gid,
+            "n3",
+            ["n1", "n2", "n3"],
+            BatchingMachine(),
+            str(tmp_path / f"g{gid}"),
+            log.journal(gid),
+            outbox,
+            TIMING,
+        )
+        for peer in ("n1", "n2"):
+            group.peer_connected(peer, True)
+        groups.append(group)
+    return groups
+
+
+def test_a_pass_sends_each_peer_one_frame_for_all_its_groups_and_acknowledges_only_after_its_sync(
+    tmp_path: Path,
+) -> None:
+    """Five vnodes led here, a write each: their append-entries leave in one send, before the pass's one sync.
+
+    Then, as a follower of five vnodes, a frame of entries for each: one sync,
+    then all five acknowledgements in one send (the router writes one frame
+    per peer for a send).
+    """
+    log = NodeLog(str(tmp_path / "wal"))
+    outbox = NodeOutbox(log)
+    leading = replicas(tmp_path / "leading", log, outbox, 5)
+    try:
+        for group in leading:
+            group._quiet_until = 0.0
+            group.raft.election_deadline = 0
+            group._cycle()
+            group.deliver("n1", {"type": "response_vote", "term": group.raft.term}, 0)
+            group._cycle()
+            assert group.is_leader
+        for group in leading:
+            group.propose(b"write %d" % group.group)
+        outbox.calls.clear()
+        start = len(outbox.sent)
+        flushes = log.flushes
+        cycles.run_pass(leading, False)
+        assert log.flushes == flushes + 1
+        sends = [(groups, at) for groups, at in outbox.calls if groups]
+        assert sends[0] == ([1, 2, 3, 4, 5], flushes), "the appends did not leave together, before the sync"
+        appends = [
+            (gid, node) for gid, node, m in outbox.sent[start:] if m["type"] == "append_entries" and m["entries"]
+        ]
+        assert sorted(appends) == sorted((g, n) for g in range(1, 6) for n in ("n1", "n2"))
+    finally:
+        for group in leading:
+            group.stop()
+
+    following = replicas(tmp_path / "following", log, outbox, 5)
+    try:
+        beat = {"type": "append_entries", "term": 1, "commit_index": 1, "prevLogIdx": 1, "prevLogTerm": 0}
+        for group in following:
+            group.deliver("n1", {**beat, "entries": []}, 0)
+            group._cycle()
+        outbox.calls.clear()
+        start = len(outbox.sent)
+        for group in following:
+            group.deliver("n1", {**beat, "entries": [(b"\x00stored %d" % group.group, 2, 1)]}, 1, wake=False)
+        flushes = log.flushes
+        cycles.run_cycles(following)  # as the receiving thread runs a frame's groups
+        assert log.flushes == flushes + 1
+        assert outbox.calls == [([1, 2, 3, 4, 5], flushes + 1)], (
+            "the acknowledgements did not leave together, after the sync"
+        )
+        acks = [(gid, m["next_node_idx"]) for gid, _, m in outbox.sent[start:] if m["type"] == "next_node_idx"]
+        assert sorted(acks) == [(g, 3) for g in range(1, 6)]
+    finally:
+        for group in following:
+            group.stop()
+        log.close()

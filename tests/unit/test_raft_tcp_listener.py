@@ -51,8 +51,8 @@ class Received:
         self.frames: list[tuple[str, bytes]] = []
         self.event = threading.Event()
 
-    def __call__(self, sender: str, address: str, frame: bytes) -> None:
-        self.frames.append((sender, frame))
+    def __call__(self, sender: str, address: str, frames: list[bytes]) -> None:
+        self.frames.extend((sender, frame) for frame in frames)
         self.event.set()
 
 

@@ -70,3 +70,47 @@ def test_sized_reads_stop_at_the_limit_and_at_a_closed_connection() -> None:
         a.close()
         with pytest.raises(EOFError):
             tcp_wire.read_exactly(b, 3)
+
+
+def framed(*bodies: bytes) -> bytes:
+    return b"".join(tcp_wire.frame_header(len(body)) + body for body in bodies)
+
+
+def test_frames_that_arrived_together_are_read_together() -> None:
+    """What a node that fell behind finds waiting is handed on at once: its groups then share one log sync."""
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        reader = tcp_wire.FrameReader(b, max_frame_bytes=1 << 20)
+        a.sendall(framed(b"first", b"", b"third" * 30))
+        assert reader.read() == [b"first", b"", b"third" * 30]
+
+
+def test_a_frame_in_pieces_is_handed_on_whole_and_a_frame_cut_short_not_at_all() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        reader = tcp_wire.FrameReader(b, max_frame_bytes=1 << 20, read_bytes=64)
+        big = bytes(range(256)) * 40  # longer than a read: comes in pieces
+        whole = framed(big, b"next")
+        a.sendall(whole[:3])  # not even the whole length
+        a.sendall(whole[3:700])
+        a.sendall(whole[700:])
+        got: list[bytes] = []
+        while len(got) < 2:
+            got += reader.read()
+        assert got == [big, b"next"]
+        a.sendall(framed(b"cut")[:-1])
+        a.close()
+        assert reader.read() == []  # the peer closed
+
+
+def test_a_frame_over_the_limit_ends_the_connection_before_its_bytes_are_read() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        reader = tcp_wire.FrameReader(b, max_frame_bytes=100)
+        a.sendall(framed(b"fine") + tcp_wire.frame_header(101))
+        assert reader.read() == [b"fine"]  # what came whole before it is handed on
+        with pytest.raises(LinkRefused, match="101 bytes, over the limit of 100"):
+            reader.read()

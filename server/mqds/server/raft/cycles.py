@@ -5,10 +5,11 @@ every vnode it leads there, a follower's answers to them). Handing each
 group's messages to its own thread costs a wake-up and a hand-off of the GIL
 per group, on every node and for every round, which on a busy node was most of
 a small write's CPU. Instead the receiving thread runs those groups' cycles
-itself, in two halves (``RaftGroup.cycle_before_sync`` and
-``cycle_after_sync``) around *one* log write that makes every group's records
-durable at once: the order inside each group's cycle, and so "durable before
-anything leaves", is unchanged.
+itself, in parts (``RaftGroup.cycle_before_sync``, ``take_outgoing``,
+``cycle_apply``) around *one* log write that makes every group's records
+durable at once, and sends what they produced in one frame per peer: the
+order inside each group's cycle, and so "durable before anything leaves", is
+unchanged.
 
 The node's scheduler (``scheduler.py``) runs the same pass (``run_pass``) over
 the groups that have work. A group runs in a pass only when nothing else is
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from mqds.server.raft.group import RaftGroup
+    from mqds.server.raft.outbox import Outbox, Outgoing, Sends
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +68,14 @@ def run_pass(groups: list[RaftGroup], long_lane: bool) -> None:
 
 
 def _run_taken(taken: list[RaftGroup], retry_now: bool) -> None:
-    """The cycles of groups whose ``cycle_lock`` this thread holds: before-sync, one log write, after-sync.
+    """The cycles of groups whose ``cycle_lock`` this thread holds, as one pass.
 
-    A cycle that fails is run again by the scheduler: at once when it failed
+    In order: the first half of every cycle; the leaders' append-entries
+    leave, one frame per peer for all of them; one log write and sync for
+    every group's records; every other message leaves, again one frame per
+    peer; then every group applies. Within each group that is the order of a
+    cycle run alone (``RaftGroup._cycle``), so durable-before-send holds. A
+    cycle that fails is run again by the scheduler: at once when it failed
     on a receiving thread (``retry_now``), else after a pause, so a failing
     disk cannot spin a worker.
     """
@@ -76,17 +83,21 @@ def _run_taken(taken: list[RaftGroup], retry_now: bool) -> None:
     try:
         ready: list[RaftGroup] = []
         rounds: list[int] = []
+        early: list[tuple[RaftGroup, list[Outgoing]]] = []
         for group in taken:
             try:
-                group.cycle_before_sync()
+                outgoing = group.cycle_before_sync()
                 round_ = group.journal.stage()
             except Exception:
                 log.exception("%s: Raft cycle failed; it runs again", group.name)
                 failed.add(id(group))
                 continue
             ready.append(group)
+            if outgoing:
+                early.append((group, outgoing))
             if round_ is not None:
                 rounds.append(round_)
+        failed.update(_send(early))
         if rounds:
             try:
                 ready[0].journal.wait_durable(max(rounds))
@@ -94,12 +105,14 @@ def _run_taken(taken: list[RaftGroup], retry_now: bool) -> None:
                 log.exception("syncing the Raft log failed; the groups' cycles run again")
                 failed.update(id(group) for group in ready)
                 return
+        failed.update(_send([(group, outgoing) for group in ready if (outgoing := group.take_outgoing())]))
         for group in ready:
-            try:
-                group.cycle_after_sync()
-            except Exception:
-                log.exception("%s: Raft cycle failed; it runs again", group.name)
-                failed.add(id(group))
+            if id(group) not in failed:
+                try:
+                    group.cycle_apply()
+                except Exception:
+                    log.exception("%s: Raft cycle failed; it runs again", group.name)
+                    failed.add(id(group))
             group.note_cycle()
     finally:
         for group in taken:
@@ -109,3 +122,25 @@ def _run_taken(taken: list[RaftGroup], retry_now: bool) -> None:
                     group.wake()
             else:
                 group.end_cycle()
+
+
+def _send(sends: list[tuple[RaftGroup, list[Outgoing]]]) -> set[int]:
+    """Send the groups' messages, one frame per peer for all of them; the ids of groups whose sending failed.
+
+    A pass's groups share the node's router; groups of different outboxes
+    (nodes in one process, in tests) are sent through each in turn.
+    """
+    by_outbox: dict[int, tuple[Outbox, list[RaftGroup], Sends]] = {}
+    for group, outgoing in sends:
+        outbox = group.outbox
+        _, groups, batch = by_outbox.setdefault(id(outbox), (outbox, [], []))
+        groups.append(group)
+        batch.append((group.group, outgoing))
+    failed: set[int] = set()
+    for outbox, groups, batch in by_outbox.values():
+        try:
+            outbox.send(batch)
+        except Exception:
+            log.exception("sending the Raft messages of %d groups failed; their cycles run again", len(groups))
+            failed.update(id(group) for group in groups)
+    return failed

@@ -438,13 +438,20 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
     # -- the cycle ---------------------------------------------------------------
 
     def _cycle(self) -> None:
-        """One whole cycle on the calling thread (tests drive groups by hand with it; passes run its halves)."""
-        self.cycle_before_sync()
+        """One whole cycle on the calling thread (tests drive groups by hand with it; passes run its parts)."""
+        self._send(self.cycle_before_sync())
         self.journal.sync()
-        self.cycle_after_sync()
+        self._send(self.take_outgoing())
+        self.cycle_apply()
 
-    def cycle_before_sync(self) -> None:
-        """A cycle up to its log sync: deliver the inbox, log proposals, tick; a leader's appends leave."""
+    def cycle_before_sync(self) -> list[Outgoing]:
+        """A cycle up to its log sync: deliver the inbox, log proposals, tick.
+
+        Returns what may leave before the sync: a leader's append-entries
+        (the caller sends them, with the other groups' of its pass, before
+        the sync). Everything else the cycle produced waits for the sync
+        (``take_outgoing``).
+        """
         members = self._members_set()
         inbox = self._inbox
         while inbox:
@@ -502,7 +509,8 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
             # 10.2.1). Nothing is lost: an entry commits on the followers'
             # answers, handled in a later cycle (after this sync), and is
             # applied, and answered, only after this sync in any case.
-            self._send_outbox()
+            return self.take_outgoing()
+        return []
 
     def _idle_compaction_due(self) -> bool:
         """Whether the log stopped growing long enough to compact (``IdleLog``).
@@ -516,12 +524,20 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
             return False
         return self._idle_log.due(last, self.journal.size_bytes, raft_clock())
 
-    def cycle_after_sync(self) -> None:
-        """The rest of a cycle, once its log records are durable: send what it produced, then apply."""
-        self._send_outbox()
-        # Only now, with this cycle's acknowledgements and append-entries on
-        # their way, apply what is committed: a follower's answer to the next
-        # batch does not wait for the previous one to reach RocksDB.
+    def take_outgoing(self) -> list[Outgoing]:
+        """What the cycle produced so far, for the caller to send (after the sync; a leader's appends before)."""
+        outgoing = self._transport.outbox
+        if outgoing:
+            self._transport.outbox = []
+        return outgoing
+
+    def cycle_apply(self) -> None:
+        """The end of a cycle, once its log records are durable and its messages left: apply what is committed.
+
+        Only now, with the cycle's acknowledgements and append-entries on
+        their way, so a follower's answer to the next batch does not wait for
+        the previous one to reach RocksDB.
+        """
         raft = self.raft
         if raft.commit_index > raft.last_applied:
             raft.apply_committed()
@@ -533,11 +549,14 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
             # was just appended (and synced), so go round again at once.
             self.wake()
 
-    def _send_outbox(self) -> None:
-        outbox = self._transport.outbox
-        if outbox:
-            self._transport.outbox = []
-            self._outbox.send(self.group, outbox)
+    @property
+    def outbox(self) -> Outbox:
+        """Where this group's messages go (the node's router): a pass sends every group's through it at once."""
+        return self._outbox
+
+    def _send(self, outgoing: list[Outgoing]) -> None:
+        if outgoing:
+            self._outbox.send([(self.group, outgoing)])
 
     def _log_proposals(self) -> None:
         """Hand the proposals queued since the last cycle to pysyncobj, batched (group commit)."""

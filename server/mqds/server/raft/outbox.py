@@ -36,10 +36,16 @@ class Outgoing(NamedTuple):
     """Nobody waits for it: it may wait a little to share a frame (see ``GroupTransport.send``)."""
 
 
+Sends = list[tuple[int, list[Outgoing]]]
+"""What one or more groups' cycles send: (the group's number, its messages), in order."""
+
+
 class Outbox(Protocol):
     """Where a group's messages go once they may leave the node (the router)."""
 
-    def send(self, group: int, messages: list[Outgoing]) -> None: ...
+    def send(self, sends: Sends) -> None:
+        """Send the messages of one or more groups' cycles: what is for one peer leaves in one frame."""
+        ...
 
     def is_connected(self, node_id: str) -> bool: ...
 

@@ -3,11 +3,13 @@
 One thread accepts; each accepted connection gets a thread of its own that
 runs the handshake (``tcp_wire``, TLS first where it is on: all of it within
 ``HANDSHAKE_TIMEOUT_S`` of the accept) and then
-reads frames and hands each to ``receive(sender, frame)``, the router's, which
-decodes it and runs the cycles of the groups it touched on this same thread
-(``cycles.run_cycles``). So a frame costs one wake-up (this thread's, out of
-``recv``), where a gRPC stream cost the server's poller thread and a handler
-thread. A connection that fails the handshake, sends a frame over
+reads frames and hands them to ``receive(sender, address, frames)``, the
+router's, which decodes them and runs the cycles of the groups they touched on
+this same thread (``cycles.run_cycles``). So a frame costs one wake-up (this
+thread's, out of ``recv``), where a gRPC stream cost the server's poller thread
+and a handler thread; and the frames that arrived while the thread was busy
+are handed on together (``tcp_wire.FrameReader``), so their groups' cycles
+share one log sync. A connection that fails the handshake, sends a frame over
 ``max_frame_bytes`` or goes silent past TCP keepalive is closed; the peer
 reconnects.
 
@@ -61,7 +63,7 @@ class TcpListener:
         listen: str,
         secret: bytes,
         dev_mode: bool,
-        receive: Callable[[str, str, bytes], None],
+        receive: Callable[[str, str, list[bytes]], None],
         max_frame_bytes: int,
         tls: ssl.SSLContext | None = None,
     ) -> None:
@@ -160,19 +162,12 @@ class TcpListener:
             if old is not None:
                 _shut(old)
             sock.settimeout(None)
-            reader = sock.makefile("rb", buffering=_READ_BUFFER_BYTES)
-            header = tcp_wire.frame_header(0).__len__()
+            reader = tcp_wire.FrameReader(sock, self._max_frame_bytes, _READ_BUFFER_BYTES)
             while not self._closed:
-                head = reader.read(header)
-                if len(head) < header:
+                frames = reader.read()
+                if not frames:
                     return  # closed by the peer
-                length = int.from_bytes(head, "big")
-                if length > self._max_frame_bytes:
-                    raise LinkRefused(f"a frame of {length} bytes, over the limit of {self._max_frame_bytes}")
-                frame = reader.read(length)
-                if len(frame) < length:
-                    return
-                self._receive(sender, address, frame)
+                self._receive(sender, address, frames)
         except LinkRefused as err:
             self.refused += 1
             log.warning("closed a Raft connection from %s: %s", peer, err)

@@ -5,8 +5,9 @@ written by the thread that sends (:mod:`mqds.server.raft.tcp_link`, received by
 :mod:`mqds.server.raft.tcp_listener`), or, with ``raft_transport = "grpc"`` or
 for a peer that takes no TCP, a long-lived ``Raft.Stream`` call (a
 :class:`_PeerLink` with a thread of its own). Groups hand the router their
-encoded messages once their journal is synced (a leader's appends before);
-the router sends each peer its share. On the gRPC stream every message queued
+encoded messages once their journal is synced (a leader's appends before),
+a pass's groups all at once; the router sends each peer its share in one
+frame (``send``). On the gRPC stream every message queued
 for a peer, whatever its group, goes out in one ``Frame`` (each frame costs a
 handful of thread hand-offs in gRPC on both ends). A message nobody waits for
 (a heartbeat, a follower's answer that repeats its last one:
@@ -14,11 +15,12 @@ handful of thread hand-offs in gRPC on both ends). A message nobody waits for
 that peer sends it at once. Envelopes are built at the wire level (tag,
 length, bytes), so a message is serialised once, by the group that sent it.
 
-Receiving, from either link, goes through ``_receive_frame``: a frame is
+Receiving, from either link, goes through ``_receive_frames``: each frame is
 parsed with protobuf, each message decoded by the restricted decoder
 (:mod:`mqds.server.raft.codec`) and appended to its group's inbox; then the
-cycles of the groups it touched run on the receiving thread
-(:mod:`mqds.server.raft.cycles`). A frame or message that does not parse, or
+cycles of the groups they touched run on the receiving thread
+(:mod:`mqds.server.raft.cycles`), once for all the frames that arrived
+together. A frame or message that does not parse, or
 names a group this node does not host, is dropped and counted; it never
 reaches pysyncobj.
 
@@ -46,7 +48,7 @@ from mqds.server.raft import codec
 from mqds.server.raft.cluster_auth import ClusterAuth
 from mqds.server.raft.cycles import run_cycles
 from mqds.server.raft.group import RaftGroup
-from mqds.server.raft.outbox import Outgoing
+from mqds.server.raft.outbox import Sends
 from mqds.server.raft.tcp_link import TcpPeerLink
 from mqds.server.raft.tcp_listener import TcpListener
 from mqds.server.raft.v1 import raft_pb2 as rpb
@@ -368,12 +370,12 @@ class PeerRouter:
     def refused_connections(self) -> int:
         return self._listener.refused if self._listener is not None else 0
 
-    def _receive_tcp(self, sender: str, address: str, raw: bytes) -> None:
+    def _receive_tcp(self, sender: str, address: str, frames: list[bytes]) -> None:
         if sender in self._blocked or self._isolated:
             return
         if address and sender != self.node_id and self._addresses.get(sender) != address:
             self.set_address(sender, address)
-        self._receive_frame(sender, raw)
+        self._receive_frames(sender, frames)
 
     def isolate(self) -> None:
         """Drop all Raft traffic to and from every peer from now on: a node whose disk failed leaves its groups.
@@ -399,16 +401,18 @@ class PeerRouter:
 
     # -- sending ---------------------------------------------------------------
 
-    def send(self, group: int, messages: list[Outgoing]) -> None:
-        by_peer: dict[str, list[bytes]] = {}
-        urgent: set[str] = set()
-        for node_id, raw, lazy in messages:
-            by_peer.setdefault(node_id, []).append(envelope(group, raw))
-            if not lazy:
-                urgent.add(node_id)
-        blocked = self._blocked
+    def send(self, sends: Sends) -> None:
+        """The messages of a pass's (or a lone cycle's) groups: each peer's in one frame, lazy only if all are."""
         if self._isolated:
             return
+        by_peer: dict[str, list[bytes]] = {}
+        urgent: set[str] = set()
+        for group, messages in sends:
+            for node_id, raw, lazy in messages:
+                by_peer.setdefault(node_id, []).append(envelope(group, raw))
+                if not lazy:
+                    urgent.add(node_id)
+        blocked = self._blocked
         for node_id, items in by_peer.items():
             link = self._links.get(node_id)
             if link is not None and node_id not in blocked:
@@ -425,17 +429,24 @@ class PeerRouter:
         for raw in frames:
             if sender in self._blocked or self._isolated:
                 continue
-            self._receive_frame(sender, raw)
+            self._receive_frames(sender, [raw])
         return rpb.StreamClosed()
 
-    def _receive_frame(self, sender: str, raw: bytes) -> None:
+    def _receive_frames(self, sender: str, raws: list[bytes]) -> None:
+        """Frames from ``sender``, in order: every message delivered, then the groups touched run, once each."""
+        touched: dict[int, RaftGroup] = {}
+        for raw in raws:
+            self._deliver_frame(sender, raw, touched)
+        # Their cycles run here, sharing one log write, instead of handing each group to the scheduler (cycles.py).
+        run_cycles(touched.values())
+
+    def _deliver_frame(self, sender: str, raw: bytes, touched: dict[int, RaftGroup]) -> None:
         try:
             frame = rpb.Frame.FromString(raw)
         except Exception as err:  # DecodeError, or RuntimeError from upb
             self.dropped_frames += 1
             log.warning("dropped a Raft frame from %s that does not parse: %s", sender, err)
             return
-        touched: dict[int, RaftGroup] = {}
         for env in frame.messages:
             group = self._lookup(env.group)
             if group is None:
@@ -451,8 +462,6 @@ class PeerRouter:
             # run_cycles then hands it on, with whatever follows it in the frame.
             group.deliver(sender, message, env.message.echo, wake=False, sequence=env.message.sequence)
             touched.setdefault(env.group, group)
-        # Their cycles run here, sharing one log write, instead of handing each group to the scheduler (cycles.py).
-        run_cycles(touched.values())
 
 
 def raft_stream_handler(router: PeerRouter) -> Any:
