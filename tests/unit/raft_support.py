@@ -89,13 +89,18 @@ def leader(tmp_path: Path) -> tuple[RaftGroup, Outbox]:
     group, _, outbox = make_group(tmp_path, ["n1", "n2", "n3"])
     for peer in ("n1", "n2"):
         group.peer_connected(peer, True)
+    elect(group)
+    return group, outbox
+
+
+def elect(group: RaftGroup) -> None:
+    """Make a new replica, connected to n1, campaign at once and win by n1's vote (driven by hand)."""
     group._quiet_until = 0.0
     group.raft.election_deadline = 0
     group._cycle()
     group.deliver("n1", {"type": "response_vote", "term": group.raft.term}, 0)
     group._cycle()
     assert group.is_leader
-    return group, outbox
 
 
 def sent_since(outbox: Outbox, start: int) -> list[tuple[str, dict[str, Any], bool]]:

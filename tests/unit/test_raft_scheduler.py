@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from raft_harness import RecordingMachine
-from raft_support import Outbox
+from raft_support import Outbox, elect
 
 from mqds.server.raft import cycles
 from mqds.server.raft.group import Outgoing, RaftGroup, RaftTiming
@@ -303,12 +303,7 @@ def test_a_pass_sends_each_peer_one_frame_for_all_its_groups_and_acknowledges_on
     leading = replicas(tmp_path / "leading", log, outbox, 5)
     try:
         for group in leading:
-            group._quiet_until = 0.0
-            group.raft.election_deadline = 0
-            group._cycle()
-            group.deliver("n1", {"type": "response_vote", "term": group.raft.term}, 0)
-            group._cycle()
-            assert group.is_leader
+            elect(group)
         for group in leading:
             group.propose(b"write %d" % group.group)
         outbox.calls.clear()
