@@ -1,9 +1,11 @@
 """The outbox: how a group's outgoing messages are encoded, held and batched.
 
 pysyncobj hands every message it produces to a transport at once. Ours
-(:class:`GroupTransport`) only encodes it and keeps it: the group hands the
-cycle's messages to the router (:class:`Outbox`) after ``journal.sync()``, so
-nothing leaves the node before what it acknowledges is on disk. Each message
+(:class:`GroupTransport`) only encodes it and keeps it: the cycle's messages go
+to the router (:class:`Outbox`) after ``journal.sync()`` (a leader's
+append-entries before it), so nothing leaves the node before what it
+acknowledges is on disk; a pass hands over every group's at once, and the
+router sends each peer one frame for them (``cycles.py``). Each message
 is also marked lazy or not here, which is what lets the peer's link batch
 heartbeats of several groups into one frame (see DESIGN.md, "Heartbeats wait
 for company"). The router itself is ``transport.py``.
