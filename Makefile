@@ -62,9 +62,9 @@ lint: $(STAMP)
 	$(BIN)/mypy -p mqds.protocol -p mqds.client -p mqds.server -p mqds.cli -p mqds.broker -p mqds.chaos -p mqds.tools -p mqds.spark -m mqds.bench
 
 # The Spark tests first, in a process of their own (Spark's JVM must start
-# before any gRPC channel of the process). Then two workers, each running whole test files (a file's cluster fixture and its
+# before any gRPC channel of the process). Then three workers, each running whole test files (a file's cluster fixture and its
 # tests stay together); most of what the tests wait for is elections, fsyncs
-# and timeouts, so two files at a time fit on two cores.
+# and timeouts, so three files at a time fit on two cores.
 test: lint
 	$(BIN)/python proto/generate.py --check
 	$(BIN)/python -m pytest -m spark $(PYTEST_ARGS)
