@@ -343,3 +343,28 @@ def test_a_pass_sends_each_peer_one_frame_for_all_its_groups_and_acknowledges_on
         for group in following:
             group.stop()
         log.close()
+
+
+def test_a_leaders_appends_leave_even_when_staging_its_records_fails(tmp_path: Path, monkeypatch: Any) -> None:
+    """Appends may leave before the leader's own sync (it counts itself only once synced), so a cycle whose
+    staging failed still sends them, as a lone cycle does; the group runs again, and nothing is applied."""
+    log = NodeLog(str(tmp_path / "wal"))
+    outbox = NodeOutbox(log)
+    (group,) = replicas(tmp_path, log, outbox, 1)
+    try:
+        elect(group)
+        group.propose(b"write")
+        start = len(outbox.sent)
+
+        def broken() -> int:
+            raise OSError("staging failed")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(group.journal, "stage", broken)
+            cycles.run_pass([group], False)
+        appends = [node for _, node, m in outbox.sent[start:] if m["type"] == "append_entries" and m["entries"]]
+        assert sorted(appends) == ["n1", "n2"]
+        assert group.machine.commands == []
+    finally:
+        group.stop()
+        log.close()

@@ -85,18 +85,19 @@ def _run_taken(taken: list[RaftGroup], retry_now: bool) -> None:
         rounds: list[int] = []
         early: list[tuple[RaftGroup, list[Outgoing]]] = []
         for group in taken:
+            outgoing: list[Outgoing] = []
             try:
                 outgoing = group.cycle_before_sync()
                 round_ = group.journal.stage()
             except Exception:
                 log.exception("%s: Raft cycle failed; it runs again", group.name)
                 failed.add(id(group))
-                continue
-            ready.append(group)
-            if outgoing:
+            else:
+                ready.append(group)
+                if round_ is not None:
+                    rounds.append(round_)
+            if outgoing:  # a leader's appends leave even if staging its records failed, as before the pass
                 early.append((group, outgoing))
-            if round_ is not None:
-                rounds.append(round_)
         failed.update(_send(early))
         if rounds:
             try:

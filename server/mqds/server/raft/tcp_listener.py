@@ -43,7 +43,6 @@ MAX_HANDSHAKES = 32
 MAX_HANDSHAKES_PER_ADDRESS = 8
 """Of those, from one source address (IPv6: one /64). Peers' handshakes take milliseconds; nodes that share
 an address (a cluster on one host) open at most one connection to this node each at a time."""
-_READ_BUFFER_BYTES = 256 * 1024
 
 
 def keepalive(sock: socket.socket) -> None:
@@ -162,7 +161,7 @@ class TcpListener:
             if old is not None:
                 _shut(old)
             sock.settimeout(None)
-            reader = tcp_wire.FrameReader(sock, self._max_frame_bytes, _READ_BUFFER_BYTES)
+            reader = tcp_wire.FrameReader(sock, self._max_frame_bytes)
             while not self._closed:
                 frames = reader.read()
                 if not frames:
