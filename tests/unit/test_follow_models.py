@@ -4,6 +4,9 @@ to a whole cohort at once."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from storage_support import msg
@@ -214,3 +217,62 @@ def test_a_start_naming_many_that_cannot_be_served_fails_for_each() -> None:
     answers = [pb.FollowResponse.FromString(f) for f in failures]
     assert not cohorts
     assert [(a.id, a.failure.reason) for a in answers] == [(i, "INVALID_TOPIC_FILTER") for i in (5, 6, 7)]
+
+
+class _OneFeed:
+    """One shard's replica with a live feed, as the call reads it: a leader, its feed, its last timestamp."""
+
+    n_shards = 4
+
+    def __init__(self) -> None:
+        self.feed = ShardFeed(3, 1 << 20)
+        self.last_ts = 0
+        self.replica = self
+        self.group = self
+        self.is_leader = True
+
+    def vnode(self, shard: int) -> _OneFeed:
+        return self
+
+    @contextmanager
+    def reading(self) -> Iterator[_OneFeed]:
+        yield self  # as storage: only last_ts is read while the feed has what is asked
+
+    def store(self, count: int) -> None:
+        messages = [msg("a/x", f"{self.last_ts + 1 + i}".encode()) for i in range(count)]
+        self.feed.append(self.last_ts + 1, messages, [m.SerializeToString() for m in messages])
+        self.last_ts += count
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=40), st.integers(1, 10))
+def test_members_short_of_an_answer_split_off_in_one_cohort_for_each_credit(credits: list[int], stored: int) -> None:
+    """A read that some members' credit does not cover: each member gets what its credit allows, in order,
+    and the answers are one for each credit held (the members whose credit covers the read, and one for each
+    smaller credit), never one for each member short of it; granted enough, they meet again where the feed
+    ends and are one cohort. (With one answer for each member short of credit, a grant in flight for 50
+    members of one call cost 5x the messages on the wire.)"""
+    shards = _OneFeed()
+    call = _Call(shards, FollowLimits(), None, lambda: 0)  # type: ignore[arg-type]
+    start = pb.FollowStart(topic_filter=FILTER, shard=3, credit=1, shared_answers=True, stale_ok=True)
+    cohort = Cohort(start, LEVELS, 0, True)
+    for sid, credit in enumerate(credits, 1):
+        cohort.add(FollowSub(start, sid), credit)
+        call.subs[sid] = cohort.members[sid]
+    call.cohorts.add(cohort)
+    assert call._serve_cohort(cohort) == []  # nothing stored yet: it listens to the feed
+    shards.store(stored)
+    answers = [pb.FollowResponse.FromString(answer) for answer, _ in call._serve_cohort(cohort)]
+    got: dict[int, list[bytes]] = {sid: [] for sid in call.subs}
+    for answer in answers:
+        for sid in (answer.id, *answer.also):
+            got[sid] += [m.payload for m in answer.messages]
+    assert got == {sid: [f"{i}".encode() for i in range(1, min(c, stored) + 1)] for sid, c in enumerate(credits, 1)}
+    assert len(answers) == len({min(c, stored) for c in credits})
+    for sid in call.subs:
+        call._take(pb.FollowRequest(credit=pb.FollowCredit(id=sid, messages=stored)))
+    for each in list(call.cohorts):
+        if each.members:
+            call._serve_cohort(each)
+    assert len([c for c in call.cohorts if c.members]) == 1
+    assert all(sub.cohort is not None and sub.cohort.position == stored for sub in call.subs.values())

@@ -265,7 +265,8 @@ class _Call:
 
     def _serve_cohort(self, cohort: Cohort) -> list[_Answer]:
         """The cohort's next answers: one read with the most credit a member has, one answer for those whose
-        credit covers what it found; the others split off and are served on their own, from the same position.
+        credit covers what it found; the others split off, those holding the same credit together (one answer
+        each credit, not one each member), and are served within it from the same position.
         An answer holds messages, or only progress; or a failure for each member, which ends them.
         """
         with self.lock:
@@ -281,12 +282,15 @@ class _Call:
         split: list[Cohort] = []
         ids: tuple[int, int, bytes] | None = None
         with self.lock:  # the reader thread grants credit
-            if count > least:
+            if count > least:  # those short split off together, one cohort for each credit they hold
+                by_credit: dict[int, Cohort] = {}
                 for sub in cohort.short_of(count):
                     credit = cohort.remove(sub)
-                    alone = Cohort(sub.start, cohort.levels, cohort.position, cohort.shared)
-                    alone.add(sub, credit)
-                    split.append(alone)
+                    alike = by_credit.get(credit)
+                    if alike is None:
+                        alike = by_credit[credit] = Cohort(sub.start, cohort.levels, cohort.position, cohort.shared)
+                        split.append(alike)
+                    alike.add(sub, credit)
             cohort.position = max(cohort.position, got.position)
             now = time.monotonic()
             if count or (cohort.position != cohort.reported and now - cohort.reported_at >= _PROGRESS_S):
@@ -303,9 +307,9 @@ class _Call:
             head = pb.FollowResponse(id=first, shard=cohort.shard, position_us=cohort.position).SerializeToString()
             answers.append((head + also + b"".join(got.pieces), cohort if got.more else None))
         self._file(cohort)
-        for alone in split:  # less credit than the others had: within its own, from where it stood
-            self.cohorts.add(alone)
-            answers += self._serve_cohort(alone)
+        for alike in split:  # less credit than the others had: within theirs, from where they stood
+            self.cohorts.add(alike)
+            answers += self._serve_cohort(alike)
         return answers
 
     def _file(self, cohort: Cohort) -> None:

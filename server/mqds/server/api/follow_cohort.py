@@ -4,8 +4,8 @@ A cohort is a call's subscriptions of one topic filter on one shard that
 stand at the same position and take shared answers
 (``FollowStart.shared_answers``): the node reads for it once and sends it
 one answer, whose ``also`` names every member. A subscription that did not
-ask for shared answers is a cohort of its own, and so is one split off
-because its credit fell short of an answer.
+ask for shared answers is a cohort of its own; members whose credit fell
+short of an answer split off into a cohort for each credit they hold.
 
 Credit is kept so that an answer costs a cohort one addition whatever its
 size: the cohort counts the messages it ``sent``, and each member holds
