@@ -30,12 +30,19 @@ help:
 	@echo "make image           docker build -f deploy/Dockerfile -t mqds:0.1.0 . (needs a Docker engine)"
 	@echo "make clean           remove .venv and caches"
 
-$(STAMP): pyproject.toml setup.py client/pyproject.toml client/setup.py server/mqds/server/_wire_native.c \
+# The packages, each a distribution of its own (docs/development.md, "Layout"): the client library, the
+# command line, the broker integrations, the Spark source, the node (the root), and the development
+# tools, chaos runner and benchmarks; all installed editable into .venv.
+PACKAGES := ./client ./cli ./broker ./spark '.[dev]' ./tools ./chaos './bench[spark]'
+
+$(STAMP): pyproject.toml setup.py client/pyproject.toml client/setup.py cli/pyproject.toml broker/pyproject.toml \
+         spark/pyproject.toml tools/pyproject.toml chaos/pyproject.toml bench/pyproject.toml \
+         server/mqds/server/_wire_native.c \
          server/mqds/server/storage/_store_native.c client/mqds/client/_wire_columns.c \
          client/mqds/client/_store_frames.c | fuse-libs
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ./client -e '.[dev]'
+	$(BIN)/python -m pip install --quiet $(addprefix -e ,$(PACKAGES))
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -56,10 +63,12 @@ fuse-libs:
 	    echo "libfuse 3 is missing (apt-get install fuse3 libfuse3-3): the fault filesystem's tests will be skipped"; \
 	fi
 
+SOURCES := client cli broker spark server tools chaos bench
+
 lint: $(STAMP)
-	$(BIN)/ruff check client server tests proto chaos tools
-	$(BIN)/ruff format --check client server tests proto chaos tools
-	$(BIN)/mypy -p mqds.protocol -p mqds.client -p mqds.server -p mqds.cli -p mqds.broker -p mqds.chaos -p mqds.tools -p mqds.spark -m mqds.bench
+	$(BIN)/ruff check $(SOURCES) tests proto
+	$(BIN)/ruff format --check $(SOURCES) tests proto
+	$(BIN)/mypy -p mqds.protocol -p mqds.client -p mqds.server -p mqds.cli -p mqds.broker -p mqds.chaos -p mqds.tools -p mqds.spark -p mqds.bench
 
 # The Spark tests first, in a process of their own (Spark's JVM must start
 # before any gRPC channel of the process). Then three workers, each running whole test files (a file's cluster fixture and its
@@ -101,7 +110,7 @@ bench-storage: $(STAMP)
 	$(BIN)/python -m mqds.server.storage.bench
 
 bench-cluster: $(STAMP)
-	$(BIN)/python -m mqds.tools.bench_cluster
+	$(BIN)/python -m mqds.bench.cluster
 
 # The peer's scripts (jetstream_bench.py, setup.sh): the anchors directory; its setup.sh installs the peer once per
 # machine under $$ANCHORS. BENCH_PEER_ARGS="--duration 3 --peer-args '--n 30000 --n-sync 1000'" for a short sitting.
@@ -111,7 +120,7 @@ bench-peer: $(STAMP)
 	$(BIN)/mqds bench --start-cluster --small-writes --peer-anchors $(PEER_ANCHORS) $(BENCH_PEER_ARGS)
 
 bench-spark: $(STAMP)
-	$(BIN)/python -m mqds.spark.bench
+	$(BIN)/python -m mqds.bench.spark
 
 server: $(STAMP)
 	$(BIN)/mqds-server --node-id n1 --listen 127.0.0.1:7101 --data-dir data/n1

@@ -1,6 +1,7 @@
 """Generate the Python protobuf and gRPC modules from proto/.
 
-The public API (proto/mqds/v1) goes to client/, since clients need it; the
+The public API (proto/mqds/v1) goes to client/, since clients need it; EMQX's
+ExHook v3 (proto/mqds/broker) to broker/, the package that serves it; the
 node-to-node protocol and the replicated commands (proto/mqds/server) go to
 server/, beside the packages that own them.
 
@@ -20,12 +21,14 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
 CLIENT_DIR = ROOT / "client"
+BROKER_DIR = ROOT / "broker"
 SERVER_DIR = ROOT / "server"
 
 
 def out_dir_of(rel: pathlib.Path) -> pathlib.Path:
     """Where the modules generated from the .proto file at ``rel`` (relative to proto/) belong."""
-    return SERVER_DIR if rel.parts[:2] == ("mqds", "server") else CLIENT_DIR
+    owners = {"server": SERVER_DIR, "broker": BROKER_DIR}
+    return owners.get(rel.parts[1], CLIENT_DIR) if rel.parts[0] == "mqds" and len(rel.parts) > 2 else CLIENT_DIR
 
 
 def proto_files() -> list[pathlib.Path]:

@@ -1,9 +1,10 @@
-"""The client installs and works without the server's dependencies."""
+"""The client library installs and works alone: no server, command line, broker, Spark or benchmark code."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import tomllib
 import venv
 from pathlib import Path
@@ -11,10 +12,23 @@ from pathlib import Path
 import pytest
 from harness import ServerProcess
 
+from mqds.cli import plugins
+
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_ONLY = ("rocksdict", "pysyncobj", "prometheus", "grpcio-health-checking", "grpcio-reflection")
 
 pytestmark = pytest.mark.integration
+
+
+LIBRARY = ("mqds.client", "mqds.protocol", "mqds.v1")
+LOADED = "import sys, mqds.client; print(' '.join(sorted(m for m in sys.modules if m.startswith('mqds.'))))"
+
+
+def test_importing_the_client_loads_the_library_alone() -> None:
+    run = subprocess.run([sys.executable, "-c", LOADED], capture_output=True, text=True, timeout=60, check=True)
+    loaded = run.stdout.split()
+    assert "mqds.client" in loaded
+    assert [m for m in loaded if not m.startswith(LIBRARY)] == []
 
 
 def test_client_metadata_has_no_server_dependencies() -> None:
@@ -26,24 +40,33 @@ def test_client_metadata_has_no_server_dependencies() -> None:
         assert not any(name in dep for dep in deps)
 
 
+def _copy(name: str, tmp_path: Path) -> Path:
+    """A package's directory, copied: building in place would leave build/ in the tree."""
+    source = tmp_path / f"{name}-src"
+    shutil.copytree(ROOT / name, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    return source
+
+
+def _pip(python: Path, *args: str) -> None:
+    install = subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", *args], capture_output=True, text=True, timeout=600
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_client_in_a_fresh_venv_talks_to_a_node(tmp_path: Path, server: ServerProcess) -> None:
-    # Install from a copy: building in place would leave build/ in the tree.
-    source = tmp_path / "client-src"
-    shutil.copytree(ROOT / "client", source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     env_dir = tmp_path / "client-venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
-    install = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", str(source)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert install.returncode == 0, install.stderr[-3000:]
-    listed = subprocess.run([str(python), "-m", "pip", "list"], capture_output=True, text=True, timeout=120).stdout
-    for name in SERVER_ONLY:
-        assert name not in listed.lower()
+    _pip(python, str(_copy("client", tmp_path)))
+    pip_list = [str(python), "-m", "pip", "list", "--format", "freeze"]
+    listed = {
+        line.split("==")[0].lower() for line in subprocess.run(pip_list, capture_output=True, text=True).stdout.split()
+    }
+    assert "mqds-client" in listed
+    for name in (*SERVER_ONLY, "rich", "amqtt", "pyspark", "pyarrow", "mqds-cli", "mqds-broker", "mqds-spark"):
+        assert not any(package == name or package.startswith(f"{name}-") for package in listed), name
     script = (
         "from mqds.client import Client, Message\n"
         f"c = Client('{server.address}')\n"
@@ -53,13 +76,20 @@ def test_client_in_a_fresh_venv_talks_to_a_node(tmp_path: Path, server: ServerPr
     run = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[b'hi']"
-    # The command line comes with the client; the commands that run nodes say what they need.
-    mqds = str(env_dir / "bin" / "mqds")
+    loaded = subprocess.run([str(python), "-c", LOADED], capture_output=True, text=True, timeout=60).stdout.split()
+    assert loaded and [m for m in loaded if not m.startswith(LIBRARY)] == []
+    for other in ("mqds.cli", "mqds.broker", "mqds.spark", "mqds.bench", "mqds.tools", "mqds.server"):
+        found = subprocess.run([str(python), "-c", f"import {other}"], capture_output=True, text=True, timeout=60)
+        assert found.returncode == 1 and "ModuleNotFoundError" in found.stderr, other
+    mqds = env_dir / "bin" / "mqds"
+    assert not mqds.exists(), "the command line is a package of its own"
+    # The command line beside it: its commands, and those of packages not installed say which package brings them.
+    _pip(python, str(_copy("cli", tmp_path)))
     replay = subprocess.run(
-        [mqds, "--endpoints", server.address, "replay", "from/#"], capture_output=True, text=True, timeout=120
+        [str(mqds), "--endpoints", server.address, "replay", "from/#"], capture_output=True, text=True, timeout=120
     )
     assert replay.returncode == 0 and "  hi  " in replay.stdout, replay.stderr
-    up = subprocess.run(
-        [mqds, "cluster", "up", "--data-dir", str(tmp_path / "c")], capture_output=True, text=True, timeout=120
-    )
-    assert up.returncode == 1 and "needs the server package" in up.stderr and "Traceback" not in up.stderr
+    for command, (package, _) in plugins.KNOWN.items():
+        other = subprocess.run([str(mqds), command, "--help"], capture_output=True, text=True, timeout=120)
+        assert other.returncode == 2 and f"comes with the {package} package" in other.stderr, other.stderr
+        assert "Traceback" not in other.stderr

@@ -1,4 +1,4 @@
-"""``python -m mqds.tools.bench_front``: each front end answers both loads and reports its figures."""
+"""``python -m mqds.bench.front``: each front end answers both loads and reports its figures."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mqds.tools import bench_front
+from mqds.bench import front as bench_front
 
 
 def test_every_front_end_answers_both_loads_and_reports_its_cost(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,10 +7,10 @@ from collections import Counter
 
 import pytest
 
-from mqds.bench import publisher_ids
-from mqds.bench_fanout import delivery_latencies
-from mqds.cli.bench_fanout import weighted_pct_ms
-from mqds.cli.bench_storm import Storm, _print
+from mqds.bench.fanout import weighted_pct_ms
+from mqds.bench.fanout_load import delivery_latencies
+from mqds.bench.load import publisher_ids
+from mqds.bench.storm import Storm, _print
 from mqds.protocol.sharding import shard_of
 
 # Shard 3: a call of timestamps 100-109 acknowledged at 1.0, one of 110-119 at 2.0; shard 5: 100-149 at 4.0.

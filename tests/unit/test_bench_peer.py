@@ -2,7 +2,7 @@
 
 A fake ``jetstream_bench.py`` prints the JSON lines the real one prints (a
 discarded run among them, its human table after them) and is run as a real
-subprocess through :func:`mqds.bench_peer.run_peer`, the command's own path;
+subprocess through :func:`mqds.bench.peer.run_peer`, the command's own path;
 its figures are then set beside mqds's and the ratios checked.
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from mqds.bench_peer import PeerFailed, PeerMissing, PeerRun, PeerSummary, locate, parse_lines, run_peer
+from mqds.bench.peer import PeerFailed, PeerMissing, PeerRun, PeerSummary, locate, parse_lines, run_peer
+from mqds.bench.small import SINGLE_PROCESS_IN_FLIGHT, comparison, peer_table
 from mqds.cli import main
-from mqds.cli.bench_small import SINGLE_PROCESS_IN_FLIGHT, comparison, peer_table
 
 FAKE_PEER = textwrap.dedent(
     """

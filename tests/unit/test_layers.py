@@ -1,4 +1,5 @@
-"""Imports run one way: api -> cluster -> raft -> storage inside the node, and the client never imports the server.
+"""Imports run one way: api -> cluster -> raft -> storage inside the node, and each package imports only the
+packages it is installed with (the client library nothing but itself).
 
 Every import counts, those under ``TYPE_CHECKING`` too: a layer that names a
 higher one's types depends on it all the same. The parts of the node above
@@ -11,12 +12,14 @@ from anywhere and import no layer themselves.
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"server": ROOT / "server", "client": ROOT / "client", "chaos": ROOT / "chaos", "tools": ROOT / "tools"}
+SOURCES = ("client", "cli", "broker", "spark", "server", "tools", "chaos", "bench")
+PACKAGES = {name: ROOT / name for name in SOURCES}
 
 # Inside mqds.server: a module may import its own layer and the ones below, never one above.
 LAYERS = {"mqds.server.storage": 0, "mqds.server.raft": 1, "mqds.server.cluster": 2, "mqds.server.api": 3}
@@ -36,14 +39,20 @@ LEVEL = {"mqds.server.metrics": 3}
 TOP = 4
 
 
+def modules_of(root: Path) -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for path in (root / "mqds").rglob("*.py"):
+        if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            continue
+        name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        found[name] = path
+    return found
+
+
 def modules() -> dict[str, Path]:
     found: dict[str, Path] = {}
     for root in PACKAGES.values():
-        for path in (root / "mqds").rglob("*.py"):
-            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
-                continue
-            name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
-            found[name] = path
+        found |= modules_of(root)
     return found
 
 
@@ -93,23 +102,67 @@ def test_server_layers_import_downwards(name: str) -> None:
     assert not bad, f"{name} imports a higher layer: {bad}"
 
 
-# The development commands of the command line (a local cluster, the benchmarks) start nodes, the
-# development tools (the local-cluster harness, the demo, the benchmarks) and the chaos tool drive
-# them: they may import the server. Nothing a broker or an application imports may.
-DEV_TOOLS = ("mqds.server.", "mqds.chaos", "mqds.tools", "mqds.cli", "mqds.spark.bench", "mqds.bench")
+LIBRARY = {"mqds.client", "mqds.protocol", "mqds.v1"}
+# What each package's modules may import besides themselves: the packages its distribution depends on
+# (the pyproject.toml of each directory). The library imports nothing else; the command line, the broker
+# integrations, the Spark source and the node build on the library alone; the development tools, the
+# chaos runner and the benchmarks drive real nodes.
+MAY_IMPORT = {
+    "mqds.v1": set(),
+    "mqds.protocol": {"mqds.v1"},
+    "mqds.client": LIBRARY,
+    "mqds.cli": LIBRARY,
+    "mqds.broker": LIBRARY,
+    "mqds.spark": LIBRARY,
+    "mqds.server": {"mqds.protocol", "mqds.v1"},
+    "mqds.tools": LIBRARY | {"mqds.server", "mqds.cli"},
+    "mqds.chaos": LIBRARY | {"mqds.server", "mqds.tools"},
+    "mqds.bench": LIBRARY | {"mqds.server", "mqds.tools", "mqds.cli", "mqds.broker", "mqds.spark"},
+}
 
 
-@pytest.mark.parametrize("name", sorted(n for n in ALL if not n.startswith(DEV_TOOLS)))
-def test_the_client_side_never_imports_the_server(name: str) -> None:
-    bad = [f"line {line}: {imported}" for line, imported in imports(ALL[name]) if imported.startswith("mqds.server")]
-    assert not bad, f"{name} imports the server: {bad}"
+def commands() -> set[str]:
+    """The modules that add a command to the command line (``mqds.commands`` entry points), from each package's
+    pyproject.toml: they come with the package's ``cli`` extra and may import the command line."""
+    found = set()
+    for root in PACKAGES.values():
+        meta = tomllib.loads((root / "pyproject.toml").read_text()) if (root / "pyproject.toml").exists() else {}
+        points = meta.get("project", {}).get("entry-points", {}).get("mqds.commands", {})
+        found |= {value.partition(":")[0] for value in points.values()}
+    return found
 
 
-@pytest.mark.parametrize("name", sorted(n for n in ALL if n.startswith("mqds.protocol")))
-def test_the_protocol_imports_only_itself_and_the_api_messages(name: str) -> None:
-    bad = [
-        f"line {line}: {imported}"
-        for line, imported in imports(ALL[name])
-        if not imported.startswith(("mqds.protocol", "mqds.v1"))
-    ]
-    assert not bad, f"{name} imports more than the protocol: {bad}"
+COMMANDS = commands()
+
+
+def package(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_each_package_imports_only_what_it_is_installed_with(name: str) -> None:
+    mine = package(name)
+    allowed = {mine} | MAY_IMPORT[mine] | ({"mqds.cli"} if name in COMMANDS else set())
+    bad = [f"line {line}: {imported}" for line, imported in imports(ALL[name]) if package(imported) not in allowed]
+    assert not bad, f"{name} ({mine}) imports a package it is not installed with: {bad}"
+
+
+def test_every_package_has_its_rule_and_its_directory_only_its_package() -> None:
+    """A new package gets a rule here, and no directory carries another's modules (the client wheel is the
+    library alone)."""
+    assert {package(name) for name in ALL} == set(MAY_IMPORT)
+    for source, root in PACKAGES.items():
+        inside = {package(name) for name in modules_of(root)}
+        expected = LIBRARY if source == "client" else {f"mqds.{source}"}
+        assert inside == expected, f"{source}/ holds {sorted(inside)}"
+
+
+def test_the_commands_of_other_packages_are_entry_points_the_command_line_knows() -> None:
+    from mqds.cli import plugins
+
+    named = {}
+    for root in PACKAGES.values():
+        path = root / "pyproject.toml"
+        if path.exists():
+            named |= tomllib.loads(path.read_text()).get("project", {}).get("entry-points", {}).get("mqds.commands", {})
+    assert set(named) == set(plugins.KNOWN), "each plugin command is in mqds.cli.plugins.KNOWN, and only those"

@@ -79,11 +79,11 @@ def with_components(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, 
     return dev_with_components(tmp_path_factory.mktemp("components"), "monitoring", "broker", "exhook")
 
 
-# The modules each command imports when it runs (mqds.cli.broker imports amqtt only then), and YAML
+# The modules each command imports when it runs (mqds.broker.amqtt.command imports amqtt only then), and YAML
 # for hook rules and --amqtt-config files.
 COMMAND_IMPORTS = {
     "broker": ["mqds.cli", "amqtt.broker", "amqtt.errors", "mqds.broker.amqtt_plugin", "mqds.broker.hooks", "yaml"],
-    "exhook": ["mqds.cli", "mqds.cli.exhook", "mqds.broker.exhook.provider", "mqds.broker.hooks", "yaml"],
+    "exhook": ["mqds.cli", "mqds.broker.exhook.command", "mqds.broker.exhook.provider", "mqds.broker.hooks", "yaml"],
 }
 
 

@@ -7,6 +7,7 @@ one cluster), :class:`~mqds.tools.processes.NodeProcess` (one node
 process), :mod:`mqds.tools.ports` (free loopback ports) and
 :mod:`mqds.tools.waiting` (bounded polling, readiness through the health
 service). :mod:`mqds.tools.demo` is ``make demo``,
-:mod:`mqds.tools.bench_cluster` is ``make bench-cluster``. The package is
-installed with the server package but is not in the container image.
+:mod:`mqds.bench.cluster` is ``make bench-cluster``. The package is
+the ``mqds-tools`` distribution, installed by ``make install`` and not in
+the container image; :mod:`mqds.tools.cluster_command` is ``mqds cluster``.
 """

@@ -349,12 +349,12 @@ def spark_job(cluster: LocalCluster, since_us: int, expected: int, failures: lis
     is written meanwhile, so it must count what the replays found.
     """
     if importlib.util.find_spec("pyspark") is None:
-        say("skipped: pyspark is not installed (pip install 'mqds-client[spark]', or make install)")
+        say("skipped: pyspark is not installed (pip install mqds-spark, or make install)")
         return
     out = cluster.base_dir.parent / "stats"
     since = format_time_us(since_us)
     say(f"$ mqds spark-job --since {since} --until now --topic-filter 'sensor/#' --out {out.name} --top 5")
-    command = [sys.executable, "-m", "mqds.spark.job", "--endpoints", ",".join(cluster.addresses), "--since", since]
+    command = [sys.executable, "-m", "mqds.spark.command", "--endpoints", ",".join(cluster.addresses), "--since", since]
     command += ["--until", "now", "--topic-filter", "sensor/#", "--out", str(out), "--top", "5", "--master", "local[2]"]
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
     started = time.monotonic()
