@@ -4,18 +4,21 @@ the client's routing of shared answers and merging of credits."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from rocksdict import Rdict
 from storage_support import msg
 
 from mqds.client import FollowPosition
 from mqds.client import errors as E
 from mqds.client.follow import FollowRoutes, ShardPart, merge_credits
 from mqds.server.cluster.feed import ShardFeed
+from mqds.server.storage import keys
 from mqds.server.storage.ordered import dropped_after, ordered
-from mqds.server.storage.shard import ShardStorage
+from mqds.server.storage.shard import Engine, ShardStorage
 from mqds.v1 import storage_pb2 as pb
 
 
@@ -145,9 +148,79 @@ def test_dropped_generations_are_told_to_positions_before_them_only(shard: Shard
     assert dropped_after(shard, 50) is None
     shard.drop_generation(first.generation)
     assert dropped_after(shard, 50) == (0, 1_000)
+    assert dropped_after(shard, 100) is None  # its last message was read: nothing after it went
     assert dropped_after(shard, 999) is None  # everything after it is still there
     shard.drop_generation(shard.generations()[0].generation)
-    assert dropped_after(shard, 1_500) == (0, 2_000)  # both dropped generations' time, before the third
+    assert dropped_after(shard, 1_050) == (0, 2_000)  # both dropped generations' time, before the third
+    assert dropped_after(shard, 1_100) is None
+
+
+def test_a_reader_at_the_last_message_of_a_dropped_generation_lost_nothing(shard: ShardStorage) -> None:
+    first = shard.store([msg("a/1"), msg("a/2"), msg("b")], 1_000)
+    last = first + 2
+    # The rotation comes at its own clock time, long after the last message.
+    opened = shard.add_generation(1_000_000)
+    assert opened.since_us == 1_000_000 and shard.last_ts == 999_999
+    shard.drop_generation(1)
+    assert dropped_after(shard, last) is None
+    assert dropped_after(shard, 500_000) is None
+    assert dropped_after(shard, last - 1) == (0, 1_000_000)
+    assert dropped_after(shard, 0) == (0, 1_000_000)
+    assert shard.generations()[0].last_before_us == last  # kept by the record of the generation after it
+
+
+def test_generations_that_stored_nothing_carry_the_last_message_on_and_their_drop_loses_nothing(
+    shard: ShardStorage,
+) -> None:
+    last = shard.store([msg("a")], 100)
+    shard.add_generation(1_000)
+    shard.add_generation(2_000)  # an idle shard rotates all the same
+    shard.add_generation(3_000)
+    assert [g.last_before_us for g in shard.generations()] == [0, last, last, last]
+    shard.drop_generation(2)  # the first one is still there: what went held nothing
+    assert dropped_after(shard, 0) is None
+    shard.drop_generation(1)
+    shard.drop_generation(3)
+    assert dropped_after(shard, last) is None
+    assert dropped_after(shard, last - 1) == (0, 3_000)
+
+
+def test_a_shard_whose_generation_records_predate_the_last_message_counts_their_whole_interval(
+    tmp_path: Path, engine: Engine
+) -> None:
+    path = str(tmp_path / "s")
+    storage = ShardStorage(path, 0, engine)
+    storage.initialize(1)
+    storage.store([msg("a")], 100)
+    storage.add_generation(1_000)
+    storage.add_generation(2_000)
+    storage.close()
+    # As the code before wrote them: version 1, without the last message before them.
+    names = Rdict.list_cf(path)
+    db = Rdict(path, engine.db_options(), column_families={n: engine.cf_options() for n in names if n != "default"})
+    for number in (1, 2, 3):
+        record = keys.GenerationRecord.decode(db[keys.generation_key(number)])
+        db[keys.generation_key(number)] = keys.GenerationRecord(
+            record.since_us, record.until_us, record.created_at_us
+        ).encode()
+    db.close()
+    storage = ShardStorage(path, 0, engine)
+    try:
+        assert [g.last_before_us for g in storage.generations()] == [None, None, None]
+        storage.drop_generation(1)
+        assert dropped_after(storage, 100) == (0, 1_000)  # as before: up to the next generation's start
+        assert dropped_after(storage, 999) is None
+        # Records written from now on keep it, on top of the old ones.
+        storage.store([msg("a")], 2_100)
+        storage.add_generation(5_000)
+        assert storage.meta_get(keys.generation_key(3))[0] == 1  # closed, still as written
+        assert storage.meta_get(keys.generation_key(4))[0] == 2
+        storage.drop_generation(2)
+        storage.drop_generation(3)
+        assert dropped_after(storage, 2_100) is None
+        assert dropped_after(storage, 2_099) == (0, 5_000)
+    finally:
+        storage.close()
 
 
 positions = st.builds(

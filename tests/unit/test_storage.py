@@ -39,7 +39,9 @@ def test_initialize_creates_generation_one_once(tmp_path: Path, engine: Engine) 
     try:
         assert storage.generations() == []
         info = storage.initialize(1_000)
-        assert info == GenerationInfo(shard=5, generation=1, since_us=0, until_us=None, created_at_us=1_000)
+        assert info == GenerationInfo(
+            shard=5, generation=1, since_us=0, until_us=None, created_at_us=1_000, last_before_us=0
+        )
         assert info.current
         assert storage.initialize(9_999) == info
         assert storage.generations() == [info]
@@ -122,9 +124,9 @@ def test_timestamps_strictly_increase_whatever_now_does(engine: Engine, ops: lis
 def test_add_generation_closes_the_old_one(shard: ShardStorage) -> None:
     shard.store([msg("g/a", b"1")], 100)
     info = shard.add_generation(500)
-    assert info == GenerationInfo(0, 2, since_us=500, until_us=None, created_at_us=500)
+    assert info == GenerationInfo(0, 2, since_us=500, until_us=None, created_at_us=500, last_before_us=100)
     gens = shard.generations()
-    assert gens[0] == GenerationInfo(0, 1, since_us=0, until_us=500, created_at_us=1)
+    assert gens[0] == GenerationInfo(0, 1, since_us=0, until_us=500, created_at_us=1, last_before_us=0)
     assert not gens[0].current and gens[1].current
     assert shard.current_generation == 2
     assert shard.last_ts == 499

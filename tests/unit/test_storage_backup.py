@@ -72,7 +72,11 @@ def test_export_at_a_fence_restores_the_shard_as_it_stood(tmp_path: Path) -> Non
         assert keys.dedup_key(b"p", 3) not in meta and keys.dedup_key(b"p", 2) in meta
         restore(dst, sections, fence)
         assert rows(dst) == [r for r in rows(src) if r[0] <= fence]
-        assert [(g.generation, g.until_us) for g in dst.generations()] == [(1, gens[0].until_us), (2, None)]
+        # Generation 2 closed after the fence, so it is exported open, still knowing the last message before it.
+        assert [(g.generation, g.until_us, g.last_before_us) for g in dst.generations()] == [
+            (1, gens[0].until_us, 0),
+            (2, None, 1_001),
+        ]
         assert dst.last_ts == fence and dst.applied_index == 3
         assert dst.sessions.subscriptions("c1") == [("a/#", 1)]
         # Storing goes on after the fence in the restored current generation; a batch resent is stored once.
@@ -121,6 +125,8 @@ def test_a_delete_in_a_closed_generation_changes_its_identity(tmp_path: Path) ->
         ("default", b"m:lts", b"\0" * 4, "4 bytes, not 8"),
         ("default", b"g:\0\0\0\1", b"junk", "not a record of its kind"),
         ("default", b"g:\0\0\0\1", b"\x07" + bytes(24), "version 7"),
+        ("default", b"g:\0\0\0\1", b"\x02" + bytes(24), "version 2 is 33 bytes, not 25"),
+        ("default", b"g:\0\0\0\1", b"\x01" + bytes(32), "version 1 is 25 bytes, not 33"),
         ("default", b"t:\0\0", keys.u32(1), "not a trie edge"),
         ("gen-00000001", b"Xjunkjunkjunkjunk", b"", "not a key of a generation"),
         ("gen-00000001", keys.data_key(1, 5), b"\xff\xff", "not a stored message"),
@@ -132,6 +138,13 @@ def test_a_delete_in_a_closed_generation_changes_its_identity(tmp_path: Path) ->
 def test_records_a_restore_must_not_write_are_refused(family: str, key: bytes, value: bytes, why: str) -> None:
     with pytest.raises(Exception, match=why):
         check_records(0, family, [key], [value])
+
+
+def test_generation_records_of_either_version_are_restored() -> None:
+    old = keys.GenerationRecord(since_us=0, until_us=1_000, created_at_us=1).encode()
+    new = keys.GenerationRecord(since_us=1_000, until_us=None, created_at_us=1_000, last_before_us=7).encode()
+    assert (old[0], new[0]) == (1, 2)
+    check_records(0, "default", [keys.generation_key(1), keys.generation_key(2)], [old, new])
 
 
 def test_a_shard_that_never_stored_restores_as_one_and_stores_afterwards(tmp_path: Path) -> None:

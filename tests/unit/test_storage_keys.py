@@ -94,19 +94,34 @@ def test_generation_column_family_names() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(u64s, st.one_of(st.none(), st.integers(1, 2**64 - 1)), u64s)
-def test_generation_records_round_trip(since: int, until: int | None, created: int) -> None:
-    record = keys.GenerationRecord(since_us=since, until_us=until, created_at_us=created)
+@given(u64s, st.one_of(st.none(), st.integers(1, 2**64 - 1)), u64s, st.one_of(st.none(), u64s))
+def test_generation_records_round_trip(since: int, until: int | None, created: int, last_before: int | None) -> None:
+    record = keys.GenerationRecord(since_us=since, until_us=until, created_at_us=created, last_before_us=last_before)
     raw = record.encode()
-    assert len(raw) == 25 and raw[0] == keys.GENERATION_RECORD_VERSION
+    if last_before is None:  # as records were before the last message before them was kept
+        assert len(raw) == 25 and raw[0] == 1
+    else:
+        assert len(raw) == 33 and raw[0] == keys.GENERATION_RECORD_VERSION == 2
     assert keys.GenerationRecord.decode(raw) == record
 
 
-def test_generation_record_with_unknown_version_is_refused() -> None:
-    raw = bytearray(keys.GenerationRecord(1, 2, 3).encode())
-    raw[0] = 2
-    with pytest.raises(ValueError, match="generation record version 2 is not supported"):
+def test_a_version_1_record_reads_as_it_was_written_and_knows_nothing_stored_before_it() -> None:
+    raw = bytes([1]) + keys.u64(1_000) + keys.u64(2_000) + keys.u64(999)  # the old code's encoding
+    record = keys.GenerationRecord.decode(raw)
+    assert record == keys.GenerationRecord(since_us=1_000, until_us=2_000, created_at_us=999)
+    assert record.last_before_us is None
+    assert record.encode() == raw
+
+
+def test_generation_record_with_unknown_version_or_length_is_refused() -> None:
+    raw = bytearray(keys.GenerationRecord(1, 2, 3, last_before_us=0).encode())
+    raw[0] = 3
+    with pytest.raises(ValueError, match="generation record version 3 is not supported"):
         keys.GenerationRecord.decode(bytes(raw))
+    with pytest.raises(ValueError, match="version 2 is 33 bytes, not 25"):
+        keys.GenerationRecord.decode(bytes([2]) + bytes(24))
+    with pytest.raises(ValueError, match="version 1 is 25 bytes, not 33"):
+        keys.GenerationRecord.decode(bytes([1]) + bytes(32))
 
 
 # -- iterator encoding ---------------------------------------------------------

@@ -34,7 +34,7 @@ retention step that removes some of their keys counts a change.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rocksdict import AccessType, Options, Rdict
 
@@ -138,8 +138,9 @@ class CheckpointExport:
                 number = keys.read_u32(key[len(keys.GENERATION_PREFIX) :])
                 if number in left_out:
                     continue
-                gen = by_number[number]
-                value = keys.GenerationRecord(gen.since_us, gen.until_us, gen.created_at_us).encode()
+                # As it stood at the fence: open if it closed after it; the
+                # rest (its version, what was stored before it) as it is.
+                value = replace(keys.GenerationRecord.decode(value), until_us=by_number[number].until_us).encode()
             elif key.startswith(keys.CHANGES_PREFIX) or key.startswith(keys.PRESENCE_PREFIX):
                 if keys.read_u32(key[2:6]) in left_out:
                     continue

@@ -12,6 +12,7 @@ the shard holds its lock around every call.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,13 +33,19 @@ Write = Callable[[WriteBatch], None]
 
 @dataclass(frozen=True)
 class GenerationInfo:
-    """A generation of a shard and the time interval it covers."""
+    """A generation of a shard, the time interval it covers, and the last message stored before it.
+
+    ``last_before_us`` tells a dropped generation before this one from one
+    that held nothing a reader lacks (``ordered.dropped_after``): None where
+    the record predates it (version 1).
+    """
 
     shard: int
     generation: int
     since_us: int
     until_us: int | None
     created_at_us: int
+    last_before_us: int | None = None
 
     @property
     def current(self) -> bool:
@@ -101,9 +108,9 @@ class Generations:
 
     # -- changes ---------------------------------------------------------------
 
-    def create_first(self, db: Rdict, engine: Engine, meta: object, now_us: int, write: Write) -> None:
+    def create_first(self, db: Rdict, engine: Engine, meta: object, now_us: int, last_ts: int, write: Write) -> None:
         """Create generation 1, which covers all time until a second one is added."""
-        record = keys.GenerationRecord(since_us=0, until_us=None, created_at_us=now_us)
+        record = keys.GenerationRecord(since_us=0, until_us=None, created_at_us=now_us, last_before_us=last_ts)
         name = keys.generation_cf(1)
         db.create_column_family(name, engine.cf_options())
         batch = WriteBatch(raw_mode=True)
@@ -117,12 +124,22 @@ class Generations:
         self.current = 1
 
     def add(self, db: Rdict, engine: Engine, meta: object, now_us: int, last_ts: int, write: Write) -> int:
-        """Close the current generation and open the next, starting after ``last_ts``; the new last timestamp."""
+        """Close the current generation and open the next, starting after ``last_ts``; the new last timestamp.
+
+        The new record keeps the last message stored before it: ``last_ts``,
+        unless the closing generation stored nothing (``last_ts`` is then the
+        ``since - 1`` its own opening set, and is no message's), in which case
+        the closing generation's own ``last_before_us`` carries on. So a shard
+        that rotates while idle still tells, after the drops, that nothing its
+        readers lack was dropped.
+        """
         old = self.by_number[self.current]
         since = max(now_us, last_ts + 1, old.record.since_us + 1)
         number = self.current + 1
-        closed = keys.GenerationRecord(old.record.since_us, since, old.record.created_at_us)
-        record = keys.GenerationRecord(since_us=since, until_us=None, created_at_us=now_us)
+        closed = dataclasses.replace(old.record, until_us=since)
+        stored_in_old = last_ts >= old.record.since_us
+        last_before = last_ts if stored_in_old or old.record.last_before_us is None else old.record.last_before_us
+        record = keys.GenerationRecord(since_us=since, until_us=None, created_at_us=now_us, last_before_us=last_before)
         name = keys.generation_cf(number)
         db.create_column_family(name, engine.cf_options())
         batch = WriteBatch(raw_mode=True)
@@ -197,7 +214,7 @@ class Generations:
 
     def info(self, gen: Generation) -> GenerationInfo:
         r = gen.record
-        return GenerationInfo(self.shard, gen.number, r.since_us, r.until_us, r.created_at_us)
+        return GenerationInfo(self.shard, gen.number, r.since_us, r.until_us, r.created_at_us, r.last_before_us)
 
     def in_order(self) -> list[Generation]:
         """The open generations, oldest first."""

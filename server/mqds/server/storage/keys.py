@@ -86,8 +86,10 @@ True
 b't:\\x00\\x00\\x00\\x00sensor'
 >>> generation_cf(3)
 'gen-00000003'
->>> GenerationRecord.decode(GenerationRecord(since_us=10, until_us=None, created_at_us=9).encode())
-GenerationRecord(since_us=10, until_us=None, created_at_us=9)
+>>> GenerationRecord.decode(GenerationRecord(since_us=10, until_us=None, created_at_us=9, last_before_us=7).encode())
+GenerationRecord(since_us=10, until_us=None, created_at_us=9, last_before_us=7)
+>>> GenerationRecord(since_us=10, until_us=20, created_at_us=9).encode()[0]  # without last_before_us: version 1
+1
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ from dataclasses import dataclass
 FORMAT_VERSION = 2
 """2: index keys hold posting lists (1: one index key per message, empty values)."""
 READABLE_FORMATS = (1, 2)
-GENERATION_RECORD_VERSION = 1
+GENERATION_RECORD_VERSION = 2
+"""2: generation records keep the last timestamp stored before them (1, still read: without it)."""
 
 META_FORMAT = b"m:format"
 META_SHARD = b"m:shard"
@@ -373,23 +376,45 @@ class DedupRecord:
 
 @dataclass(frozen=True)
 class GenerationRecord:
-    """A generation's interval: messages with since_us <= timestamp < until_us.
+    """A generation's interval (messages with since_us <= timestamp < until_us) and what was stored before it.
 
-    Encoded as u8 version, u64 since, u64 until (0 while open), u64 created_at.
+    ``last_before_us`` is the timestamp of the last message the shard had
+    stored when the generation opened (0: none), kept so that once the
+    generations before it are dropped, what they held can still be told
+    (``ordered.dropped_after``); None in a record written before it was kept
+    (version 1). Encoded as u8 version, u64 since, u64 until (0 while open),
+    u64 created_at, and in version 2 u64 last_before; a record without
+    ``last_before_us`` is written as version 1, so a record read from an
+    older database is written back as it was.
     """
 
     since_us: int
     until_us: int | None
     created_at_us: int
+    last_before_us: int | None = None
 
-    _FORMAT = struct.Struct(">BQQQ")
+    _V1 = struct.Struct(">BQQQ")
+    _V2 = struct.Struct(">BQQQQ")
+    SIZES = (_V1.size, _V2.size)
+    """The lengths an encoded record may have (version 1, version 2)."""
 
     def encode(self) -> bytes:
-        return self._FORMAT.pack(GENERATION_RECORD_VERSION, self.since_us, self.until_us or 0, self.created_at_us)
+        if self.last_before_us is None:
+            return self._V1.pack(1, self.since_us, self.until_us or 0, self.created_at_us)
+        return self._V2.pack(
+            GENERATION_RECORD_VERSION, self.since_us, self.until_us or 0, self.created_at_us, self.last_before_us
+        )
 
     @classmethod
     def decode(cls, raw: bytes) -> GenerationRecord:
-        version, since, until, created = cls._FORMAT.unpack(raw)
-        if version != GENERATION_RECORD_VERSION:
-            raise ValueError(f"generation record version {version} is not supported (expected 1)")
-        return cls(since_us=since, until_us=until or None, created_at_us=created)
+        version = raw[0] if raw else None
+        if version not in (1, GENERATION_RECORD_VERSION):
+            raise ValueError(f"generation record version {version} is not supported (expected 1 or 2)")
+        layout = cls._V1 if version == 1 else cls._V2
+        if len(raw) != layout.size:
+            raise ValueError(f"a generation record of version {version} is {layout.size} bytes, not {len(raw)}")
+        if version == 1:
+            _, since, until, created = layout.unpack(raw)
+            return cls(since_us=since, until_us=until or None, created_at_us=created)
+        _, since, until, created, last_before = layout.unpack(raw)
+        return cls(since_us=since, until_us=until or None, created_at_us=created, last_before_us=last_before)

@@ -59,19 +59,30 @@ def _timestamp(entry: tuple[int, bytes]) -> int:
 
 
 def dropped_after(storage: ShardStorage, after_us: int) -> tuple[int, int] | None:
-    """A time interval ``[since, until)`` whose messages were dropped (a dropped generation) and that holds
-    timestamps after ``after_us``; None when everything stored after ``after_us`` is still there.
+    """The time interval ``[since, until)`` of dropped generations that held messages after ``after_us``;
+    None when everything stored after ``after_us`` is still there.
 
     Generations are numbered from 1 without gaps, and each starts where the one
     before it ended: a missing number is a dropped generation, and the time
-    between its neighbours is what went with it.
+    between its neighbours is what went with it. What it held is judged by the
+    next generation's ``last_before_us``, the last message stored before that
+    one opened: a generation opens at the clock time of its rotation, usually
+    well after the last message, so a reader at that message has lost nothing
+    though its position is before the next generation's start. Where it is
+    not that message's, it is later (a rotation's ``since - 1``), which at
+    worst tells a loss that was not one, never the other way. A record
+    written before it was kept (version 1) counts the whole interval, up to
+    ``since - 1``.
     """
     infos = storage.generations()
     if not infos:
         return None
     previous_number, previous_until = 0, 0
     for info in infos:
-        if info.generation > previous_number + 1 and info.since_us - 1 > after_us:
-            return previous_until, info.since_us
+        if info.generation > previous_number + 1:
+            last = info.since_us - 1 if info.last_before_us is None else info.last_before_us
+            # Below previous_until, the last message is in a generation still there: the dropped ones held none.
+            if last >= previous_until and last > after_us:
+                return previous_until, info.since_us
         previous_number, previous_until = info.generation, info.until_us or 0
     return None

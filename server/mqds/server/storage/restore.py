@@ -81,7 +81,7 @@ _VALUE_SIZES = {
 """Metadata keys whose value the shard reads with a fixed size (opening it would fail on another)."""
 _PREFIXED = (
     # prefix, key length (0: any), value length (0: any)
-    (keys.GENERATION_PREFIX, 6, 25),
+    (keys.GENERATION_PREFIX, 6, 0),  # 25 or 33 bytes (version 1 or 2): checked below
     (keys.CHANGES_PREFIX, 6, 8),
     (keys.PRESENCE_PREFIX, 10, 0),
     (keys.TRIE_PREFIX, 0, 4),
@@ -160,6 +160,8 @@ def _check_default(shard: int, key: bytes, value: bytes) -> None:
             if (key_len and len(key) != key_len) or (value_len and len(value) != value_len):
                 raise _refuse(f"{key[:24]!r} = {len(value)} bytes is not a record of its kind ({prefix!r})")
             if prefix == keys.GENERATION_PREFIX:
+                if len(value) not in keys.GenerationRecord.SIZES:
+                    raise _refuse(f"{key[:24]!r} = {len(value)} bytes is not a record of its kind ({prefix!r})")
                 try:
                     keys.GenerationRecord.decode(value)
                 except ValueError as err:

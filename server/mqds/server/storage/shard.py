@@ -260,7 +260,12 @@ class ShardStorage(ShardDeletes, ShardRestore, ShardFiles):
             gens = self._generations
             if not gens.by_number:
                 gens.create_first(
-                    self._db, self._engine, self._meta_handle, now_us, lambda b: self._write(b, True, applied_index)
+                    self._db,
+                    self._engine,
+                    self._meta_handle,
+                    now_us,
+                    self.last_ts,
+                    lambda b: self._write(b, True, applied_index),
                 )
             return gens.info(gens.by_number[gens.current])
 
