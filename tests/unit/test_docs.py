@@ -77,3 +77,28 @@ def test_relative_links_lead_to_files_that_exist(page: Path) -> None:
 def test_the_link_check_sees_links() -> None:
     assert "docs/client.md" in _relative_links(ROOT / "README.md")
     assert _anchors(ROOT / "docs" / "operations.md") >= {"metrics-and-health", "command-line"}
+
+
+def _table_rows(section: str) -> list[str]:
+    """The rows of the first table under the README's ``## section`` heading (header and rule left out)."""
+    text = README.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    return lines[2:]
+
+
+@pytest.mark.parametrize("section", ["Figures", "Status"])
+def test_every_readme_figure_and_status_row_points_at_a_docs_section(section: str) -> None:
+    """Each row of the figures and status tables says where its detail is: a link to a section of a page
+    under docs/ (that the section exists, the link test above checks)."""
+    rows = _table_rows(section)
+    assert len(rows) >= 5
+    bare = [
+        row.split("|")[1].strip()[:70]
+        for row in rows
+        if not any(link.startswith("docs/") and "#" in link for link in _relative_links_of(row))
+    ]
+    assert not bare, f"README rows of {section} without a link to a docs/ section: {bare}"
+
+
+def _relative_links_of(text: str) -> list[str]:
+    return [t for t in _LINK.findall(_INLINE_CODE.sub("", text)) if not re.match(r"^[a-z][a-z0-9+.-]*:", t)]

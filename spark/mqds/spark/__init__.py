@@ -32,9 +32,7 @@ try:
         TimestampType,
     )
 except ImportError as err:  # pragma: no cover - depends on the installation
-    raise ImportError(
-        f"mqds.spark needs pyspark (4.3 or later) and pyarrow: pip install mqds-spark ({err})"
-    ) from err
+    raise ImportError(f"mqds.spark needs pyspark (4.3 or later) and pyarrow: pip install mqds-spark ({err})") from err
 
 from mqds.spark.batch import MqdsBatchReader, MqdsPushdownReader
 from mqds.spark.options import OptionError, SourceOptions, parse_options
