@@ -12,7 +12,7 @@ given in place of the router: ``send(sends)``, ``is_connected``,
 which frames the encoded messages, ships them over gRPC, and on the peer's
 side decodes them with ``codec.decode_message`` and calls
 ``group.deliver(sender, message, echo)``; it reports links going up and down
-with ``group.peer_connected`` (``hosting.py``). :class:`LoopbackNetwork`
+with ``group.peer_connected`` (``node/hosting.py``). :class:`LoopbackNetwork`
 does the same in memory: every encoded message is parsed back from its bytes
 (``RaftMessage``, ``codec.decode_message``, so whatever would not survive the
 wire does not survive here either) and handed to the target group's inbox on

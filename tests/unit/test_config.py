@@ -182,7 +182,7 @@ def test_precedence_holds_with_units(tmp_path: Path) -> None:
 
 
 def test_cli_refuses_a_bad_unit_with_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
-    from mqds.server.main import main
+    from mqds.server.node.main import main
 
     assert main(["--raft-log-max-bytes", "16 furlongs"]) == 2
     err = capsys.readouterr().err
@@ -205,7 +205,7 @@ def test_json_log_lines_parse_as_json() -> None:
     import json
     import logging
 
-    from mqds.server.main import JsonFormatter, configure_logging
+    from mqds.server.node.main import JsonFormatter, configure_logging
 
     config, _ = load_config(["--log-format", "json", "--node-id", "n3"], environ={})
     assert config.log_format == "json"

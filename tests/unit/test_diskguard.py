@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from mqds.server import diskguard
-from mqds.server.diskguard import DiskGuard
+from mqds.server.node import diskguard
+from mqds.server.node.diskguard import DiskGuard
 
 
 def test_a_probe_passes_on_a_writable_directory_and_fails_where_nothing_can_be_written(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from mqds.server.cluster.growth import adds
 from mqds.server.cluster.v1 import commands_pb2 as cpb
-from mqds.server.hosting import add_generation_command
+from mqds.server.node.hosting import add_generation_command
 from mqds.server.storage import keys
 from mqds.server.wire import store_command
 from mqds.v1 import sessions_pb2 as spb

@@ -2,11 +2,12 @@
 packages it is installed with (the client library nothing but itself).
 
 Every import counts, those under ``TYPE_CHECKING`` too: a layer that names a
-higher one's types depends on it all the same. The parts of the node above
-the API (the composition root and what it wires: hosting, health,
-maintenance, snapshots) may import every layer; a few base modules
-(settings, TLS, authentication, durable files, the shared wire encoding, the choice of C parts) may be imported
-from anywhere and import no layer themselves.
+higher one's types depends on it all the same. The node package above the
+API (``mqds.server.node``: the composition root and what it wires: hosting,
+health, maintenance, snapshots, the ``mqds-server`` command) may import every
+layer; a few base modules (settings, TLS, authentication, durable files, the
+shared wire encoding, the choice of C parts) may be imported from anywhere and
+import no layer themselves. No other module lies loose in ``mqds.server``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ BASE = {
 }
 # Observes the layers below the API and is used by it: the API's level.
 LEVEL = {"mqds.server.metrics": 3}
+# The composition root and the parts it wires, above every layer.
+NODE = "mqds.server.node"
 TOP = 4
 
 
@@ -75,7 +78,9 @@ def level(module: str) -> int | None:
             return value
     if any(module == base or module.startswith(base + ".") for base in BASE):
         return -1
-    return TOP
+    if module == NODE or module.startswith(NODE + "."):
+        return TOP
+    raise AssertionError(f"{module} is in no layer: classify it (test_every_server_module_has_its_place)")
 
 
 def owner(module: str, known: dict[str, Path]) -> str | None:
@@ -100,6 +105,15 @@ def test_server_layers_import_downwards(name: str) -> None:
         if (mine == -1 and theirs != -1) or (theirs > mine and theirs != -1):
             bad.append(f"line {line}: {target}")
     assert not bad, f"{name} imports a higher layer: {bad}"
+
+
+def test_every_server_module_has_its_place() -> None:
+    """Directly under ``mqds.server`` lie the layers, the node package, the base modules and metrics, nothing else:
+    a new module goes into one of the packages, or is classified here (``BASE``, ``LEVEL``) with its reason."""
+    children = {".".join(name.split(".")[:3]) for name in ALL if name.startswith("mqds.server.")}
+    classified = set(LAYERS) | {NODE} | BASE | set(LEVEL)
+    assert children <= classified, f"unclassified modules in mqds.server: {sorted(children - classified)}"
+    assert classified <= children, f"classified but gone: {sorted(classified - children)}"
 
 
 LIBRARY = {"mqds.client", "mqds.protocol", "mqds.v1"}

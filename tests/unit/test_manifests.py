@@ -589,7 +589,7 @@ def test_dockerfile_parser_and_build_context() -> None:
     assert stages[1].env() == {"A": "1", "B": "1:$PATH"}
     assert stages[1].required("CMD").exec_form() == ["x", "y"]
     included = dockerignore_filter((DEPLOY / "Dockerfile.dockerignore").read_text())
-    for path in ("pyproject.toml", "README.md", "client/pyproject.toml", "server/mqds/server/main.py"):
+    for path in ("pyproject.toml", "README.md", "client/pyproject.toml", "server/mqds/server/node/main.py"):
         assert included(path), path
     assert included("deploy/healthcheck.py")
     # The chaos runner and the development tools (local clusters, demo, benchmarks): not in the image.

@@ -17,7 +17,7 @@ if setup == "malloc":
     from mqds.protocol.malloc import tune_malloc
     assert tune_malloc()
 elif setup == "node":
-    from mqds.server import runtime
+    from mqds.server.node import runtime
     runtime.tune_process()
 parts = [bytes(range(256)) * 64 for _ in range(96)]  # 16 KiB each
 
@@ -52,7 +52,7 @@ def test_answer_buffers_are_reused_not_faulted_in_again_once_malloc_is_tuned() -
 
 def test_the_node_collects_young_objects_less_often_and_freezes_what_it_started_with() -> None:
     code = (
-        "import gc; from mqds.server import runtime; runtime.tune_process(); "
+        "import gc; from mqds.server.node import runtime; runtime.tune_process(); "
         "print(gc.get_threshold()); x = [[] for _ in range(1000)]; runtime.freeze_startup_objects(); "
         "print(gc.get_freeze_count() >= 1000)"
     )

@@ -22,7 +22,7 @@ backoff within the call's deadline) until usage falls below 95% of the quota
 and free space rises above the floor plus 5%: a margin, so that a node near
 a limit does not flip between the two states with every compaction. The
 check is asked of every command proposed to a vnode's group
-(``RaftGroup.admit``, given by ``hosting.py``), and ``cluster/growth.py``
+(``RaftGroup.admit``, given by ``node/hosting.py``), and ``cluster/growth.py``
 says which commands add data: new messages, retained messages, the state of
 a new client, a new subscription, read position or share-group member, a
 restore's begin and records. What frees space, or keeps a broker serving the
@@ -32,7 +32,7 @@ sessions and positions, expiry, acknowledgements, a known client's connect
 and disconnect. A follower still applies everything its leader commits: a
 replica that refused a committed entry would no longer be a replica. Each
 leader admits by its own node's disk; the replicas of a vnode hold the same
-data, so they fill alike, and the disk guard (``diskguard.py``) takes over on
+data, so they fill alike, and the disk guard (``node/diskguard.py``) takes over on
 a node whose disk does fill.
 """
 

@@ -67,7 +67,7 @@ _MAX_TRACKED_PEERS = 10_000
 
 
 class ObservedNode(Protocol):
-    """What the scrape-time collector reads of the node (``mqds.server.node.Node``)."""
+    """What the scrape-time collector reads of the node (``mqds.server.node.node.Node``)."""
 
     @property
     def node_id(self) -> str: ...

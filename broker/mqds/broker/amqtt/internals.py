@@ -23,12 +23,22 @@ if TYPE_CHECKING:
     from amqtt.session import ApplicationMessage, Session
 
     from mqds.broker.actions import BrokerHooks
-    from mqds.broker.amqtt.delivery import _Connection
 
 log = logging.getLogger("mqds.broker.amqtt")
 
 # Session attribute: amqtt had no session for the client (its CONNACK may still say session present).
 NEW_IN_AMQTT = "mqds.new_in_amqtt"
+
+
+class _Connection(Protocol):
+    """What the wrappers need of a client's connection (:class:`~mqds.broker.amqtt.delivery._Connection`):
+    whether it is open, and the filters its session is subscribed to, with their QoS."""
+
+    @property
+    def open(self) -> bool: ...
+
+    @property
+    def active(self) -> dict[str, int]: ...
 
 
 class _Options(Protocol):

@@ -29,7 +29,7 @@ _ROLES = {0: clpb.RAFT_ROLE_FOLLOWER, 1: clpb.RAFT_ROLE_CANDIDATE, 2: clpb.RAFT_
 
 
 class ClusterNode(Protocol):
-    """What the Cluster service reads of the node (``mqds.server.node.Node``)."""
+    """What the Cluster service reads of the node (``mqds.server.node.node.Node``)."""
 
     @property
     def node_id(self) -> str: ...

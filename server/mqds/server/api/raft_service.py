@@ -5,7 +5,7 @@ the guard refuses a caller without the cluster secret before a request is
 parsed, and runs the streams on the peer pool. ``Stream`` carries Raft
 messages (``raft.transport``, which also reads the sender's id from the
 call); ``FetchSnapshot`` streams a replica's checkpoint
-(``mqds.server.snapshots``); the unary calls change a group's membership or
+(``mqds.server.node.snapshots``); the unary calls change a group's membership or
 leader, forward a metadata change to the metadata leader, and inject faults
 in chaos runs.
 """
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 class RaftNode(Protocol):
-    """What the Raft service uses of the node (``mqds.server.node.Node``)."""
+    """What the Raft service uses of the node (``mqds.server.node.node.Node``)."""
 
     @property
     def node_id(self) -> str: ...

@@ -1,7 +1,7 @@
 """Which vnode commands add data to a shard: what a node past its disk quota refuses to log (``diskusage.py``).
 
 Admission is decided where every command is proposed (``RaftGroup.admit``,
-wired by ``hosting.py``), by what the command does, not by which call made
+wired by ``node/hosting.py``), by what the command does, not by which call made
 it: a new kind of write is covered without its handler knowing of quotas.
 While the node's disk is past a limit, a leader logs no command that adds
 data, and every command that removes data or updates a record that is

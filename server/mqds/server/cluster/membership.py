@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 
 class MembershipNode(VnodeStepsNode, Protocol):
-    """What membership changes use of the node they run on (``mqds.server.node.Node``)."""
+    """What membership changes use of the node they run on (``mqds.server.node.node.Node``)."""
 
     @property
     def node_id(self) -> str: ...

@@ -44,7 +44,7 @@ _POLL_S = 0.2
 
 
 class VnodeStepsNode(Protocol):
-    """What the steps use of the node they run on (``mqds.server.node.Node``)."""
+    """What the steps use of the node they run on (``mqds.server.node.node.Node``)."""
 
     @property
     def config(self) -> NodeConfig: ...

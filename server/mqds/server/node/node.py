@@ -44,15 +44,17 @@ from mqds.server.auth import load_tokens
 from mqds.server.cluster import meta as meta_mod
 from mqds.server.cluster.membership import Membership
 from mqds.server.cluster.v1 import commands_pb2 as cpb
+from mqds.server.cluster.vnode import Vnode
 from mqds.server.config import NodeConfig
-from mqds.server.datadir import DataDir
-from mqds.server.diskguard import DiskGuard
 from mqds.server.diskusage import DiskUsage
-from mqds.server.health import Health
-from mqds.server.hosting import Hosting, Vnode
-from mqds.server.maintenance import Maintenance
 from mqds.server.metrics import NodeMetrics
-from mqds.server.peers import Peers
+from mqds.server.node.datadir import DataDir
+from mqds.server.node.diskguard import DiskGuard
+from mqds.server.node.health import Health
+from mqds.server.node.hosting import Hosting
+from mqds.server.node.maintenance import Maintenance
+from mqds.server.node.peers import Peers
+from mqds.server.node.snapshots import Snapshots
 from mqds.server.raft import tcp_wire
 from mqds.server.raft.cluster_auth import ClusterAuth
 from mqds.server.raft.group import RaftGroup, RaftTiming
@@ -60,7 +62,6 @@ from mqds.server.raft.journal import COPY_BYTES, NodeLog
 from mqds.server.raft.transport import PeerRouter
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
-from mqds.server.snapshots import Snapshots
 from mqds.server.startup import StartupError
 from mqds.server.storage import Engine, EngineOptions, writes
 from mqds.server.storage.expiry import NEVER
@@ -69,8 +70,6 @@ from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
-
-__all__ = ["Node", "StartupError", "Vnode"]
 
 log = logging.getLogger(__name__)
 

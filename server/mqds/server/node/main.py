@@ -11,9 +11,10 @@ from datetime import UTC, datetime
 from types import FrameType
 from typing import TextIO
 
-from mqds.server import runtime
 from mqds.server.config import ConfigError, NodeConfig, load_config
-from mqds.server.node import Node, StartupError
+from mqds.server.node import runtime
+from mqds.server.node.node import Node
+from mqds.server.startup import StartupError
 
 
 class JsonFormatter(logging.Formatter):

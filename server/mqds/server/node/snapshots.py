@@ -24,10 +24,10 @@ import grpc
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.server.api.server import CHUNK_BYTES
+from mqds.server.cluster.vnode import Vnode
 from mqds.server.durable import fsync_dir
-from mqds.server.hosting import Vnode
 from mqds.server.metrics import NodeMetrics
-from mqds.server.peers import Peers
+from mqds.server.node.peers import Peers
 from mqds.server.raft.cluster_auth import ClusterAuth
 from mqds.server.raft.v1 import raft_pb2 as rpb
 

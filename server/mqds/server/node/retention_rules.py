@@ -31,7 +31,7 @@ from prometheus_client import Counter
 
 from mqds.protocol.errors import MqdsError
 from mqds.server.cluster.v1 import commands_pb2 as cpb
-from mqds.server.hosting import Hosting
+from mqds.server.node.hosting import Hosting
 from mqds.server.storage.deletes import STEP_KEYS, StepResult
 from mqds.server.storage.retention import policy_of
 from mqds.v1 import cluster_pb2 as clpb

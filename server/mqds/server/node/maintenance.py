@@ -34,12 +34,12 @@ from mqds.server.cluster import meta as meta_mod
 from mqds.server.cluster.membership import Membership
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.config import NodeConfig
-from mqds.server.health import Health
-from mqds.server.hosting import Hosting, add_generation_command
-from mqds.server.peers import Peers
+from mqds.server.node.health import Health
+from mqds.server.node.hosting import Hosting, add_generation_command
+from mqds.server.node.peers import Peers
+from mqds.server.node.retention_rules import RetentionRules
 from mqds.server.raft.cluster_auth import ClusterAuth
 from mqds.server.raft.transport import PeerRouter
-from mqds.server.retention_rules import RetentionRules
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 

@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2
 
 from mqds.server.api.server import PUBLIC_SERVICES
 from mqds.server.cluster.meta import MetaMachine
-from mqds.server.hosting import Vnode
+from mqds.server.cluster.vnode import Vnode
 from mqds.server.raft.group import RaftGroup
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ HEALTH_INTERVAL_S = 0.25
 
 
 class Hosted(Protocol):
-    """The replicas whose state readiness follows (``mqds.server.hosting.Hosting``)."""
+    """The replicas whose state readiness follows (``mqds.server.node.hosting.Hosting``)."""
 
     @property
     def node_id(self) -> str: ...

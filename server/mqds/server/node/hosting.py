@@ -32,9 +32,9 @@ from mqds.server.cluster import meta as meta_mod
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.cluster.vnode import Vnode, VnodeReplica
 from mqds.server.config import NodeConfig
-from mqds.server.datadir import DataDir
 from mqds.server.diskusage import DiskUsage
-from mqds.server.peers import Peers
+from mqds.server.node.datadir import DataDir
+from mqds.server.node.peers import Peers
 from mqds.server.raft.cluster_auth import ClusterAuth
 from mqds.server.raft.group import META_GROUP, ROLE_LEADER, PendingRead, RaftGroup, RaftTiming
 from mqds.server.raft.journal import NodeLog
