@@ -1,4 +1,9 @@
-"""The asyncio client against a real 3-node cluster: the same answers as the synchronous client, and failover."""
+"""The asyncio client against a real 3-node cluster: the same answers as the synchronous client, and failover.
+
+Its admin calls too, as the synchronous client's are tested (test_backup.py, test_retention_rules.py,
+test_share_groups.py): a backup restored into an empty cluster, retention rules set and read, the offline
+messages of some shards and a share group's members.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,15 @@ import asyncio
 import collections
 import time
 from collections.abc import Coroutine, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 from harness import sender_on
 
-from mqds.client import Client, ConnectionSettings, Message, aio
+from mqds.client import BackupError, BackupReport, Client, ConnectionSettings, Message, RestoreReport, aio
 from mqds.client import errors as E
+from mqds.client.backup_files import Place, verify
 from mqds.protocol.sharding import shard_of
 from mqds.tools.localproc import LocalCluster
 
@@ -253,6 +260,170 @@ def test_a_retry_after_a_lost_answer_stores_once_and_a_partial_failure_says_what
     for name in names:
         assert [m.payload for m in replayed if m.sender == name] == [b"0", b"1", b"2", b"3"]
     assert len(replayed) == 4 * len(names)
+
+
+def admin(cluster: LocalCluster) -> aio.Client:
+    """An asyncio client presenting the cluster secret: it may make admin calls."""
+    return aio.Client(cluster.addresses, settings=ConnectionSettings(timeout_s=30, cluster_secret=cluster.secret))
+
+
+def test_backup_and_restore_from_asyncio_give_the_cluster_back_without_blocking_the_loop(
+    cluster: LocalCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As test_backup.py with the sync client: what a backup holds comes back in an empty cluster of the same
+    # shard count (messages, broker state, the retention policy); an incremental backup skips the closed
+    # generations it holds; a cluster that is not empty is refused. Opening a file of the backup is made
+    # slow here: the asyncio client does it in a worker thread, so the loop goes on meanwhile.
+    place = str(tmp_path / "bk")
+    senders = [sender_on(shard, "aiobk", N_SHARDS) for shard in range(N_SHARDS)]
+    slow_s = 0.3
+    opened = Place.open
+
+    def slow_open(self: Place, relative: str, mode: str) -> Any:
+        time.sleep(slow_s)
+        return opened(self, relative, mode)
+
+    async def longest_pause(work: Coroutine[Any, Any, T]) -> tuple[T, float]:
+        """``work``'s result, and the longest the event loop was kept from a 10 ms ticker meanwhile."""
+        longest = 0.0
+
+        async def tick() -> None:
+            nonlocal longest
+            while True:
+                before = time.monotonic()
+                await asyncio.sleep(0.01)
+                longest = max(longest, time.monotonic() - before - 0.01)
+
+        ticker = asyncio.ensure_future(tick())
+        try:
+            return await work, longest
+        finally:
+            ticker.cancel()
+
+    async def on_the_source() -> tuple[BackupReport, BackupReport, Any, float, list[Message], list[Message]]:
+        async with admin(cluster) as c:
+            await c.store_batch([Message(topic=f"aiobk/{s}", payload=b"old", sender=s, qos=1) for s in senders])
+            await c.add_generation()
+            await c.store_batch([Message(topic=f"aiobk/{s}", payload=b"new", sender=s, qos=1) for s in senders])
+            await c.retain(Message(topic="aiobk/status", payload=b"up", sender=senders[0], qos=1))
+            await c.subscribe("aiobk-client", "aiobk/#", qos=2)
+            policy = await c.set_retention([("aiobk/#", 0)], default_s=0)
+            shown: list[tuple[int, int, bool]] = []
+            with monkeypatch.context() as patch:
+                patch.setattr(Place, "open", slow_open)
+                first, paused = await longest_pause(
+                    c.backup(place, parallel=N_SHARDS, progress=lambda *p: shown.append(p))
+                )
+            assert {shard for shard, _, done in shown if done} == set(range(N_SHARDS))
+            second = await c.backup(place)
+            messages = [m async for m in c.replay("aiobk/#")]
+            return first, second, policy, paused, messages, await c.retained("aiobk/#")
+
+    first, second, policy, paused, messages, retained = run(on_the_source())
+    assert paused < slow_s * 2 / 3, f"the event loop was blocked {paused:.2f} s"
+    manifest = Place(place).read_manifest()
+    assert verify(Place(place)).ok and manifest.run == second.run
+    assert first.n_shards == N_SHARDS and sorted(first.fences) == list(range(N_SHARDS))
+    assert first.files_written >= 2 * N_SHARDS and first.files_skipped == 0 and first.records > 0
+    # The second run copies again only what changed: the closed generations are the first run's files.
+    closed = [f for _, f in manifest.files() if f.generation is not None and f.generation.until_us]
+    assert len(closed) >= N_SHARDS and second.files_skipped == len(closed)
+    assert all(f.run == first.run for f in closed)
+    with LocalCluster(tmp_path / "target", 1, n_shards=N_SHARDS, replication_factor=1) as target:
+        target.start()
+
+        async def on_the_target() -> tuple[RestoreReport, Any, list[Message], list[Message], dict[str, int], list[int]]:
+            async with admin(target) as t:
+                assert await t.retention() is None
+                report = await t.restore(place, parallel=2)
+                with pytest.raises(BackupError, match="the cluster is not empty, nothing was restored"):
+                    await t.restore(place)
+                return (
+                    report,
+                    await t.retention(),
+                    [m async for m in t.replay("aiobk/#")],
+                    await t.retained("aiobk/#"),
+                    await t.subscriptions("aiobk-client"),
+                    await t.abandon_restore(),
+                )
+
+        report, restored_policy, restored, restored_retained, subscriptions, abandoned = run(on_the_target())
+    assert report.n_shards == N_SHARDS and report.retention_set and report.records > 0
+    assert report.files == sum(1 for _ in manifest.files())
+    assert restored_policy == policy
+    assert [(m.shard, m.timestamp_us, m.topic, m.payload) for m in restored] == [
+        (m.shard, m.timestamp_us, m.topic, m.payload) for m in messages
+    ]
+    assert [(m.topic, m.payload) for m in restored_retained] == [(m.topic, m.payload) for m in retained]
+    assert subscriptions == {"aiobk/#": 2}
+    assert abandoned == []  # the restore finished: nothing left to abandon
+
+
+def test_retention_from_asyncio_is_set_read_and_checked_as_by_the_sync_client(cluster: LocalCluster) -> None:
+    rules = [("aiort/short/#", 3600), ("aiort/#", 0)]
+
+    async def scenario() -> tuple[Any, Any]:
+        async with admin(cluster) as c:
+            policy = await c.set_retention(rules, default_s=86_400)
+            deadline = time.monotonic() + 30
+            while (seen := await c.retention()) != policy and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)  # until the node that answers the map has applied it
+            with pytest.raises(E.InvalidArgumentError, match="listed twice"):
+                await c.set_retention([("a/#", 10), ("a/#", 20)])
+            async with aio.Client(cluster.addresses, timeout_s=10) as anonymous:
+                with pytest.raises(E.AuthenticationError):
+                    await anonymous.set_retention(rules)
+            return policy, seen
+
+    policy, seen = run(scenario())
+    assert [(r.topic_filter, r.period_s) for r in policy.rules] == rules and policy.default_s == 86_400
+    assert seen == policy
+    with cluster.client(timeout_s=20) as sync:
+        assert sync.retention() == policy
+    run(_keep_everything(cluster))
+
+
+async def _keep_everything(cluster: LocalCluster) -> None:
+    async with admin(cluster) as c:
+        await c.set_retention([], default_s=0)
+
+
+def test_fetch_offline_of_some_shards_and_a_share_group_from_asyncio(cluster: LocalCluster) -> None:
+    senders = [sender_on(shard, "aiosh", N_SHARDS) for shard in range(N_SHARDS)]
+    batch = [Message(f"aiosh/{i}", f"{i}".encode(), sender=senders[i % N_SHARDS], qos=1) for i in range(40)]
+
+    async def scenario() -> tuple[list[Message], list[Message], list[Message], list[list[Message]], list[Message]]:
+        async with aio.Client(cluster.addresses, timeout_s=30) as c:
+            stored = await c.store_batch(batch)
+            some = await c.fetch_offline("aiosh-reader", "aiosh/#", shards=iter([3, 1, 3]))
+            every = await c.fetch_offline("aiosh-reader", "aiosh/#")
+            with pytest.raises(ValueError, match="start must be"):
+                aio.AsyncSharedSubscription(c, "aiosh-g", "aiosh/#", "m-x", start="later")
+            a = aio.AsyncSharedSubscription(c, "aiosh-g", "aiosh/#", "m-a", start="earliest")
+            b = aio.AsyncSharedSubscription(c, "aiosh-g", "aiosh/#", "m-b", start="earliest")
+            assert (await a.join()).shards == list(range(N_SHARDS))  # alone: every shard
+            joined = await b.join()
+            assert joined.members == ["m-a", "m-b"] and joined.position_clientid == "$share/aiosh-g"
+            await a.join()  # a renews: it learns that b took half
+            assert sorted(a.shards + b.shards) == list(range(N_SHARDS)) and not set(a.shards) & set(b.shards)
+            pages = [await a.fetch(100), await b.fetch(100)]
+            for member, page in zip((a, b), pages, strict=True):
+                for m in page:
+                    await member.ack(m)
+            await b.leave()
+            assert (await a.join()).shards == list(range(N_SHARDS))  # b's shards came to a
+            left = await a.fetch(100)  # after the group's position, which b moved in its shards
+            return stored, some, every, pages, left
+
+    stored, some, every, pages, left = run(scenario())
+    assert [m.payload for m in every] == [m.payload for m in sorted(stored, key=lambda m: (m.timestamp_us, m.shard))]
+    assert some == [m for m in every if m.shard in (1, 3)] and some
+    with cluster.client(timeout_s=20) as sync:
+        assert sync.fetch_offline("aiosh-reader", "aiosh/#", shards=[1, 3]) == some
+    a_page, b_page = pages
+    assert sorted(m.payload for m in a_page + b_page) == sorted(m.payload for m in stored)  # each message once
+    assert {m.shard for m in a_page}.isdisjoint({m.shard for m in b_page})
+    assert left == []  # everything acknowledged: nothing comes again
 
 
 @pytest.mark.slow

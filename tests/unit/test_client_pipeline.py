@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import socket
 
 import pytest
 
-from mqds.client import Message
+from mqds.client import Client, Message, aio
 from mqds.client import errors as E
 from mqds.client.operations import StoreBatch
 from mqds.client.pipeline import (
@@ -19,6 +21,7 @@ from mqds.client.pipeline import (
     check_message,
     check_messages,
 )
+from mqds.client.pipeline_handles import AsyncStoreFuture, StoreFuture
 from mqds.client.retry import Backoff
 from mqds.client.routing_table import RoutingTable
 from mqds.protocol.sharding import shard_of
@@ -429,3 +432,24 @@ def test_a_one_message_call_is_its_own_entry_and_a_plain_answer_settles_it() -> 
     assert p.acked(stream, (batch.sequence, [7, 8])) == [one, two]
     assert [m.timestamp_us for m in one.outcome() + two.outcome()] == [7, 8]
     assert all(m.shard == 0 for m in one.outcome())
+
+
+def test_a_pipelined_call_that_finds_no_node_in_time_is_a_failed_future_in_both_clients() -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{probe.getsockname()[1]}"
+    message = Message("t/1", b"x", sender_on(0), 1)
+    with Client([endpoint], timeout_s=0.3) as sync:
+        handle = sync.store_async(message)
+        assert isinstance(handle, StoreFuture) and handle.done()
+        with pytest.raises(E.UnavailableError, match=endpoint):
+            handle.result()
+
+    async def scenario() -> None:
+        async with aio.Client([endpoint], timeout_s=0.3) as client:
+            handle = await client.store_async(message)
+            assert isinstance(handle, AsyncStoreFuture) and handle.done()
+            with pytest.raises(E.UnavailableError, match=endpoint):
+                await handle
+
+    asyncio.run(scenario())

@@ -29,7 +29,8 @@ from mqds.client.model import (
     Stream,
 )
 from mqds.client.offline import OfflineFetch
-from mqds.client.share_group import ShareAssignment, SharedSubscription
+from mqds.client.share_group import ShareAssignment
+from mqds.client.share_members import SharedSubscription
 from mqds.protocol.limits import SESSION_NEVER_EXPIRES
 
 __all__ = [

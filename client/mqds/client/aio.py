@@ -12,9 +12,16 @@ Built on ``grpc.aio``; requests are built, answers read, and retries,
 leader hints and map refreshes decided by the code the synchronous client
 uses (:mod:`mqds.client.operations`, and the rules named in
 :mod:`mqds.client.routing`), so both behave alike. This module holds the
-public methods; the routing loop they run on, :class:`AsyncRouter`, is in
-:mod:`mqds.client.aio_routing` (and importable from here). A client belongs
-to the event loop it is first used in: its channels are opened there.
+public methods (the broker-state calls in :mod:`mqds.client.aio_broker_state`,
+the generations, deletes, backup and restore in
+:mod:`mqds.client.aio_storage_admin`); the routing loop they run on,
+:class:`AsyncRouter`, is in :mod:`mqds.client.aio_routing`. It, the push
+subscription ``follow`` returns (:class:`AsyncSubscription`) and a share
+group's member (:class:`AsyncSharedSubscription`) are importable from here:
+the twins of :class:`mqds.client.routing.Router`,
+:class:`mqds.client.Subscription` and :class:`mqds.client.SharedSubscription`.
+A client belongs to the event loop it is first used in: its channels are
+opened there.
 """
 
 from __future__ import annotations
@@ -29,38 +36,42 @@ from typing import Any, TypeVar
 import grpc
 
 from mqds.client import operations as ops
+from mqds.client import retention as retention_calls
 from mqds.client.aio_broker_state import AsyncBrokerStateCalls
 from mqds.client.aio_routing import AsyncRouter
+from mqds.client.aio_storage_admin import AsyncStorageAdminCalls
 from mqds.client.batch import MessageBatch
 from mqds.client.connection import ConnectionSettings, parse_endpoints, resolve_settings
-from mqds.client.deletes import DeleteReport, DeleteRun, Progress
 from mqds.client.follow import FollowCore, FollowPosition
 from mqds.client.follow_aio import AsyncFollowMux, AsyncSubscription
-from mqds.client.model import Fence, Generation, Iterator, Message, NextResult, Rank, Stream
+from mqds.client.model import Fence, Iterator, Message, NextResult, Rank, Stream
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.pipeline import PipelineLimits, resolve_limits
 from mqds.client.pipeline_aio import AsyncPipeline
+from mqds.client.pipeline_handles import AsyncStoreFuture
 from mqds.client.replay import GROUP_BYTES, GROUP_DEPTH, WEIGH_BATCH
 from mqds.client.replay_aio import read_ahead as read_ahead_batches
 from mqds.client.retry import Backoff, time_left
+from mqds.client.share_members import AsyncSharedSubscription
 from mqds.client.stream_reads import RankRead, read_rank_aio
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.v1 import cluster_pb2 as clpb
 
-__all__ = ["AsyncRouter", "Client"]
+__all__ = ["AsyncRouter", "AsyncSharedSubscription", "AsyncSubscription", "Client"]
 
 T = TypeVar("T")
 
 
-class Client(AsyncBrokerStateCalls):
+class Client(AsyncBrokerStateCalls, AsyncStorageAdminCalls):
     """Stores and replays MQTT messages on an mqds cluster, from asyncio code.
 
     The same methods, arguments, results and errors as
-    :class:`mqds.client.Client`, as coroutines; ``replay`` is an async
-    iterator. Writes go to their shards' leaders concurrently, leader hints
-    are followed, and retriable failures retried with the same backoff until
-    the call's deadline; concurrent calls that need a fresh cluster map share
+    :class:`mqds.client.Client`, as coroutines; ``replay`` and
+    ``replay_batches`` are async iterators (``tests/unit/test_client_parity.py``
+    keeps the two the same). Writes go to their shards' leaders concurrently,
+    leader hints are followed, and retriable failures retried with the same
+    backoff until the call's deadline; concurrent calls that need a fresh cluster map share
     one refresh. A client may start before its cluster: while no node answers
     yet, a call keeps asking for the map until its deadline. Close it (``await client.close()``) or use ``async with``.
     ``max_in_flight_messages`` and ``pipeline`` bound ``store_async`` /
@@ -104,6 +115,9 @@ class Client(AsyncBrokerStateCalls):
 
     async def _n_shards(self, deadline: float) -> int:
         return (await self._router.ensure_map(time_left(deadline))).n_shards
+
+    def _routing(self) -> tuple[AsyncRouter, Callable[[grpc.RpcError], MqdsError]]:
+        return self._router, self.settings.call_error
 
     async def _shard_call(self, call: ShardCall[T], timeout_s: float | None, deadline: float | None = None) -> T:
         deadline = self._deadline(timeout_s) if deadline is None else deadline
@@ -158,6 +172,22 @@ class Client(AsyncBrokerStateCalls):
         await self._router.wait_for_map(time.monotonic() + (timeout_s or self.timeout_s), force=True)
         return self._router.table.cluster_map()
 
+    async def set_retention(
+        self, rules: Sequence[tuple[str, int]], default_s: int = 0, timeout_s: float | None = None
+    ) -> clpb.RetentionPolicy:
+        """As :meth:`mqds.client.Client.set_retention`: the cluster's retention policy, ``(topic filter,
+        seconds)`` rules (the first matching one decides) and ``default_s`` for the rest (0: kept until
+        deleted), replacing the previous one. Needs the admin role."""
+        policy = retention_calls.policy_message(rules, default_s)
+        await self._router.ensure_map(self.timeout_s if timeout_s is None else timeout_s)
+        return await retention_calls.set_policy_aio(
+            self._router, self.settings.call_error, policy, self._deadline(timeout_s)
+        )
+
+    async def retention(self, timeout_s: float | None = None) -> clpb.RetentionPolicy | None:
+        """The cluster's retention policy, or None when none was set (each node's retention_period_s applies)."""
+        return retention_calls.policy_of(await self.cluster_map(timeout_s))
+
     # -- writes --------------------------------------------------------------
 
     async def store_batch(
@@ -191,7 +221,7 @@ class Client(AsyncBrokerStateCalls):
 
     async def store_async(
         self, messages: Message | Iterable[Message], *, timeout_s: float | None = None
-    ) -> asyncio.Future[list[Message]]:
+    ) -> AsyncStoreFuture:
         """Queue messages for pipelined storing (awaiting room in the window); a future of the stored messages.
 
         As :meth:`mqds.client.Client.store_async`: ``await`` this to queue
@@ -204,9 +234,7 @@ class Client(AsyncBrokerStateCalls):
         try:
             n_shards = await self._n_shards(deadline)
         except MqdsError as err:
-            failed: asyncio.Future[list[Message]] = asyncio.get_running_loop().create_future()
-            failed.set_exception(err)
-            return failed
+            return AsyncStoreFuture.failed_with(err)
         if self._pipeline is None:
             self._pipeline = AsyncPipeline(self._router, self.producer_id, self._sequences, self.pipeline_limits)
         return await self._pipeline.submit(batch, n_shards, deadline)
@@ -220,7 +248,7 @@ class Client(AsyncBrokerStateCalls):
         pipeline = self._pipeline
         return dict(pipeline.core.stats) if pipeline is not None else {"calls": 0, "batches": 0, "messages": 0}
 
-    async def publish(self, messages: Message | Iterable[Message], *, timeout_s: float | None = None) -> list[Message]:
+    async def publish(self, messages: Message | Iterable[Message], timeout_s: float | None = None) -> list[Message]:
         """Store messages through the pipeline (``store_async``) and await them; the stored messages."""
         return await (await self.store_async(messages, timeout_s=timeout_s))
 
@@ -380,46 +408,3 @@ class Client(AsyncBrokerStateCalls):
         groups = [group(streams) for streams in order]
         async for batch in read_ahead_batches(groups, read_ahead, GROUP_DEPTH, GROUP_BYTES, WEIGH_BATCH):
             yield batch
-
-    # -- generations ---------------------------------------------------------
-
-    async def add_generation(self, shard: int | None = None, timeout_s: float | None = None) -> list[Generation]:
-        """Start a new generation in ``shard``, or in every shard; return the new ones."""
-        return await self._fanout_call(ops.add_generation(shard), timeout_s)
-
-    async def list_generations(
-        self, shard: int | None = None, *, stale_ok: bool = False, timeout_s: float | None = None
-    ) -> list[Generation]:
-        """The generations of ``shard``, or of every shard, in order."""
-        return await self._fanout_call(ops.list_generations(shard, stale_ok), timeout_s)
-
-    async def drop_generation(self, shard: int, generation: int, timeout_s: float | None = None) -> Generation:
-        """Drop a closed generation of a shard and free its disk; return it as it was."""
-        return await self._shard_call(ops.drop_generation(shard, generation), timeout_s)
-
-    # -- deletes -------------------------------------------------------------
-
-    async def delete_messages(
-        self,
-        topic_filter: str,
-        *,
-        sender: str = "",
-        since_us: int = 0,
-        until_us: int = 0,
-        confirm_all: bool = False,
-        timeout_s: float | None = None,
-        progress: Progress | None = None,
-    ) -> DeleteReport:
-        """As :meth:`mqds.client.Client.delete_messages`: a sender's or a filter's messages, shard by shard."""
-        run = DeleteRun(
-            await self._n_shards(self._deadline(timeout_s)),
-            topic_filter,
-            sender,
-            since_us,
-            until_us,
-            confirm_all,
-            progress,
-        )
-        while (call := run.next_call()) is not None:
-            run.record(await self._shard_call(call, timeout_s))
-        return run.report

@@ -125,6 +125,7 @@ class AsyncBrokerStateCalls(abc.ABC):
         *,
         include_qos0: bool = False,
         start: str = "earliest",
+        shards: Iterable[int] | None = None,
         timeout_s: float | None = None,
     ) -> list[Message]:
         """Stored messages for a subscriber that was offline: oldest first, at most ``max_count``.
@@ -143,6 +144,7 @@ class AsyncBrokerStateCalls(abc.ABC):
         acknowledges); ``"now"``, what is stored from now on, as MQTT has it for
         a new subscription (the pair's read position is started now, see
         ``start_read_position``; a pair that has one reads on from it).
+        ``shards``: only these shards (a share group's member reads its own).
         """
         fetch = ops.FetchOffline.check(clientid, topic_filter, mode, max_count, time_range_s, include_qos0, start)
         deadline = self._deadline(timeout_s)
@@ -150,8 +152,7 @@ class AsyncBrokerStateCalls(abc.ABC):
         if fetch.pubsub:
             read = self.start_read_position if fetch.start_now else self.read_position
             position = await read(clientid, topic_filter, timeout_s=timeout_s)
-        remaining = time_left(deadline)
-        return fetch.cut(await self._fanout_call(fetch.messages(position), remaining))
+        return fetch.cut(await self._fanout_call(fetch.messages(position, shards), time_left(deadline)))
 
     async def fetch_offline_many(
         self,

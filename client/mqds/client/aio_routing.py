@@ -14,14 +14,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
 from mqds.client.connection import ConnectionSettings
 from mqds.client.fanout import Fanout
 from mqds.client.retry import Backoff, MapWait, ShardRetry
-from mqds.client.routing_table import CREDENTIAL_CODES, MapRefresh, RoutingTable
+from mqds.client.routing_table import CREDENTIAL_CODES, MapLookups, MapRefresh, RoutingTable
 from mqds.client.stubs import StubCache
 from mqds.protocol.cluster_view import ClusterView
 from mqds.protocol.errors import MqdsError
@@ -35,21 +35,30 @@ log = logging.getLogger("mqds.client.aio")
 T = TypeVar("T")
 
 
-class AsyncRouter(StubCache):
+class AsyncRouter(StubCache, MapLookups):
     """Channels (``grpc.aio``) to every node, the cluster map, and calls that find the right node.
 
     The asyncio counterpart of :class:`mqds.client.routing.Router`, with the
-    same :class:`~mqds.client.routing.RoutingTable` and retry rules.
+    same :class:`~mqds.client.routing.RoutingTable` and retry rules, and
+    the same arguments (``channel_options`` adds or overrides raw gRPC
+    channel arguments).
     """
 
-    def __init__(self, seeds: Sequence[str], *, settings: ConnectionSettings, backoff: Backoff | None = None) -> None:
-        self.settings = settings
+    def __init__(
+        self,
+        seeds: Sequence[str],
+        *,
+        settings: ConnectionSettings | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.settings = settings or ConnectionSettings()
         self.table = RoutingTable(seeds)
         self.backoff = backoff or Backoff()
-        self.metadata = settings.call_metadata()
+        self.metadata = self.settings.call_metadata()
         # Read the PEM files now: a missing or bad one fails the constructor.
-        self._credentials = settings.channel_credentials()
-        self._options = settings.channel_options()
+        self._credentials = self.settings.channel_credentials()
+        self._options = list({**dict(self.settings.channel_options()), **dict(channel_options)}.items())
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs = {}
         self._refresh_lock = asyncio.Lock()

@@ -147,9 +147,7 @@ class BrokerStateCalls(abc.ABC):
         if fetch.pubsub:
             read = self.start_read_position if fetch.start_now else self.read_position
             position = read(clientid, topic_filter, timeout_s=timeout_s)
-        remaining = time_left(deadline)
-        chosen = None if shards is None else sorted(set(shards))
-        return fetch.cut(self._fanout_call(fetch.messages(position, chosen), remaining))
+        return fetch.cut(self._fanout_call(fetch.messages(position, shards), time_left(deadline)))
 
     def fetch_offline_many(
         self,

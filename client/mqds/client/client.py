@@ -9,7 +9,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Iterator as AbcIterator
-from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
@@ -29,7 +28,7 @@ from mqds.client.pipeline_sync import SyncPipeline
 from mqds.client.replay import GROUP_BYTES, GROUP_DEPTH, WEIGH_BATCH
 from mqds.client.replay import read_ahead as read_ahead_batches
 from mqds.client.retry import time_left
-from mqds.client.routing import Backoff, Fanout, Router, ShardFailures
+from mqds.client.routing import Backoff, Router, ShardFailures
 from mqds.client.storage_admin import StorageAdminCalls
 from mqds.client.stream_reads import RankRead, read_rank
 from mqds.protocol import errors
@@ -165,47 +164,10 @@ class Client(BrokerStateCalls, StorageAdminCalls):
         (new) leaders and tried again until the deadline; then the first
         failure is raised.
         """
-        results, failures = self._per_leader_partial(shards, call, deadline, stale_ok)
+        results, failures = self._router.fanout(shards, call, deadline, stale_ok)
         if failures:
             raise next(iter(failures.values()))
         return results
-
-    def _per_leader_partial(
-        self, shards: Iterable[int], call: Callable[[list[int], str, float], T], deadline: float, stale_ok: bool = False
-    ) -> tuple[list[T], dict[int, MqdsError]]:
-        """Like ``_per_leader``, but returns what succeeded and each failed shard's final error.
-
-        ``call`` may raise :class:`ShardFailures` to fail some of its shards
-        while the others succeeded (their results it records itself).
-        """
-        fan = Fanout(self._router.table, shards, deadline, self._router.backoff, stale_ok=stale_ok)
-        results: list[T] = []
-        while (step := fan.next_round()) is not None:
-            groups, remaining = step
-            if len(groups) == 1:
-                # One node to ask (a single-shard call, most of them): in this
-                # thread, not through the pool (a thread hand-off each way).
-                ((address, group),) = groups.items()
-                try:
-                    results.append(call(group, address, remaining))
-                except MqdsError as err:
-                    fan.failed(group, err)
-            else:
-                jobs = {
-                    self._router.submit(call, group, address, remaining): group for address, group in groups.items()
-                }
-                for job in futures.as_completed(jobs):
-                    try:
-                        results.append(job.result())
-                    except MqdsError as err:
-                        fan.failed(jobs[job], err)
-            if fan.end_round():
-                if fan.refresh_map:
-                    self._router.refresh_quietly(remaining)
-                delay = fan.backoff_s()
-                if delay is not None:
-                    time.sleep(delay)
-        return results, fan.failures
 
     def close(self) -> None:
         """Release the connections; ``store_async`` calls not acknowledged yet fail with UNAVAILABLE."""
@@ -247,8 +209,7 @@ class Client(BrokerStateCalls, StorageAdminCalls):
 
     def retention(self, timeout_s: float | None = None) -> clpb.RetentionPolicy | None:
         """The cluster's retention policy, or None when none was set (each node's retention_period_s applies)."""
-        cmap = self.cluster_map(timeout_s)
-        return cmap.retention if cmap.HasField("retention") else None
+        return retention_calls.policy_of(self.cluster_map(timeout_s))
 
     # -- writes --------------------------------------------------------------
 
@@ -285,7 +246,7 @@ class Client(BrokerStateCalls, StorageAdminCalls):
             indexes, request = plan.request(shards)
             plan.record(indexes, self._rpc(address, "StoreBatch", request, remaining))
 
-        _, failures = self._per_leader_partial(plan.shards, send, deadline)
+        _, failures = self._router.fanout(plan.shards, send, deadline)
         return plan.outcome(failures)
 
     def store_async(self, messages: Message | Iterable[Message], *, timeout_s: float | None = None) -> StoreFuture:

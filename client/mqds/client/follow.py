@@ -34,7 +34,15 @@ from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.topics import TopicError, validate_filter
 from mqds.v1 import storage_pb2 as pb
 
-__all__ = ["FollowBatch", "FollowCore", "FollowPosition", "FollowRoutes", "ShardPart", "merge_credits"]
+__all__ = [
+    "FollowBatch",
+    "FollowCore",
+    "FollowPosition",
+    "FollowRoutes",
+    "FollowState",
+    "ShardPart",
+    "merge_credits",
+]
 
 FOLLOW_METHOD = "/mqds.v1.Storage/Follow"
 """The Follow call's gRPC method, as both clients and the fan-out benchmark open it."""
@@ -378,3 +386,28 @@ class FollowCore:
         if part is None or not taken or part.retry_at or not part.sub_id:
             return None
         return part, taken
+
+
+class FollowState:
+    """What a push subscription says of itself, read from its :class:`FollowCore` (``self.core``); no I/O.
+
+    Shared by both clients' subscriptions (:class:`mqds.client.follow_sync.Subscription`,
+    :class:`mqds.client.follow_aio.AsyncSubscription`), so they say the same.
+    """
+
+    core: FollowCore
+
+    @property
+    def cluster_id(self) -> str:
+        """The id of the cluster followed: a saved position belongs to it."""
+        return self.core.cluster_id
+
+    @property
+    def restarts(self) -> int:
+        """Shard parts started again elsewhere after a failure (a node lost, a leader moved)."""
+        return self.core.restarts
+
+    @property
+    def position(self) -> FollowPosition:
+        """Where the subscription is: what to save, to follow on later from here."""
+        return self.core.position

@@ -23,8 +23,8 @@ from mqds.client.follow import (
     MERGE_MAX,
     FollowBatch,
     FollowCore,
-    FollowPosition,
     FollowRoutes,
+    FollowState,
     ShardPart,
     merge_credits,
 )
@@ -156,7 +156,7 @@ class AsyncFollowMux:
         await asyncio.gather(*(c.reader for c in calls), *(c.writer for c in calls), return_exceptions=True)
 
 
-class AsyncSubscription:
+class AsyncSubscription(FollowState):
     """A push subscription of the asyncio client: ``async for batch in sub``; see ``mqds.client.Client.follow``."""
 
     def __init__(self, mux: AsyncFollowMux, core: FollowCore) -> None:
@@ -165,14 +165,6 @@ class AsyncSubscription:
         self.events: asyncio.Queue[_Event] = asyncio.Queue()
         self._closed = False
         self._started = False
-
-    @property
-    def restarts(self) -> int:
-        return self.core.restarts
-
-    @property
-    def position(self) -> FollowPosition:
-        return self.core.position
 
     async def _start_all(self) -> None:
         if not self._started:

@@ -25,8 +25,8 @@ from mqds.client.follow import (
     MERGE_MAX,
     FollowBatch,
     FollowCore,
-    FollowPosition,
     FollowRoutes,
+    FollowState,
     ShardPart,
     merge_credits,
 )
@@ -155,7 +155,7 @@ class FollowMux:
             call.close()
 
 
-class Subscription:
+class Subscription(FollowState):
     """A push subscription to a topic filter on every shard: iterate it for :class:`FollowBatch` es.
 
     Made by ``Client.follow``; see its documentation. Iterate it from one
@@ -172,20 +172,6 @@ class Subscription:
         self._closed = False
         for part in core.parts.values():
             self._start(part)
-
-    @property
-    def cluster_id(self) -> str:
-        return self.core.cluster_id
-
-    @property
-    def restarts(self) -> int:
-        """Shard parts started again elsewhere after a failure (a node lost, a leader moved)."""
-        return self.core.restarts
-
-    @property
-    def position(self) -> FollowPosition:
-        """Where the subscription is: what to save, to follow on later from here."""
-        return self.core.position
 
     def __iter__(self) -> Iterator[FollowBatch]:
         while True:

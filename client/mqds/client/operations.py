@@ -475,13 +475,15 @@ class FetchOffline:
     def pubsub(self) -> bool:
         return self.mode == spb.PUBSUB
 
-    def messages(self, position: ReadPosition | None = None, shards: list[int] | None = None) -> FanoutCall[Message]:
+    def messages(
+        self, position: ReadPosition | None = None, shards: Iterable[int] | None = None
+    ) -> FanoutCall[Message]:
         """The call that reads matching messages after ``position`` (None: from the first) from ``shards``
-        (None: every shard)."""
+        (None: every shard; each named once, in order, however often and in whatever order they are given)."""
         after_us = position.acked_us if position is not None else {}
         return FanoutCall(
             "FetchMessages",
-            shards,
+            None if shards is None else sorted(set(shards)),
             lambda shards: spb.FetchMessagesRequest(
                 topic_filter=self.topic_filter,
                 shards=shards,

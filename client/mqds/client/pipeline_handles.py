@@ -238,6 +238,14 @@ class AsyncStoreFuture(CallState, asyncio.Future[list[Message]]):
         handle.setup(messages, n_shards, deadline)
         return handle
 
+    @classmethod
+    def failed_with(cls, err: MqdsError) -> AsyncStoreFuture:
+        """A future that failed before it was a call (no map in time), of the running loop."""
+        handle = cls.create(asyncio.get_running_loop(), [], 1, 0.0)
+        handle.error = handle.error or err
+        handle.set_exception(handle.error)
+        return handle
+
 
 def publish_async(calls: Iterable[CallState]) -> None:
     """Complete settled calls' asyncio futures, in order; a future its caller cancelled stays cancelled."""

@@ -8,6 +8,9 @@ the endpoints tried and the last cause. :class:`ShardRetry` decides, after
 each failure of a call to one shard, whether to retry (NOT_LEADER, NO_LEADER,
 OVERLOADED, an unreachable node), where (the hinted leader, the next
 replica), whether to refresh the map first, and how long to back off.
+:class:`NodeRounds` is a call any of several nodes may answer (setting the
+retention policy, exporting a shard for a backup): the nodes asked in
+turn, round after round, with a pause between rounds.
 
 The callers do the I/O and the waiting: :class:`mqds.client.routing.Router`
 with threads, :class:`mqds.client.aio_routing.AsyncRouter` with tasks.
@@ -24,7 +27,7 @@ from mqds.client.routing_table import RoutingTable
 from mqds.protocol import errors
 from mqds.protocol.errors import BUSY, MqdsError, Reason
 
-__all__ = ["MIN_RETRY_S", "Backoff", "MapWait", "ShardRetry", "time_left"]
+__all__ = ["MIN_RETRY_S", "Backoff", "MapWait", "NodeRounds", "ShardRetry", "time_left"]
 
 # While waiting for a first map, a refresh is not started with less time than this.
 _MIN_MAP_WAIT_TRY_S = 0.1
@@ -195,3 +198,55 @@ class ShardRetry:
             raise err
         self._paused_after = err
         return delay
+
+
+class NodeRounds:
+    """The retry rules of a call that any of several nodes may answer; the caller does the I/O.
+
+    The caller asks the nodes of a round one after the other, each with
+    ``remaining()`` seconds (None: the deadline has passed, the round
+    ends); a node that fails goes to ``failed``, which raises at once what
+    retrying cannot help (a refused credential, an invalid request). After
+    a round that no node answered, the caller pauses ``pause_s()`` (from
+    ``first_pause_s``, doubling up to ``max_pause_s``) and starts the next
+    while ``going_on()``; at the end it raises ``error()``: the last
+    failure, or DEADLINE_EXCEEDED when no node was asked.
+
+    >>> rounds = NodeRounds(time.monotonic() + 60, first_pause_s=0.05, max_pause_s=0.1)
+    >>> rounds.failed(errors.error(Reason.UNAVAILABLE, "a:1 is down"))
+    >>> [rounds.pause_s() for _ in range(3)], rounds.error("no node answered in time").reason
+    ([0.05, 0.1, 0.1], <Reason.UNAVAILABLE: 'UNAVAILABLE'>)
+    >>> NodeRounds(time.monotonic(), first_pause_s=0.05, max_pause_s=0.1).error("no node answered in time")
+    DeadlineExceededError('no node answered in time')
+    """
+
+    def __init__(self, deadline: float, *, first_pause_s: float, max_pause_s: float) -> None:
+        self.deadline = deadline
+        self.last: MqdsError | None = None
+        """The last failure of a node."""
+        self._pause = first_pause_s
+        self._max_pause = max_pause_s
+
+    def going_on(self) -> bool:
+        """Whether another round may start."""
+        return time.monotonic() < self.deadline
+
+    def remaining(self) -> float | None:
+        """The time the next node of the round may take; None once the deadline has passed."""
+        left = self.deadline - time.monotonic()
+        return left if left > 0 else None
+
+    def failed(self, err: MqdsError) -> None:
+        """A node failed with ``err``: raised when retrying cannot help, else kept as the last failure."""
+        self.last = err
+        if not err.retriable:
+            raise err from None
+
+    def pause_s(self) -> float:
+        """The pause after a round no node answered."""
+        pause, self._pause = self._pause, min(self._pause * 2, self._max_pause)
+        return pause
+
+    def error(self, what: str) -> MqdsError:
+        """The error that ends the call: the last node's failure, else DEADLINE_EXCEEDED saying ``what``."""
+        return self.last or errors.error(Reason.DEADLINE_EXCEEDED, what)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -31,7 +31,7 @@ import grpc
 from mqds.client.connection import ConnectionSettings
 from mqds.client.fanout import Fanout, ShardFailures
 from mqds.client.retry import Backoff, MapWait, ShardRetry
-from mqds.client.routing_table import CREDENTIAL_CODES, MapRefresh, RoutingTable
+from mqds.client.routing_table import CREDENTIAL_CODES, MapLookups, MapRefresh, RoutingTable
 from mqds.client.stubs import StubCache
 from mqds.protocol.cluster_view import ClusterView
 from mqds.protocol.errors import MqdsError
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Router(StubCache):
+class Router(StubCache, MapLookups):
     """Channels to every node, the cluster map, and calls that find the right node (blocking I/O, threads).
 
     ``settings`` give the channels' TLS, keepalive and size limits, and the
@@ -84,14 +84,6 @@ class Router(StubCache):
         self._refresh_lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="mqds-client")
 
-    @property
-    def seeds(self) -> list[str]:
-        return self.table.seeds
-
-    @property
-    def view(self) -> ClusterView:
-        return self.table.view
-
     # -- channels --------------------------------------------------------------
 
     def channel(self, address: str) -> grpc.Channel:
@@ -114,22 +106,6 @@ class Router(StubCache):
         return self._pool.submit(fn, *args)
 
     # -- the map ---------------------------------------------------------------
-
-    def known_addresses(self) -> list[str]:
-        return self.table.known_addresses()
-
-    def leader_of(self, shard: int) -> str | None:
-        return self.table.leader_of(shard)
-
-    def replica_addresses(self, shard: int) -> list[str]:
-        return self.table.replica_addresses(shard)
-
-    def learn(self, err: MqdsError, shard: int | None) -> bool:
-        """Patch the map from a NOT_LEADER hint; True when it named a leader."""
-        return self.table.learn(err, shard)
-
-    def forget_leader(self, shard: int) -> None:
-        self.table.forget_leader(shard)
 
     def refresh(self, timeout_s: float = 5.0, force: bool = False) -> ClusterView:
         """Ask every known node for its map and merge them, once; one refresh shared by concurrent callers.
@@ -230,3 +206,44 @@ class Router(StubCache):
                 if retry.refresh_map:
                     self.refresh_quietly(remaining)
                 time.sleep(retry.backoff_s(err))
+
+    def fanout(
+        self,
+        shards: Iterable[int],
+        call: Callable[[list[int], str, float], T],
+        deadline: float,
+        stale_ok: bool = False,
+    ) -> tuple[list[T], dict[int, MqdsError]]:
+        """Run ``call(shards, address, timeout_s)`` once per node leading some of ``shards``, in parallel.
+
+        Returns what succeeded and each failed shard's final error (see
+        :class:`Fanout` for what is retried). ``call`` may raise
+        :class:`ShardFailures` to fail some of its shards while the others
+        succeeded (their results it records itself).
+        """
+        fan = Fanout(self.table, shards, deadline, self.backoff, stale_ok=stale_ok)
+        results: list[T] = []
+        while (step := fan.next_round()) is not None:
+            groups, remaining = step
+            if len(groups) == 1:
+                # One node to ask (a single-shard call, most of them): in this
+                # thread, not through the pool (a thread hand-off each way).
+                ((address, group),) = groups.items()
+                try:
+                    results.append(call(group, address, remaining))
+                except MqdsError as err:
+                    fan.failed(group, err)
+            else:
+                jobs = {self.submit(call, group, address, remaining): group for address, group in groups.items()}
+                for job in futures.as_completed(jobs):
+                    try:
+                        results.append(job.result())
+                    except MqdsError as err:
+                        fan.failed(jobs[job], err)
+            if fan.end_round():
+                if fan.refresh_map:
+                    self.refresh_quietly(remaining)
+                delay = fan.backoff_s()
+                if delay is not None:
+                    time.sleep(delay)
+        return results, fan.failures

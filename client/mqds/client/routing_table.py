@@ -28,7 +28,7 @@ from mqds.protocol.cluster_view import ClusterView
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.v1 import cluster_pb2 as clpb
 
-__all__ = ["CREDENTIAL_CODES", "MapRefresh", "RoutingTable"]
+__all__ = ["CREDENTIAL_CODES", "MapLookups", "MapRefresh", "RoutingTable"]
 
 # Refresh at most this often when nothing is wrong (a NOT_LEADER hint or a
 # failure always allows one).
@@ -148,6 +148,45 @@ class RoutingTable:
             f"no mqds node answered at {', '.join(self.known_addresses())} in time: "
             f"another call's refresh of the cluster map was still waiting for them{last}",
         )
+
+
+class MapLookups:
+    """What a router answers from its :class:`RoutingTable` (``self.table``) without I/O.
+
+    Shared by the synchronous and the asyncio router, so callers that only
+    look at the map (a backup choosing the replica to export from, a push
+    subscription choosing where to follow) ask either the same way.
+    """
+
+    table: RoutingTable
+
+    @property
+    def seeds(self) -> list[str]:
+        return self.table.seeds
+
+    @property
+    def view(self) -> ClusterView:
+        return self.table.view
+
+    def known_addresses(self) -> list[str]:
+        """Every node address known: the seeds and the map's."""
+        return self.table.known_addresses()
+
+    def leader_of(self, shard: int) -> str | None:
+        """The address of the shard's leader (or, without a known leader, its first replica)."""
+        return self.table.leader_of(shard)
+
+    def replica_addresses(self, shard: int) -> list[str]:
+        """The addresses of the shard's replicas, as the map has them."""
+        return self.table.replica_addresses(shard)
+
+    def learn(self, err: MqdsError, shard: int | None) -> bool:
+        """Patch the map from a NOT_LEADER hint; True when it named a leader."""
+        return self.table.learn(err, shard)
+
+    def forget_leader(self, shard: int) -> None:
+        """Forget the shard's leader (it failed): the next call refreshes the map or asks a replica."""
+        self.table.forget_leader(shard)
 
 
 class MapRefresh:

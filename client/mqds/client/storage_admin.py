@@ -14,6 +14,8 @@ from typing import TypeVar
 from mqds.client import backup as backups
 from mqds.client import operations as ops
 from mqds.client.backup import BackupReport, RestoreReport
+from mqds.client.backup_runs import START_S, CallError
+from mqds.client.backup_runs import Progress as BackupProgress
 from mqds.client.deletes import DeleteReport, DeleteRun, Progress
 from mqds.client.model import Fence, Generation
 from mqds.client.operations import FanoutCall, ShardCall
@@ -24,7 +26,11 @@ T = TypeVar("T")
 
 
 class StorageAdminCalls(abc.ABC):
-    """Generations and deletes; :class:`mqds.client.Client` implements the calls below."""
+    """Generations, deletes, backup and restore; :class:`mqds.client.Client` implements the calls below.
+
+    :class:`mqds.client.aio_storage_admin.AsyncStorageAdminCalls` is its
+    asyncio twin, method for method.
+    """
 
     @abc.abstractmethod
     def _deadline(self, timeout_s: float | None) -> float:
@@ -43,7 +49,7 @@ class StorageAdminCalls(abc.ABC):
         """The cluster's shard count (waiting for a first map until ``deadline``)."""
 
     @abc.abstractmethod
-    def _routing(self) -> tuple[Router, backups.CallError]:
+    def _routing(self) -> tuple[Router, CallError]:
         """The client's router and its translation of failed calls."""
 
     @abc.abstractmethod
@@ -112,7 +118,7 @@ class StorageAdminCalls(abc.ABC):
         parallel: int = 2,
         incremental: bool = True,
         timeout_s: float = 3600.0,
-        progress: backups.Progress | None = None,
+        progress: BackupProgress | None = None,
     ) -> BackupReport:
         """Back up the whole cluster into ``to`` (a directory or an fsspec URL): every shard at a fence
         pinned now, the broker state and the retention policy, with a manifest of checksums written
@@ -121,14 +127,14 @@ class StorageAdminCalls(abc.ABC):
         since) are not copied again unless ``incremental`` is False. Needs the admin role; see
         :mod:`mqds.client.backup`."""
         deadline = self._deadline(timeout_s)
-        fences = {f.shard: f.timestamp_us for f in self.get_fences(timeout_s=min(timeout_s, 60.0))}
+        fences = {f.shard: f.timestamp_us for f in self.get_fences(timeout_s=min(timeout_s, START_S))}
         router, call_error = self._routing()
         return backups.backup(
             router,
             call_error,
             to,
             fences=fences,
-            retention=self.retention(min(timeout_s, 60.0)),
+            retention=self.retention(min(timeout_s, START_S)),
             deadline=deadline,
             parallel=parallel,
             incremental=incremental,
@@ -141,7 +147,7 @@ class StorageAdminCalls(abc.ABC):
         *,
         parallel: int = 2,
         timeout_s: float = 3600.0,
-        progress: backups.Progress | None = None,
+        progress: BackupProgress | None = None,
     ) -> RestoreReport:
         """Restore the backup at ``source`` into this cluster, which must be empty and have the backup's
         shard count (any size and placement). The whole backup is checked first (checksums), and a

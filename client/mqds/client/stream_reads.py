@@ -17,20 +17,71 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from mqds.client import operations as ops
 from mqds.client import replay, replay_aio
 from mqds.client.batch import MessageBatch
 from mqds.client.merge import Rest, runs
 from mqds.client.model import Iterator as StreamIterator
-from mqds.client.model import Stream
+from mqds.client.model import NextResult, Stream
 from mqds.client.rank_read import RankCalls
 from mqds.protocol.errors import GenerationDroppedError
 
-if TYPE_CHECKING:  # the clients import this module; only their first_batch and next are called
-    from mqds.client.aio import Client as AsyncReads
-    from mqds.client.client import Client as SyncReads
+
+# The clients import this module: it names what it calls of them (their first_batch and next), not them.
+class SyncReads(Protocol):
+    """The reads of :class:`mqds.client.Client` a replay makes."""
+
+    def first_batch(
+        self,
+        stream: Stream,
+        topic_filter: str,
+        start_time_us: int = 0,
+        batch_size: int = 100,
+        *,
+        stale_ok: bool = False,
+        timeout_s: float | None = None,
+        fence_us: int | None = None,
+        then: Sequence[Stream] = (),
+    ) -> NextResult: ...
+
+    def next(
+        self,
+        iterator: StreamIterator,
+        batch_size: int = 100,
+        *,
+        stale_ok: bool = False,
+        timeout_s: float | None = None,
+        fence_us: int | None = None,
+    ) -> NextResult: ...
+
+
+class AsyncReads(Protocol):
+    """The reads of :class:`mqds.client.aio.Client` a replay makes."""
+
+    async def first_batch(
+        self,
+        stream: Stream,
+        topic_filter: str,
+        start_time_us: int = 0,
+        batch_size: int = 100,
+        *,
+        stale_ok: bool = False,
+        timeout_s: float | None = None,
+        fence_us: int | None = None,
+        then: Sequence[Stream] = (),
+    ) -> NextResult: ...
+
+    async def next(
+        self,
+        iterator: StreamIterator,
+        batch_size: int = 100,
+        *,
+        stale_ok: bool = False,
+        timeout_s: float | None = None,
+        fence_us: int | None = None,
+    ) -> NextResult: ...
 
 
 @dataclass(frozen=True)
