@@ -11,7 +11,7 @@ from mqds.client import aio, errors
 from mqds.client.backup import BackupReport, RestoreReport
 from mqds.client.backup_files import BackupError, VerifyReport
 from mqds.client.backup_files import verify_place as verify_backup
-from mqds.client.batch import MessageBatch
+from mqds.client.batch import MessageBatch, NextResult
 from mqds.client.client import Client
 from mqds.client.connection import ConnectionSettings
 from mqds.client.deletes import DeleteReport, ShardDeleted
@@ -23,7 +23,6 @@ from mqds.client.model import (
     Generation,
     Iterator,
     Message,
-    NextResult,
     Rank,
     ReadPosition,
     Stream,

@@ -40,11 +40,11 @@ from mqds.client import retention as retention_calls
 from mqds.client.aio_broker_state import AsyncBrokerStateCalls
 from mqds.client.aio_routing import AsyncRouter
 from mqds.client.aio_storage_admin import AsyncStorageAdminCalls
-from mqds.client.batch import MessageBatch
+from mqds.client.batch import MessageBatch, NextResult
 from mqds.client.connection import ConnectionSettings, parse_endpoints, resolve_settings
 from mqds.client.follow import FollowCore, FollowPosition
 from mqds.client.follow_aio import AsyncFollowMux, AsyncSubscription
-from mqds.client.model import Fence, Iterator, Message, NextResult, Rank, Stream
+from mqds.client.model import Fence, Iterator, Message, Rank, Stream
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.pipeline import PipelineLimits, resolve_limits
 from mqds.client.pipeline_aio import AsyncPipeline

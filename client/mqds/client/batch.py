@@ -22,10 +22,12 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import overload
 
 from mqds.client.answer_rows import parse_answer
+from mqds.client.model import Iterator as StreamIterator
 from mqds.client.model import Message, Properties
 from mqds.v1 import storage_pb2 as pb
 
@@ -186,3 +188,21 @@ def wire_times(data: bytes) -> Sequence[int]:
     swapped = array("Q", data)
     swapped.byteswap()
     return swapped
+
+
+@dataclass(frozen=True)
+class NextResult:
+    """What ``Client.next`` returns.
+
+    ``end_of_stream`` is True once the stream's generation is closed and fully
+    read; an empty ``messages`` without it means "nothing yet". ``messages``
+    is a :class:`MessageBatch`: a sequence of ``Message``
+    built as it is read, with columns for readers that want no objects.
+    """
+
+    messages: MessageBatch
+    iterator: StreamIterator
+    end_of_stream: bool
+    streams_done: int = 0
+    """After ``first_batch``: how many of its streams the answer read to their end (its messages are
+    theirs, stream after stream); ``iterator`` continues the next one when ``end_of_stream`` is False."""

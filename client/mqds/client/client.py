@@ -15,12 +15,12 @@ import grpc
 
 from mqds.client import operations as ops
 from mqds.client import retention as retention_calls
-from mqds.client.batch import MessageBatch
+from mqds.client.batch import MessageBatch, NextResult
 from mqds.client.broker_state import BrokerStateCalls
 from mqds.client.connection import DEFAULT_MAX_MESSAGE_BYTES, ConnectionSettings, parse_endpoints, resolve_settings
 from mqds.client.follow import FollowCore, FollowPosition
 from mqds.client.follow_sync import FollowMux, Subscription
-from mqds.client.model import Fence, Iterator, Message, NextResult, Rank, Stream
+from mqds.client.model import Fence, Iterator, Message, Rank, Stream
 from mqds.client.operations import FanoutCall, ShardCall
 from mqds.client.pipeline import PipelineLimits, resolve_limits
 from mqds.client.pipeline_handles import StoreFuture

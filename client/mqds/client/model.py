@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
-
-if TYPE_CHECKING:
-    from mqds.client.batch import MessageBatch
 
 Properties = tuple[tuple[str, str], ...]
 
@@ -130,24 +127,6 @@ class Iterator:
     @classmethod
     def from_pb(cls, token: pb.IteratorToken) -> Iterator:
         return cls(token.shard, token.generation, token.state)
-
-
-@dataclass(frozen=True)
-class NextResult:
-    """What ``Client.next`` returns.
-
-    ``end_of_stream`` is True once the stream's generation is closed and fully
-    read; an empty ``messages`` without it means "nothing yet". ``messages``
-    is a :class:`~mqds.client.batch.MessageBatch`: a sequence of ``Message``
-    built as it is read, with columns for readers that want no objects.
-    """
-
-    messages: MessageBatch
-    iterator: Iterator
-    end_of_stream: bool
-    streams_done: int = 0
-    """After ``first_batch``: how many of its streams the answer read to their end (its messages are
-    theirs, stream after stream); ``iterator`` continues the next one when ``end_of_stream`` is False."""
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from mqds.client.answer_rows import parse_answer
-from mqds.client.batch import MessageBatch, wire_times
-from mqds.client.model import Iterator, NextResult
+from mqds.client.batch import MessageBatch, NextResult, wire_times
+from mqds.client.model import Iterator
 from mqds.client.wire_columns import envelope, native
 from mqds.v1 import storage_pb2 as pb
 

@@ -19,13 +19,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from mqds.client.batch import NextResult
 from mqds.client.model import (
     ClientState,
     Fence,
     Generation,
     Iterator,
     Message,
-    NextResult,
     Rank,
     ReadPosition,
     Stream,

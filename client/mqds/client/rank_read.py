@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mqds.client.model import NextResult, Stream
+from mqds.client.batch import NextResult
+from mqds.client.model import Stream
 
 MAX_THEN = 999
 """Streams a call goes on into after the one it starts (a node takes at most 1,000: ``NextRequest.then``)."""

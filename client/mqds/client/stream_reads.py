@@ -21,10 +21,10 @@ from typing import Protocol
 
 from mqds.client import operations as ops
 from mqds.client import replay, replay_aio
-from mqds.client.batch import MessageBatch
+from mqds.client.batch import MessageBatch, NextResult
 from mqds.client.merge import Rest, runs
 from mqds.client.model import Iterator as StreamIterator
-from mqds.client.model import NextResult, Stream
+from mqds.client.model import Stream
 from mqds.client.rank_read import RankCalls
 from mqds.protocol.errors import GenerationDroppedError
 
