@@ -11,11 +11,12 @@ PYTEST_ARGS ?=
 # --disk journal: every node's data directory on a fault filesystem (root and FUSE), so the mix has the disk nemeses.
 CHAOS_ARGS ?= --duration 1800 --nodes 5 --nemesis mix --disk journal --report-json chaos-report.json
 
-.PHONY: help install fuse-libs lint test test-unit test-integration test-spark chaos proto bench-storage bench-cluster bench-peer bench-spark demo server cluster clean
+.PHONY: help install fuse-libs lint test test-fast test-unit test-integration test-spark chaos proto bench-storage bench-cluster bench-peer bench-spark demo server cluster clean
 
 help:
 	@echo "make demo            set up, start a local 3-node cluster, publish, kill a leader, replay, check, stop"
 	@echo "make test            set up, lint (ruff, mypy), check generated code, run the tests"
+	@echo "make test-fast       a quick check (under 2 minutes): ruff and the tests not marked integration, spark, chaos or slow"
 	@echo "make lint            ruff and mypy only"
 	@echo "make bench-storage   storage-layer benchmark: 1,000,000 messages vs raw rocksdict"
 	@echo "make bench-cluster   replicated writes: 3 nodes x 3 replicas vs 1 node, failover time"
@@ -78,6 +79,12 @@ test: lint
 	$(BIN)/python proto/generate.py --check
 	$(BIN)/python -m pytest -m spark $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m "not chaos and not spark" -n 3 --dist loadfile $(PYTEST_ARGS)
+
+# A quick check while working: ruff, and every test not marked integration, spark, chaos or slow (no
+# cluster processes), on three workers. make test runs all of them and more.
+test-fast: $(STAMP)
+	$(BIN)/ruff check $(SOURCES) tests proto
+	$(BIN)/python -m pytest -m "not integration and not spark and not chaos and not slow" -n 3 -q $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

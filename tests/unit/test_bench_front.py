@@ -9,6 +9,7 @@ import pytest
 from mqds.bench import front as bench_front
 
 
+@pytest.mark.slow
 def test_every_front_end_answers_both_loads_and_reports_its_cost(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_front.main(["--count", "40", "--callers", "4", "--duration", "0.3", "--rounds", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

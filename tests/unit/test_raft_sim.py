@@ -381,6 +381,7 @@ def _chaos(directory: Path, seed: int) -> Simulation:
         sim.close()
 
 
+@pytest.mark.slow
 def test_raft_safety_holds_under_random_faults_over_many_seeds(tmp_path: Path) -> None:
     failures = []
     for seed in _property_seeds():

@@ -45,6 +45,7 @@ def content(shard: ShardStorage) -> list[tuple[int, str, str]]:
 stored_batch = st.lists(st.tuples(st.sampled_from(TOPICS), st.sampled_from(SENDERS)), min_size=1, max_size=12)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     batches=st.lists(st.tuples(stored_batch, st.booleans()), min_size=1, max_size=8),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from storage_support import msg, replay
@@ -38,6 +39,7 @@ def expected_period(rules: list[tuple[str, int]], default: int, topic: str) -> i
     return next((p for f, p in rules if matches(f, topic)), default)
 
 
+@pytest.mark.slow
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     batches=st.lists(

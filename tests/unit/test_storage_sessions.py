@@ -167,6 +167,7 @@ def filters(draw: st.DrawFn) -> str:
     return "/".join(levels)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(topics=st.sets(TOPICS, max_size=12), topic_filter=filters())
 def test_retained_lookup_equals_matching_every_topic(
