@@ -8,7 +8,7 @@ import time
 from storage_support import msg
 
 from mqds.server.cluster.catchup import CatchUp
-from mqds.server.cluster.feed import ANSWER_TAG
+from mqds.server.wire import FOLLOW_RESPONSE_MESSAGES_TAG as ANSWER_TAG
 from mqds.v1 import storage_pb2 as pb
 
 STORED = {ts: msg("a/b", f"{ts}".encode()).SerializeToString() for ts in range(10, 1000, 10)}

@@ -180,3 +180,82 @@ def test_the_commands_of_other_packages_are_entry_points_the_command_line_knows(
         if path.exists():
             named |= tomllib.loads(path.read_text()).get("project", {}).get("entry-points", {}).get("mqds.commands", {})
     assert set(named) == set(plugins.KNOWN), "each plugin command is in mqds.cli.plugins.KNOWN, and only those"
+
+
+def _edges(name: str) -> set[str]:
+    """The modules ``name`` imports (those under TYPE_CHECKING too): ``from package import module`` names the
+    module, not the package, and a C extension beside its Python (``_store_frames``) imports nothing back."""
+    targets: list[str] = []
+    for node in ast.walk(ast.parse(ALL[name].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            home = ALL.get(node.module)
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in ALL:
+                    targets.append(full)
+                elif home is None or not (home.parent / f"{alias.name}.c").exists():
+                    targets.append(node.module)
+    edges = {owner(target, ALL) for target in targets if target.startswith("mqds.")}
+    return {edge for edge in edges if edge and edge != name}
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of nodes that reach each other, directly or around a loop (Tarjan's strongly connected
+    components), those of more than one node."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(start: str) -> None:  # iterative: the graph is deep enough for Python's recursion limit
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return found
+
+
+def cycles() -> list[list[str]]:
+    return strongly_connected({name: _edges(name) for name in ALL})
+
+
+def test_no_modules_import_each_other() -> None:
+    """No import cycle, those under TYPE_CHECKING included: a module that needs another's type where that one
+    needs it back takes a Protocol of what it uses, or the shared part moves to a module of its own."""
+    assert cycles() == []
+
+
+def test_the_cycle_check_finds_loops_and_only_loops() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": set(), "f": {"g"}, "g": {"f"}, "h": {"a"}}
+    assert sorted(strongly_connected(graph)) == [["a", "b", "c"], ["f", "g"]]
+    assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    # An import under TYPE_CHECKING is an edge: batch imports model, whatever model imports.
+    assert "mqds.client.model" in _edges("mqds.client.batch")

@@ -214,7 +214,7 @@ class TimerGroup:
     """What the scheduler asks of a group, with a fixed period: enough to watch its timers."""
 
     def __init__(self, name: str, period_s: float, scheduler: RaftScheduler) -> None:
-        from mqds.server.raft.scheduler import Slot
+        from mqds.server.raft.slot import Slot
 
         self.name = name
         self.period_s = period_s

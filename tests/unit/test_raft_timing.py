@@ -12,9 +12,9 @@ from raft_support import HEARTBEAT, follower, kinds_since, leader, make_group, s
 
 from mqds.server.raft import codec
 from mqds.server.raft import group as raft_group
+from mqds.server.raft.grpc_link import FrameQueue
 from mqds.server.raft.scheduler import RaftScheduler
 from mqds.server.raft.timing import IDLE_KEEP_BYTES, IdleLog
-from mqds.server.raft.transport import FrameQueue
 
 
 def test_a_follower_gives_a_leader_busy_with_a_large_entry_time_before_campaigning(tmp_path: Path) -> None:

@@ -42,6 +42,8 @@ class Shards:
 
     def __init__(self) -> None:
         self.commands: dict[int, bytes] = {}
+        self.parsed: dict[int, tuple[bytes, Any]] = {}
+        """What the proposer handed each shard's replica with its command (``expect_store``)."""
 
     def leader_vnode(self, shard: int) -> Any:
         def propose(body: bytes) -> Proposal:
@@ -50,7 +52,14 @@ class Shards:
             proposal.on_result(1000 * (shard + 1), FAIL_REASON.SUCCESS)
             return proposal
 
-        return SimpleNamespace(group=SimpleNamespace(propose=propose))
+        def expect_store(body: bytes, part: Any) -> None:
+            self.parsed[shard] = (body, part)
+
+        def unexpect_store(body: bytes) -> None:
+            self.parsed.pop(shard, None)
+
+        replica = SimpleNamespace(expect_store=expect_store, unexpect_store=unexpect_store)
+        return SimpleNamespace(group=SimpleNamespace(propose=propose), replica=replica)
 
     def admit_messages(self, shard: int) -> None:
         pass

@@ -22,12 +22,17 @@
  *   None for any other answer (failures, message failures, a field this reader does not expect,
  *   damaged bytes): the caller parses it with protobuf.
  *
+ * Every tag is written and read as the one byte it is, by the name wire_tags.h gives it (proto/generate.py
+ * writes that header from the descriptors).
+ *
  * tests/unit/test_store_frames.py checks each against protobuf and the Python encoder.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "wire_tags.h"
 
 #define MAX_TOPIC_BYTES 65535
 #define MAX_SENDER_BYTES 65535
@@ -158,18 +163,18 @@ static unsigned char *put_bytes(unsigned char *p, unsigned char tag, const char 
 /* Write a message read_view accepted (its UTF-8 forms are cached in its strings). */
 static unsigned char *put_message(unsigned char *p, const view *v) {
     if (v->topic_n)
-        p = put_bytes(p, 0x0a, v->topic, v->topic_n);
+        p = put_bytes(p, MESSAGE_TOPIC_TAG, v->topic, v->topic_n);
     if (v->payload_n)
-        p = put_bytes(p, 0x12, v->payload, v->payload_n);
+        p = put_bytes(p, MESSAGE_PAYLOAD_TAG, v->payload, v->payload_n);
     if (v->sender_n)
-        p = put_bytes(p, 0x1a, v->sender, v->sender_n);
+        p = put_bytes(p, MESSAGE_SENDER_TAG, v->sender, v->sender_n);
     if (v->qos) {
-        *p++ = 0x20;
+        *p++ = MESSAGE_QOS_TAG;
         *p++ = (unsigned char)v->qos;
     }
     if (v->retain) {
-        *p++ = 0x28;
-        *p++ = 0x01;
+        *p++ = MESSAGE_RETAIN_TAG;
+        *p++ = 0x01; /* true */
     }
     Py_ssize_t count = PyTuple_GET_SIZE(v->properties);
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -178,12 +183,12 @@ static unsigned char *put_message(unsigned char *p, const view *v) {
         const char *k = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(pair, 0), &kn);
         const char *val = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(pair, 1), &vn);
         Py_ssize_t entry = (kn ? field_len(kn) : 0) + (vn ? field_len(vn) : 0);
-        *p++ = 0x32;
+        *p++ = MESSAGE_PROPERTIES_TAG;
         p = put_varint(p, (uint64_t)entry);
         if (kn)
-            p = put_bytes(p, 0x0a, k, kn);
+            p = put_bytes(p, USER_PROPERTY_KEY_TAG, k, kn);
         if (vn)
-            p = put_bytes(p, 0x12, val, vn);
+            p = put_bytes(p, USER_PROPERTY_VALUE_TAG, val, vn);
     }
     return p;
 }
@@ -232,19 +237,19 @@ static PyObject *store_frame(PyObject *self, PyObject *args) {
     if (out == NULL)
         goto done;
     unsigned char *p = (unsigned char *)PyBytes_AS_STRING(out);
-    *p++ = 0x0a; /* StoreStreamRequest.batch */
+    *p++ = STORE_STREAM_REQUEST_BATCH_TAG;
     p = put_varint(p, (uint64_t)inner);
     for (Py_ssize_t i = 0; i < n; i++) {
-        *p++ = 0x0a; /* StoreBatchRequest.messages */
+        *p++ = STORE_BATCH_REQUEST_MESSAGES_TAG;
         p = put_varint(p, (uint64_t)views[i].size);
         p = put_message(p, &views[i]);
     }
-    *p++ = 0x10;
-    *p++ = 0x01;
+    *p++ = STORE_BATCH_REQUEST_SYNC_TAG;
+    *p++ = 0x01; /* true */
     if (producer_n)
-        p = put_bytes(p, 0x1a, producer_s, producer_n);
+        p = put_bytes(p, STORE_BATCH_REQUEST_PRODUCER_ID_TAG, producer_s, producer_n);
     if (sequence) {
-        *p++ = 0x20;
+        *p++ = STORE_BATCH_REQUEST_SEQUENCE_TAG;
         p = put_varint(p, sequence);
     }
 done:
@@ -291,9 +296,9 @@ static int position_timestamp(cursor body, uint64_t *ts) {
         uint64_t tag, value;
         if (get_varint(&body, &tag) < 0 || (tag & 7) != 0 || get_varint(&body, &value) < 0)
             return -1;
-        if (tag >> 3 == 2)
+        if (tag == MESSAGE_POSITION_TIMESTAMP_US_TAG)
             *ts = value;
-        else if (tag >> 3 != 1)
+        else if (tag != MESSAGE_POSITION_SHARD_TAG)
             return -1;
     }
     return 0;
@@ -312,10 +317,10 @@ static PyObject *read_answer(PyObject *self, PyObject *arg) {
         uint64_t tag;
         if (get_varint(&c, &tag) < 0)
             goto other;
-        if (tag == 0x08) {
+        if (tag == STORE_STREAM_RESPONSE_SEQUENCE_TAG) {
             if (get_varint(&c, &sequence) < 0)
                 goto other;
-        } else if (tag == 0x12 && !seen_result) {
+        } else if (tag == STORE_STREAM_RESPONSE_RESULT_TAG && !seen_result) {
             if (get_len(&c, &result) < 0)
                 goto other;
             seen_result = 1;
@@ -329,7 +334,7 @@ static PyObject *read_answer(PyObject *self, PyObject *arg) {
     while (seen_result && result.p < result.end) {
         uint64_t tag, ts;
         cursor body;
-        if (get_varint(&result, &tag) < 0 || tag != 0x0a || get_len(&result, &body) < 0 ||
+        if (get_varint(&result, &tag) < 0 || tag != STORE_BATCH_RESPONSE_POSITIONS_TAG || get_len(&result, &body) < 0 ||
             position_timestamp(body, &ts) < 0)
             goto other; /* failures, message failures, or anything else: protobuf reads it */
         PyObject *value = PyLong_FromUnsignedLongLong(ts);

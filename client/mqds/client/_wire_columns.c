@@ -34,6 +34,8 @@
  * past the answer's end, a truncated field between the messages) and OverflowError for columns
  * past Arrow's 2 GiB int32 offsets; neither reads outside the buffers.
  *
+ * Fields are told by their tags, named in wire_tags.h (proto/generate.py writes it from the descriptors).
+ *
  * The same values as parsing with protobuf and reading the fields
  * (tests/unit/test_wire_columns.py checks them against each other with hypothesis).
  */
@@ -42,6 +44,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "wire_tags.h"
 
 enum {
     WANT_TOPIC = 1,
@@ -212,13 +216,13 @@ static int is_utf8(span s) {
     return 1;
 }
 
-/* The next length-delimited field numbered `field` after the cursor, in a buffer whose framing was
+/* The next length-delimited field whose tag is `want` after the cursor, in a buffer whose framing was
  * already checked: 1 and its content in `out`, or 0 at the end. */
-static int next_len_field(cursor *c, unsigned field, span *out) {
+static int next_len_field(cursor *c, uint64_t want, span *out) {
     while (c->p < c->end) {
         uint64_t tag = 0;
         read_varint(c, &tag);
-        if ((tag >> 3) == field && (tag & 7) == 2) {
+        if (tag == want) {
             read_len(c, out);
             return 1;
         }
@@ -247,8 +251,8 @@ static int read_property(span body, span *key, span *value, int check) {
         unsigned wire = (unsigned)(tag & 7);
         if (field == 0)
             return bad("field number 0");
-        if ((field == 1 || field == 2) && wire == 2) {
-            span *s = field == 1 ? key : value;
+        if (tag == USER_PROPERTY_KEY_TAG || tag == USER_PROPERTY_VALUE_TAG) {
+            span *s = tag == USER_PROPERTY_KEY_TAG ? key : value;
             if (read_len(&c, s) < 0)
                 return -1;
             if (check && !is_utf8(*s))
@@ -259,9 +263,6 @@ static int read_property(span body, span *key, span *value, int check) {
     }
     return 0;
 }
-
-/* The expected wire type of each Message field the reader reads (1 to 7). */
-static const unsigned char message_wire[8] = {0xFF, 2, 2, 2, 0, 0, 2, 1};
 
 /* One message's fields, read as protobuf reads them. With `check`, also what protobuf checks that a
  * read does not need (strings as UTF-8, the user properties' bodies): -1 (a ValueError set) for a
@@ -275,37 +276,29 @@ static int read_message(span body, message *m, int check) {
         uint64_t tag = 0;
         if (read_tag(&c, &tag) < 0)
             return -1;
-        uint64_t field = tag >> 3;
-        unsigned wire = (unsigned)(tag & 7);
         span s, key, value;
         int r;
-        if (field >= sizeof(message_wire) || message_wire[field] != wire) { /* message_wire[0] matches none */
-            /* Not a field the reader reads, or one of another wire type: an unknown field to protobuf. */
-            if (field == 0)
-                return bad("field number 0");
-            if (skip_field(&c, field, wire) < 0)
-                return -1;
-            continue;
-        }
-        switch (field) {
-        case 1:
-        case 2:
-        case 3:
-            r = read_len(&c, field == 1 ? &m->topic : field == 2 ? &m->payload : &m->sender);
-            if (check && r == 0 && field != 2 && !is_utf8(field == 1 ? m->topic : m->sender))
+        switch (tag) {
+        case MESSAGE_TOPIC_TAG:
+        case MESSAGE_SENDER_TAG:
+            r = read_len(&c, tag == MESSAGE_TOPIC_TAG ? &m->topic : &m->sender);
+            if (check && r == 0 && !is_utf8(tag == MESSAGE_TOPIC_TAG ? m->topic : m->sender))
                 return bad("a message's topic or sender is not UTF-8");
             break;
-        case 4:
-        case 5:
-            r = read_varint(&c, field == 4 ? &m->qos : &m->retain);
+        case MESSAGE_PAYLOAD_TAG:
+            r = read_len(&c, &m->payload);
             break;
-        case 6:
+        case MESSAGE_QOS_TAG:
+        case MESSAGE_RETAIN_TAG:
+            r = read_varint(&c, tag == MESSAGE_QOS_TAG ? &m->qos : &m->retain);
+            break;
+        case MESSAGE_PROPERTIES_TAG:
             r = read_len(&c, &s);
             if (check && r == 0)
                 r = read_property(s, &key, &value, 1);
             m->n_properties++;
             break;
-        default: /* 7 */
+        case MESSAGE_TIMESTAMP_US_TAG:
             if (c.end - c.p < 8)
                 return bad("a fixed64 runs past the end");
             m->timestamp = 0;
@@ -313,6 +306,12 @@ static int read_message(span body, message *m, int check) {
                 m->timestamp = (m->timestamp << 8) | c.p[i];
             c.p += 8;
             r = 0;
+            break;
+        default:
+            /* Not a field the reader reads, or one of another wire type: an unknown field to protobuf. */
+            if ((tag >> 3) == 0)
+                return bad("field number 0");
+            r = skip_field(&c, tag >> 3, (unsigned)(tag & 7));
         }
         if (r < 0)
             return -1;
@@ -320,7 +319,7 @@ static int read_message(span body, message *m, int check) {
     return 0;
 }
 
-/* Calls `each(ctx, body)` for every message (field 1) of a NextResponse; other fields skipped. */
+/* Calls `each(ctx, body)` for every message (NextResponse.messages); other fields skipped. */
 typedef int (*message_fn)(void *ctx, span body);
 
 static int walk_answer(span answer, message_fn each, void *ctx) {
@@ -333,7 +332,7 @@ static int walk_answer(span answer, message_fn each, void *ctx) {
         unsigned field = (unsigned)(tag >> 3), wire = (unsigned)(tag & 7);
         if (field == 0)
             return bad("field number 0");
-        if (field == 1 && wire == 2) {
+        if (tag == NEXT_RESPONSE_MESSAGES_TAG) {
             if (read_len(&c, &s) < 0 || each(ctx, s) < 0)
                 return -1;
         } else if (skip_field(&c, field, wire) < 0) { /* of another wire type: an unknown field, as in protobuf */
@@ -366,17 +365,17 @@ static PyObject *envelope(PyObject *self, PyObject *arg) {
             bad("field number 0");
             goto done;
         }
-        if ((field == 1 || field == 2 || field == 4) && wire == 2) {
+        if (tag == NEXT_RESPONSE_MESSAGES_TAG || tag == NEXT_RESPONSE_ITERATOR_TAG || tag == NEXT_RESPONSE_TIMESTAMPS_TAG) {
             if (read_len(&c, &s) < 0)
                 goto done;
-            if (field == 1)
+            if (tag == NEXT_RESPONSE_MESSAGES_TAG)
                 count++;
-            else if (field == 2)
+            else if (tag == NEXT_RESPONSE_ITERATOR_TAG)
                 iterator_len += s.n;
             else
                 stamps = s;
-        } else if ((field == 3 || field == 5) && wire == 0) {
-            if (read_varint(&c, field == 3 ? &end_of_stream : &streams_done) < 0)
+        } else if (tag == NEXT_RESPONSE_END_OF_STREAM_TAG || tag == NEXT_RESPONSE_STREAMS_DONE_TAG) {
+            if (read_varint(&c, tag == NEXT_RESPONSE_END_OF_STREAM_TAG ? &end_of_stream : &streams_done) < 0)
                 goto done;
         } else if (skip_field(&c, field, wire) < 0) { /* another wire type too: an unknown field */
             goto done;
@@ -388,9 +387,9 @@ static PyObject *envelope(PyObject *self, PyObject *arg) {
     if (iterator_len) {
         /* Second pass: join the iterator's occurrences (the framing was checked above). */
         char *out = PyBytes_AS_STRING(iterator);
-        span s;
+        span s = {NULL, 0};
         c.p = (const unsigned char *)view.buf;
-        while (next_len_field(&c, 2, &s)) {
+        while (next_len_field(&c, NEXT_RESPONSE_ITERATOR_TAG, &s)) {
             memcpy(out, s.p, (size_t)s.n);
             out += s.n;
         }
@@ -449,7 +448,7 @@ static int size_one(void *ctx, span body) {
         /* An upper bound: a name given twice is counted each time. */
         cursor c = {body.p, body.p + body.n};
         span s, key, value;
-        while (next_len_field(&c, 6, &s)) {
+        while (next_len_field(&c, MESSAGE_PROPERTIES_TAG, &s)) {
             read_property(s, &key, &value, 0); /* checked by read_message */
             z->n_properties++;
             z->key_bytes += key.n;
@@ -498,7 +497,7 @@ static int put_properties(filling *f, span body, Py_ssize_t count) {
     Py_ssize_t k = 0;
     cursor c = {body.p, body.p + body.n};
     span s;
-    while (next_len_field(&c, 6, &s)) {
+    while (next_len_field(&c, MESSAGE_PROPERTIES_TAG, &s)) {
         read_property(s, &f->pairs[2 * k], &f->pairs[2 * k + 1], 0); /* checked when sized */
         k++;
     }

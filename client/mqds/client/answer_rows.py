@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from google.protobuf.message import DecodeError
 
+from mqds.protocol.wire import NEXT_RESPONSE_MESSAGES_TAG
 from mqds.v1 import storage_pb2 as pb
 
-_MESSAGES = 1  # NextResponse.messages
+(_MESSAGES_TAG,) = NEXT_RESPONSE_MESSAGES_TAG  # NextResponse.messages, as the varint it is read as
 _TIMESTAMP_SIZE = 8  # NextResponse.timestamps: 8 bytes a message
 
 
@@ -40,7 +41,7 @@ def parse_answer(raw: bytes) -> tuple[pb.NextResponse, list[int]]:
     rest: list[bytes] = []
     index = 0
     for number, wire, start, body, end in _fields(raw):
-        if number == _MESSAGES and wire == 2:
+        if (number << 3 | wire) == _MESSAGES_TAG:
             try:
                 response.messages.append(pb.Message.FromString(raw[body:end]))
             except DecodeError:

@@ -37,18 +37,34 @@ def length_delimited(tag: bytes, body: bytes) -> bytes:
     return tag + varint(len(body)) + body
 
 
-# mqds.v1.Message's fields (field number << 3 | wire type).
-_TOPIC = b"\x0a"  # 1, string
-_PAYLOAD = b"\x12"  # 2, bytes
-_SENDER = b"\x1a"  # 3, string
-_QOS = b"\x20"  # 4, uint32
-_RETAIN_TRUE = b"\x28\x01"  # 5, bool
-_PROPERTY = b"\x32"  # 6, repeated UserProperty {key = 1; value = 2}
-_MESSAGES = b"\x0a"  # StoreBatchRequest.messages = 1
-_SYNC_TRUE = b"\x10\x01"  # StoreBatchRequest.sync = 2
-_PRODUCER = b"\x1a"  # StoreBatchRequest.producer_id = 3
-_SEQUENCE = b"\x20"  # StoreBatchRequest.sequence = 4, uint64
-_BATCH = b"\x0a"  # StoreStreamRequest.batch = 1
+# -- the client's hand-encoded tags ----------------------------------------------
+#
+# Every protobuf tag the client writes or reads by hand, named <message>_<field>_TAG: the field's number << 3 | its
+# wire type, as bytes. Other modules import these and write no tag bytes of their own; tests/unit/test_wire_tags.py
+# checks each against the generated descriptors. The node's side is mqds.server.wire; the C parts' tags are
+# generated from the descriptors (wire_tags.h, by proto/generate.py).
+
+# mqds.v1.Message, to store (no timestamp_us or shard).
+MESSAGE_TOPIC_TAG = b"\x0a"  # 1, string
+MESSAGE_PAYLOAD_TAG = b"\x12"  # 2, bytes
+MESSAGE_SENDER_TAG = b"\x1a"  # 3, string
+MESSAGE_QOS_TAG = b"\x20"  # 4, uint32 (varint)
+MESSAGE_RETAIN_TAG = b"\x28"  # 5, bool (varint)
+MESSAGE_PROPERTIES_TAG = b"\x32"  # 6, repeated UserProperty
+USER_PROPERTY_KEY_TAG = b"\x0a"  # UserProperty.key = 1, string
+USER_PROPERTY_VALUE_TAG = b"\x12"  # UserProperty.value = 2, string
+# The pipelined write's frame.
+STORE_BATCH_REQUEST_MESSAGES_TAG = b"\x0a"  # StoreBatchRequest.messages = 1, repeated Message
+STORE_BATCH_REQUEST_SYNC_TAG = b"\x10"  # StoreBatchRequest.sync = 2, bool (varint)
+STORE_BATCH_REQUEST_PRODUCER_ID_TAG = b"\x1a"  # StoreBatchRequest.producer_id = 3, string
+STORE_BATCH_REQUEST_SEQUENCE_TAG = b"\x20"  # StoreBatchRequest.sequence = 4, uint64 (varint)
+STORE_STREAM_REQUEST_BATCH_TAG = b"\x0a"  # StoreStreamRequest.batch = 1, StoreBatchRequest
+# A Next answer read field by field (mqds.client.answer_rows).
+NEXT_RESPONSE_MESSAGES_TAG = b"\x0a"  # NextResponse.messages = 1, repeated Message
+
+_TRUE = varint(1)
+_RETAIN_TRUE = MESSAGE_RETAIN_TAG + _TRUE
+_SYNC_TRUE = STORE_BATCH_REQUEST_SYNC_TAG + _TRUE
 
 
 def encode_message(
@@ -65,23 +81,23 @@ def encode_message(
     order, defaults (an empty string, qos 0, retain false) left out.
     """
     t = topic.encode("utf-8")
-    parts = [_TOPIC, varint(len(t)), t] if t else []
+    parts = [MESSAGE_TOPIC_TAG, varint(len(t)), t] if t else []
     if payload:
-        parts += (_PAYLOAD, varint(len(payload)), payload)
+        parts += (MESSAGE_PAYLOAD_TAG, varint(len(payload)), payload)
     if sender:
         s = sender.encode("utf-8")
-        parts += (_SENDER, varint(len(s)), s)
+        parts += (MESSAGE_SENDER_TAG, varint(len(s)), s)
     if qos:
-        parts += (_QOS, varint(qos))
+        parts += (MESSAGE_QOS_TAG, varint(qos))
     if retain:
         parts.append(_RETAIN_TRUE)
     for key, value in properties:
         entry = b""
         if key:
-            entry += length_delimited(b"\x0a", key.encode("utf-8"))
+            entry += length_delimited(USER_PROPERTY_KEY_TAG, key.encode("utf-8"))
         if value:
-            entry += length_delimited(b"\x12", value.encode("utf-8"))
-        parts += (_PROPERTY, varint(len(entry)), entry)
+            entry += length_delimited(USER_PROPERTY_VALUE_TAG, value.encode("utf-8"))
+        parts += (MESSAGE_PROPERTIES_TAG, varint(len(entry)), entry)
     return b"".join(parts)
 
 
@@ -94,10 +110,10 @@ def store_stream_frame(messages: Iterable[bytes], producer_id: str, sequence: in
     parts: list[bytes] = []
     for m in messages:
         size = len(m)
-        parts += (_MESSAGES, v[size] if size < 16384 else _varint(size), m)
+        parts += (STORE_BATCH_REQUEST_MESSAGES_TAG, v[size] if size < 16384 else _varint(size), m)
     parts.append(_SYNC_TRUE)
     if producer_id:
-        parts.append(length_delimited(_PRODUCER, producer_id.encode("utf-8")))
+        parts.append(length_delimited(STORE_BATCH_REQUEST_PRODUCER_ID_TAG, producer_id.encode("utf-8")))
     if sequence:
-        parts += (_SEQUENCE, varint(sequence))
-    return length_delimited(_BATCH, b"".join(parts))
+        parts += (STORE_BATCH_REQUEST_SEQUENCE_TAG, varint(sequence))
+    return length_delimited(STORE_STREAM_REQUEST_BATCH_TAG, b"".join(parts))

@@ -2,12 +2,15 @@
  * Python per message), and the store path's check for fields a stored message must not hold.
  *
  * encode_rows(tag, rows, tail) -> (body, stamps)
- *   tag:   the repeated field's tag byte(s), e.g. b"\x0a" (NextResponse.messages)
+ *   tag:   the repeated field's tag byte(s), e.g. mqds.server.wire.NEXT_RESPONSE_MESSAGES_TAG
  *   rows:  a list of (data key, stored message bytes) tuples, as the storage layer read them;
  *          a data key is b"D" + stream (4 bytes) + timestamp (8 bytes big-endian)
  *   tail:  the encoded shard field appended to every message
- * body:   for each row, tag + varint(size) + stored + b"\x39" + timestamp (fixed64) + tail
+ * body:   for each row, tag + varint(size) + stored + Message.timestamp_us's tag + timestamp (fixed64) + tail
  * stamps: each row's timestamp, 8 bytes little-endian (NextResponse.timestamps' content)
+ *
+ * The tags of the fields this file reads or writes itself come from wire_tags.h, which proto/generate.py
+ * writes from the descriptors.
  *
  * Exactly the bytes of the Python implementation (tests/unit/test_wire_native.py checks them
  * against each other). The copy runs without the GIL, over a tuple of the rows taken first: it
@@ -20,7 +23,7 @@
  *                   no such field), built from the descriptor by mqds.server.wire
  *   property_field: the number of Message's repeated UserProperty field
  *   property_types: the same table for mqds.v1.UserProperty
- * For each message (field 1) holding a field its table does not have, or one of another wire
+ * For each message (StoreBatchRequest.messages) holding a field its table does not have, or one of another wire
  * type (protobuf keeps either as an unknown field, which the node would store), one tuple
  * (index, property, field, wire type): its first such field, or when its own fields are all
  * known, property (1-based) is the first user property holding one and field is that one's.
@@ -33,8 +36,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KEY_SIZE 13   /* b"D" + u32 stream + u64 timestamp */
-#define TS_TAG 0x39   /* Message.timestamp_us, field 7, fixed64 */
+#include "wire_tags.h"
+
+#define KEY_SIZE 13 /* b"D" + u32 stream + u64 timestamp */
 
 static Py_ssize_t varint_size(unsigned long long v) {
     Py_ssize_t n = 1;
@@ -105,7 +109,7 @@ static PyObject *encode_rows(PyObject *self, PyObject *args) {
         out = put_varint(out + tag_len, (unsigned long long)(size + extra));
         memcpy(out, PyBytes_AS_STRING(value), (size_t)size);
         out += size;
-        *out++ = (char)TS_TAG;
+        *out++ = (char)MESSAGE_TIMESTAMP_US_TAG;
         for (int b = 0; b < 8; b++)
             stamp[b] = key[KEY_SIZE - 1 - b];
         memcpy(out, stamp, 8);
@@ -277,7 +281,8 @@ static PyObject *unknown_fields(PyObject *self, PyObject *args) {
         }
         if (skip_value(&c, wire, &body) < 0)
             goto malformed;
-        if ((tag >> 3) == 1 && wire == 2 && check_message(body, index++, message, property_field, property, out) < 0)
+        if (tag == STORE_BATCH_REQUEST_MESSAGES_TAG &&
+            check_message(body, index++, message, property_field, property, out) < 0)
             goto fail;
     }
     goto done;

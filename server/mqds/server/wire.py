@@ -20,19 +20,55 @@ from mqds.protocol.wire import varint
 from mqds.server.native import native_or
 from mqds.v1 import storage_pb2 as pb
 
-_TS_TAG = b"\x39"  # field 7 (timestamp_us), fixed64
-_SHARD_TAG = b"\x40"  # field 8 (shard), varint
+# -- the node's hand-encoded tags ----------------------------------------------------
+#
+# Every protobuf tag the node writes or reads by hand, named <message>_<field>_TAG: the field's number << 3 | its
+# wire type, as bytes. Other modules import these and write no tag bytes of their own; tests/unit/test_wire_tags.py
+# checks each against the generated descriptors. The client's side is mqds.protocol.wire; the C parts' tags are
+# generated from the descriptors (wire_tags.h, by proto/generate.py).
+
+# mqds.v1.Message: what a reply appends to a stored message.
+MESSAGE_TIMESTAMP_US_TAG = b"\x39"  # 7, fixed64
+MESSAGE_SHARD_TAG = b"\x40"  # 8, varint
+# Answers built by hand (mqds.v1).
+NEXT_RESPONSE_MESSAGES_TAG = b"\x0a"  # NextResponse.messages = 1, length-delimited
+NEXT_RESPONSE_ITERATOR_TAG = b"\x12"  # NextResponse.iterator = 2, length-delimited
+NEXT_RESPONSE_END_OF_STREAM_TAG = b"\x18"  # NextResponse.end_of_stream = 3, varint
+NEXT_RESPONSE_TIMESTAMPS_TAG = b"\x22"  # NextResponse.timestamps = 4, length-delimited
+NEXT_RESPONSE_STREAMS_DONE_TAG = b"\x28"  # NextResponse.streams_done = 5, varint
+FETCH_MESSAGES_RESPONSE_MESSAGES_TAG = b"\x0a"  # FetchMessagesResponse.messages = 1, length-delimited
+FETCH_MESSAGES_SHARED_RESPONSE_MESSAGES_TAG = b"\x0a"  # FetchMessagesSharedResponse.messages = 1
+FOLLOW_RESPONSE_MESSAGES_TAG = b"\x1a"  # FollowResponse.messages = 3, length-delimited
+STORE_STREAM_RESPONSE_SEQUENCE_TAG = b"\x08"  # StoreStreamResponse.sequence = 1, varint
+STORE_STREAM_RESPONSE_RESULT_TAG = b"\x12"  # StoreStreamResponse.result = 2, length-delimited
+STORE_BATCH_RESPONSE_POSITIONS_TAG = b"\x0a"  # StoreBatchResponse.positions = 1, length-delimited
+MESSAGE_POSITION_SHARD_TAG = b"\x08"  # MessagePosition.shard = 1, varint
+MESSAGE_POSITION_TIMESTAMP_US_TAG = b"\x10"  # MessagePosition.timestamp_us = 2, varint
+# A request read by hand (mqds.v1).
+STORE_STREAM_REQUEST_BATCH_TAG = b"\x0a"  # StoreStreamRequest.batch = 1, length-delimited
+# The replicated store command (mqds.server.cluster.v1), built from a request's own bytes.
+VNODE_COMMAND_STORE_TAG = b"\x0a"  # VnodeCommand.store = 1, length-delimited
+STORE_MESSAGES_NOW_US_TAG = b"\x28"  # StoreMessages.now_us = 5, varint
+# Raft (mqds.server.raft.v1): frames, append-entries and group-committed entries framed by hand.
+FRAME_MESSAGES_TAG = b"\x0a"  # Frame.messages = 1, length-delimited
+ENVELOPE_GROUP_TAG = b"\x08"  # Envelope.group = 1, varint
+ENVELOPE_MESSAGE_TAG = b"\x12"  # Envelope.message = 2, length-delimited
+RAFT_MESSAGE_APPEND_ENTRIES_TAG = b"\x1a"  # RaftMessage.append_entries = 3, length-delimited
+APPEND_ENTRIES_ENTRIES_TAG = b"\x2a"  # AppendEntries.entries = 5, length-delimited
+ENTRY_COMMAND_TAG = b"\x0a"  # Entry.command = 1, length-delimited
+COMMAND_BATCH_COMMANDS_TAG = b"\x0a"  # CommandBatch.commands = 1, length-delimited
+
 _pack_ts = struct.Struct("<Q").pack
 
 
 def shard_field(shard: int) -> bytes:
     """The encoded ``shard`` field of mqds.v1.Message."""
-    return _SHARD_TAG + varint(shard)
+    return MESSAGE_SHARD_TAG + varint(shard)
 
 
 def message_wire(stored: bytes, timestamp_us: int, shard: int) -> bytes:
     """The serialised mqds.v1.Message for a stored one: fields appended, last wins."""
-    return stored + _TS_TAG + _pack_ts(timestamp_us) + shard_field(shard)
+    return stored + MESSAGE_TIMESTAMP_US_TAG + _pack_ts(timestamp_us) + shard_field(shard)
 
 
 def decode_message(stored: bytes, timestamp_us: int, shard: int) -> pb.Message:
@@ -45,7 +81,7 @@ def encode_messages(tag: bytes, entries: list[tuple[int, bytes]], shard: int) ->
     tail = shard_field(shard)
     parts = []
     for ts, stored in entries:
-        item = stored + _TS_TAG + _pack_ts(ts) + tail
+        item = stored + MESSAGE_TIMESTAMP_US_TAG + _pack_ts(ts) + tail
         parts.append(tag + varint(len(item)) + item)
     return b"".join(parts)
 
@@ -69,7 +105,7 @@ def encode_rows_python(tag: bytes, rows: list[tuple[bytes, bytes]], tail: bytes)
         head = heads[size] if size < _HEAD_SIZES else tag + varint(size + extra)
         # key[12:4:-1]: the key's timestamp bytes (5..12), reversed.
         ts = key[12:4:-1]
-        add((head, stored, _TS_TAG, ts, tail))
+        add((head, stored, MESSAGE_TIMESTAMP_US_TAG, ts, tail))
         stamp(ts)
     return b"".join(parts), b"".join(times)
 
@@ -112,10 +148,6 @@ def repeated_field(tag: bytes, items: list[bytes]) -> bytes:
 
 # -- the store command and its answer ---------------------------------------------
 
-STORE_TAG = b"\x0a"  # VnodeCommand.store, field 1, length-delimited
-NOW_US_TAG = b"\x28"  # StoreMessages.now_us, field 5, varint
-_POSITION_TAG = b"\x0a"  # StoreBatchResponse.positions, field 1, length-delimited
-
 
 def store_command(request: bytes, now_us: int) -> bytes:
     """The VnodeCommand storing a StoreBatchRequest's messages at ``now_us``, from the request's own bytes.
@@ -123,8 +155,8 @@ def store_command(request: bytes, now_us: int) -> bytes:
     StoreMessages is wire-compatible with StoreBatchRequest (see commands.proto): the request's
     bytes plus ``now_us`` are the command, without decoding a message.
     """
-    inner = request + NOW_US_TAG + varint(now_us)
-    return STORE_TAG + varint(len(inner)) + inner
+    inner = request + STORE_MESSAGES_NOW_US_TAG + varint(now_us)
+    return VNODE_COMMAND_STORE_TAG + varint(len(inner)) + inner
 
 
 def positions_bytes(shard: int, first: int, count: int) -> bytes:
@@ -133,17 +165,18 @@ def positions_bytes(shard: int, first: int, count: int) -> bytes:
     Built without a protobuf object per message: consecutive timestamps share
     every varint byte but the first within each run of 128.
     """
-    head = (b"\x08" + varint(shard) if shard else b"") + b"\x10"
+    head = (MESSAGE_POSITION_SHARD_TAG + varint(shard) if shard else b"") + MESSAGE_POSITION_TIMESTAMP_US_TAG
     out: list[bytes] = []
+    tag = STORE_BATCH_RESPONSE_POSITIONS_TAG
     ts, end = first, first + count
     while ts < end:
         high = ts >> 7
         stop = min(end, (high + 1) << 7)
         if high == 0:
-            out.extend(_POSITION_TAG + varint(len(head) + len(varint(t))) + head + varint(t) for t in range(ts, stop))
+            out.extend(tag + varint(len(head) + len(varint(t))) + head + varint(t) for t in range(ts, stop))
         else:
             tail = varint(high)
-            lead = _POSITION_TAG + varint(len(head) + 1 + len(tail)) + head
+            lead = tag + varint(len(head) + 1 + len(tail)) + head
             out.extend(lead + _LOW7[t & 0x7F] + tail for t in range(ts, stop))
         ts = stop
     return b"".join(out)

@@ -26,18 +26,15 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
+from mqds.server.api.shards_api import ShardsAPI
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.storage.export import CheckpointExport, ExportedGeneration
 from mqds.server.storage.restore import check_records
 from mqds.v1 import storage_pb2 as pb
-
-if TYPE_CHECKING:
-    from mqds.server.api.storage_service import StorageService
 
 CHUNK_BYTES = 1024 * 1024
 """The largest export answer by default."""
@@ -71,12 +68,12 @@ def _skips(request: pb.ExportShardRequest) -> dict[int, ExportedGeneration]:
 
 
 def export_shard(
-    service: StorageService, request: pb.ExportShardRequest, scratch_dir: str, node_id: str
+    service: ShardsAPI, request: pb.ExportShardRequest, scratch_dir: str, node_id: str, clock: Callable[[], int]
 ) -> Iterator[pb.ExportShardResponse]:
-    """The answers of one ExportShard call (see the module's docstring)."""
+    """The answers of one ExportShard call (see the module's docstring); ``clock`` is the node's (microseconds)."""
     (shard,) = service._shard_numbers(request.shard, False)
     fence = request.fence_us or None
-    if fence is not None and fence > service.clock() + _FENCE_AHEAD_US:
+    if fence is not None and fence > clock() + _FENCE_AHEAD_US:
         raise errors.error(
             Reason.INVALID_REQUEST,
             f"fence_us {fence} is more than a day after this node's clock: pass a fence that GetFences returned",
@@ -139,13 +136,15 @@ def _answers(export: CheckpointExport, shard: int, limit: int, node_id: str) -> 
     yield pb.ExportShardResponse(done=done)
 
 
-def import_shard(service: StorageService, request: pb.ImportShardRequest) -> pb.ImportShardResponse:
-    """Log one restore step on the shard's leader; what it wrote."""
+def import_shard(
+    service: ShardsAPI, request: pb.ImportShardRequest, clock: Callable[[], int]
+) -> pb.ImportShardResponse:
+    """Log one restore step on the shard's leader; what it wrote (``clock``: the node's, in microseconds)."""
     (shard,) = service._shard_numbers(request.shard, False)
     kind = request.WhichOneof("kind")
     if kind is None:
         raise errors.error(Reason.INVALID_REQUEST, "ImportShard needs one of begin, records, finish or abandon")
-    now = service.clock()
+    now = clock()
     if kind == "records":
         r = request.records
         check_records(shard, r.column_family, r.keys, r.values, now + RESTORE_AHEAD_US)

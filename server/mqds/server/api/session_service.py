@@ -23,10 +23,15 @@ from mqds.server.api.shards_api import Shards, ShardsAPI, now_us
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.storage.expiry import NEVER
 from mqds.server.storage.sessions import FetchFilter
-from mqds.server.wire import encode_messages, message_unknown_field, repeated_field, unknown_field_text
+from mqds.server.wire import (
+    FETCH_MESSAGES_RESPONSE_MESSAGES_TAG,
+    encode_messages,
+    message_unknown_field,
+    repeated_field,
+    unknown_field_text,
+)
 from mqds.v1 import sessions_pb2 as spb
 
-_MESSAGES_TAG = b"\x0a"  # FetchMessagesResponse.messages, field 1, length-delimited
 _U64_MAX = (1 << 64) - 1
 
 
@@ -179,7 +184,7 @@ class SessionService(ShardsAPI):
                 "ask for fewer shards at a time (shards) or a narrower topic filter",
             )
             found.extend(retained)
-        return repeated_field(_MESSAGES_TAG, found)
+        return repeated_field(FETCH_MESSAGES_RESPONSE_MESSAGES_TAG, found)
 
     # -- offline delivery -----------------------------------------------------
 
@@ -288,7 +293,7 @@ class SessionService(ShardsAPI):
         budget = self.max_answer_bytes
         parts: list[bytes] = []
         for ts, shard, stored in found[:max_count]:
-            part = encode_messages(_MESSAGES_TAG, [(ts, stored)], shard)
+            part = encode_messages(FETCH_MESSAGES_RESPONSE_MESSAGES_TAG, [(ts, stored)], shard)
             if budget is not None:
                 if parts and len(part) > budget:
                     break

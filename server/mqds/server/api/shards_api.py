@@ -19,6 +19,8 @@ from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.protocol.topics import TopicError, validate_filter
 from mqds.server.raft.group import PendingRead, Proposal
+from mqds.server.storage import GenerationInfo, StorePart
+from mqds.v1 import storage_pb2 as pb
 
 # What pysyncobj adds to a command in its log entry (the command type byte),
 # with room to spare: a command this much under the entry limit is sent whole.
@@ -33,6 +35,10 @@ class Replica(Protocol):
     """A vnode replica as the API sees it (``mqds.server.cluster.vnode.VnodeReplica``)."""
 
     def reading(self) -> Any: ...
+
+    def expect_store(self, body: bytes, part: StorePart) -> None: ...
+
+    def unexpect_store(self, body: bytes) -> None: ...
 
 
 class Group(Protocol):
@@ -133,6 +139,17 @@ class ShardsAPI:
         vnodes = [self.shards.leader_vnode(shard) for shard, _ in commands]
         proposals = [vnode.group.propose(body) for vnode, (_, body) in zip(vnodes, commands, strict=True)]
         return [p.wait(self.shards.write_timeout_s) for p in proposals]
+
+    @staticmethod
+    def _generation(info: GenerationInfo) -> pb.Generation:
+        return pb.Generation(
+            shard=info.shard,
+            generation=info.generation,
+            since_us=info.since_us,
+            until_us=info.until_us or 0,
+            created_at_us=info.created_at_us,
+            current=info.current,
+        )
 
     @staticmethod
     def _filter(topic_filter: str) -> list[str]:

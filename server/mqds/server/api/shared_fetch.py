@@ -31,10 +31,9 @@ from mqds.protocol.errors import Reason
 from mqds.protocol.topics import TopicError, validate_filter
 from mqds.protocol.wire import varint
 from mqds.server.storage.sessions import FetchFilter
-from mqds.server.wire import encode_messages
+from mqds.server.wire import FETCH_MESSAGES_SHARED_RESPONSE_MESSAGES_TAG, encode_messages
 from mqds.v1 import sessions_pb2 as spb
 
-_MESSAGES_TAG = b"\x0a"  # FetchMessagesSharedResponse.messages, field 1, length-delimited
 _U64_MAX = (1 << 64) - 1
 # What a session's entry in the answer takes besides its indexes (field tags, lengths, `more`).
 _PER_SESSION_BYTES = 12
@@ -114,7 +113,7 @@ class _Answer:
             index = self.index.get(key)
             part = b""
             if index is None:
-                part = encode_messages(_MESSAGES_TAG, [(key[0], stored[key])], key[1])
+                part = encode_messages(FETCH_MESSAGES_SHARED_RESPONSE_MESSAGES_TAG, [(key[0], stored[key])], key[1])
                 index = len(self.parts)
             cost = len(part) + refs[key] * len(varint(index))
             if self.budget is not None and self.parts and cost > self.budget:

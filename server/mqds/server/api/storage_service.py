@@ -15,25 +15,31 @@ with the leader's id and address in the error metadata.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from google.protobuf.unknown_fields import UnknownFieldSet
+
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
-from mqds.protocol.messages import Problem, message_problem, problem_error
+from mqds.protocol.messages import Problem, message_problem
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import TopicError, validate_filter
 from mqds.protocol.wire import varint
 from mqds.server.api import backup_service, delete_service, follow, store_stream
 from mqds.server.api.handlers import takes_raw_request
 from mqds.server.api.shards_api import Shards, ShardsAPI, now_us
+from mqds.server.api.store_in_flight import StoreInFlight
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.group import Proposal
-from mqds.server.storage import GenerationInfo, IteratorDecodeError, IteratorState
+from mqds.server.storage import IteratorDecodeError, IteratorState, StorePart
 from mqds.server.wire import (
+    NEXT_RESPONSE_END_OF_STREAM_TAG,
+    NEXT_RESPONSE_ITERATOR_TAG,
+    NEXT_RESPONSE_MESSAGES_TAG,
+    NEXT_RESPONSE_STREAMS_DONE_TAG,
+    NEXT_RESPONSE_TIMESTAMPS_TAG,
     encode_rows,
-    positions_bytes,
     repeated_field,
     store_command,
     times_field,
@@ -44,11 +50,7 @@ from mqds.v1 import storage_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-_MESSAGES_TAG = b"\x0a"  # NextResponse.messages, field 1, length-delimited
-_ITERATOR_TAG = b"\x12"  # NextResponse.iterator, field 2, length-delimited
-_END_OF_STREAM = b"\x18\x01"  # NextResponse.end_of_stream = true
-_TIMESTAMPS_TAG = b"\x22"  # NextResponse.timestamps, field 4, length-delimited
-_STREAMS_DONE_TAG = b"\x28"  # NextResponse.streams_done, field 5, varint
+_END_OF_STREAM = NEXT_RESPONSE_END_OF_STREAM_TAG + varint(1)  # NextResponse.end_of_stream = true
 
 
 def _stored_bytes(rows: list[tuple[bytes, bytes]]) -> int:
@@ -63,81 +65,6 @@ _FENCE_AHEAD_US = 86_400 * 1_000_000
 # Bytes a Next or FetchMessages answer adds to each stored message (field
 # tags, lengths, timestamp and shard), so the budget covers them too.
 _PER_MESSAGE_BYTES = 24
-
-
-class StoreInFlight:
-    """A batch whose parts are proposed (``StorageService.start_store``); ``finish`` waits for them and answers."""
-
-    __slots__ = ("by_shard", "count", "invalid", "order", "started")
-
-    def __init__(
-        self,
-        order: list[int],
-        by_shard: dict[int, list[int]],
-        count: int,
-        started: list[Proposal | MqdsError],
-        invalid: dict[int, tuple[int, Problem]] | None = None,
-    ) -> None:
-        self.order = order
-        """The shards of the batch, in order."""
-        self.by_shard = by_shard
-        """Each shard's messages (their indexes in the request), in order: the ones its part stores."""
-        self.count = count
-        self.started = started
-        self.invalid = invalid or {}
-        """The messages refused alone (not in any part): index -> (their shard, what is wrong)."""
-
-    def outcome(self, timeout_s: float) -> list[int | MqdsError]:
-        """Each shard's first timestamp, or its error, once every part committed (or failed, or timed out)."""
-        deadline = time.monotonic() + timeout_s
-        results: list[int | MqdsError] = []
-        for item in self.started:
-            if isinstance(item, MqdsError):
-                results.append(item)
-                continue
-            try:
-                results.append(item.wait(max(0.0, deadline - time.monotonic())))
-            except MqdsError as err:
-                results.append(err)
-        return results
-
-    def finish(self, timeout_s: float) -> pb.StoreBatchResponse | bytes:
-        """The StoreBatch answer; raises the error when no message was stored."""
-        if not self.order:
-            if self.invalid:
-                index = min(self.invalid)
-                raise problem_error(f"message {index}", self.invalid[index][1])
-            return pb.StoreBatchResponse()
-        return self.answer(self.outcome(timeout_s), raise_if_none=True)
-
-    def answer(self, results: list[int | MqdsError], raise_if_none: bool) -> pb.StoreBatchResponse | bytes:
-        """The StoreBatchResponse for the parts' results (encoded when one shard stored all)."""
-        order, by_shard, invalid = self.order, self.by_shard, self.invalid
-        failed = [(shard, r) for shard, r in zip(order, results, strict=True) if isinstance(r, MqdsError)]
-        if raise_if_none and order and len(failed) == len(order):
-            raise failed[0][1]
-        if len(order) == 1 and not failed and not invalid:
-            first = results[0]
-            assert isinstance(first, int)
-            return positions_bytes(order[0], first, self.count)
-        timestamps = [0] * self.count
-        shards = [0] * self.count
-        for shard, first in zip(order, results, strict=True):
-            for offset, index in enumerate(by_shard[shard]):
-                timestamps[index] = 0 if isinstance(first, MqdsError) else first + offset
-                shards[index] = shard
-        for index, (shard, _) in invalid.items():
-            shards[index] = shard
-        response = pb.StoreBatchResponse()
-        add = response.positions.add
-        for ts, shard in zip(timestamps, shards, strict=True):
-            add(shard=shard, timestamp_us=ts)
-        for shard, err in failed:
-            response.failures.add(shard=shard, reason=err.reason.value, message=err.message, metadata=err.metadata)
-        for index in sorted(invalid):
-            reason, text = invalid[index][1]
-            response.message_failures.add(index=index, reason=reason.value, message=text)
-        return response
 
 
 class StorageService(ShardsAPI):
@@ -174,11 +101,16 @@ class StorageService(ShardsAPI):
     # -- helpers -------------------------------------------------------------
 
     def _propose_started(
-        self, commands: list[tuple[int, bytes]], refused: dict[int, MqdsError] | None = None
+        self,
+        commands: list[tuple[int, bytes]],
+        refused: dict[int, MqdsError] | None = None,
+        parsed: StorePart | None = None,
     ) -> list[Proposal | MqdsError]:
         """Propose one command per shard without waiting; each proposal, or the ``MqdsError`` it was refused with.
 
         A shard in ``refused`` is not proposed to: its part gets that error.
+        ``parsed``: the one command's parse (``_store_part``), handed to the
+        replica so that applying it here does not parse it again.
         """
         self._check_commands(commands)
         started: list[Proposal | MqdsError] = []
@@ -186,23 +118,41 @@ class StorageService(ShardsAPI):
             if refused and shard in refused:
                 started.append(refused[shard])
                 continue
+            vnode = None
             try:
+                vnode = self.shards.leader_vnode(shard)
+                if parsed is not None:
+                    vnode.replica.expect_store(body, parsed)
                 # The disk quota is the group's to check (RaftGroup.admit), for this and every other proposal.
-                started.append(self.shards.leader_vnode(shard).group.propose(body))
+                started.append(vnode.group.propose(body))
             except MqdsError as err:
+                if vnode is not None and parsed is not None:
+                    vnode.replica.unexpect_store(body)
                 started.append(err)
         return started
 
     @staticmethod
-    def _generation(info: GenerationInfo) -> pb.Generation:
-        return pb.Generation(
-            shard=info.shard,
-            generation=info.generation,
-            since_us=info.since_us,
-            until_us=info.until_us or 0,
-            created_at_us=info.created_at_us,
-            current=info.current,
-        )
+    def _store_part(request: pb.StoreBatchRequest, raw: bytes, now: int) -> StorePart | None:
+        """``store_command(raw, now)`` as applying it parses it, from the request parsed from ``raw``; None when the
+        request holds a field StoreBatchRequest does not have.
+
+        Applying a store command parses it as a VnodeCommand (its messages: the
+        topics) and as a VnodeCommandEncoded (each message's bytes as logged).
+        For the command built from a request's own bytes both are the
+        request's: StoreMessages has the request's fields 1, 3 and 4 (its
+        ``now_us``, field 5, is the one appended last, and wins), and field 1's
+        bytes are the request's messages as they came (StoreMessagesEncoded
+        reads them from the request's bytes, the same as from the command's).
+        The parse succeeds on the command where it did on the request, with
+        one exception this refuses: a field the request does not have (a group
+        nested 100 deep parses in the request and not one level deeper, in the
+        command). The messages hold no unknown field (``unknown_fields``).
+        """
+        if len(UnknownFieldSet(request)):
+            return None
+        producer = request.producer_id
+        dedup = (producer.encode(), request.sequence) if producer else None
+        return StorePart(request.messages, now, dedup, cpb.StoreMessagesEncoded.FromString(raw).messages)
 
     def _check_message(self, message: pb.Message) -> Problem | None:
         """What is wrong with a message of a batch (the rules of ``mqds.protocol.messages``), or None."""
@@ -289,10 +239,12 @@ class StorageService(ShardsAPI):
         now = self.clock()
         order = sorted(by_shard)
         commands = []
+        parsed = None
         if len(order) == 1 and as_sent and raw is not None:
             # StoreMessages is wire-compatible with the request: its bytes
             # plus now_us are the command (see commands.proto).
             commands.append((order[0], store_command(raw, now)))
+            parsed = self._store_part(request, raw, now)
         else:
             for shard in order:
                 cmd = cpb.VnodeCommand()
@@ -307,7 +259,8 @@ class StorageService(ShardsAPI):
                 else:
                     store.messages.extend([messages[i] for i in indexes])
                 commands.append((shard, cmd.SerializeToString()))
-        return StoreInFlight(order, by_shard, len(messages), self._propose_started(commands, refused), invalid)
+        started = self._propose_started(commands, refused, parsed)
+        return StoreInFlight(order, by_shard, len(messages), started, invalid)
 
     def check_batch_size(self, request: pb.StoreBatchRequest) -> None:
         """Refuse a batch of more than max_batch_messages (BATCH_TOO_LARGE)."""
@@ -409,16 +362,16 @@ class StorageService(ShardsAPI):
                     if budget <= 0:
                         break
             shard = storage.shard
-            body, times = encode_rows(_MESSAGES_TAG, rows, shard)
+            body, times = encode_rows(NEXT_RESPONSE_MESSAGES_TAG, rows, shard)
         token_bytes = pb.IteratorToken(
             shard=shard, generation=position.generation, state=position.encode()
         ).SerializeToString()
-        body += repeated_field(_ITERATOR_TAG, [token_bytes])
+        body += repeated_field(NEXT_RESPONSE_ITERATOR_TAG, [token_bytes])
         if ended:
             body += _END_OF_STREAM
-        body += times_field(_TIMESTAMPS_TAG, times)
+        body += times_field(NEXT_RESPONSE_TIMESTAMPS_TAG, times)
         if done:
-            body += _STREAMS_DONE_TAG + varint(done)
+            body += NEXT_RESPONSE_STREAMS_DONE_TAG + varint(done)
         return body
 
     def _starts(self, request: pb.NextRequest, fence: int | None) -> list[pb.IteratorStart]:
@@ -523,7 +476,7 @@ class StorageService(ShardsAPI):
     def ExportShard(self, request: pb.ExportShardRequest) -> Iterator[pb.ExportShardResponse]:
         if self.scratch_dir is None:
             raise errors.error(Reason.INVALID_REQUEST, "this node takes no exports (it has no scratch directory)")
-        return backup_service.export_shard(self, request, self.scratch_dir, self.node_id)
+        return backup_service.export_shard(self, request, self.scratch_dir, self.node_id, self.clock)
 
     def ImportShard(self, request: pb.ImportShardRequest) -> pb.ImportShardResponse:
-        return backup_service.import_shard(self, request)
+        return backup_service.import_shard(self, request, self.clock)

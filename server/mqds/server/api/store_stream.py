@@ -34,37 +34,52 @@ import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mqds.protocol import errors
 from mqds.protocol.errors import REASONS, MqdsError, Reason
 from mqds.protocol.sharding import shard_of
 from mqds.server.api.request_bounds import check_parsed
+from mqds.server.api.shards_api import Shards
+from mqds.server.api.store_in_flight import StoreInFlight
 from mqds.server.raft.futures import Proposal
-from mqds.server.wire import varint
+from mqds.server.wire import (
+    STORE_STREAM_REQUEST_BATCH_TAG,
+    STORE_STREAM_RESPONSE_RESULT_TAG,
+    STORE_STREAM_RESPONSE_SEQUENCE_TAG,
+    varint,
+)
 from mqds.v1 import storage_pb2 as pb
-
-if TYPE_CHECKING:
-    from mqds.server.api.storage_service import StorageService, StoreInFlight
 
 log = logging.getLogger(__name__)
 
-_SEQUENCE_TAG = b"\x08"  # StoreStreamResponse.sequence, field 1, varint
-_RESULT_TAG = b"\x12"  # StoreStreamResponse.result, field 2, length-delimited
-_BATCH_TAG = 0x0A  # StoreStreamRequest.batch, field 1, length-delimited
 _PUT_WAIT_S = 0.5
 _END = object()
+
+
+class BatchStore(Protocol):
+    """What a stream stores its batches through (``StorageService`` is one)."""
+
+    @property
+    def shards(self) -> Shards: ...
+
+    def check_batch_size(self, request: pb.StoreBatchRequest) -> None: ...
+
+    def start_store(
+        self, request: pb.StoreBatchRequest, raw: bytes | None = None, refused: dict[int, MqdsError] | None = None
+    ) -> StoreInFlight: ...
 
 
 def answer_bytes(sequence: int, result: pb.StoreBatchResponse | bytes) -> bytes:
     """An encoded StoreStreamResponse."""
     body = result if isinstance(result, bytes) else result.SerializeToString()
-    return _SEQUENCE_TAG + varint(sequence) + _RESULT_TAG + varint(len(body)) + body
+    head = STORE_STREAM_RESPONSE_SEQUENCE_TAG + varint(sequence) + STORE_STREAM_RESPONSE_RESULT_TAG
+    return head + varint(len(body)) + body
 
 
 def batch_bytes(raw: bytes) -> bytes | None:
     """The StoreBatchRequest bytes inside a StoreStreamRequest's, when the frame holds exactly that field."""
-    if not raw or raw[0] != _BATCH_TAG:
+    if raw[:1] != STORE_STREAM_REQUEST_BATCH_TAG:
         return None
     length, shift, pos = 0, 0, 1
     while pos < len(raw):
@@ -88,7 +103,7 @@ class _Refused:
 class _Stream:
     """The state of one StoreStream call, shared by its reader thread and the thread answering."""
 
-    def __init__(self, service: StorageService, window: int) -> None:
+    def __init__(self, service: BatchStore, window: int) -> None:
         self.service = service
         self.pending: queue.Queue[Any] = queue.Queue(maxsize=window)
         self.closed = threading.Event()
@@ -190,7 +205,7 @@ class _Stream:
 
 
 def serve(
-    service: StorageService, requests: Iterator[Any], window: int, idle_s: float, timeout_s: float
+    service: BatchStore, requests: Iterator[Any], window: int, idle_s: float, timeout_s: float
 ) -> Iterator[bytes]:
     """Answer a StoreStream call: yields each batch's encoded answer, in order."""
     stream = _Stream(service, window)

@@ -27,12 +27,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mqds.protocol.topics import matches_levels
-from mqds.server.wire import encode_messages
+from mqds.server.wire import FOLLOW_RESPONSE_MESSAGES_TAG, encode_messages
 
 _CACHED_FILTERS = 64
 """Filters whose matches a batch remembers; past that they are matched again on each read."""
-ANSWER_TAG = b"\x1a"
-"""``FollowResponse.messages`` (field 3): how the feed encodes a message for an answer."""
 
 
 class FeedPart:
@@ -61,7 +59,7 @@ class FeedPart:
             self._topics = [m.topic.split("/") for m in self.messages]
         indexes = [i for i, topic in enumerate(self._topics) if matches_levels(levels, topic)]
         encoded = self.encoded
-        pieces = [encode_messages(ANSWER_TAG, [(self.first + i, encoded[i])], shard) for i in indexes]
+        pieces = [encode_messages(FOLLOW_RESPONSE_MESSAGES_TAG, [(self.first + i, encoded[i])], shard) for i in indexes]
         found = indexes, pieces, sum(map(len, pieces))
         if len(self._matches) < _CACHED_FILTERS:
             self._matches[topic_filter] = found

@@ -35,10 +35,8 @@ from collections.abc import Callable
 
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.storage import keys
+from mqds.server.wire import VNODE_COMMAND_STORE_TAG
 from mqds.v1 import sessions_pb2 as spb
-
-_STORE_TAG = 0x0A
-"""VnodeCommand.store, field 1, length-delimited: the first byte of every store command."""
 
 Exists = Callable[[bytes], bool]
 """Whether the shard's metadata family holds a key (on the leader's replica)."""
@@ -51,7 +49,7 @@ def adds(body: bytes, exists: Exists) -> str | None:
     never decoded here); the rest are small, or a restore's records, and
     decoded only while the node refuses.
     """
-    if body[:1] == bytes((_STORE_TAG,)):
+    if body[:1] == VNODE_COMMAND_STORE_TAG:  # the first byte of every store command
         return "new messages"
     try:
         cmd = cpb.VnodeCommand.FromString(body)

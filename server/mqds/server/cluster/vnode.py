@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, cast
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.cluster.catchup import CatchUp
-from mqds.server.cluster.feed import ANSWER_TAG, ShardFeed
+from mqds.server.cluster.feed import ShardFeed
+from mqds.server.cluster.proposed_stores import ProposedStores
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.journal import fsync_dir
 from mqds.server.storage import Engine, GenerationInfo, ShardStorage, StorePart
@@ -35,6 +36,7 @@ from mqds.server.storage.deletes import Cursor, DeleteSpec, StepResult
 from mqds.server.storage.expiry import NEVER
 from mqds.server.storage.retention import policy_of
 from mqds.server.storage.share_groups import MAX_MEMBERS
+from mqds.server.wire import FOLLOW_RESPONSE_MESSAGES_TAG
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
 
@@ -75,7 +77,7 @@ class VnodeReplica:
         self.storage = self._open()
         self.feed = ShardFeed(shard, feed_bytes)
         """What this replica just stored, for push subscriptions (``feed.py``)."""
-        self.catchup = CatchUp(shard, feed_bytes, ANSWER_TAG)
+        self.catchup = CatchUp(shard, feed_bytes, FOLLOW_RESPONSE_MESSAGES_TAG)
         """Push subscribers' recent disk reads, shared by those at nearby positions (``catchup.py``)."""
         # For the metrics, counted per applied batch (never per message) by
         # the group's cycle, the only place that applies: plain ints suffice.
@@ -83,6 +85,8 @@ class VnodeReplica:
         """Messages this replica stored since it was opened (a retry the dedup memory recognised stores none)."""
         self.stored_bytes = 0
         """Bytes of the store commands behind ``stored_messages``, as logged (messages encoded in protobuf)."""
+        self.proposed = ProposedStores()
+        """Store commands proposed here, as their proposer parsed them (``proposed_stores.py``)."""
 
     def _open(self) -> ShardStorage:
         return ShardStorage(
@@ -126,9 +130,22 @@ class VnodeReplica:
     def applied_index(self) -> int:
         return self.storage.applied_index
 
+    def expect_store(self, body: bytes, part: StorePart) -> None:
+        """``body``, a store command about to be proposed to this replica's group, parses as ``part``: applying it
+        here takes that instead of parsing it again (``proposed_stores.py``)."""
+        self.proposed.remember(body, part)
+
+    def unexpect_store(self, body: bytes) -> None:
+        """``body`` was refused before it was logged."""
+        self.proposed.forget(body)
+
     def apply(self, command: bytes, index: int) -> Any:
         if index <= self.storage.applied_index:
             return None
+        part = self.proposed.take(command)
+        if part is not None:
+            (result,) = self._apply_stores([part], [command], index)
+            return result
         return self._apply_one(cpb.VnodeCommand.FromString(command), command, index)
 
     def apply_batch(self, bodies: list[bytes], index: int) -> list[Any]:
@@ -143,7 +160,7 @@ class VnodeReplica:
         storage = self.storage
         if index <= storage.applied_index:
             return [None] * len(bodies)
-        commands = [_parse(body) for body in bodies]
+        commands = [self._command(body) for body in bodies]
         parts: list[list[int]] = []
         for i, cmd in enumerate(commands):
             if parts and _is_store(cmd) and _is_store(commands[parts[-1][-1]]):
@@ -164,11 +181,12 @@ class VnodeReplica:
                     raise ValueError("not a VnodeCommand")
                 if _is_store(first):
                     # A run of stores holds parsed commands only (``_is_store``).
-                    stores = cast(list[cpb.VnodeCommand], [commands[i] for i in part])
+                    stores = cast("list[cpb.VnodeCommand | StorePart]", [commands[i] for i in part])
                     stored = self._apply_stores(stores, [bodies[i] for i in part], applied)
                     for i, result in zip(part, stored, strict=True):
                         results[i] = result
                 else:
+                    assert isinstance(first, cpb.VnodeCommand)  # a store is a StorePart or a VnodeCommand
                     results[part[0]] = self._apply_one(first, bodies[part[0]], applied)
             except MqdsError as err:
                 if err.reason is Reason.STORAGE_ERROR:
@@ -188,7 +206,14 @@ class VnodeReplica:
             storage.record_applied(index)
         return results
 
-    def _apply_stores(self, commands: list[cpb.VnodeCommand], bodies: list[bytes], applied: int | None) -> list[Any]:
+    def _command(self, body: bytes) -> cpb.VnodeCommand | StorePart | None:
+        """A command of a batch entry: a store proposed here as its proposer parsed it, or parsed (None: not one)."""
+        part = self.proposed.take(body)
+        return part if part is not None else _parse(body)
+
+    def _apply_stores(
+        self, commands: list[cpb.VnodeCommand | StorePart], bodies: list[bytes], applied: int | None
+    ) -> list[Any]:
         """Store the messages of several store commands in one write; each one's first timestamp or refusal."""
         storage = self.storage
         if storage.restoring:
@@ -196,14 +221,10 @@ class VnodeReplica:
                 storage.record_applied(applied)
             return [self._restoring()] * len(commands)
         if not storage.initialized:
-            storage.initialize(commands[0].store.now_us)
+            first = commands[0]
+            storage.initialize(first.now_us if isinstance(first, StorePart) else first.store.now_us)
         parts = [
-            StorePart(
-                cmd.store.messages,
-                cmd.store.now_us,
-                (cmd.store.producer_id.encode(), cmd.store.sequence) if cmd.store.producer_id else None,
-                cpb.VnodeCommandEncoded.FromString(body).store.messages,
-            )
+            cmd if isinstance(cmd, StorePart) else _store_part(cmd, body)
             for cmd, body in zip(commands, bodies, strict=True)
         ]
         before = storage.last_ts
@@ -460,8 +481,19 @@ def _parse(body: bytes) -> cpb.VnodeCommand | None:
         return None
 
 
-def _is_store(cmd: cpb.VnodeCommand | None) -> bool:
-    return cmd is not None and cmd.HasField("store")
+def _is_store(cmd: cpb.VnodeCommand | StorePart | None) -> bool:
+    return isinstance(cmd, StorePart) or (cmd is not None and cmd.HasField("store"))
+
+
+def _store_part(cmd: cpb.VnodeCommand, body: bytes) -> StorePart:
+    """A parsed store command as the storage takes it; its messages' bytes as logged, parsed from ``body`` again."""
+    store = cmd.store
+    return StorePart(
+        store.messages,
+        store.now_us,
+        (store.producer_id.encode(), store.sequence) if store.producer_id else None,
+        cpb.VnodeCommandEncoded.FromString(body).store.messages,
+    )
 
 
 @dataclass

@@ -26,6 +26,7 @@ from pysyncobj import FAIL_REASON
 from mqds.protocol.wire import varint
 from mqds.server.raft.futures import Proposal
 from mqds.server.raft.v1 import raft_pb2 as rpb
+from mqds.server.wire import COMMAND_BATCH_COMMANDS_TAG
 
 _ITEM_OVERHEAD = 8
 """Bytes a command adds to a batch besides its body (tag and length), with room to spare."""
@@ -47,7 +48,7 @@ def encode(bodies: list[bytes]) -> bytes:
         return rpb.CommandBatch(commands=bodies).SerializeToString()
     parts: list[bytes] = []
     for body in bodies:
-        parts += (b"\x0a", varint(len(body)), body)  # CommandBatch.commands is field 1
+        parts += (COMMAND_BATCH_COMMANDS_TAG, varint(len(body)), body)
     return b"".join(parts)
 
 

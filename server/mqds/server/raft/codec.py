@@ -29,6 +29,7 @@ from google.protobuf.message import DecodeError
 from mqds.protocol.wire import varint
 from mqds.server.raft import batching
 from mqds.server.raft.v1 import raft_pb2 as rpb
+from mqds.server.wire import APPEND_ENTRIES_ENTRIES_TAG, ENTRY_COMMAND_TAG, RAFT_MESSAGE_APPEND_ENTRIES_TAG
 
 # pysyncobj's command types (the first byte of every log entry).
 COMMAND_REGULAR = 0
@@ -203,13 +204,13 @@ def _encode_append_entries(message: dict[str, Any], echo: int, sequence: int = 0
     ]
     size = len(parts[1])
     for command, index, term in message["entries"]:
-        command_head = b"\x0a" + varint(len(command)) if command else b""
+        command_head = ENTRY_COMMAND_TAG + varint(len(command)) if command else b""
         rest = rpb.Entry(index=index, term=term).SerializeToString()
         entry_size = len(command_head) + len(command) + len(rest)
-        entry_head = b"\x2a" + varint(entry_size)
+        entry_head = APPEND_ENTRIES_ENTRIES_TAG + varint(entry_size)
         parts += (entry_head, command_head, command, rest)
         size += len(entry_head) + entry_size
-    parts[0] = b"\x1a" + varint(size)
+    parts[0] = RAFT_MESSAGE_APPEND_ENTRIES_TAG + varint(size)
     if echo or sequence:
         parts.append(rpb.RaftMessage(echo=echo, sequence=sequence).SerializeToString())  # fields 14, 15: last
     return b"".join(parts)

@@ -16,8 +16,9 @@ the groups that have work. A group runs in a pass only when nothing else is
 running its cycle (``cycle_lock``, taken without waiting) and, on a receiving
 thread or the scheduler's pass lane, only for the ordinary traffic of a vnode:
 a snapshot transfer, a log due for compaction or the metadata group (whose
-applies start and stop replicas) go to the scheduler's long lane, so a long
-step never holds up the other groups' messages.
+applies start and stop replicas) go to the scheduler's long lane
+(``RaftGroup.long_step_due``), so a long step never holds up the other groups'
+messages.
 """
 
 from __future__ import annotations
@@ -33,22 +34,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def inline_eligible(group: RaftGroup) -> bool:
-    """Whether ``group``'s cycle may run in a pass (a vnode, nothing long due): else the long lane runs it."""
-    return (
-        group.proposals is not None
-        and not group.stopping
-        and not group.installing_snapshot
-        and not group.snapshot_inbound
-        and group.journal.size_bytes <= group.timing.log_max_bytes
-    )
-
-
 def run_cycles(groups: Iterable[RaftGroup]) -> None:
     """On a receiving thread: run a cycle of each group here, sharing one log write; hand the others on."""
     taken: list[RaftGroup] = []
     for group in groups:
-        if inline_eligible(group) and group.try_begin_cycle(long_lane=False):
+        if not group.long_step_due() and group.try_begin_cycle(long_lane=False):
             taken.append(group)
         else:
             group.wake()  # the scheduler runs it (on the long lane if it must)

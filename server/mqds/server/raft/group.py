@@ -40,7 +40,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from pysyncobj import FAIL_REASON
 
@@ -59,7 +59,7 @@ from mqds.server.raft.outbox import GroupTransport, Outbox, carries_entries
 from mqds.server.raft.outbox import Outgoing as Outgoing
 from mqds.server.raft.pysyncobj_adapter import RaftCore
 from mqds.server.raft.reads import ReadIndex
-from mqds.server.raft.scheduler import RaftScheduler, Slot
+from mqds.server.raft.slot import Slot
 from mqds.server.raft.snapshot import Manifest as Manifest
 from mqds.server.raft.snapshot import ManifestFiles
 from mqds.server.raft.snapshot import decode_manifest as decode_manifest
@@ -74,6 +74,20 @@ ROLE_FOLLOWER, ROLE_CANDIDATE, ROLE_LEADER = 0, 1, 2
 ROLE_NAMES = {ROLE_FOLLOWER: "follower", ROLE_CANDIDATE: "candidate", ROLE_LEADER: "leader"}
 
 _MESSAGE, _CONNECTED, _DISCONNECTED, _TRANSFER = 0, 1, 2, 3
+
+
+class GroupScheduler(Protocol):
+    """What a group asks of the scheduler that steps it (``scheduler.RaftScheduler``, given it by the node)."""
+
+    def start(self) -> None: ...
+
+    def attach(self, group: RaftGroup) -> None: ...
+
+    def detach(self, group: RaftGroup) -> None: ...
+
+    def notify(self, group: RaftGroup) -> None: ...
+
+    def rearm(self, group: RaftGroup, failed: bool = False) -> None: ...
 
 
 class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, ManifestFiles):
@@ -99,7 +113,7 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         joining: bool = False,
         on_disk_failure: Callable[[BaseException], None] | None = None,
         admit: Callable[[bytes], None] | None = None,
-        scheduler: RaftScheduler | None = None,
+        scheduler: GroupScheduler | None = None,
     ) -> None:
         self.group = group
         self.name = group_name(group)
@@ -258,7 +272,7 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         ``sequence``: the number its leader gave an append-entries (``RaftMessage.sequence``; 0: none).
         """
         if "serialized" in message:
-            self.snapshot_inbound = True  # set before it is queued: no pass may take it (``cycles.inline_eligible``)
+            self.snapshot_inbound = True  # set before it is queued: no pass may take it (``long_step_due``)
         self._inbox.append((_MESSAGE, node_id, (message, echo, sequence)))
         if wake:
             self.wake()
@@ -309,10 +323,19 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
             scheduler.notify(self)
 
     def long_step_due(self) -> bool:
-        """Whether this group's next cycle belongs on the scheduler's long lane (``cycles.inline_eligible``)."""
-        from mqds.server.raft.cycles import inline_eligible
+        """Whether this group's next cycle belongs on the scheduler's long lane, not in a pass (``cycles.py``).
 
-        return not inline_eligible(self)
+        A pass runs only a vnode's ordinary traffic: the metadata group (no
+        proposal queue), a group stopping, a snapshot being installed or
+        received, and a log due for compaction go to the long lane.
+        """
+        return not (
+            self.proposals is not None
+            and not self.stopping
+            and not self.installing_snapshot
+            and not self.snapshot_inbound
+            and self.journal.size_bytes <= self.timing.log_max_bytes
+        )
 
     def peer_connected(self, node_id: str, connected: bool) -> None:
         self._inbox.append((_CONNECTED if connected else _DISCONNECTED, node_id, None))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pysyncobj.journal import Journal
 
@@ -35,19 +35,28 @@ from mqds.server.raft.segments import (
     state_records,
 )
 
-if TYPE_CHECKING:
-    from mqds.server.raft.journal import NodeLog
-
 # The live floor of a group without live entries: everything it wrote is dead.
 NO_FLOOR = 2**64
 # How often a changed commit index alone is recorded.
 _COMMIT_RECORD_INTERVAL_S = 1.0
 
 
+class SharedLog(Protocol):
+    """What a group's journal asks of the node's log (:class:`mqds.server.raft.journal.NodeLog`, which makes one)."""
+
+    def queue(self, records: list[bytes], group: int, last_entry: int, floor: int, cleared: bool) -> int:
+        """Queue a group's records for the log's next write; the round that makes them durable."""
+        ...
+
+    def wait_durable(self, round_: int) -> None:
+        """Return once the round ``round_`` (any group's) is on disk."""
+        ...
+
+
 class RaftJournal(Journal):
     """Raft log, term, vote and membership of one group, durable on :meth:`sync`."""
 
-    def __init__(self, node_log: NodeLog, group: int, recovered: Recovered) -> None:
+    def __init__(self, node_log: SharedLog, group: int, recovered: Recovered) -> None:
         self._log = node_log
         self.group = group
         self._lock = threading.Lock()

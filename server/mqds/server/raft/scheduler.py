@@ -45,6 +45,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from mqds.server.raft import cycles
 from mqds.server.raft.timing import raft_clock
 
 if TYPE_CHECKING:
@@ -58,22 +59,6 @@ COALESCE_S = 0.002
 """Timers due within this much of each other run in one pass: an idle node's heartbeats share its wake-ups."""
 RETRY_AFTER_FAILURE_S = 0.5
 """A group whose cycle raised runs again after this long (a failing disk must not spin a worker)."""
-
-
-class Slot:
-    """The scheduler's bookkeeping for one group: whether it is queued, and its timer."""
-
-    __slots__ = ("attached", "failed_until", "heap_due", "long_queued", "next_due", "queued")
-
-    def __init__(self) -> None:
-        self.attached = False
-        self.queued = False
-        self.long_queued = False
-        self.heap_due = float("inf")
-        """The due time of this group's live entry in the heap (inf: none)."""
-        self.next_due = float("inf")
-        """When the group's next timer is due, as its last cycle said."""
-        self.failed_until = 0.0
 
 
 class RaftScheduler:
@@ -91,11 +76,7 @@ class RaftScheduler:
         self._workers = workers
         self._long_workers = long_workers
         self.clock = clock
-        if run_pass is None:
-            from mqds.server.raft.cycles import run_pass as default_pass
-
-            run_pass = default_pass
-        self._run_pass = run_pass
+        self._run_pass = cycles.run_pass if run_pass is None else run_pass
         lock = threading.Lock()
         self._cond = threading.Condition(lock)
         """Guards the lists and the heap; the pass workers wait on it."""

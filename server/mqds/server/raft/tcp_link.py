@@ -16,8 +16,9 @@ reaches the peer is always whole frames.
 
 A peer that takes no Raft traffic over TCP (``raft_transport`` "grpc", or a
 node of an older version, which answers UNIMPLEMENTED) is sent to over the
-gRPC stream instead (``_PeerLink``), and asked again whenever that link goes
-down.
+gRPC stream instead (``grpc_link.GrpcPeerLink``), and asked again whenever
+that link goes down. Either link sees the router that owns it through a
+protocol of what it uses (``TcpRouter`` here, ``grpc_link.LinkRouter``).
 """
 
 from __future__ import annotations
@@ -30,16 +31,14 @@ import socket
 import ssl
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from mqds.server.raft import tcp_wire
+from mqds.server.raft.grpc_link import GrpcPeerLink, LinkRouter
 from mqds.server.raft.tcp_listener import HANDSHAKE_TIMEOUT_S, keepalive
 from mqds.server.raft.v1 import raft_pb2 as rpb
-
-if TYPE_CHECKING:
-    from mqds.server.raft.transport import PeerRouter, _PeerLink
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +52,18 @@ _RECONNECT_MAX_S = 1.0
 _WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError)
 
 
+class TcpRouter(LinkRouter, Protocol):
+    """What a TCP link uses of its router (:class:`mqds.server.raft.transport.PeerRouter`): a gRPC link's needs,
+    and the TLS context of its connections."""
+
+    @property
+    def tls_client(self) -> ssl.SSLContext | None: ...
+
+
 class TcpPeerLink:
     """The connection to one peer: ``enqueue`` writes at once; a thread connects, drains and lingers."""
 
-    def __init__(self, router: PeerRouter, node_id: str, address: str) -> None:
+    def __init__(self, router: TcpRouter, node_id: str, address: str) -> None:
         self.router = router
         self.node_id = node_id
         self.address = address
@@ -69,7 +76,7 @@ class TcpPeerLink:
         self._lazy: list[bytes] = []
         self._lazy_since = 0.0
         self._closed = False
-        self._fallback: _PeerLink | None = None
+        self._fallback: GrpcPeerLink | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -222,9 +229,7 @@ class TcpPeerLink:
 
     def _over_grpc(self, address: str) -> None:
         """Send over the gRPC stream while that link stays up (or for a while, until it comes up)."""
-        from mqds.server.raft.transport import _PeerLink
-
-        fallback = _PeerLink(self.router, self.node_id, address)
+        fallback = GrpcPeerLink(self.router, self.node_id, address)
         self._fallback = fallback
         log.info("raft link to %s: the peer takes no Raft over TCP; using the gRPC stream", self.node_id)
         came_up = False

@@ -20,17 +20,13 @@ due but not removed yet (a few entries at the indexes' heads).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from rocksdict import WriteBatch
 
 from mqds.protocol.limits import SESSION_NEVER_EXPIRES
 from mqds.server.storage import keys
+from mqds.server.storage.metadata import MetadataFamily
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
-
-if TYPE_CHECKING:
-    from mqds.server.storage.shard import ShardStorage
 
 NEVER = SESSION_NEVER_EXPIRES
 """A Session Expiry Interval that never ends (MQTT 5)."""
@@ -53,20 +49,20 @@ def session_expires_us(state: spb.ClientState) -> int | None:
 class ExpiryIndex:
     """One index of what ends when, in a shard's ``default`` family: entries by time, then name."""
 
-    def __init__(self, storage: ShardStorage, prefix: bytes) -> None:
-        self._storage = storage
+    def __init__(self, metadata: MetadataFamily, prefix: bytes) -> None:
+        self._meta = metadata
         self.prefix = prefix
 
     def put(self, batch: WriteBatch, at_us: int, name: str) -> None:
-        batch.put(keys.expiry_key(self.prefix, at_us, name), b"", self._storage.meta_handle)
+        batch.put(keys.expiry_key(self.prefix, at_us, name), b"", self._meta.handle)
 
     def delete(self, batch: WriteBatch, at_us: int, name: str) -> None:
-        batch.delete(keys.expiry_key(self.prefix, at_us, name), self._storage.meta_handle)
+        batch.delete(keys.expiry_key(self.prefix, at_us, name), self._meta.handle)
 
     def due(self, now_us: int, limit: int | None = None) -> list[tuple[bytes, str]]:
         """The entries due at ``now_us`` (at most ``limit``), earliest first: (key, name)."""
         out: list[tuple[bytes, str]] = []
-        for key, _ in self._storage.meta_scan(self.prefix):
+        for key, _ in self._meta.scan(self.prefix):
             at_us, name = keys.read_expiry_key(self.prefix, key)
             if at_us > now_us or (limit is not None and len(out) >= limit):
                 break

@@ -10,19 +10,36 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from mqds.server.storage.generations import GenerationInfo
 from mqds.server.storage.iterators import IteratorState
-
-if TYPE_CHECKING:
-    from mqds.server.storage.shard import ShardStorage
+from mqds.server.storage.reads import ReadResult, StreamRef
 
 CHUNK = 256
 """How many messages one read of a stream asks for."""
 
 
+class StoredMessages(Protocol):
+    """What reading a shard in order asks of it (``ShardStorage`` is one)."""
+
+    @property
+    def shard(self) -> int: ...
+
+    @property
+    def last_ts(self) -> int: ...
+
+    def get_streams(self, filter_levels: list[str], start_time_us: int) -> list[StreamRef]: ...
+
+    def next(
+        self, state: IteratorState, batch_size: int, fence_us: int | None = None, max_bytes: int | None = None
+    ) -> ReadResult: ...
+
+    def generations(self) -> list[GenerationInfo]: ...
+
+
 def ordered(
-    storage: ShardStorage, topic_filter: str, start_us: int, fence_us: int | None = None
+    storage: StoredMessages, topic_filter: str, start_us: int, fence_us: int | None = None
 ) -> Iterator[tuple[int, bytes]]:
     """Every stored message matching ``topic_filter`` from ``start_us`` on, as (timestamp, stored bytes), in order.
 
@@ -45,7 +62,7 @@ def ordered(
         yield from heapq.merge(*runs, key=_timestamp) if len(runs) > 1 else runs[0]
 
 
-def _stream(storage: ShardStorage, state: IteratorState, fence_us: int) -> Iterator[tuple[int, bytes]]:
+def _stream(storage: StoredMessages, state: IteratorState, fence_us: int) -> Iterator[tuple[int, bytes]]:
     while True:
         result = storage.next(state, CHUNK, fence_us)
         yield from result.entries
@@ -58,7 +75,7 @@ def _timestamp(entry: tuple[int, bytes]) -> int:
     return entry[0]
 
 
-def dropped_after(storage: ShardStorage, after_us: int) -> tuple[int, int] | None:
+def dropped_after(storage: StoredMessages, after_us: int) -> tuple[int, int] | None:
     """The time interval ``[since, until)`` of dropped generations that held messages after ``after_us``;
     None when everything stored after ``after_us`` is still there.
 

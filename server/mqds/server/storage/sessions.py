@@ -18,19 +18,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from rocksdict import WriteBatch
 
 from mqds.protocol.topics import matches_levels
 from mqds.server.storage import keys
 from mqds.server.storage.expiry import NEVER, ExpiryIndex, message_expires_us, session_expires_us
-from mqds.server.storage.ordered import ordered
+from mqds.server.storage.metadata import MetadataFamily
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
-
-if TYPE_CHECKING:
-    from mqds.server.storage.shard import ShardStorage
 
 # How far one queue acknowledgement moves its filter's floor at most.
 _FLOOR_STEPS = 10_000
@@ -67,12 +63,28 @@ class SharedScan:
 
 
 class SessionState:
-    """The broker state of one shard, on top of its ``ShardStorage``."""
+    """The broker state of one shard, in its metadata family; the shard's messages read through ``read_ordered``.
 
-    def __init__(self, storage: ShardStorage) -> None:
-        self._storage = storage
-        self._retained_expiry = ExpiryIndex(storage, keys.RETAINED_EXPIRY_PREFIX)
-        self._session_expiry = ExpiryIndex(storage, keys.SESSION_EXPIRY_PREFIX)
+    ``ShardStorage`` builds it with what it needs of the shard: the family
+    (``metadata.py``), the shard's number, its messages matching a filter in
+    timestamp order from a time on (``ordered.ordered`` over the shard), and
+    what to tell the shard of the keys an expiry step deleted
+    (``ShardStorage.metadata_deleted``).
+    """
+
+    def __init__(
+        self,
+        metadata: MetadataFamily,
+        shard: int,
+        read_ordered: Callable[[str, int], Iterator[tuple[int, bytes]]],
+        deleted: Callable[[int], None],
+    ) -> None:
+        self._meta = metadata
+        self._shard = shard
+        self._read_ordered = read_ordered
+        self._deleted = deleted
+        self._retained_expiry = ExpiryIndex(metadata, keys.RETAINED_EXPIRY_PREFIX)
+        self._session_expiry = ExpiryIndex(metadata, keys.SESSION_EXPIRY_PREFIX)
         self._counted = threading.Lock()
         self.fetch_scans = 0
         """Scans offline fetches made of this shard since it was opened (one per filter per shared fetch)."""
@@ -82,10 +94,10 @@ class SessionState:
     # -- writes -----------------------------------------------------------------
 
     def _commit(self, batch: WriteBatch, applied_index: int | None) -> None:
-        self._storage.write_meta(batch, applied_index)
+        self._meta.write(batch, applied_index)
 
     def _get(self, key: bytes) -> bytes | None:
-        return self._storage.meta_get(key)
+        return self._meta.get(key)
 
     def client_connected(
         self,
@@ -106,15 +118,15 @@ class SessionState:
         old = self.client_state(clientid)
         if old is not None:
             if old.online:
-                batch.delete(keys.node_clients_prefix(old.node) + clientid.encode("utf-8"), self._storage.meta_handle)
+                batch.delete(keys.node_clients_prefix(old.node) + clientid.encode("utf-8"), self._meta.handle)
             expires = session_expires_us(old)
             if expires is not None:
                 self._session_expiry.delete(batch, expires, clientid)
                 if expires <= now_us:  # it ended before this connect (not removed yet): a new session
                     self._delete_session_keys(batch, clientid)
         state = spb.ClientState(online=True, node=node, online_at_us=now_us, session_expiry_s=session_expiry_s)
-        batch.put(keys.client_key(clientid), state.SerializeToString(), self._storage.meta_handle)
-        batch.put(keys.node_clients_prefix(node) + clientid.encode("utf-8"), b"", self._storage.meta_handle)
+        batch.put(keys.client_key(clientid), state.SerializeToString(), self._meta.handle)
+        batch.put(keys.node_clients_prefix(node) + clientid.encode("utf-8"), b"", self._meta.handle)
         self._commit(batch, applied_index)
         state.clientid = clientid
         return state
@@ -140,7 +152,7 @@ class SessionState:
             self._commit(batch, applied_index)
             return None
         if old.online:
-            batch.delete(keys.node_clients_prefix(old.node) + clientid.encode("utf-8"), self._storage.meta_handle)
+            batch.delete(keys.node_clients_prefix(old.node) + clientid.encode("utf-8"), self._meta.handle)
             old.online = False
             old.offline_at_us = now_us
         else:
@@ -154,7 +166,7 @@ class SessionState:
         if expires is not None:
             self._session_expiry.put(batch, expires, clientid)
         old.ClearField("clientid")
-        batch.put(keys.client_key(clientid), old.SerializeToString(), self._storage.meta_handle)
+        batch.put(keys.client_key(clientid), old.SerializeToString(), self._meta.handle)
         self._commit(batch, applied_index)
         old.clientid = clientid
         return old
@@ -162,7 +174,7 @@ class SessionState:
     def subscribe(self, clientid: str, topic_filter: str, qos: int, *, applied_index: int | None = None) -> None:
         batch = WriteBatch(raw_mode=True)
         key = keys.subscriptions_prefix(clientid) + topic_filter.encode("utf-8")
-        batch.put(key, bytes((qos,)), self._storage.meta_handle)
+        batch.put(key, bytes((qos,)), self._meta.handle)
         self._commit(batch, applied_index)
 
     def unsubscribe(self, clientid: str, topic_filter: str, *, applied_index: int | None = None) -> bool:
@@ -170,7 +182,7 @@ class SessionState:
         existed = self._get(key) is not None
         batch = WriteBatch(raw_mode=True)
         if existed:
-            batch.delete(key, self._storage.meta_handle)
+            batch.delete(key, self._meta.handle)
         self._commit(batch, applied_index)
         return existed
 
@@ -181,7 +193,7 @@ class SessionState:
         (``x:``, by expiry time); the one of the message it replaces goes.
         """
         key = keys.retained_key(message.topic)
-        meta = self._storage.meta_handle
+        meta = self._meta.handle
         batch = WriteBatch(raw_mode=True)
         old = self._get(key)
         if old is not None:
@@ -196,7 +208,7 @@ class SessionState:
         stored.CopyFrom(message)
         stored.retain = True
         stored.timestamp_us = now_us
-        stored.shard = self._storage.shard
+        stored.shard = self._shard
         batch.put(key, stored.SerializeToString(), meta)
         expires = message_expires_us(stored)
         if expires is not None:
@@ -217,7 +229,7 @@ class SessionState:
         leader's ``now_us``, so every replica removes the same ones. Returns
         (retained messages, sessions) removed.
         """
-        meta = self._storage.meta_handle
+        meta = self._meta.handle
         batch = WriteBatch(raw_mode=True)
         retained = self._retained_expiry.due(now_us, max_count)
         for index_key, topic in retained:
@@ -231,7 +243,7 @@ class SessionState:
         deleted = batch.len()
         self._commit(batch, applied_index)
         if deleted:
-            self._storage.metadata_deleted(deleted)
+            self._deleted(deleted)
         return len(retained), len(sessions)
 
     def ack_pubsub(
@@ -244,7 +256,7 @@ class SessionState:
         if position.acked_us.get(shard, 0) < timestamp_us:
             position.acked_us[shard] = timestamp_us
             # Deterministic: map entries in key order, the same bytes everywhere.
-            batch.put(key, position.SerializeToString(deterministic=True), self._storage.meta_handle)
+            batch.put(key, position.SerializeToString(deterministic=True), self._meta.handle)
         self._commit(batch, applied_index)
 
     def ack_queue(self, timestamp_us: int, topic_filter: str, *, applied_index: int | None = None) -> None:
@@ -255,7 +267,7 @@ class SessionState:
         this replica's own state, the same on every replica at this log index.
         """
         batch = WriteBatch(raw_mode=True)
-        batch.put(keys.queue_ack_key(timestamp_us), b"", self._storage.meta_handle)
+        batch.put(keys.queue_ack_key(timestamp_us), b"", self._meta.handle)
         floor = self.queue_floor(topic_filter)
         if timestamp_us > floor:
             moved = floor
@@ -264,7 +276,7 @@ class SessionState:
                     break
                 moved = ts
             if moved != floor:
-                batch.put(keys.queue_floor_key(topic_filter), keys.u64(moved), self._storage.meta_handle)
+                batch.put(keys.queue_floor_key(topic_filter), keys.u64(moved), self._meta.handle)
         self._commit(batch, applied_index)
 
     def forget_position(self, clientid: str, topic_filter: str, *, applied_index: int | None = None) -> bool:
@@ -272,7 +284,7 @@ class SessionState:
         existed = self._get(key) is not None
         batch = WriteBatch(raw_mode=True)
         if existed:
-            batch.delete(key, self._storage.meta_handle)
+            batch.delete(key, self._meta.handle)
         self._commit(batch, applied_index)
         return existed
 
@@ -288,7 +300,7 @@ class SessionState:
             batch.put(
                 keys.position_key(clientid, topic_filter),
                 position.SerializeToString(deterministic=True),
-                self._storage.meta_handle,
+                self._meta.handle,
             )
         self._commit(batch, applied_index)
         return started, position
@@ -303,9 +315,9 @@ class SessionState:
     def _delete_session_keys(self, batch: WriteBatch, clientid: str) -> tuple[int, int]:
         counts = []
         for prefix in (keys.subscriptions_prefix(clientid), keys.positions_prefix(clientid)):
-            found = [key for key, _ in self._storage.meta_scan(prefix)]
+            found = [key for key, _ in self._meta.scan(prefix)]
             for key in found:
-                batch.delete(key, self._storage.meta_handle)
+                batch.delete(key, self._meta.handle)
             counts.append(len(found))
         return counts[0], counts[1]
 
@@ -321,11 +333,11 @@ class SessionState:
 
     def clients_on_node(self, node: str) -> list[str]:
         prefix = keys.node_clients_prefix(node)
-        return [key[len(prefix) :].decode("utf-8") for key, _ in self._storage.meta_scan(prefix)]
+        return [key[len(prefix) :].decode("utf-8") for key, _ in self._meta.scan(prefix)]
 
     def subscriptions(self, clientid: str) -> list[tuple[str, int]]:
         prefix = keys.subscriptions_prefix(clientid)
-        return [(key[len(prefix) :].decode("utf-8"), value[0]) for key, value in self._storage.meta_scan(prefix)]
+        return [(key[len(prefix) :].decode("utf-8"), value[0]) for key, value in self._meta.scan(prefix)]
 
     def retained(self, filter_levels: list[str], now_us: int) -> list[bytes]:
         """The retained messages (serialised ``mqds.v1.Message``) whose topics match, by topic.
@@ -344,7 +356,7 @@ class SessionState:
         start = len(keys.RETAINED_PREFIX)
         expired = self._expired_topics(now_us)
         out = []
-        for key, value in self._storage.meta_scan(prefix):
+        for key, value in self._meta.scan(prefix):
             topic = key[start:].decode("utf-8")
             if topic not in expired and matches_levels(filter_levels, topic.split("/")):
                 out.append(value)
@@ -462,7 +474,7 @@ class SessionState:
         return SharedScan(found, taken, cut)
 
     def _ordered(self, topic_filter: str, start_us: int) -> Iterator[tuple[int, bytes]]:
-        return ordered(self._storage, topic_filter, start_us)
+        return self._read_ordered(topic_filter, start_us)
 
 
 _parse: Callable[[bytes], pb.Message] = pb.Message.FromString

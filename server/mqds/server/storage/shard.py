@@ -17,13 +17,17 @@ and retention steps, inherited; ``deletes.py``, ``retention.py`` and
 ``compaction.py`` behind it), ``restore.py`` (a shard written from a
 backup, inherited; ``export.py`` reads one for a backup), ``reads.py``
 (streams and scans), ``wire.py`` (messages in protobuf wire form). The names they define
-that callers use are importable from here too.
+that callers use are importable from here too. Broker state (``sessions.py``)
+and share groups (``share_groups.py``) are parts it holds, with state of their
+own: each is handed the metadata family (``metadata.py``) and what else it
+needs of the shard, never the shard itself.
 
 See ``keys.py`` for the key layout and ``DESIGN.md`` for the why.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -42,6 +46,8 @@ from mqds.server.storage.dedup import DEDUP_PRUNE_PERIOD_US, DEDUP_WINDOW_US
 from mqds.server.storage.engine import Engine, EngineOptions, scan
 from mqds.server.storage.generations import Generation, GenerationInfo, Generations
 from mqds.server.storage.iterators import IteratorState
+from mqds.server.storage.metadata import MetadataFamily
+from mqds.server.storage.ordered import ordered
 from mqds.server.storage.reads import ReadResult, StreamRef
 from mqds.server.storage.restore import ShardRestore
 from mqds.server.storage.sessions import SessionState
@@ -128,10 +134,14 @@ class ShardStorage(ShardDeletes, ShardRestore, ShardFiles):
         self._meta_handle = self._db.get_column_family_handle("default")
         self.trie = self._load(lts_threshold_top, lts_threshold, existing)
         self._routes = writes.Routes(self.trie)
-        self.sessions = SessionState(self)
-        self.share_groups = ShareGroups(self)
-        """The members of the share groups kept in this shard (shared subscriptions)."""
+        self._metadata = MetadataFamily(self._db, self._meta_handle, self.write_meta)
+        """The metadata family as the parts below see it (``metadata.py``): written through ``write_meta``."""
+        self.sessions = SessionState(
+            self._metadata, shard, functools.partial(ordered, self), deleted=self.metadata_deleted
+        )
         """Client state, subscriptions, retained messages and read positions kept in this shard."""
+        self.share_groups = ShareGroups(self._metadata)
+        """The members of the share groups kept in this shard (shared subscriptions)."""
 
     @property
     def _gens(self) -> dict[int, Generation]:
@@ -210,6 +220,7 @@ class ShardStorage(ShardDeletes, ShardRestore, ShardFiles):
         with self._compact_lock, self._lock:
             self._generations.by_number.clear()
             self._meta_handle = None
+            self._metadata.close()
             db, self._db = self._db, None
             if db is not None:
                 db.close()

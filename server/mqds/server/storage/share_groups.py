@@ -11,14 +11,10 @@ lease has not ended at its ``now_us``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from rocksdict import WriteBatch
 
 from mqds.server.storage import keys
-
-if TYPE_CHECKING:
-    from mqds.server.storage.shard import ShardStorage
+from mqds.server.storage.metadata import MetadataFamily
 
 MAX_MEMBERS = 1024
 """Members one group may have; a join past it is refused (INVALID_REQUEST)."""
@@ -27,15 +23,15 @@ MAX_MEMBERS = 1024
 class ShareGroups:
     """The share groups kept in one shard (its metadata family)."""
 
-    def __init__(self, storage: ShardStorage) -> None:
-        self._storage = storage
+    def __init__(self, metadata: MetadataFamily) -> None:
+        self._meta = metadata
 
     def members(self, group: str, topic_filter: str, now_us: int) -> list[str]:
         """The members whose lease has not ended at ``now_us``, in name order."""
         prefix = keys.share_group_prefix(group, topic_filter)
         return sorted(
             key[len(prefix) :].decode("utf-8")
-            for key, value in self._storage.meta_scan(prefix)
+            for key, value in self._meta.scan(prefix)
             if keys.read_u64(value) > now_us
         )
 
@@ -43,33 +39,33 @@ class ShareGroups:
         self, group: str, topic_filter: str, member: str, lease_s: int, now_us: int, *, applied_index: int | None
     ) -> list[str] | None:
         """Add ``member`` (or renew it) until ``now_us + lease_s``; the live members, or None when the group is full."""
-        storage = self._storage
+        meta = self._meta
         prefix = keys.share_group_prefix(group, topic_filter)
         batch = WriteBatch(raw_mode=True)
         live = self._drop_ended(batch, prefix, now_us)
         if member not in live and len(live) >= MAX_MEMBERS:
-            storage.write_meta(WriteBatch(raw_mode=True), applied_index)
+            meta.write(WriteBatch(raw_mode=True), applied_index)
             return None
-        batch.put(prefix + member.encode("utf-8"), keys.u64(now_us + lease_s * 1_000_000), storage.meta_handle)
-        storage.write_meta(batch, applied_index)
+        batch.put(prefix + member.encode("utf-8"), keys.u64(now_us + lease_s * 1_000_000), meta.handle)
+        meta.write(batch, applied_index)
         return sorted({*live, member})
 
     def leave(self, group: str, topic_filter: str, member: str, now_us: int, *, applied_index: int | None) -> list[str]:
         """Remove ``member``; the live members left."""
-        storage = self._storage
+        meta = self._meta
         prefix = keys.share_group_prefix(group, topic_filter)
         batch = WriteBatch(raw_mode=True)
         live = self._drop_ended(batch, prefix, now_us)
-        batch.delete(prefix + member.encode("utf-8"), storage.meta_handle)
-        storage.write_meta(batch, applied_index)
+        batch.delete(prefix + member.encode("utf-8"), meta.handle)
+        meta.write(batch, applied_index)
         return sorted(m for m in live if m != member)
 
     def _drop_ended(self, batch: WriteBatch, prefix: bytes, now_us: int) -> list[str]:
         """Delete the members whose lease ended by ``now_us`` (into ``batch``); the others' names."""
         live = []
-        for key, value in self._storage.meta_scan(prefix):
+        for key, value in self._meta.scan(prefix):
             if keys.read_u64(value) > now_us:
                 live.append(key[len(prefix) :].decode("utf-8"))
             else:
-                batch.delete(key, self._storage.meta_handle)
+                batch.delete(key, self._meta.handle)
         return live
