@@ -17,6 +17,8 @@ help:
 	@echo "make demo            set up, start a local 3-node cluster, publish, kill a leader, replay, check, stop"
 	@echo "make test            set up, lint (ruff, mypy), check generated code, run the tests"
 	@echo "make test-fast       a quick check (under 2 minutes): ruff and the tests not marked integration, spark, chaos or slow"
+	@echo "make test-unit       the tests not marked integration, spark or chaos (no cluster processes), slow ones too"
+	@echo "make test-integration  the tests marked integration: real mqds-server processes on loopback"
 	@echo "make lint            ruff and mypy only"
 	@echo "make bench-storage   storage-layer benchmark: 1,000,000 messages vs raw rocksdict"
 	@echo "make bench-cluster   replicated writes: 3 nodes x 3 replicas vs 1 node, failover time"
@@ -86,9 +88,12 @@ test-fast: $(STAMP)
 	$(BIN)/ruff check $(SOURCES) tests proto
 	$(BIN)/python -m pytest -m "not integration and not spark and not chaos and not slow" -n 3 -q $(PYTEST_ARGS)
 
+# The tiers are markers, not folders: a package's folder under tests/ holds its unit and its integration
+# tests together (docs/development.md, "Layout"). Unit: no cluster processes, no Spark, slow ones included.
 test-unit: $(STAMP)
-	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not integration and not spark and not chaos" $(PYTEST_ARGS)
 
+# Real mqds-server processes on loopback (the marker integration), the Spark tests with a cluster included.
 test-integration: $(STAMP)
 	$(BIN)/python -m pytest -m integration $(PYTEST_ARGS)
 
@@ -105,7 +110,7 @@ chaos: $(STAMP)
 # deploy/ and k8s/: manifests validated offline, and their commands run as local processes.
 .PHONY: test-deploy image
 test-deploy: $(STAMP)
-	$(BIN)/python -m pytest tests/unit/test_manifests.py tests/integration/test_dockerfile.py tests/integration/test_deploy.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/deploy $(PYTEST_ARGS)
 
 image:
 	docker build -f deploy/Dockerfile -t mqds:0.1.0 .

@@ -119,7 +119,7 @@ def header_text(pool: Any, path: pathlib.Path, users: str, fields: dict[str, tup
         f" * {users}.",
         " * For each: its number (_FIELD), its wire type (_WIRE: 0 varint, 1 fixed64, 2 length-delimited,",
         " * 5 fixed32) and its tag (_TAG: number << 3 | wire type; one byte for each of these, as the C code",
-        " * writes it). tests/unit/test_wire_tags.py checks them against the descriptors.",
+        " * writes it). tests/repo/test_wire_tags.py checks them against the descriptors.",
         " */",
         f"#ifndef {guard}",
         f"#define {guard}",

@@ -10,6 +10,7 @@ import pytest
 from harness import ServerProcess
 
 from mqds.client import Client, ConnectionSettings
+from mqds.server.storage.shard import Engine, ShardStorage
 from mqds.tools import ports
 
 # Each parallel worker (pytest-xdist) picks local nodes' ports from a slice of the range of its own, so two
@@ -34,3 +35,20 @@ def server(tmp_path: Path) -> Iterator[ServerProcess]:
 def client(server: ServerProcess) -> Iterator[Client]:
     with Client([server.address], settings=ConnectionSettings(timeout_s=20, cluster_secret=SECRET)) as c:
         yield c
+
+
+# The storage tests' fixtures: one RocksDB engine per test module, a fresh shard per test.
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine()
+
+
+@pytest.fixture
+def shard(request: pytest.FixtureRequest, tmp_path: Path, engine: Engine) -> Iterator[ShardStorage]:
+    """A shard, initialised: number 0, or the test module's ``SHARD_NUMBER``."""
+    storage = ShardStorage(str(tmp_path / "shard"), getattr(request.module, "SHARD_NUMBER", 0), engine)
+    storage.initialize(1)
+    yield storage
+    storage.close()

@@ -40,10 +40,10 @@ import yaml
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from repo_paths import ROOT
 
 from mqds.tools.localproc import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S = ROOT / "k8s"
 COMPONENTS = K8S / "components"

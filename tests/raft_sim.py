@@ -43,7 +43,7 @@ properties are checked as it runs: at most one leader per group and term
 each index (:class:`Witness`); ``check_logs`` compares the committed
 prefixes of every replica's journal.
 
-Replaying a seed: ``MQDS_SIM_SEED=<seed> pytest tests/unit/test_raft_sim.py``
+Replaying a seed: ``MQDS_SIM_SEED=<seed> pytest tests/server/raft/test_raft_sim.py``
 runs every scenario (and the property test) with that seed only;
 ``MQDS_SIM_SEEDS=<n>`` runs the property test over ``n`` seeds.
 """
@@ -86,7 +86,7 @@ SEGMENT_BYTES = 1 << 30
 
 def replay_hint(seed: int) -> str:
     """The command that replays ``seed`` in the test running now (pytest names it), with its reordering if any."""
-    test = os.environ.get("PYTEST_CURRENT_TEST", "tests/unit/test_raft_sim.py").split(" ")[0]
+    test = os.environ.get("PYTEST_CURRENT_TEST", "tests/server/raft/test_raft_sim.py").split(" ")[0]
     reorder = os.environ.get("MQDS_SIM_REORDER")
     prefix = f"MQDS_SIM_REORDER={reorder} " if reorder else ""
     return f"replay: {prefix}MQDS_SIM_SEED={seed} pytest '{test}'"

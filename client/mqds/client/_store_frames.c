@@ -25,7 +25,7 @@
  * Every tag is written and read as the one byte it is, by the name wire_tags.h gives it (proto/generate.py
  * writes that header from the descriptors).
  *
- * tests/unit/test_store_frames.py checks each against protobuf and the Python encoder.
+ * tests/client/test_store_frames.py checks each against protobuf and the Python encoder.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -37,7 +37,7 @@
  * Fields are told by their tags, named in wire_tags.h (proto/generate.py writes it from the descriptors).
  *
  * The same values as parsing with protobuf and reading the fields
- * (tests/unit/test_wire_columns.py checks them against each other with hypothesis).
+ * (tests/client/test_wire_columns.py checks them against each other with hypothesis).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -68,7 +68,7 @@ class Client(AsyncBrokerStateCalls, AsyncStorageAdminCalls):
 
     The same methods, arguments, results and errors as
     :class:`mqds.client.Client`, as coroutines; ``replay`` and
-    ``replay_batches`` are async iterators (``tests/unit/test_client_parity.py``
+    ``replay_batches`` are async iterators (``tests/client/test_client_parity.py``
     keeps the two the same). Writes go to their shards' leaders concurrently,
     leader hints are followed, and retriable failures retried with the same
     backoff until the call's deadline; concurrent calls that need a fresh cluster map share

@@ -16,7 +16,7 @@ a Python object per message:
   goes to protobuf, as every answer does without the extension.
 
 Without the extension (no C compiler when the package was installed) the
-same functions check and encode in Python. ``tests/unit/test_store_frames.py``
+same functions check and encode in Python. ``tests/client/test_store_frames.py``
 checks both against protobuf.
 """
 

@@ -4,7 +4,7 @@
  * _store_frames.c (pipelined writes, their answers) and _wire_columns.c (Next answers as columns).
  * For each: its number (_FIELD), its wire type (_WIRE: 0 varint, 1 fixed64, 2 length-delimited,
  * 5 fixed32) and its tag (_TAG: number << 3 | wire type; one byte for each of these, as the C code
- * writes it). tests/unit/test_wire_tags.py checks them against the descriptors.
+ * writes it). tests/repo/test_wire_tags.py checks them against the descriptors.
  */
 #ifndef MQDS_CLIENT_WIRE_TAGS_H
 #define MQDS_CLIENT_WIRE_TAGS_H

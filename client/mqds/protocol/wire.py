@@ -4,7 +4,7 @@ A pipelined one-message write used to build a ``mqds.v1.Message`` object,
 copy it into a ``StoreBatchRequest`` and serialise that: three passes over
 every message. Encoding the message's fields straight to bytes once, when the
 call is queued, and joining those bytes into a batch's frame costs a third of
-that (``tests/unit/test_wire_encoding.py`` checks the bytes against
+that (``tests/protocol/test_wire_encoding.py`` checks the bytes against
 protobuf's own parser). The node's side of the same form is
 :mod:`mqds.server.wire`.
 """
@@ -40,7 +40,7 @@ def length_delimited(tag: bytes, body: bytes) -> bytes:
 # -- the client's hand-encoded tags ----------------------------------------------
 #
 # Every protobuf tag the client writes or reads by hand, named <message>_<field>_TAG: the field's number << 3 | its
-# wire type, as bytes. Other modules import these and write no tag bytes of their own; tests/unit/test_wire_tags.py
+# wire type, as bytes. Other modules import these and write no tag bytes of their own; tests/repo/test_wire_tags.py
 # checks each against the generated descriptors. The node's side is mqds.server.wire; the C parts' tags are
 # generated from the descriptors (wire_tags.h, by proto/generate.py).
 

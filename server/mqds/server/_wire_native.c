@@ -12,7 +12,7 @@
  * The tags of the fields this file reads or writes itself come from wire_tags.h, which proto/generate.py
  * writes from the descriptors.
  *
- * Exactly the bytes of the Python implementation (tests/unit/test_wire_native.py checks them
+ * Exactly the bytes of the Python implementation (tests/server/node/test_wire_native.py checks them
  * against each other). The copy runs without the GIL, over a tuple of the rows taken first: it
  * holds every row, rows are tuples and bytes never change, so nothing it reads can change or
  * be freed meanwhile, whatever other threads do to the list.

@@ -23,7 +23,7 @@ from mqds.v1 import storage_pb2 as pb
 # -- the node's hand-encoded tags ----------------------------------------------------
 #
 # Every protobuf tag the node writes or reads by hand, named <message>_<field>_TAG: the field's number << 3 | its
-# wire type, as bytes. Other modules import these and write no tag bytes of their own; tests/unit/test_wire_tags.py
+# wire type, as bytes. Other modules import these and write no tag bytes of their own; tests/repo/test_wire_tags.py
 # checks each against the generated descriptors. The client's side is mqds.protocol.wire; the C parts' tags are
 # generated from the descriptors (wire_tags.h, by proto/generate.py).
 

@@ -5,7 +5,7 @@ lets a call through only to a method :data:`HOOK_METHODS` marks handled or
 no-op. A method the table marks refused, or does not list at all (a newer
 ``exhook.proto`` adding one, a probe of another service), is answered
 UNIMPLEMENTED before anything of the request is read, so a method cannot
-ship served by accident. ``tests/unit/test_exhook_methods.py`` enumerates
+ship served by accident. ``tests/broker/test_exhook_methods.py`` enumerates
 the service's descriptor and fails when a method has no entry.
 """
 

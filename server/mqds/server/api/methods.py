@@ -7,7 +7,7 @@ belongs to; a method listed here is authenticated for its :class:`Role`,
 counted and bounded in its :class:`Lane`, and its request (each message of a
 stream too) is refused over its byte bound before it is parsed and over the
 field limits of :data:`FIELD_LIMITS` after, before a handler sees it.
-``tests/unit/test_methods.py`` enumerates the services the node serves from
+``tests/server/api/test_methods.py`` enumerates the services the node serves from
 their descriptors, and fails for a method without an entry here, or a
 repeated field of a request without a limit, so the next method cannot ship
 open. docs/security.md gives the same table for people.

@@ -66,7 +66,7 @@ class FieldBounds:
     @classmethod
     def of(cls, descriptor: pbd.Descriptor, limits: Mapping[str, Limit | Elsewhere], config: Any) -> FieldBounds | None:
         """The bounds of ``descriptor`` (None when nothing in it is counted). A repeated field without an entry
-        in ``limits`` is a KeyError: the table must name every one (``tests/unit/test_methods.py``)."""
+        in ``limits`` is a KeyError: the table must name every one (``tests/server/api/test_methods.py``)."""
         return _compile(descriptor, limits, config, {})
 
     def check(self, message: Any, where: str = "") -> None:

@@ -9,7 +9,7 @@ is checked in one file:
 
 - :data:`CHECKED_VERSION` is the pysyncobj release this file was read
   against; importing it with another one raises (:func:`check_version`), and
-  ``tests/unit/test_raft_adapter.py`` checks that every name listed below
+  ``tests/server/raft/test_raft_adapter.py`` checks that every name listed below
   (:data:`MANGLED_ATTRIBUTES`, :data:`MANGLED_METHODS`, ...) still exists on
   a fresh ``SyncObj``, with the same kind (a field, a method, a property),
   and that pyproject.toml pins the same release;

@@ -18,7 +18,7 @@
  *   list: b"" for one message, else version 1, the first position (u32 little-endian), every
  *   position (u32 little-endian each); positions count from the batch's first message.
  *
- * Exactly the calls of the Python implementation (tests/unit/test_store_native.py checks them
+ * Exactly the calls of the Python implementation (tests/server/storage/test_store_native.py checks them
  * against each other). It calls put, Python code, so it holds the GIL, reads the topics and
  * values from tuples it took first, and uses nothing of a route (borrowed from the dict) after
  * the put that follows its lookup: a put cannot change or free what it reads.

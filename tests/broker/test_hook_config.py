@@ -7,13 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from repo_paths import ROOT
 
 from mqds.broker import hooks, subscriptions
 from mqds.broker.actions import BrokerHooks, real_filter
 from mqds.broker.hooks import ACTIONS, HOOKS, HookConfigError, OfflineOpts, load_config, parse_config, parse_duration
 from mqds.client import aio
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "hooks"
+EXAMPLES = ROOT / "deploy" / "hooks"
 
 TOML = """
 node = "broker-1"

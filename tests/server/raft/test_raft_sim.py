@@ -7,7 +7,7 @@ its liveness at the end (bounded in simulated seconds). The same seed gives
 the same trace, event for event.
 
 Replay a failing seed (its message says which): ``MQDS_SIM_SEED=<seed>
-pytest tests/unit/test_raft_sim.py`` runs every test here with that seed;
+pytest tests/server/raft/test_raft_sim.py`` runs every test here with that seed;
 ``MQDS_SIM_SEEDS=<n>`` runs the property test over ``n`` seeds instead of 20, and
 ``MQDS_SIM_REORDER=<p>`` lets its messages overtake each other with chance ``p``.
 """
@@ -26,6 +26,7 @@ import pytest
 from pysyncobj import FAIL_REASON
 from raft_sim import SimFailure, Simulation, replay_hint
 from raft_support import make_group
+from repo_paths import TESTS
 
 from mqds.server.raft import journal as journal_mod
 from mqds.server.raft.group import RaftTiming
@@ -85,10 +86,9 @@ def test_a_seed_replays_the_same_trace_in_another_process(tmp_path: Path) -> Non
     """Another interpreter, with another string hash seed (set iteration orders differ): the same trace."""
     seed = _seed(7)
     here, _ = _basic(tmp_path / "here", seed)
-    tests = Path(__file__).resolve().parents[1]
     script = (
         "import sys; from pathlib import Path; "
-        f"sys.path[:0] = [{str(tests)!r}, {str(tests / 'unit')!r}]; "
+        f"sys.path[:0] = [{str(TESTS)!r}, {str(Path(__file__).resolve().parent)!r}]; "
         "import test_raft_sim as t; from mqds.server.raft import journal as j; "
         "j.os.fdatasync = j.os.fsync = lambda fd: None; "
         f"print(t._basic(Path({str(tmp_path / 'there')!r}), {seed})[0])"

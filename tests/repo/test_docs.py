@@ -8,11 +8,11 @@ import re
 from pathlib import Path
 
 import pytest
+from repo_paths import ROOT
 
 from mqds.protocol.errors import REASONS, Reason
 from mqds.server.config import NodeConfig
 
-ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 # The errors table lives with the client and the gRPC API; the settings table with running a node.
 ERRORS_PAGE = (ROOT / "docs" / "client.md").read_text()

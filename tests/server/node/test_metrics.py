@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from repo_paths import ROOT
 
 from mqds.client import Client, Message
 from mqds.protocol.errors import Reason, from_rpc_error
@@ -34,7 +35,6 @@ from mqds.v1 import storage_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "mqds-dashboard.json"
 N_SHARDS = 4
 

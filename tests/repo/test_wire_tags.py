@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
+from repo_paths import ROOT
 
 from mqds.protocol import wire as client_wire
 from mqds.server import wire as server_wire
@@ -26,8 +27,6 @@ from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
-
-ROOT = Path(__file__).resolve().parents[2]
 
 TAGS: dict[ModuleType, dict[str, tuple[Any, str]]] = {
     client_wire: {

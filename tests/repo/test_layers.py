@@ -17,8 +17,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from repo_paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("client", "cli", "broker", "spark", "server", "tools", "chaos", "bench")
 PACKAGES = {name: ROOT / name for name in SOURCES}
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.metadata
 import tomllib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pysyncobj.syncobj
@@ -19,10 +18,9 @@ import pysyncobj.version
 import pytest
 from pysyncobj import SyncObj, SyncObjConf
 from pysyncobj.transport import Transport
+from repo_paths import ROOT
 
 from mqds.server.raft import pysyncobj_adapter as adapter
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Ready(Transport):

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import pytest
 from harness import MQDS
+from repo_paths import ROOT
 
 from mqds.tools.localproc import LocalCluster, free_port, free_port_block
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = ROOT / "README.md"
 N_SHARDS = 4
 
 

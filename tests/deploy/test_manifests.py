@@ -2,7 +2,7 @@
 (kubernetes-validate), the kustomize build of the base, the dev overlay and the components (TLS,
 monitoring, broker, exhook), the contract between the StatefulSet, its Services and the image, the
 broker and exhook containers against the real command line, the compose file and the scripts.
-What they do when run is in tests/integration/test_deploy.py."""
+What they do when run is in tests/deploy/test_deploy.py."""
 
 from __future__ import annotations
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 from harness import ServerProcess
+from repo_paths import ROOT
 
 from mqds.cli import plugins
 
-ROOT = Path(__file__).resolve().parents[2]
 SERVER_ONLY = ("rocksdict", "pysyncobj", "prometheus", "grpcio-health-checking", "grpcio-reflection")
 
 pytestmark = pytest.mark.integration

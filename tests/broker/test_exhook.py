@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
+from repo_paths import ROOT
 from tls_certs import TestCA
 
 from mqds.broker.actions import BrokerHooks
@@ -39,7 +40,7 @@ from mqds.tools.localproc import LocalCluster, free_port
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MQDS = str(Path(sys.executable).with_name("mqds"))
-EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "hooks"
+EXAMPLES = ROOT / "deploy" / "hooks"
 N_SHARDS = 4
 CALL_TIMEOUT_S = 20
 

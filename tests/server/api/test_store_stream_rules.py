@@ -1,7 +1,7 @@
 """The rules of a StoreStream call, without a node: what ends the stream, and a failed shard's later batches.
 
 The node-level behaviour (statuses, flow control) is in
-``tests/integration/test_store_stream.py``; here the reader's decisions are
+``tests/server/api/test_store_stream.py``; here the reader's decisions are
 checked one frame at a time against a stand-in for the storage service.
 """
 

@@ -1,7 +1,7 @@
 """Every method of a live node, as the method table says: authenticated, counted and bounded.
 
 The methods come from the table the node applies (``mqds.server.api.methods``),
-which ``tests/unit/test_methods.py`` checks against the services' descriptors;
+which ``tests/server/api/test_methods.py`` checks against the services' descriptors;
 here each one is called on a real node with no token, a forged one, each
 role's and the cluster secret, and the defects the table's rules fixed are
 reproduced as an attacker did (issue 44's cases 1, 2, 3 and 11).

@@ -11,12 +11,12 @@ from __future__ import annotations
 import threading
 import time
 from concurrent import futures
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from repo_paths import ROOT
 
 from mqds.server.api.guard import ApiGuard, CallLimits
 from mqds.server.api.methods import FIELD_LIMITS, METHODS, SERVED, Elsewhere, Lane, Role, request_types
@@ -248,7 +248,7 @@ def test_streams_have_a_pool_and_a_bound_of_their_own() -> None:
 
 def test_docs_security_gives_each_methods_role_and_lane_as_the_table_does() -> None:
     """docs/security.md's table of methods says what the node's table says, row for row."""
-    text = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
+    text = (ROOT / "docs" / "security.md").read_text()
     rows = {}
     for line in text.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]

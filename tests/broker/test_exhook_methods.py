@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from repo_paths import ROOT
 from tls_certs import TestCA
 
 from mqds.broker.actions import BrokerHooks
@@ -25,7 +26,7 @@ from mqds.broker.exhook.v3 import exhook_pb2_grpc as pb_grpc
 from mqds.broker.hooks import load_config
 from mqds.client import aio
 
-RULES = Path(__file__).resolve().parents[2] / "deploy" / "hooks" / "redis-style.toml"
+RULES = ROOT / "deploy" / "hooks" / "redis-style.toml"
 
 
 def test_every_method_of_the_service_is_classified() -> None:
