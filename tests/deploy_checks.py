@@ -10,7 +10,7 @@ import urllib.request
 import paho.mqtt.client as mqtt
 
 from mqds.client import Client, ConnectionSettings
-from mqds.tools.localproc import wait_until
+from mqds.tools.waiting import wait_until
 
 READY = "mqds.v1.Storage"
 """The health service a node reports SERVING on once it serves reads and writes."""

@@ -42,7 +42,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from repo_paths import ROOT
 
-from mqds.tools.localproc import free_port
+from mqds.tools.ports import free_port
 
 DEPLOY = ROOT / "deploy"
 K8S = ROOT / "k8s"

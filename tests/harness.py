@@ -10,7 +10,10 @@ from pathlib import Path
 
 from mqds.client import Message
 from mqds.protocol.sharding import shard_of
-from mqds.tools.localproc import SERVER, LocalCluster, NodeProcess, free_port, free_port_block, wait_serving
+from mqds.tools.local_cluster import LocalCluster
+from mqds.tools.ports import free_port, free_port_block
+from mqds.tools.processes import SERVER, NodeProcess
+from mqds.tools.waiting import wait_serving
 
 ServerProcess = NodeProcess
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 from harness import MQDS
 
-from mqds.tools.localproc import free_port, wait_until
+from mqds.tools.ports import free_port
+from mqds.tools.waiting import wait_until
 
 
 class BrokerProcess:

@@ -21,7 +21,8 @@ from mqtt_support import BrokerProcess
 
 from mqds.client import Client
 from mqds.protocol.sharding import shard_of
-from mqds.tools.localproc import LocalCluster, wait_until
+from mqds.tools.local_cluster import LocalCluster
+from mqds.tools.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -20,7 +20,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 import mqds.broker.amqtt_plugin  # noqa: F401 - what mqds broker imports: it installs the protocol check
-from mqds.tools.localproc import free_port
+from mqds.tools.ports import free_port
 
 pytestmark = [pytest.mark.integration]
 

@@ -21,7 +21,8 @@ import pytest
 from harness import MQDS, cluster_up
 
 from mqds.client import Client
-from mqds.tools.localproc import free_port, wait_until
+from mqds.tools.ports import free_port
+from mqds.tools.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

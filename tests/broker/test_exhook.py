@@ -35,7 +35,8 @@ from mqds.broker.exhook.v3 import exhook_pb2 as pb
 from mqds.broker.exhook.v3 import exhook_pb2_grpc as pb_grpc
 from mqds.broker.hooks import load_config
 from mqds.client import Client, Message, aio
-from mqds.tools.localproc import LocalCluster, free_port
+from mqds.tools.local_cluster import LocalCluster
+from mqds.tools.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

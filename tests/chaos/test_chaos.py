@@ -23,7 +23,9 @@ from mqds.chaos import nemesis, runner
 from mqds.client import Client, Message
 from mqds.client import errors as E
 from mqds.protocol.sharding import shard_of
-from mqds.tools.localproc import LocalCluster, NodeProcess, wait_until
+from mqds.tools.local_cluster import LocalCluster
+from mqds.tools.processes import NodeProcess
+from mqds.tools.waiting import wait_until
 from mqds.v1 import cluster_pb2 as clpb
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

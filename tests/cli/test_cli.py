@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from mqds.tools.localproc import LocalCluster, free_port, free_port_block, wait_until
+from mqds.tools.local_cluster import LocalCluster
+from mqds.tools.ports import free_port, free_port_block
+from mqds.tools.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

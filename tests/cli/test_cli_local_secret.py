@@ -22,7 +22,8 @@ import pytest
 from harness import MQDS
 from repo_paths import ROOT
 
-from mqds.tools.localproc import LocalCluster, free_port, free_port_block
+from mqds.tools.local_cluster import LocalCluster
+from mqds.tools.ports import free_port, free_port_block
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

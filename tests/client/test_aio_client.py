@@ -21,7 +21,7 @@ from mqds.client import BackupError, BackupReport, Client, ConnectionSettings, M
 from mqds.client import errors as E
 from mqds.client.backup_files import Place, verify
 from mqds.protocol.sharding import shard_of
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,9 @@ import pytest
 
 from mqds.client import Client, Message, aio
 from mqds.client import errors as E
-from mqds.tools.localproc import LocalCluster, NodeProcess, free_port
+from mqds.tools.local_cluster import LocalCluster
+from mqds.tools.ports import free_port
+from mqds.tools.processes import NodeProcess
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ from mqds.client import Client, ConnectionSettings, aio
 from mqds.client import errors as E
 from mqds.client.aio import AsyncRouter
 from mqds.client.routing import Router
-from mqds.tools.localproc import NodeProcess, free_port
-from mqds.tools.processes import thread_states
+from mqds.tools.ports import free_port
+from mqds.tools.processes import NodeProcess, thread_states
 from mqds.v1 import storage_pb2 as pb
 
 pytestmark = pytest.mark.integration

@@ -33,7 +33,8 @@ from deploy_support import (
     write_auth_tokens,
 )
 
-from mqds.tools.localproc import free_port, wait_serving, wait_until
+from mqds.tools.ports import free_port
+from mqds.tools.waiting import wait_serving, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -595,7 +595,7 @@ def test_dockerfile_parser_and_build_context() -> None:
     # The chaos runner and the development tools (local clusters, demo, benchmarks): not in the image.
     for path in (
         "chaos/mqds/chaos/__init__.py",
-        "tools/mqds/tools/localproc.py",
+        "tools/mqds/tools/local_cluster.py",
         ".venv/bin/python",
         "tests/conftest.py",
         "server/mqds/__pycache__/x.pyc",

@@ -17,7 +17,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from mqds.spark import register
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 
 N_SHARDS = 4
 

@@ -19,7 +19,7 @@ from mqds.spark import arrow_schema, pin_snapshot
 from mqds.spark.batch import MqdsBatchReader
 from mqds.spark.options import parse_options
 from mqds.spark.plan import DataLossError
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 
 pytestmark = [pytest.mark.spark, pytest.mark.integration]
 

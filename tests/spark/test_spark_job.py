@@ -15,7 +15,7 @@ from mqds.cli import main
 from mqds.client import Client, Message
 from mqds.spark.options import format_time_us
 from mqds.spark.snapshot import Snapshot
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 
 pytestmark = [pytest.mark.spark, pytest.mark.integration]
 

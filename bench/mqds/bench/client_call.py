@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from mqds.client import Client, Message
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 
 
 def _cpu_s() -> float:

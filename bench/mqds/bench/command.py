@@ -27,7 +27,7 @@ from mqds.protocol.sharding import shard_of
 from mqds.tools import cluster_command
 
 if TYPE_CHECKING:
-    from mqds.tools.localproc import LocalCluster
+    from mqds.tools.local_cluster import LocalCluster
 
 DEFAULT_DURATION_S = 10.0
 

@@ -257,7 +257,7 @@ def run(opts: argparse.Namespace) -> int:
         )
     if opts.start_cluster and opts.data_dir:
         raise CommandError("give --start-cluster or --data-dir, not both", EXIT_USAGE)
-    from mqds.tools.localproc import free_port
+    from mqds.tools.ports import free_port
 
     def say(text: str) -> None:
         if not opts.json:

@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             endpoints = parse_endpoints(opts.endpoints)
         else:
             try:
-                from mqds.tools.localproc import LocalCluster
+                from mqds.tools.local_cluster import LocalCluster
             except ImportError:
                 parser.error("starting a local cluster needs the server package (mqds-server); or give --endpoints")
             base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mqds-spark-bench-")))

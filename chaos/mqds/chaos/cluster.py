@@ -8,7 +8,7 @@ unmounts them. With a :class:`~mqds.chaos.network.NetnsNetwork` each node runs u
 ``kill -9``/``SIGSTOP`` reach it) and listens on its namespace's address; with
 a :class:`~mqds.chaos.network.HookNetwork` the nodes are plain loopback
 processes. Everything else (kill, restart, wipe, add_node, digests) is
-:class:`mqds.tools.localproc.LocalCluster`.
+:class:`mqds.tools.local_cluster.LocalCluster`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from mqds.protocol.errors import MqdsError
 from mqds.server.raft.cluster_auth import NODE_HEADER, SECRET_HEADER
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
-from mqds.tools.localproc import LocalCluster, NodeProcess
+from mqds.tools.local_cluster import LocalCluster
+from mqds.tools.processes import NodeProcess
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 

@@ -24,7 +24,7 @@ from mqds.protocol.errors import Reason, from_rpc_error
 from mqds.server.api.guard import ApiGuard, CallLimits
 from mqds.server.api.methods import Lane
 from mqds.server.raft.cluster_auth import SECRET_HEADER, ClusterAuth
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 from mqds.v1 import storage_pb2 as pb

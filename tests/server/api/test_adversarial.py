@@ -43,7 +43,7 @@ from mqds.client import Client, ConnectionSettings, Message
 from mqds.protocol.sharding import shard_of
 from mqds.server.api.methods import METHODS, Role
 from mqds.server.raft.cluster_auth import NODE_HEADER, SECRET_HEADER
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

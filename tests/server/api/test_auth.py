@@ -19,7 +19,7 @@ from mqds.protocol.errors import Reason
 from mqds.server.api.guard import ApiGuard, CallLimits
 from mqds.server.auth import TokenFileError, load_tokens
 from mqds.server.raft.cluster_auth import ClusterAuth
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc
 

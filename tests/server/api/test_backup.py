@@ -33,7 +33,7 @@ from mqds.client.errors import UnavailableError
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.protocol.sharding import shard_of
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc

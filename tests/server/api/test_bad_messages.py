@@ -27,7 +27,7 @@ from mqds.client.pipeline import PipelineLimits
 from mqds.protocol.errors import Reason, from_rpc_error
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.wire import encode_message, length_delimited
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 from mqds.v1 import storage_pb2 as pb
 
 pytestmark = [pytest.mark.integration]

@@ -21,7 +21,8 @@ from mqds.cli import main
 from mqds.client import Client, ConnectionSettings, Message, aio
 from mqds.client.errors import InvalidArgumentError, MqdsError
 from mqds.protocol.sharding import shard_of
-from mqds.tools.localproc import LocalCluster, wait_until
+from mqds.tools.local_cluster import LocalCluster
+from mqds.tools.waiting import wait_until
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc
 

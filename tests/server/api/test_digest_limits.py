@@ -23,7 +23,8 @@ from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.protocol.sharding import shard_of
 from mqds.server.api.replica_digest import MAX_DIGESTS
-from mqds.tools.localproc import LocalCluster, wait_until
+from mqds.tools.local_cluster import LocalCluster
+from mqds.tools.waiting import wait_until
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 

@@ -21,7 +21,8 @@ import pytest
 from mqds.client import SESSION_NEVER_EXPIRES, Client, Message
 from mqds.client.errors import InvalidArgumentError
 from mqds.protocol.sharding import shard_of
-from mqds.tools.localproc import LocalCluster, wait_until
+from mqds.tools.local_cluster import LocalCluster
+from mqds.tools.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ import pytest
 
 from mqds.client import Client, Fence, Message, MessageBatch, Stream, aio
 from mqds.client.model import Iterator as StreamIterator
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc
 

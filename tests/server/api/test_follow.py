@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mqds.client import Client, FollowPosition, Message, Subscription, aio
 from mqds.client import errors as E
 from mqds.protocol.sharding import shard_of
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 from mqds.v1 import storage_pb2 as pb
 
 pytestmark = pytest.mark.integration

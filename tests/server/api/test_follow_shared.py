@@ -21,7 +21,7 @@ from hypothesis.strategies import SearchStrategy
 
 from mqds.client import Client, Message
 from mqds.protocol.sharding import shard_of
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 from mqds.v1 import storage_pb2 as pb
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from mqds.client import Client, Message
 from mqds.server.raft.cluster_auth import NODE_HEADER, SECRET_HEADER
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 from mqds.v1 import cluster_pb2, sessions_pb2, storage_pb2
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

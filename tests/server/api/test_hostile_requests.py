@@ -22,7 +22,7 @@ from mqds.protocol.errors import Reason, from_rpc_error
 from mqds.protocol.sharding import shard_of
 from mqds.server.raft.cluster_auth import SECRET_HEADER
 from mqds.server.storage import IteratorState
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
 

@@ -19,7 +19,7 @@ import pytest
 from mqds.client import Client, Message, MessageBatch, Stream, aio
 from mqds.spark.plan import Slice
 from mqds.spark.reading import _stream_batches
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc
 

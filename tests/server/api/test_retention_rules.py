@@ -17,7 +17,8 @@ from mqds.cli import main
 from mqds.client import Client, ConnectionSettings, Message
 from mqds.client.errors import InvalidArgumentError
 from mqds.protocol.sharding import shard_of
-from mqds.tools.localproc import LocalCluster, wait_until
+from mqds.tools.local_cluster import LocalCluster
+from mqds.tools.waiting import wait_until
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 

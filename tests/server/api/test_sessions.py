@@ -17,7 +17,7 @@ import pytest
 from mqds.client import Client, Message, aio
 from mqds.client import errors as E
 from mqds.protocol.sharding import shard_of
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import sessions_pb2_grpc as spb_grpc
 from mqds.v1 import storage_pb2 as pb

@@ -18,7 +18,7 @@ import pytest
 from mqds.client import Client, Message, SharedSubscription
 from mqds.client.errors import InvalidArgumentError
 from mqds.protocol.sharding import shard_of
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import sessions_pb2_grpc as spb_grpc
 

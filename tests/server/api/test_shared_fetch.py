@@ -26,7 +26,7 @@ from mqds.broker.hooks import HookConfig, parse_config
 from mqds.client import Client, Message, OfflineFetch, aio
 from mqds.protocol.limits import MAX_SESSIONS_PER_CALL
 from mqds.protocol.sharding import shard_of
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import sessions_pb2_grpc as spb_grpc
 

@@ -22,7 +22,7 @@ import pytest
 from mqds.client import Client, Message
 from mqds.protocol.errors import Reason, from_rpc_error
 from mqds.protocol.sharding import shard_of
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc
 

@@ -22,7 +22,9 @@ from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.cluster_auth import NODE_HEADER, SECRET_HEADER
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
-from mqds.tools.localproc import LocalCluster, free_port, wait_until
+from mqds.tools.local_cluster import LocalCluster
+from mqds.tools.ports import free_port
+from mqds.tools.waiting import wait_until
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc

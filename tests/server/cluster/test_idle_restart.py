@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from mqds.client import Client, Message
-from mqds.tools.localproc import LocalCluster
+from mqds.tools.local_cluster import LocalCluster
 
 pytestmark = [pytest.mark.integration]
 

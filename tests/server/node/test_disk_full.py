@@ -19,7 +19,7 @@ import pytest
 from mqds.chaos.faultfs import FaultFs, unavailable_reason
 from mqds.client import Client, Message
 from mqds.client.errors import MqdsError, UnavailableError
-from mqds.tools.localproc import NodeProcess
+from mqds.tools.processes import NodeProcess
 
 UNAVAILABLE = unavailable_reason()
 pytestmark = [

@@ -28,7 +28,8 @@ from mqds.client import Client, ConnectionSettings, Message
 from mqds.client.errors import DeadlineExceededError, UnavailableError
 from mqds.protocol.errors import Reason
 from mqds.protocol.sharding import shard_of
-from mqds.tools.localproc import NodeProcess, free_port
+from mqds.tools.ports import free_port
+from mqds.tools.processes import NodeProcess
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc
 

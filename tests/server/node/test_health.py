@@ -12,7 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from mqds.client import Message
-from mqds.tools.localproc import READY_SERVICE, LocalCluster, NodeProcess
+from mqds.tools.local_cluster import LocalCluster
+from mqds.tools.processes import NodeProcess
+from mqds.tools.waiting import READY_SERVICE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -29,7 +29,9 @@ from mqds.client import Client, Message
 from mqds.protocol.errors import Reason, from_rpc_error
 from mqds.protocol.sharding import shard_of
 from mqds.server.metrics import REQUEST_BUCKETS
-from mqds.tools.localproc import LocalCluster, NodeProcess, wait_until
+from mqds.tools.local_cluster import LocalCluster
+from mqds.tools.processes import NodeProcess
+from mqds.tools.waiting import wait_until
 from mqds.v1 import storage_pb2 as pb
 from mqds.v1 import storage_pb2_grpc as pb_grpc
 

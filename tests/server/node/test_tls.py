@@ -14,7 +14,8 @@ from tls_certs import Issued, TestCA
 
 from mqds.client import Client, ConnectionSettings, Message, aio
 from mqds.client import errors as E
-from mqds.tools.localproc import LocalCluster, NodeProcess
+from mqds.tools.local_cluster import LocalCluster
+from mqds.tools.processes import NodeProcess
 
 pytestmark = pytest.mark.integration
 

@@ -29,7 +29,9 @@ from mqds.server.raft.cluster_auth import NODE_HEADER, SECRET_HEADER
 from mqds.server.raft.tcp_listener import HANDSHAKE_TIMEOUT_S, MAX_HANDSHAKES
 from mqds.server.raft.v1 import raft_pb2 as rpb
 from mqds.server.raft.v1 import raft_pb2_grpc as rpb_grpc
-from mqds.tools.localproc import LocalCluster, NodeProcess, wait_until
+from mqds.tools.local_cluster import LocalCluster
+from mqds.tools.processes import NodeProcess
+from mqds.tools.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -1,8 +1,8 @@
 """Development tools around real ``mqds-server`` processes; not part of a node's runtime.
 
-:mod:`mqds.tools.localproc` gathers the local-process harness (the tests,
-the demo, the benchmarks, ``mqds cluster`` and :mod:`mqds.chaos` use it):
-:class:`~mqds.tools.local_cluster.LocalCluster` (N nodes on loopback forming
+The local-process harness (the tests, the demo, the benchmarks, ``mqds
+cluster`` and :mod:`mqds.chaos` use it), each name imported from the module
+that defines it: :class:`~mqds.tools.local_cluster.LocalCluster` (N nodes on loopback forming
 one cluster), :class:`~mqds.tools.processes.NodeProcess` (one node
 process), :mod:`mqds.tools.ports` (free loopback ports) and
 :mod:`mqds.tools.waiting` (bounded polling, readiness through the health
