@@ -8,7 +8,7 @@ import io
 
 import pytest
 
-from mqds.cli import build_parser, main
+from mqds.cli import build_parser, main, plugins
 from mqds.cli.console import ProgressLine, format_time_us, parse_time, table
 
 NOW_S = 1_750_000_000.0
@@ -49,6 +49,20 @@ def test_the_command_tree_has_every_command() -> None:
         "cluster start",
         "bench",
     }
+
+
+def _command_help(command: str | None) -> dict[str, str]:
+    """Each command's one-line help in ``mqds --help``, with only ``command``'s package loaded (None: all)."""
+    sub = next(a for a in build_parser(command)._actions if isinstance(a, argparse._SubParsersAction))
+    return {choice.dest: str(choice.help) for choice in sub._choices_actions}
+
+
+def test_the_other_packages_commands_are_listed_alike_loaded_or_not() -> None:
+    """``mqds.cli.plugins.KNOWN`` repeats each plugin command's one-line help, so ``mqds status`` can list them
+    without importing them: it must say what the command itself says."""
+    loaded = _command_help(None)
+    assert {name: loaded[name] for name in plugins.KNOWN} == {name: what for name, (_, what) in plugins.KNOWN.items()}
+    assert _command_help("status") == loaded
 
 
 def test_the_chaos_runner_is_not_an_mqds_command(capsys: pytest.CaptureFixture[str]) -> None:
