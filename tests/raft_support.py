@@ -95,7 +95,7 @@ def leader(tmp_path: Path) -> tuple[RaftGroup, Outbox]:
 
 def elect(group: RaftGroup) -> None:
     """Make a new replica, connected to n1, campaign at once and win by n1's vote (driven by hand)."""
-    group._quiet_until = 0.0
+    group._timers._quiet_until = 0.0
     group.raft.election_deadline = 0
     group._cycle()
     group.deliver("n1", {"type": "response_vote", "term": group.raft.term}, 0)

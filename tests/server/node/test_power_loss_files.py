@@ -50,8 +50,9 @@ def test_a_snapshot_manifest_received_from_the_leader_is_durable_once_read(tmp_p
         received = Serializer(str(path), 1 << 20, False, None, None, None)
         assert received.setTransmissionData((raw, True, True))
         # Then it loads it (mqds's deserializer), and drops the log entries the manifest covers.
-        replica = SimpleNamespace(machine=SimpleNamespace(applied_index=100), node_id="n1", name="shard 2")
-        last, prev, members = ManifestFiles._read_manifest(replica, str(path))  # type: ignore[arg-type]
+        machine = SimpleNamespace(applied_index=100)
+        manifests = ManifestFiles(2, "shard 2", "n1", str(group_dir), machine, lambda _: None)  # type: ignore[arg-type]
+        last, prev, members = manifests.read(str(path))
         assert (last[1], prev[1], [str(m.id) for m in members]) == (7, 6, ["n1", "n2", "n3"])
         fs.power_loss(torn=True, seed=3)
         assert path.read_bytes() == raw

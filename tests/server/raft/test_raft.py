@@ -126,14 +126,14 @@ def test_a_manifest_written_here_needs_no_snapshot_when_only_entries_without_eff
     manifest = tmp_path / "own"
     no_op = bytes([codec.COMMAND_NO_OP])
     manifest.write_bytes(encode_manifest(0, "n3", (no_op, 12, 3), (no_op, 11, 2), ["n1", "n2", "n3"], b""))
-    last, _, _ = group._read_manifest(str(manifest))
+    last, _, _ = group._manifests.read(str(manifest))
     assert last[1] == 12 and machine.applied_index == 12 and machine.skipped == [12]
     # One another replica sent, or a storage that holds nothing: the state must come from a snapshot.
     for source, applied in (("n1", 9), ("n3", 0)):
         machine.applied_index = applied
         manifest.write_bytes(encode_manifest(0, source, (no_op, 12, 3), (no_op, 11, 2), ["n1", "n2", "n3"], b""))
         with pytest.raises(AssertionError, match="not used"):
-            group._read_manifest(str(manifest))
+            group._manifests.read(str(manifest))
     group.stop()
 
 
@@ -202,7 +202,7 @@ def test_a_failing_disk_is_retried_not_skipped_and_the_group_reports_it_stalled(
 
     machine.apply = apply_unless_disk_fails  # type: ignore[method-assign]
     told: list[BaseException] = []
-    group.on_disk_failure = told.append  # the node's disk guard
+    group._applier.on_disk_failure = told.append  # the node's disk guard
     group.deliver(
         "n1",
         {
@@ -220,13 +220,13 @@ def test_a_failing_disk_is_retried_not_skipped_and_the_group_reports_it_stalled(
     assert [str(err) for err in told] == [
         "STORAGE_ERROR: write failed: IO error"
     ]  # told, and not recorded as the entry's failure
-    group._note_apply_progress()
+    group._applier.note_progress()
     assert group.raft.last_applied == 1 and machine.skipped == []
-    group._applied_moved_at -= 30  # thirty seconds later, still failing
-    group._note_apply_progress()
+    group._applier._applied_moved_at -= 30  # thirty seconds later, still failing
+    group._applier.note_progress()
     assert group.apply_stalled_s() >= 30
     failing = False
     group._cycle()
-    group._note_apply_progress()
+    group._applier.note_progress()
     assert machine.applied == [(2, b"a")] and group.apply_stalled_s() == 0
     group.stop()

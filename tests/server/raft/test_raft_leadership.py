@@ -78,8 +78,8 @@ def test_a_transfer_to_a_follower_that_never_catches_up_gives_up_and_writes_resu
     group, outbox, results = _transferring(tmp_path, "n2")
     assert results == []
     # Past the deadline (an election timeout).
-    node_id, callback, _ = group._transfer
-    group._transfer = (node_id, callback, 0.0)
+    node_id, callback, _ = group._transfer._pending
+    group._transfer._pending = (node_id, callback, 0.0)
     group._cycle()
     assert results == [FAIL_REASON.REQUEST_DENIED]
     assert not [m for _, _, m in outbox.sent if m["type"] == "timeout_now"]

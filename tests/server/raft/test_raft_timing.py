@@ -36,7 +36,7 @@ def test_a_follower_gives_a_leader_busy_with_a_large_entry_time_before_campaigni
     assert busy_s >= 1
     assert group.raft.election_deadline >= time.monotonic() + busy_s - 0.5 + timing.election_timeout_min_s
     # Once that time has passed, a silent leader is given up on as ever.
-    group._leader_busy_until = 0.0
+    group._timers._leader_busy_until = 0.0
     group.raft.election_deadline = 0
     group._cycle()
     assert group.raft.term == 2 and [m for _, _, m in outbox.sent if m["type"] == "request_vote"]
@@ -51,7 +51,7 @@ def test_a_leader_busy_with_a_large_entry_does_not_step_down_for_its_own_silence
     now = time.monotonic()
     for node in answered:
         answered[node] = now - 2.5
-    group._last_tick_at = now - 3.0
+    group._timers._last_tick_at = now - 3.0
     group._cycle()
     assert group.is_leader
     # A leader that did send, and heard nothing back for longer than the timeout, steps down.
@@ -73,7 +73,7 @@ def test_a_leader_gives_followers_time_to_take_in_a_large_entry_before_stepping_
     for node in answered:
         answered[node] = time.monotonic() - 1.5
         group._transport.send(node, {**entries, "entries": [(large, last + 1, term)]})
-    group._last_tick_at = time.monotonic()
+    group._timers._last_tick_at = time.monotonic()
     group._cycle()
     assert group.is_leader
     group.stop()
@@ -180,7 +180,7 @@ def test_a_replica_cut_off_from_every_peer_sleeps_instead_of_spinning(tmp_path: 
     group, _, _ = make_group(tmp_path, ["n1", "n2", "n3"], scheduler)
     scheduler.attach(group)
     assert scheduler.take_ready() == [group]  # a first cycle
-    group._quiet_until = 0.0
+    group._timers._quiet_until = 0.0
     group.raft.election_deadline = 0
     assert group.sleep_s() == 1.0
     group._cycle()

@@ -7,8 +7,8 @@ defaults (see DESIGN.md for why):
 - **One replicated entry point taking bytes.** ``propose(body)`` logs
   ``0x00 + body``; applying calls ``machine.apply(body, index)``. Nothing in
   the log is pickled: membership changes are ``0x02 + MembershipChange``
-  protobuf, decoded by us instead of by pysyncobj's unpickler (the hooks of
-  ``CommandApplier`` in ``machine.py``, which ``RaftCore`` calls).
+  protobuf, decoded by us instead of by pysyncobj's unpickler (the group's
+  ``CommandApplier``, ``machine.py``, behind the hooks ``RaftCore`` calls).
 - **Durable before anything leaves.** The group runs cycles: deliver
   the messages that arrived, tick pysyncobj, then ``journal.sync()``
   (fdatasync of new entries, term, vote) and only then hand the messages
@@ -27,9 +27,10 @@ defaults (see DESIGN.md for why):
 
 ``RaftGroup`` holds its Raft state machine, a ``RaftCore``
 (``pysyncobj_adapter.py``, the only code that knows pysyncobj's internals),
-and is assembled from parts, one concern per module (DESIGN.md, "Files");
-this one keeps the group's cycle, the inputs from other threads, and the
-state that other modules read.
+and parts with state of their own, one concern per module (DESIGN.md,
+"Files"), each given what it needs of the group when it is made; this one
+keeps the group's cycle, the inputs from other threads, and the state that
+other modules read.
 """
 
 from __future__ import annotations
@@ -90,13 +91,16 @@ class GroupScheduler(Protocol):
     def rearm(self, group: RaftGroup, failed: bool = False) -> None: ...
 
 
-class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, ManifestFiles):
+class RaftGroup:
     """A Raft group replicating ``machine``, with this node as one member.
 
     Its Raft state is ``self.raft``, a ``RaftCore``: the group ticks it,
     hands it what arrived, and is called back to apply entries
-    (``CommandApplier``), to write and read snapshots (``ManifestFiles``) and
-    when its role changes (``_state_changed``).
+    (``apply_entry``, ``parse_membership``: its ``CommandApplier``), to write
+    and read snapshots (its ``ManifestFiles``) and when its role changes
+    (``_state_changed``). Its other parts: the reads waiting for their read
+    index (``ReadIndex``), a leadership transfer in progress
+    (``LeadershipTransfer``), and the election timers (``ElectionTimers``).
     """
 
     def __init__(
@@ -123,11 +127,9 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         self.directory = directory
         self._outbox = outbox
         self._on_role_change = on_role_change
-        self.on_disk_failure = on_disk_failure
         self.admit = admit
         """Asked of every regular command before the leader logs it; raises ``MqdsError`` to refuse it (the
         node's admission control, ``diskusage.py``). Every proposal passes here, whoever makes it."""
-        self._init_reads()
         self.proposals = (
             batching.ProposalQueue(self.timing.max_entry_bytes) if hasattr(machine, "apply_batch") else None
         )
@@ -151,20 +153,13 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         self._retiring = False
         self.not_ready = False
         """Set by the node while it is not ready: the replica declines leadership transfers."""
-        self._init_transfer()
         # Counted for the metrics, each written by the group's thread only
         # (so plain ints, exact and free); read by scrapes from any thread.
-        self.snapshots_installed = 0
-        self.snapshot_install_seconds = 0.0
-        self.installing_snapshot = False
-        """True while a snapshot is being fetched and installed: the replica cannot serve (readiness)."""
         self.dropped_messages = 0
         self.overtaken_messages = 0
         """Append-entries dropped because a newer one from the same leader came first (``_overtaken``)."""
         self._last_sequence: dict[str, tuple[int, int]] = {}
         """Per leader: the (term, sequence) of the newest append-entries taken from it."""
-        self.apply_failures = 0
-        """Committed entries whose command could not be applied (recorded as failed on every replica)."""
         self.elections = 0
         """Elections this replica started (it became a candidate)."""
         self.leader_changes = 0
@@ -172,7 +167,6 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         self._seen_leader: str | None = None
         self._seen_term = -1
         self._idle_log = IdleLog(self.timing.idle_compaction_s)
-        self._init_apply_progress()
         self._role = ROLE_FOLLOWER
         make_dirs(directory)
         self.journal = journal
@@ -181,7 +175,11 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         if recorded is None:
             self.journal.set_members(initial)
         self._members_recorded = set(initial)
-        self._init_quiet(len(self.journal) > 0, joining)
+        had_journal = len(self.journal) > 0  # before pysyncobj logs its first no-op
+        self._manifests = ManifestFiles(
+            group, self.name, node_id, directory, machine, sync_directory_first=journal.sync_directory_first
+        )
+        """Snapshot manifests: pysyncobj's serializer and deserializer, and the snapshots installed here."""
         self._transport = GroupTransport(self)
         others = [m for m in initial if m != node_id]
         self.raft = RaftCore(
@@ -191,16 +189,26 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
             self,
             journal=self.journal,
             dump_file=os.path.join(directory, "snapshot"),
-            serializer=self._write_manifest,
-            deserializer=self._read_manifest,
+            serializer=self._manifests.write,
+            deserializer=self._manifests.read,
             max_entry_bytes=self.timing.max_entry_bytes,
             on_state_changed=self._state_changed,
             timers=syncobj_timers(self.timing),
         )
         """This group's Raft (pysyncobj's, through the adapter): ticked by the cycle, nothing else steps it."""
+        # Its parts, each given what it uses of the group (nothing calls them before the first cycle).
+        self._applier = CommandApplier(self.name, machine, self.raft, on_disk_failure)
+        """Applies committed entries (``RaftCore`` calls the group's ``apply_entry``), and tracks apply progress."""
+        self._reads = ReadIndex(group, self.name, self.raft, self.wake, self.not_leader_error)
+        """Linearizable reads waiting for their read index, and the heartbeat rounds they wait on."""
+        self._transfer = LeadershipTransfer(
+            self.name, self.raft, self.timing.election_timeout_max_s, self.not_leader_error
+        )
+        """A leadership transfer in progress, and the followers that decline leadership."""
+        # Alone in the group, nobody else can lead it: it campaigns at once.
+        self._timers = ElectionTimers(self.timing, self.raft, heard_leader=had_journal or not others, joining=joining)
+        """The group's sleep, and the election deadline of a replica that must not campaign."""
         if not others:
-            # Alone in the group: nobody else can lead it, so campaign at once.
-            self._heard_leader = True
             self.raft.election_deadline = 0
 
     # -- lifecycle -------------------------------------------------------------
@@ -226,7 +234,7 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         finally:
             if held and not ours:
                 self.cycle_lock.release()
-        self._fail_reads_stopping()
+        self._reads.fail_stopping()
         if self.proposals is not None:
             self.proposals.fail_all(FAIL_REASON.NOT_LEADER)
         self.raft.destroy()
@@ -284,7 +292,7 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
 
     def note_cycle(self) -> None:
         """A cycle ended (``cycles.py``): what is noted after each."""
-        self._note_apply_progress()
+        self._applier.note_progress()
 
     # -- who runs a cycle (``cycles.py``, ``scheduler.py``) ----------------------
 
@@ -345,7 +353,7 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         """Log a regular command (on the leader, if ``admit`` takes it); the returned proposal's ``wait`` gives
         the result of applying it."""
         proposal = Proposal(self.group)
-        self._check_accepting()
+        self._transfer.check_accepting()
         if self.admit is not None:
             self.admit(body)
         if self.proposals is not None:
@@ -355,10 +363,14 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         self.wake()
         return proposal
 
+    def begin_read(self) -> PendingRead:
+        """Start a linearizable read (``ReadIndex.begin``); its ``wait`` returns once it may be served here."""
+        return self._reads.begin()
+
     def change_membership(self, add: bool, node_id: str) -> Proposal:
         """Add or remove one member (Raft's single-server change)."""
         proposal = Proposal(self.group)
-        self._check_accepting()
+        self._transfer.check_accepting()
         kind = codec.rpb.MembershipChange.KIND_ADD if add else codec.rpb.MembershipChange.KIND_REMOVE
         self.raft.append(codec.encode_membership(kind, node_id), proposal.on_result, codec.COMMAND_MEMBERSHIP)
         self.wake()
@@ -458,6 +470,62 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
     def last_log_index(self) -> int:
         return self.raft.last_log_index
 
+    def sleep_s(self) -> float:
+        """How long nothing needs doing unless woken (``ElectionTimers.sleep_s``): the scheduler's timer."""
+        return self._timers.sleep_s()
+
+    def catch_up_lag(self) -> int:
+        """Entries committed that this replica has not applied yet (``CommandApplier.catch_up_lag``)."""
+        return self._applier.catch_up_lag()
+
+    def apply_stalled_s(self) -> float:
+        """How long committed entries have waited here while none was applied (``CommandApplier``)."""
+        return self._applier.apply_stalled_s()
+
+    @property
+    def apply_failures(self) -> int:
+        """Committed entries whose command could not be applied (recorded as failed on every replica)."""
+        return self._applier.apply_failures
+
+    @property
+    def installing_snapshot(self) -> bool:
+        """True while a snapshot is being fetched and installed: the replica cannot serve (readiness)."""
+        return self._manifests.installing
+
+    @property
+    def snapshots_installed(self) -> int:
+        return self._manifests.snapshots_installed
+
+    @property
+    def snapshot_install_seconds(self) -> float:
+        return self._manifests.snapshot_install_seconds
+
+    # -- what the group's transport reads (``outbox.Sender``) ---------------------
+
+    @property
+    def echo_round(self) -> int:
+        """The last read round this leader started, stamped on its append-entries (``ReadIndex``)."""
+        return self._reads.echo_round
+
+    @property
+    def last_echo_from(self) -> dict[str, int]:
+        """Per leader, the last read round it stamped on an append-entries: echoed in the answer (``ReadIndex``)."""
+        return self._reads.last_echo_from
+
+    def sent_entries(self, node_id: str, entry_bytes: int) -> None:
+        """A leader sent ``node_id`` entries of ``entry_bytes`` (``ElectionTimers.sent_entries``)."""
+        self._timers.sent_entries(node_id, entry_bytes)
+
+    # -- what ``RaftCore`` calls (``CoreHooks``) -----------------------------------
+
+    def apply_entry(self, command: bytes, index: int) -> Any:
+        """Apply committed entry ``index`` (``CommandApplier.apply_entry``): its result goes to its proposer."""
+        return self._applier.apply_entry(command, index)
+
+    def parse_membership(self, command: bytes) -> tuple[str, str] | None:
+        """Whether a command is a membership change (``CommandApplier.parse_membership``)."""
+        return self._applier.parse_membership(command)
+
     # -- the cycle ---------------------------------------------------------------
 
     def _cycle(self) -> None:
@@ -505,21 +573,20 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
             elif kind == _DISCONNECTED:
                 self.raft.node_disconnected(node_id)
             elif kind == _TRANSFER:
-                self._begin_transfer(node_id, payload)
-        self._hold_election()
-        self._excuse_own_silence()
+                self._transfer.begin(node_id, payload)
+        self._timers.hold_election(self._retiring)
+        self._timers.excuse_own_silence()
         if self.proposals:
             self._log_proposals()
         raft = self.raft
         raft.tick()
-        if self._transfer is not None:
-            self._advance_transfer()
+        self._transfer.advance()
         leader = raft.leader_id
         if leader is not None and (leader != self._seen_leader or raft.term != self._seen_term):
             if self._seen_leader is not None:
                 self.leader_changes += 1
             self._seen_leader, self._seen_term = leader, raft.term
-        self._serve_reads()
+        self._reads.serve()
         if self.journal.size_bytes > self.timing.log_max_bytes or self._idle_compaction_due():
             raft.compact()
         current = set(self.members)
@@ -564,7 +631,7 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
         raft = self.raft
         if raft.commit_index > raft.last_applied:
             raft.apply_committed()
-            self._serve_reads()  # reads that waited for this apply
+            self._reads.serve()  # reads that waited for this apply
             if self._transport.outbox or set(self.members) != self._members_recorded:
                 self.wake()  # the next cycle syncs and sends them
         if raft.is_leader and not raft.peers and raft.commit_index < raft.last_log_index:
@@ -619,7 +686,7 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
 
     def _receive(self, node_id: str, message: dict[str, Any], echo: int, sequence: int = 0) -> None:
         kind = message["type"]
-        if kind == "request_vote" and self._staying_quiet():
+        if kind == "request_vote" and self._timers.staying_quiet():
             return
         if kind == "timeout_now" and self.declines_leadership:
             self.dropped_messages += 1
@@ -628,22 +695,18 @@ class RaftGroup(ReadIndex, LeadershipTransfer, ElectionTimers, CommandApplier, M
             if self._overtaken(node_id, message, sequence):
                 self.overtaken_messages += 1
                 return
-            self._heard_leader = True
-            self.last_echo_from[node_id] = echo
+            self._timers.heard_from_leader()
+            self._reads.heard(node_id, echo)
             self._transport.answering_entries = carries_entries(message)
         elif kind == "next_node_idx":
-            if echo > self._acked_round.get(node_id, 0):
-                self._acked_round[node_id] = echo
-            if message.get("declines_leadership"):
-                self._declining.add(node_id)
-            else:
-                self._declining.discard(node_id)
+            self._reads.echoed(node_id, echo)
+            self._transfer.note_answer(node_id, bool(message.get("declines_leadership")))
         try:
             self.raft.receive(node_id, message)  # an acknowledgement never rewinds the follower's next index
         finally:
             self._transport.answering_entries = False
         if kind == "append_entries":
-            self._allow_for_leaders_work(node_id, codec.command_bytes(message))
+            self._timers.allow_for_leaders_work(node_id, codec.command_bytes(message))
 
     def _state_changed(self, old: int, new: int) -> None:
         self._role = new

@@ -1,8 +1,8 @@
 """The replicated state machine: its contract with a group, and how committed entries reach it.
 
 Like hashicorp/raft's ``fsm.go``: :class:`StateMachine` is all a group knows of
-what it replicates, and :class:`CommandApplier` (part of ``RaftGroup``)
-is what ``RaftCore`` calls to read and apply commands, so the log holds
+what it replicates, and :class:`CommandApplier` (held by ``RaftGroup``)
+is what ``RaftCore`` calls, through the group, to read and apply commands, so the log holds
 bytes, never pickles: ``0x00 + body`` goes to ``machine.apply``, ``0x02 +
 MembershipChange`` changes the members. Applying is made total here: an
 entry whose command fails the same way on every replica is recorded as
@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol, cast
 
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason
 from mqds.server.raft import batching, codec
 from mqds.server.raft.clock import now as raft_clock
-
-if TYPE_CHECKING:
-    from mqds.server.raft.pysyncobj_adapter import RaftCore
 
 log = logging.getLogger(__name__)
 
@@ -70,18 +67,44 @@ class StateMachine(Protocol):
         """
 
 
-class CommandApplier:
-    """Part of ``RaftGroup``: parsing and applying commands that are bytes, and how far apply trails the commits.
+class AppliedLog(Protocol):
+    """What the applier reads and asks of the group's Raft (``RaftCore`` meets it)."""
 
-    Its ``apply_entry`` and ``parse_membership`` are the hooks ``RaftCore`` calls (``CoreHooks``).
+    @property
+    def commit_index(self) -> int: ...
+
+    @property
+    def last_applied(self) -> int: ...
+
+    @property
+    def leader_commit_index(self) -> int: ...
+
+    def change_cluster(self, request: tuple[str, str]) -> None: ...
+
+
+class CommandApplier:
+    """A group's parsing and applying of commands that are bytes, and how far apply trails the commits.
+
+    Its ``apply_entry`` and ``parse_membership`` are what ``RaftCore`` calls
+    back (``CoreHooks``, through the group).
     """
 
-    name: str
-    raft: RaftCore
-    machine: StateMachine
-    apply_failures: int
-    on_disk_failure: Callable[[BaseException], None] | None
-    """Told of a failure of this replica's storage (its disk): the node fences its log and restarts from disk."""
+    def __init__(
+        self,
+        name: str,
+        machine: StateMachine,
+        raft: AppliedLog,
+        on_disk_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self._name = name
+        self._machine = machine
+        self._raft = raft
+        self.on_disk_failure = on_disk_failure
+        """Told of a failure of this replica's storage (its disk): the node fences its log and restarts from disk."""
+        self.apply_failures = 0
+        """Committed entries whose command could not be applied (recorded as failed on every replica)."""
+        self._applied_seen = 0
+        self._applied_moved_at = raft_clock()
 
     def _disk_failed(self, err: BaseException) -> None:
         # RocksDB refuses every write after one failed ("Writer has previous error"): retrying
@@ -89,21 +112,17 @@ class CommandApplier:
         if self.on_disk_failure is not None:
             self.on_disk_failure(err)
 
-    def _init_apply_progress(self) -> None:
-        self._applied_seen = 0
-        self._applied_moved_at = raft_clock()
-
     def catch_up_lag(self) -> int:
         """Entries committed (as far as this replica knows from its leader) that it has not applied yet.
 
         Cheaper than ``status()``: readiness asks it of every group several times a second.
         """
-        raft = self.raft
+        raft = self._raft
         return max(0, max(raft.leader_commit_index, raft.commit_index) - raft.last_applied)
 
-    def _note_apply_progress(self) -> None:
+    def note_progress(self) -> None:
         """After each cycle: remember when the applied index last moved, or had nothing to catch up."""
-        applied = self.raft.last_applied
+        applied = self._raft.last_applied
         if applied != self._applied_seen or self.catch_up_lag() == 0:
             self._applied_seen = applied
             self._applied_moved_at = raft_clock()
@@ -136,9 +155,9 @@ class CommandApplier:
         if kind == codec.COMMAND_MEMBERSHIP:
             # After a restart the journal is replayed: apply the change again
             # (a no-op when already in effect).
-            self.raft.change_cluster(codec.decode_membership(command[1:]))
-        if index > self.machine.applied_index:
-            self.machine.skip(index)
+            self._raft.change_cluster(codec.decode_membership(command[1:]))
+        if index > self._machine.applied_index:
+            self._machine.skip(index)
         return None
 
     def _apply_regular(self, body: bytes | memoryview, index: int, batch: bool = False) -> Any:
@@ -156,12 +175,14 @@ class CommandApplier:
         """
         try:
             if batch:
-                apply_batch = getattr(self.machine, "apply_batch", None)
+                apply_batch = getattr(self._machine, "apply_batch", None)
                 if apply_batch is None:
-                    raise errors.error(Reason.INTERNAL, f"{self.name}: a batch entry, but the machine takes no batches")
+                    raise errors.error(
+                        Reason.INTERNAL, f"{self._name}: a batch entry, but the machine takes no batches"
+                    )
                 result = apply_batch(batching.decode(body), index)
             else:
-                result = self.machine.apply(cast(bytes, body), index)  # a view only ever comes with batch
+                result = self._machine.apply(cast(bytes, body), index)  # a view only ever comes with batch
         except errors.MqdsError as err:
             if err.reason is Reason.STORAGE_ERROR:
                 self._disk_failed(err)
@@ -175,19 +196,19 @@ class CommandApplier:
         except Exception as err:  # any other failure is the entry's own
             failure = err
         else:
-            if index > self.machine.applied_index:
+            if index > self._machine.applied_index:
                 # A refusal the machine answered without writing (a reused
                 # sequence number, a generation already dropped): applied all the same.
-                self.machine.skip(index)
+                self._machine.skip(index)
             return result
-        log.error("%s: log entry %d could not be applied; recorded as failed", self.name, index, exc_info=failure)
+        log.error("%s: log entry %d could not be applied; recorded as failed", self._name, index, exc_info=failure)
         self.apply_failures += 1
-        if index > self.machine.applied_index:
-            self.machine.skip(index)
+        if index > self._machine.applied_index:
+            self._machine.skip(index)
         if isinstance(failure, errors.MqdsError):
             return failure
         return errors.error(
             Reason.INTERNAL,
-            f"{self.name}: log entry {index} could not be applied ({type(failure).__name__}); "
+            f"{self._name}: log entry {index} could not be applied ({type(failure).__name__}); "
             "every replica recorded it as failed and went on",
         )

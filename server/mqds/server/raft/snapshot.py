@@ -18,12 +18,13 @@ import logging
 import struct
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from mqds.server.durable import sync_file
 from mqds.server.raft import codec
-from mqds.server.raft.journal import RaftJournal, write_atomically
+from mqds.server.raft.journal import write_atomically
 from mqds.server.raft.machine import StateMachine
 from mqds.server.raft.names import PeerNode
 
@@ -108,30 +109,50 @@ def decode_manifest(raw: bytes) -> Manifest:
 
 
 class ManifestFiles:
-    """Part of ``RaftGroup``: pysyncobj's serializer (``_write_manifest``) and deserializer (``_read_manifest``)."""
+    """A group's snapshot manifests: pysyncobj's serializer (``write``) and deserializer (``read``), and the
+    snapshots installed here.
 
-    group: int
-    name: str
-    node_id: str
-    directory: str
-    machine: StateMachine
-    journal: RaftJournal
-    installing_snapshot: bool
-    snapshots_installed: int
-    snapshot_install_seconds: float
+    ``sync_directory_first`` is the group journal's: a manifest's rename must
+    be on disk before the log entries it covers are dropped.
+    """
 
-    def _write_manifest(self, tmp_file: str, data: tuple[Any, Any, Any]) -> None:
+    def __init__(
+        self,
+        group: int,
+        name: str,
+        node_id: str,
+        directory: str,
+        machine: StateMachine,
+        sync_directory_first: Callable[[str], None],
+    ) -> None:
+        self._group = group
+        self._name = name
+        self._node_id = node_id
+        self._directory = directory
+        self._machine = machine
+        self._sync_directory_first = sync_directory_first
+        # Counted for the metrics, each written by the group's thread only
+        # (so plain ints, exact and free); read by scrapes from any thread.
+        self.snapshots_installed = 0
+        self.snapshot_install_seconds = 0.0
+        self.installing = False
+        """True while a snapshot is being fetched and installed: the replica cannot serve (readiness)."""
+
+    def write(self, tmp_file: str, data: tuple[Any, Any, Any]) -> None:
+        """pysyncobj's serializer: the manifest of a compaction (``data``: the last two entries, the members)."""
         last, prev, cluster = data
-        payload = self.machine.snapshot()
+        payload = self._machine.snapshot()
         members = sorted(str(n.id) for n in cluster)
-        raw = encode_manifest(self.group, self.node_id, tuple(last), tuple(prev), members, payload)
+        raw = encode_manifest(self._group, self._node_id, tuple(last), tuple(prev), members, payload)
         write_atomically(tmp_file, raw)
         # pysyncobj renames it into place and then drops the entries it
         # covers: the rename must be on disk before that drop is.
-        self.journal.sync_directory_first(self.directory)
-        log.debug("%s: snapshot at index %d", self.name, last[1])
+        self._sync_directory_first(self._directory)
+        log.debug("%s: snapshot at index %d", self._name, last[1])
 
-    def _read_manifest(self, file_name: str) -> tuple[Any, Any, list[PeerNode]]:
+    def read(self, file_name: str) -> tuple[Any, Any, list[PeerNode]]:
+        """pysyncobj's deserializer: load a manifest (this replica's, or one its leader sent), installing the
+        machine's state it describes if it is ahead of the machine."""
         # A manifest received from the leader was written and renamed into place
         # by pysyncobj without an fsync, and pysyncobj drops the entries it covers
         # from the log once this returns: it must be on disk before that drop is.
@@ -139,8 +160,8 @@ class ManifestFiles:
         with open(file_name, "rb") as fh:
             manifest = decode_manifest(fh.read())
         index = manifest.last[1]
-        applied = self.machine.applied_index
-        if 0 < applied < index and manifest.source == self.node_id:
+        applied = self._machine.applied_index
+        if 0 < applied < index and manifest.source == self._node_id:
             # This replica wrote the manifest itself, by compacting entries it
             # had applied, after syncing the machine's storage: the storage
             # holds every effect up to ``index``. What lies between is entries
@@ -148,22 +169,22 @@ class ManifestFiles:
             # versions before ``skip`` did not record. Asking for a snapshot
             # here wedged idle shards on restart: every replica had the same
             # gap, so none could serve one.
-            log.info("%s: applied %d, manifest at %d written here: nothing to install", self.name, applied, index)
-            self.machine.skip(index)
+            log.info("%s: applied %d, manifest at %d written here: nothing to install", self._name, applied, index)
+            self._machine.skip(index)
         elif applied < index:
             log.info(
                 "%s: installing snapshot at index %d from %s (applied here: %d)",
-                self.name,
+                self._name,
                 index,
                 manifest.source,
-                self.machine.applied_index,
+                self._machine.applied_index,
             )
             started = time.monotonic()
-            self.installing_snapshot = True
+            self.installing = True
             try:
-                self.machine.install(manifest.payload, index, manifest.source, manifest.members)
+                self._machine.install(manifest.payload, index, manifest.source, manifest.members)
             finally:
-                self.installing_snapshot = False
+                self.installing = False
             self.snapshots_installed += 1
             self.snapshot_install_seconds += time.monotonic() - started
         # As nodes, not ids: pysyncobj drops this node from the list by comparing

@@ -4,20 +4,17 @@ pysyncobj keeps the deadlines (next heartbeat, election) and acts on them
 when ticked; it never sleeps itself (``autoTick=False``). The group's thread
 sleeps until the next deadline unless woken (:meth:`ElectionTimers.sleep_s`),
 and pushes the election deadline back while the replica must not campaign
-(:meth:`ElectionTimers._hold_election`): a retiring replica, or a new or
+(:meth:`ElectionTimers.hold_election`): a retiring replica, or a new or
 wiped one that has not heard a leader yet.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mqds.server.raft.clock import now as raft_clock
 from mqds.server.raft.names import PeerNode
-
-if TYPE_CHECKING:
-    from mqds.server.raft.pysyncobj_adapter import RaftCore
 
 
 @dataclass(frozen=True)
@@ -92,35 +89,69 @@ class IdleLog:
         return True
 
 
+class TimerRaft(Protocol):
+    """What the election timers read and move of the group's Raft (``RaftCore`` meets it)."""
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    @property
+    def leader_id(self) -> str | None: ...
+
+    @property
+    def election_deadline(self) -> float: ...
+
+    @election_deadline.setter
+    def election_deadline(self, at: float) -> None: ...
+
+    @property
+    def next_heartbeat_at(self) -> float: ...
+
+    @property
+    def last_response_times(self) -> dict[PeerNode, float]: ...
+
+    @property
+    def connected(self) -> set[PeerNode]: ...
+
+    @property
+    def peers(self) -> set[PeerNode]: ...
+
+
 class ElectionTimers:
-    """Part of ``RaftGroup``: the group's sleep, and the election deadline of a replica that must not campaign."""
+    """A group's sleep, and the election deadline of a replica that must not campaign.
 
-    timing: RaftTiming
-    raft: RaftCore
-    _retiring: bool
-    _heard_leader: bool
-    """Whether this replica heard from a leader (or had a journal when it started)."""
-    _quiet_until: float
-    """Until when a replica that has not heard a leader neither campaigns nor votes."""
-    _leader_busy_until: float = 0.0
-    """Until when the leader is taken to be busy with the entries it sent (``_allow_for_leaders_work``)."""
-    _last_tick_at: float = 0.0
-    """When the group last ticked (``_excuse_own_silence``)."""
+    ``heard_leader``: whether this replica heard from a leader (or had a
+    journal when it started, or is alone in its group); ``joining``: a replica
+    added to a group that has a leader, which waits for it however long.
+    """
 
-    def _init_quiet(self, has_journal: bool, joining: bool) -> None:
+    def __init__(self, timing: RaftTiming, raft: TimerRaft, heard_leader: bool, joining: bool) -> None:
+        self._timing = timing
+        self._raft = raft
         # A replica with an empty journal may be new in a group that has a
         # leader (a move, or a node whose disk was wiped): it stays quiet,
         # neither campaigning nor voting, until it hears from a leader. That
         # keeps it from disturbing the group with a higher term, and from
         # voting twice in a term it voted in before the wipe. A replica of a
         # new cluster gives up waiting after two election timeouts.
-        self._heard_leader = has_journal
-        self._quiet_until = float("inf") if joining else raft_clock() + 2 * self.timing.election_timeout_max_s
+        self._heard_leader = heard_leader
+        """Whether this replica heard from a leader (or had a journal when it started)."""
+        self._quiet_until = float("inf") if joining else raft_clock() + 2 * timing.election_timeout_max_s
+        """Until when a replica that has not heard a leader neither campaigns nor votes."""
+        self._leader_busy_until = 0.0
+        """Until when the leader is taken to be busy with the entries it sent (``allow_for_leaders_work``)."""
+        self._last_tick_at = 0.0
+        """When the group last ticked (``excuse_own_silence``)."""
 
-    def _staying_quiet(self) -> bool:
+    def heard_from_leader(self) -> None:
+        """An append-entries came from a leader: this replica may campaign and vote from now on."""
+        self._heard_leader = True
+
+    def staying_quiet(self) -> bool:
+        """Whether this replica neither campaigns nor votes yet (it has not heard a leader)."""
         return not self._heard_leader and raft_clock() < self._quiet_until
 
-    def _allow_for_leaders_work(self, leader: str, entry_bytes: int) -> None:
+    def allow_for_leaders_work(self, leader: str, entry_bytes: int) -> None:
         """After an append-entries from ``leader``: keep the election deadline past the leader's busy time.
 
         Entries of N bytes keep the leader busy for about N /
@@ -128,18 +159,18 @@ class ElectionTimers:
         pysyncobj's deadline, do not shorten that); the deadline is at least
         one minimum election timeout after it.
         """
-        raft = self.raft
+        raft = self._raft
         if raft.is_leader or raft.leader_id != leader:
             return
         now = raft_clock()
         if entry_bytes:
-            self._leader_busy_until = max(self._leader_busy_until, now + entry_bytes / self.timing.busy_bytes_per_s)
+            self._leader_busy_until = max(self._leader_busy_until, now + entry_bytes / self._timing.busy_bytes_per_s)
         if self._leader_busy_until > now:
-            deadline = self._leader_busy_until + self.timing.election_timeout_min_s
+            deadline = self._leader_busy_until + self._timing.election_timeout_min_s
             if deadline > raft.election_deadline:
                 raft.election_deadline = deadline
 
-    def _excuse_own_silence(self) -> None:
+    def excuse_own_silence(self) -> None:
         """Before a tick: a leader does not blame its followers for the time its own thread was busy.
 
         pysyncobj's leader steps down when a majority has not answered within
@@ -149,11 +180,11 @@ class ElectionTimers:
         added to each follower's last answer (never past now).
         """
         now = raft_clock()
-        gap = now - self._last_tick_at - self.timing.heartbeat_s
+        gap = now - self._last_tick_at - self._timing.heartbeat_s
         self._last_tick_at = now
-        if gap <= 0 or not self.raft.is_leader:
+        if gap <= 0 or not self._raft.is_leader:
             return
-        answered = self.raft.last_response_times
+        answered = self._raft.last_response_times
         for node, at in answered.items():
             answered[node] = max(at, min(at + gap, now))
 
@@ -167,25 +198,26 @@ class ElectionTimers:
         (a leader that keeps sending small ones to a follower that never
         answers must still step down).
         """
-        busy_s = entry_bytes / self.timing.busy_bytes_per_s
-        if busy_s < self.timing.heartbeat_s:
+        busy_s = entry_bytes / self._timing.busy_bytes_per_s
+        if busy_s < self._timing.heartbeat_s:
             return
-        answered = self.raft.last_response_times
+        answered = self._raft.last_response_times
         node = PeerNode(node_id)
         if node in answered:
             # Counted as an answer when its busy time is over (pysyncobj only compares it).
             answered[node] = max(answered[node], raft_clock() + busy_s)
 
-    def _hold_election(self) -> None:
-        """Before a tick: keep a replica that must not campaign from reaching its election deadline."""
-        if self._retiring or self._staying_quiet():
+    def hold_election(self, retiring: bool) -> None:
+        """Before a tick: keep a replica that must not campaign (``retiring``, or staying quiet) from reaching its
+        election deadline."""
+        if retiring or self.staying_quiet():
             # Not campaigning: a retiring replica, or a new one that has not heard a leader yet.
-            self.raft.election_deadline = raft_clock() + self.timing.election_timeout_max_s
+            self._raft.election_deadline = raft_clock() + self._timing.election_timeout_max_s
 
     def sleep_s(self) -> float:
         """How long nothing needs doing unless woken: until the next heartbeat or election deadline."""
         now = raft_clock()
-        raft = self.raft
+        raft = self._raft
         if raft.is_leader:
             due = raft.next_heartbeat_at
         else:
