@@ -1,8 +1,11 @@
 """A shard restored from a backup: records written as exported (``export.py``), then the views reloaded.
 
-A part of :class:`mqds.server.storage.shard.ShardStorage` (it inherits
-:class:`ShardRestore`). A restore is a state of the shard's replicated state
-machine: four kinds of logged command, applied alike by every replica
+The steps are methods of :class:`mqds.server.storage.shard.ShardStorage`
+(``restore_begin``, ``restore_records``, ``restore_finish``,
+``restore_abandon``), which owns the lock, the write path and the views
+they reload; the functions here check records and build what the steps
+write from the database they are given. A restore is a state of the
+shard's replicated state machine: four kinds of logged command, applied alike by every replica
 (``cluster/vnode.py``), move it in and out of restore mode, whose mark
 (``m:restoring``) is a key of the shard's database, so it survives restarts
 and leader changes and travels in snapshots:
@@ -36,17 +39,13 @@ replica's own and never written from a backup.
 from __future__ import annotations
 
 import struct
-import threading
 from collections.abc import Sequence
-from typing import Any
 
 from rocksdict import Rdict, WriteBatch
 
 from mqds.protocol import errors
-from mqds.protocol.errors import MqdsError, Reason
+from mqds.protocol.errors import Reason
 from mqds.server.storage import keys
-from mqds.server.storage.engine import Engine
-from mqds.server.storage.generations import GenerationInfo, Generations
 from mqds.v1 import storage_pb2 as pb
 
 DEFAULT_CF = "default"
@@ -198,167 +197,45 @@ def _first_key(cf: Rdict) -> bytes | None:
     return None
 
 
-class ShardRestore:
-    """Restore steps of one shard (``ShardStorage`` provides the attributes below)."""
+def generation_families(path: str) -> list[str]:
+    """Every generation family on disk, also those a restore that stopped half-way created before their
+    records were read (the shard's views know only the generations with records)."""
+    return sorted(name for name in Rdict.list_cf(path) if keys.parse_generation_cf(name) is not None)
 
-    shard: int
-    path: str
-    last_ts: int
-    restoring: bool
-    """A restore began (``begin``) and has not finished or been abandoned: the vnode refuses every other command."""
-    restored_ts: int
-    """While ``restoring``: the largest timestamp of the records written (``records_ts``), kept in the mark."""
-    _lock: threading.RLock
-    _engine: Engine
-    _db: Any
-    _meta_handle: Any
-    _generations: Generations
 
-    def _write(self, batch: WriteBatch, sync: bool, applied_index: int | None) -> None:
-        raise NotImplementedError
-
-    def reload(self) -> None:
-        raise NotImplementedError
-
-    def generations(self) -> list[GenerationInfo]:
-        raise NotImplementedError
-
-    def holds(self) -> str | None:
-        """What the shard holds that a restore would overwrite (messages, broker state), or None."""
-        with self._lock:
-            # Every generation family on disk, also those a restore that stopped half-way created before
-            # their records were read (the views know only the generations with records).
-            for name in self._generation_families():
-                cf = self._db.get_column_family(name)
-                try:
-                    if _first_key(cf) is not None:
-                        return f"messages in generation {keys.parse_generation_cf(name)}"
-                finally:
-                    del cf
-            for prefix, what in BROKER_STATE:
-                for key in self._db.keys(from_key=prefix):
-                    if key.startswith(prefix):
-                        return what
-                    break
-            return None
-
-    def _refused(self, refusal: MqdsError, applied_index: int | None) -> MqdsError:
-        """A step refused alike by every replica: it changes nothing but the applied index."""
-        if applied_index is not None:
-            self._write(WriteBatch(raw_mode=True), False, applied_index)
-        return refusal
-
-    def _not_restoring(self, step: str, applied_index: int | None) -> MqdsError:
-        return self._refused(
-            errors.error(
-                Reason.NOT_RESTORING,
-                f"shard {self.shard} is not being restored: ImportShard {step} comes after a begin put the "
-                "shard in restore mode (mqds restore begins, writes, then finishes or abandons every shard); "
-                "a restore that finished or was abandoned takes no more steps",
-            ),
-            applied_index,
-        )
-
-    def restore_begin(self, *, applied_index: int | None = None) -> MqdsError | None:
-        """Clear an empty shard and put it in restore mode; the refusal (SHARD_NOT_EMPTY) when it is not empty."""
-        with self._lock:
-            what = self.holds()
-            if what is not None:
-                under_way = (
-                    " written by a restore under way: finish it, or abandon it (mqds restore --abandon) and begin again"
-                    if self.restoring
-                    else ": a backup is restored into a new, empty cluster only"
-                )
-                return self._refused(
-                    errors.error(Reason.SHARD_NOT_EMPTY, f"shard {self.shard} holds {what}{under_way}"),
-                    applied_index,
-                )
-            self._clear(restoring=True, applied_index=applied_index)
-            return None
-
-    def _clear(self, *, restoring: bool, applied_index: int | None) -> None:
-        """Delete every key but ``_KEPT`` and every generation; the shard in restore mode or out of it."""
-        batch = WriteBatch(raw_mode=True)
-        for key in _all_keys(self._db):
-            if key not in _KEPT:
-                batch.delete(key, self._meta_handle)
-        if restoring:
-            batch.put(keys.META_RESTORING, b"", self._meta_handle)
-        names = self._generation_families()
-        self._generations.by_number.clear()
-        self._write(batch, True, applied_index)
-        for name in names:
-            self._db.drop_column_family(name)
-        self.reload()
-
-    def _generation_families(self) -> list[str]:
-        return sorted(name for name in Rdict.list_cf(self.path) if keys.parse_generation_cf(name) is not None)
-
-    def restore_records(
-        self,
-        column_family: str,
-        keys_: Sequence[bytes],
-        values: Sequence[bytes],
-        *,
-        applied_index: int | None = None,
-    ) -> int | MqdsError:
-        """Write records of one column family as they are (creating a generation's family); how many.
-
-        Outside restore mode the records are refused (NOT_RESTORING) and nothing is written.
-        """
-        with self._lock:
-            if not self.restoring:
-                return self._not_restoring("records", applied_index)
-            handle = self._meta_handle if column_family == DEFAULT_CF else self._family_handle(column_family)
-            batch = WriteBatch(raw_mode=True)
-            for key, value in zip(keys_, values, strict=True):
-                batch.put(key, value, handle)
-            latest = max(self.restored_ts, records_ts(column_family, keys_, values))
-            if latest > self.restored_ts:
-                batch.put(keys.META_RESTORING, keys.u64(latest), self._meta_handle)
-            self._write(batch, False, applied_index)
-            self.restored_ts = latest
-            return len(keys_)
-
-    def _family_handle(self, name: str) -> object:
-        db: Rdict = self._db
+def holds(db: Rdict, families: Sequence[str]) -> str | None:
+    """What a shard holds that a restore would overwrite (messages in ``families``, broker state), or None."""
+    for name in families:
+        cf = db.get_column_family(name)
         try:
-            return db.get_column_family_handle(name)
-        except Exception:  # not there yet: created, the same on every replica
-            created = db.create_column_family(name, self._engine.cf_options())
-            del created
-            return db.get_column_family_handle(name)
+            if _first_key(cf) is not None:
+                return f"messages in generation {keys.parse_generation_cf(name)}"
+        finally:
+            del cf
+    for prefix, what in BROKER_STATE:
+        for key in db.keys(from_key=prefix):
+            if key.startswith(prefix):
+                return what
+            break
+    return None
 
-    def restore_finish(self, last_ts: int, *, applied_index: int | None = None) -> list[GenerationInfo] | MqdsError:
-        """Set the last timestamp to the backup's fence, end restore mode and read the views again; the
-        generations restored. Refused (nothing changes) outside restore mode, and below the records' timestamps."""
-        with self._lock:
-            if not self.restoring:
-                return self._not_restoring("finish", applied_index)
-            if last_ts < self.restored_ts:
-                return self._refused(
-                    errors.error(
-                        Reason.INVALID_REQUEST,
-                        f"shard {self.shard}: last_ts {last_ts} is before timestamp {self.restored_ts} of the "
-                        "records written: finish with the backup's fence (its manifest's fence_us), or abandon "
-                        "the restore",
-                    ),
-                    applied_index,
-                )
-            batch = WriteBatch(raw_mode=True)
-            batch.put(keys.META_LAST_TS, keys.u64(last_ts), self._meta_handle)
-            batch.delete(keys.META_RESTORING, self._meta_handle)
-            self._write(batch, True, applied_index)
-            self.reload()
-            return self.generations()
 
-    def restore_abandon(self, *, applied_index: int | None = None) -> MqdsError | None:
-        """Clear what the restore wrote and end restore mode: the shard is empty and writable again.
+def clear_batch(db: Rdict, meta_handle: object, *, restoring: bool) -> WriteBatch:
+    """A batch deleting every metadata key but ``_KEPT``, and setting the restore mark (``restoring``) or not."""
+    batch = WriteBatch(raw_mode=True)
+    for key in _all_keys(db):
+        if key not in _KEPT:
+            batch.delete(key, meta_handle)
+    if restoring:
+        batch.put(keys.META_RESTORING, b"", meta_handle)
+    return batch
 
-        Refused (NOT_RESTORING, nothing changes) outside restore mode: a shard that holds data is never cleared.
-        """
-        with self._lock:
-            if not self.restoring:
-                return self._not_restoring("abandon", applied_index)
-            self._clear(restoring=False, applied_index=applied_index)
-            return None
+
+def family_handle(db: Rdict, name: str, cf_options: object) -> object:
+    """The handle of column family ``name``, created (the same on every replica) when it is not there yet."""
+    try:
+        return db.get_column_family_handle(name)
+    except Exception:  # not there yet: created, the same on every replica
+        created = db.create_column_family(name, cf_options)
+        del created
+        return db.get_column_family_handle(name)

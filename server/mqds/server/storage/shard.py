@@ -11,16 +11,19 @@ write batch, which also records the applied log index when one is given.
 delegates each concept to a module of its own: ``engine.py`` (RocksDB
 options shared by a node's shards), ``writes.py`` (a stored batch as one
 write batch), ``dedup.py`` (exactly-once storing), ``generations.py``
-(opening, adding and dropping generations), ``shard_files.py`` (the shard's size,
-WAL sync, checkpoints, flush and dump, inherited), ``shard_deletes.py`` (delete
-and retention steps, inherited; ``deletes.py``, ``retention.py`` and
-``compaction.py`` behind it), ``restore.py`` (a shard written from a
-backup, inherited; ``export.py`` reads one for a backup), ``reads.py``
-(streams and scans), ``wire.py`` (messages in protobuf wire form). The names they define
-that callers use are importable from here too. Broker state (``sessions.py``)
-and share groups (``share_groups.py``) are parts it holds, with state of their
-own: each is handed the metadata family (``metadata.py``) and what else it
-needs of the shard, never the shard itself.
+(opening, adding and dropping generations), ``deletes.py`` and
+``retention.py`` (what a delete or retention step deletes), ``restore.py``
+(checking and writing a backup's records; ``export.py`` reads one for a
+backup), ``reads.py`` (streams and scans), ``wire.py`` (messages in
+protobuf wire form). The names they define that callers use are
+importable from here too. The shard's files (size, WAL sync, checkpoints,
+flush, a consistent view) and the steps of deletes, retention and restores
+are methods here: they work on the shard's own lock, database, generations
+and write path. Broker state (``sessions.py``), share groups
+(``share_groups.py``) and the compactions the shard waits for
+(``compaction.py``) are parts it holds, with state of their own: each is
+handed what it needs (the metadata family, ``metadata.py``; callables of
+the shard), never the shard itself.
 
 See ``keys.py`` for the key layout and ``DESIGN.md`` for the why.
 """
@@ -31,17 +34,18 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from rocksdict import Rdict, WriteBatch
+from rocksdict import Checkpoint, Rdict, WriteBatch
 
 from mqds.protocol import errors
-from mqds.protocol.errors import Reason
+from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.durable import make_dirs
 from mqds.server.storage import dedup as dedups
-from mqds.server.storage import keys, reads, writes
-from mqds.server.storage.compaction import PendingRanges
+from mqds.server.storage import deletes, keys, reads, restore, retention, writes
+from mqds.server.storage.compaction import METADATA, ShardCompactions
 from mqds.server.storage.dedup import DEDUP_PRUNE_PERIOD_US, DEDUP_WINDOW_US
 from mqds.server.storage.engine import Engine, EngineOptions, scan
 from mqds.server.storage.generations import Generation, GenerationInfo, Generations
@@ -49,10 +53,7 @@ from mqds.server.storage.iterators import IteratorState
 from mqds.server.storage.metadata import MetadataFamily
 from mqds.server.storage.ordered import ordered
 from mqds.server.storage.reads import ReadResult, StreamRef
-from mqds.server.storage.restore import ShardRestore
 from mqds.server.storage.sessions import SessionState
-from mqds.server.storage.shard_deletes import ShardDeletes
-from mqds.server.storage.shard_files import ShardFiles, ShardSize
 from mqds.server.storage.share_groups import ShareGroups
 from mqds.server.storage.trie import TopicTrie
 from mqds.server.wire import (
@@ -78,6 +79,33 @@ class StorePart:
     encoded: Sequence[bytes] | None = None
 
 
+@dataclass(frozen=True)
+class ShardSize:
+    """A shard's size as RocksDB accounts it (SST files; memtables are not on disk yet)."""
+
+    generation_bytes: dict[int, int]
+    """SST bytes of each generation's column family, by generation number."""
+    metadata_bytes: int
+    """SST bytes of the metadata family (trie, generation records, dedup memory, broker state)."""
+    memtable_bytes: int
+    """Bytes in memtables, all families together: written, not flushed to SST files yet."""
+
+
+class ShardView:
+    """A shard's content at one applied index: each column family's (key, value) pairs, in order."""
+
+    def __init__(self, applied_index: int, families: list[tuple[str, Iterator[tuple[bytes, bytes]]]]) -> None:
+        self.applied_index = applied_index
+        """The last log index applied to what the view holds."""
+        self._families = families
+
+    def items(self) -> Iterator[tuple[str, bytes, bytes]]:
+        """Every (column family, key, value): the metadata family first, then each generation's, oldest first."""
+        for name, pairs in self._families:
+            for key, value in pairs:
+                yield name, key, value
+
+
 __all__ = [
     "DEDUP_PRUNE_PERIOD_US",
     "DEDUP_WINDOW_US",
@@ -98,7 +126,7 @@ __all__ = [
 ]
 
 
-class ShardStorage(ShardDeletes, ShardRestore, ShardFiles):
+class ShardStorage:
     """The storage of one shard: generations, streams, iterators."""
 
     def __init__(
@@ -120,10 +148,12 @@ class ShardStorage(ShardDeletes, ShardRestore, ShardFiles):
         self.part_mark: bytes | None = None
         """Set while one part of a multi-part log entry is applied (``begin_part``): its writes record it."""
         self._dedup_pruned = 0
-        self._compact_lock = threading.Lock()
-        self._pending_compactions = PendingRanges()
-        self._meta_deleted = 0
-        """Keys expiry deleted from the metadata family since it was last compacted (``metadata_deleted``)."""
+        self.restoring = False
+        """A restore began (``restore_begin``) and has not finished or been abandoned: the vnode refuses every
+        other command."""
+        self.restored_ts = 0
+        """While ``restoring``: the largest timestamp of the records written (``restore.records_ts``), kept in the
+        mark."""
         self.keys_read = 0
         """Keys read by ``next`` since the shard was opened (a cost measure)."""
 
@@ -132,6 +162,8 @@ class ShardStorage(ShardDeletes, ShardRestore, ShardFiles):
         cf_opts = {name: engine.cf_options() for name in existing if name != "default"}
         self._db = Rdict(path, engine.db_options(), column_families=cf_opts or None)
         self._meta_handle = self._db.get_column_family_handle("default")
+        self._compactions = ShardCompactions(shard, engine.compactions, self._compaction_family, self._metadata_keys)
+        """The compactions this shard waits for after deletes and expiry (``compaction.py``)."""
         self.trie = self._load(lts_threshold_top, lts_threshold, existing)
         self._routes = writes.Routes(self.trie)
         self._metadata = MetadataFamily(self._db, self._meta_handle, self.write_meta)
@@ -217,7 +249,7 @@ class ShardStorage(ShardDeletes, ShardRestore, ShardFiles):
 
         A compaction after a delete (``compaction.py``) runs to its end first.
         """
-        with self._compact_lock, self._lock:
+        with self._compactions.lock, self._lock:
             self._generations.by_number.clear()
             self._meta_handle = None
             self._metadata.close()
@@ -428,6 +460,209 @@ class ShardStorage(ShardDeletes, ShardRestore, ShardFiles):
         with self._lock:
             self._write(WriteBatch(raw_mode=True), False, applied_index)
 
+    # -- deletes and retention (``deletes.py``, ``retention.py``; ``compaction.py`` gives the disk back) -------
+
+    def delete_messages(
+        self,
+        spec: deletes.DeleteSpec,
+        cursor: deletes.Cursor | None,
+        max_keys: int,
+        *,
+        applied_index: int | None = None,
+    ) -> deletes.StepResult:
+        """One step of a delete (``deletes.py``): at most ``max_keys`` keys scanned, the matches deleted.
+
+        ``spec.until_us`` 0: up to what is stored now (the first step fixes
+        it; the result carries it for the next steps).
+        """
+        with self._lock:
+            if not spec.until_us:
+                spec = deletes.DeleteSpec(spec.topic_filter, spec.sender, spec.since_us, self.last_ts + 1)
+            batch = WriteBatch(raw_mode=True)
+            result = deletes.step(self.trie, self._generations.in_order(), spec, cursor, max_keys, batch)
+            self._count_changes(result, batch)
+            self._write(batch, False, applied_index)
+        self._compactions.soon(result.ranges)
+        return result
+
+    def apply_retention(
+        self,
+        policy: retention.Policy,
+        now_us: int,
+        after_us: int,
+        cursor: deletes.Cursor | None,
+        max_keys: int,
+        *,
+        applied_index: int | None = None,
+    ) -> deletes.StepResult:
+        """One step of a retention pass (``retention.py``): what the policy's periods ended by ``now_us``."""
+        with self._lock:
+            batch = WriteBatch(raw_mode=True)
+            gens = self._generations.in_order()
+            result = retention.step(self.trie, gens, policy, now_us, after_us, cursor, max_keys, batch)
+            self._count_changes(result, batch)
+            self._write(batch, False, applied_index)
+        self._compactions.soon(result.ranges)
+        return result
+
+    def retention_due(self, policy: retention.Policy, now_us: int, after_us: int) -> tuple[list[int], bool]:
+        """The closed generations the policy lets drop whole, and whether a pass may find messages to remove."""
+        with self._lock:
+            gens = self._generations.in_order()
+            drops = [g.number for g in gens if retention.droppable(g, self.trie, policy, now_us)]
+            kept = [g for g in gens if g.number not in drops]
+            return drops, retention.may_have_expired(kept, self.trie, policy, now_us, after_us)
+
+    def metadata_deleted(self, count: int) -> None:
+        """Expiry deleted ``count`` keys of the metadata family: compact it once they outweigh what it holds
+        (``ShardCompactions.metadata_deleted``). Called by the apply of an expiry step (one at a time), after its
+        write."""
+        self._compactions.metadata_deleted(count)
+
+    def _count_changes(self, result: deletes.StepResult, batch: WriteBatch) -> None:
+        """Count the step in each generation it removed keys of (``keys.changes_key``), in the step's write.
+
+        A backup copies a closed generation again only when its count moved
+        (``export.py``): closed generations take no new messages, but a delete
+        or a retention pass may remove some of theirs.
+        """
+        meta = self._db.get_column_family_handle("default")
+        for number in sorted({generation for generation, _, _ in result.ranges}):
+            key = keys.changes_key(number)
+            raw = self._db.get(key)
+            batch.put(key, keys.u64((keys.read_u64(raw) if raw is not None else 0) + 1), meta)
+
+    def _compaction_family(self, number: int) -> Rdict | None:
+        """For the compaction thread: the family to compact (``METADATA``: the database); None once dropped or
+        closed."""
+        with self._lock:
+            if self._db is None:
+                return None
+            if number == METADATA:
+                return self._db
+            gen = self._generations.by_number.get(number)
+            return None if gen is None else gen.cf
+
+    def _metadata_keys(self) -> int:
+        """RocksDB's estimate of the metadata family's keys."""
+        return int(self._db.property_int_value("rocksdb.estimate-num-keys") or 0)
+
+    # -- restore from a backup (``restore.py``) ----------------------------------------------------------
+
+    def holds(self) -> str | None:
+        """What the shard holds that a restore would overwrite (messages, broker state), or None."""
+        with self._lock:
+            return restore.holds(self._db, restore.generation_families(self.path))
+
+    def _refused(self, refusal: MqdsError, applied_index: int | None) -> MqdsError:
+        """A step refused alike by every replica: it changes nothing but the applied index."""
+        if applied_index is not None:
+            self._write(WriteBatch(raw_mode=True), False, applied_index)
+        return refusal
+
+    def _not_restoring(self, step: str, applied_index: int | None) -> MqdsError:
+        return self._refused(
+            errors.error(
+                Reason.NOT_RESTORING,
+                f"shard {self.shard} is not being restored: ImportShard {step} comes after a begin put the "
+                "shard in restore mode (mqds restore begins, writes, then finishes or abandons every shard); "
+                "a restore that finished or was abandoned takes no more steps",
+            ),
+            applied_index,
+        )
+
+    def restore_begin(self, *, applied_index: int | None = None) -> MqdsError | None:
+        """Clear an empty shard and put it in restore mode; the refusal (SHARD_NOT_EMPTY) when it is not empty."""
+        with self._lock:
+            what = self.holds()
+            if what is not None:
+                under_way = (
+                    " written by a restore under way: finish it, or abandon it (mqds restore --abandon) and begin again"
+                    if self.restoring
+                    else ": a backup is restored into a new, empty cluster only"
+                )
+                return self._refused(
+                    errors.error(Reason.SHARD_NOT_EMPTY, f"shard {self.shard} holds {what}{under_way}"),
+                    applied_index,
+                )
+            self._clear(restoring=True, applied_index=applied_index)
+            return None
+
+    def _clear(self, *, restoring: bool, applied_index: int | None) -> None:
+        """Delete every key but the shard's identity and Raft state, and every generation; the shard in restore
+        mode or out of it."""
+        batch = restore.clear_batch(self._db, self._meta_handle, restoring=restoring)
+        names = restore.generation_families(self.path)
+        self._generations.by_number.clear()
+        self._write(batch, True, applied_index)
+        for name in names:
+            self._db.drop_column_family(name)
+        self.reload()
+
+    def restore_records(
+        self,
+        column_family: str,
+        keys_: Sequence[bytes],
+        values: Sequence[bytes],
+        *,
+        applied_index: int | None = None,
+    ) -> int | MqdsError:
+        """Write records of one column family as they are (creating a generation's family); how many.
+
+        Outside restore mode the records are refused (NOT_RESTORING) and nothing is written.
+        """
+        with self._lock:
+            if not self.restoring:
+                return self._not_restoring("records", applied_index)
+            handle = (
+                self._meta_handle
+                if column_family == restore.DEFAULT_CF
+                else restore.family_handle(self._db, column_family, self._engine.cf_options())
+            )
+            batch = WriteBatch(raw_mode=True)
+            for key, value in zip(keys_, values, strict=True):
+                batch.put(key, value, handle)
+            latest = max(self.restored_ts, restore.records_ts(column_family, keys_, values))
+            if latest > self.restored_ts:
+                batch.put(keys.META_RESTORING, keys.u64(latest), self._meta_handle)
+            self._write(batch, False, applied_index)
+            self.restored_ts = latest
+            return len(keys_)
+
+    def restore_finish(self, last_ts: int, *, applied_index: int | None = None) -> list[GenerationInfo] | MqdsError:
+        """Set the last timestamp to the backup's fence, end restore mode and read the views again; the
+        generations restored. Refused (nothing changes) outside restore mode, and below the records' timestamps."""
+        with self._lock:
+            if not self.restoring:
+                return self._not_restoring("finish", applied_index)
+            if last_ts < self.restored_ts:
+                return self._refused(
+                    errors.error(
+                        Reason.INVALID_REQUEST,
+                        f"shard {self.shard}: last_ts {last_ts} is before timestamp {self.restored_ts} of the "
+                        "records written: finish with the backup's fence (its manifest's fence_us), or abandon "
+                        "the restore",
+                    ),
+                    applied_index,
+                )
+            batch = WriteBatch(raw_mode=True)
+            batch.put(keys.META_LAST_TS, keys.u64(last_ts), self._meta_handle)
+            batch.delete(keys.META_RESTORING, self._meta_handle)
+            self._write(batch, True, applied_index)
+            self.reload()
+            return self.generations()
+
+    def restore_abandon(self, *, applied_index: int | None = None) -> MqdsError | None:
+        """Clear what the restore wrote and end restore mode: the shard is empty and writable again.
+
+        Refused (NOT_RESTORING, nothing changes) outside restore mode: a shard that holds data is never cleared.
+        """
+        with self._lock:
+            if not self.restoring:
+                return self._not_restoring("abandon", applied_index)
+            self._clear(restoring=False, applied_index=applied_index)
+            return None
+
     # -- reads ---------------------------------------------------------------
 
     @property
@@ -516,3 +751,93 @@ class ShardStorage(ShardDeletes, ShardRestore, ShardFiles):
     def initialized(self) -> bool:
         """True once the shard has a generation (the first logged command creates it)."""
         return bool(self._generations.by_number)
+
+    # -- files (nothing here changes what the shard holds) -----------------------------------------------
+
+    def estimated_keys(self, number: int) -> int:
+        """RocksDB's estimate of the keys in a generation (messages and index entries); 0 if unknown."""
+        with self._lock:
+            gen = self._generations.by_number.get(number)
+            if gen is None:
+                return 0
+            try:
+                return int(gen.cf.property_int_value("rocksdb.estimate-num-keys") or 0)
+            except Exception:  # an estimate only
+                return 0
+
+    def disk_usage(self) -> ShardSize:
+        """The shard's size from RocksDB's properties: cheap (no file walk), for the metrics scrape."""
+
+        def prop(cf: Rdict, name: str) -> int:
+            try:
+                return int(cf.property_int_value(name) or 0)
+            except Exception:  # a figure for monitoring: unknown counts as 0
+                return 0
+
+        with self._lock:
+            if self._db is None:
+                return ShardSize({}, 0, 0)
+            by_number = self._generations.by_number
+            gens = {n: prop(g.cf, "rocksdb.total-sst-files-size") for n, g in sorted(by_number.items())}
+            memtables = prop(self._db, "rocksdb.cur-size-all-mem-tables") + sum(
+                prop(g.cf, "rocksdb.cur-size-all-mem-tables") for g in by_number.values()
+            )
+            return ShardSize(gens, prop(self._db, "rocksdb.total-sst-files-size"), memtables)
+
+    def sync_wal(self) -> None:
+        """fsync RocksDB's write-ahead log: everything applied so far survives a machine crash."""
+        with self._lock:
+            try:
+                self._db.flush_wal(True)
+            except Exception as err:
+                raise errors.error(Reason.STORAGE_ERROR, f"shard {self.shard}: WAL sync failed: {err}") from err
+
+    def checkpoint(self, path: str) -> int:
+        """Write a consistent copy of the shard to ``path`` (hard links where possible); its applied index."""
+        with self._lock:
+            try:
+                Checkpoint(self._db).create_checkpoint(path)
+            except Exception as err:
+                raise errors.error(Reason.STORAGE_ERROR, f"shard {self.shard}: checkpoint failed: {err}") from err
+            return self.applied_index
+
+    def flush(self, wait_s: float = 120) -> None:
+        """Flush every memtable to disk and wait (bounded) for background compactions."""
+        with self._lock:
+            cfs = [self._db] + [gen.cf for gen in self._generations.by_number.values()]
+            for cf in cfs:
+                cf.flush()
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            busy = sum(
+                self._db.property_int_value(name) or 0
+                for name in (
+                    "rocksdb.num-running-compactions",
+                    "rocksdb.num-running-flushes",
+                    "rocksdb.compaction-pending",
+                )
+            )
+            if not busy:
+                return
+            time.sleep(0.05)
+
+    def view(self) -> ShardView:
+        """The shard's whole content as it stood at one applied index, to read while it goes on changing.
+
+        A RocksDB iterator reads the database as it was when the iterator was
+        made (rocksdict's ``items()`` makes it at the call); each column
+        family's is made here under the lock every write takes, so no write
+        falls between them and they agree with ``applied_index``. The
+        database must stay open while the view is read: hold the replica's
+        reader guard (``VnodeReplica.reading``). A generation dropped
+        meanwhile stays readable through its iterator, and RocksDB keeps the
+        files the view reads until its iterators are gone: read it promptly.
+        """
+        with self._lock:
+            by_number = self._generations.by_number
+            cfs = [("default", self._db)] + [(keys.generation_cf(n), by_number[n].cf) for n in sorted(by_number)]
+            return ShardView(self.applied_index, [(name, cf.items()) for name, cf in cfs])
+
+    def dump(self) -> Iterator[tuple[str, bytes, bytes]]:
+        """Every (column family, key, value), in a stable order: the shard's whole content (one ``view``)."""
+        return self.view().items()
