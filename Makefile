@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # --disk journal: every node's data directory on a fault filesystem (root and FUSE), so the mix has the disk nemeses.
 CHAOS_ARGS ?= --duration 1800 --nodes 5 --nemesis mix --disk journal --report-json chaos-report.json
 
-.PHONY: help install fuse-libs lint test test-fast test-unit test-integration test-spark chaos proto bench-storage bench-cluster bench-peer bench-spark demo server cluster clean
+.PHONY: help install generate fuse-libs lint test test-fast test-unit test-integration test-spark chaos proto bench-storage bench-cluster bench-peer bench-spark demo server cluster clean
 
 help:
 	@echo "make demo            set up, start a local 3-node cluster, publish, kill a leader, replay, check, stop"
@@ -41,14 +41,19 @@ PACKAGES := ./client ./cli ./broker ./spark '.[dev]' ./tools ./chaos './bench[sp
 $(STAMP): pyproject.toml setup.py client/pyproject.toml client/setup.py cli/pyproject.toml broker/pyproject.toml \
          spark/pyproject.toml tools/pyproject.toml chaos/pyproject.toml bench/pyproject.toml \
          server/mqds/server/_wire_native.c \
-         server/mqds/server/storage/_store_native.c client/mqds/client/_wire_columns.c \
-         client/mqds/client/_store_frames.c | fuse-libs
+         server/mqds/server/storage/_store_native.c client/mqds/client/core/_wire_columns.c \
+         client/mqds/client/core/_store_frames.c | fuse-libs
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(addprefix -e ,$(PACKAGES))
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) generate
+
+# The synchronous client's API modules are generated from the asyncio client's (client/generate_sync.py;
+# git ignores them): written before anything runs, so an edit of client/mqds/client/aio/ takes effect.
+generate: $(STAMP)
+	@$(BIN)/python client/generate_sync.py
 
 # The chaos suite's fault filesystem (mqds.chaos.faultfs) needs libfuse 3 and fusermount3 from Debian's
 # fuse3 and libfuse3-3: installed here when missing and make runs as root with apt-get. Anywhere else this
@@ -68,7 +73,7 @@ fuse-libs:
 
 SOURCES := client cli broker spark server tools chaos bench
 
-lint: $(STAMP)
+lint: $(STAMP) generate
 	$(BIN)/ruff check $(SOURCES) tests proto
 	$(BIN)/ruff format --check $(SOURCES) tests proto
 	$(BIN)/mypy -p mqds.protocol -p mqds.client -p mqds.server -p mqds.cli -p mqds.broker -p mqds.chaos -p mqds.tools -p mqds.spark -p mqds.bench
@@ -84,32 +89,32 @@ test: lint
 
 # A quick check while working: ruff, and every test not marked integration, spark, chaos or slow (no
 # cluster processes), on three workers. make test runs all of them and more.
-test-fast: $(STAMP)
+test-fast: $(STAMP) generate
 	$(BIN)/ruff check $(SOURCES) tests proto
 	$(BIN)/python -m pytest -m "not integration and not spark and not chaos and not slow" -n 3 -q $(PYTEST_ARGS)
 
 # The tiers are markers, not folders: a package's folder under tests/ holds its unit and its integration
 # tests together (docs/development.md, "Layout"). Unit: no cluster processes, no Spark, slow ones included.
-test-unit: $(STAMP)
+test-unit: $(STAMP) generate
 	$(BIN)/python -m pytest -m "not integration and not spark and not chaos" $(PYTEST_ARGS)
 
 # Real mqds-server processes on loopback (the marker integration), the Spark tests with a cluster included.
-test-integration: $(STAMP)
+test-integration: $(STAMP) generate
 	$(BIN)/python -m pytest -m integration $(PYTEST_ARGS)
 
 # The Spark connector's tests alone (they are part of make test too): one
 # local[2] Spark session shared by all of them, one 3-node cluster.
-test-spark: $(STAMP)
+test-spark: $(STAMP) generate
 	$(BIN)/python -m pytest -m spark $(PYTEST_ARGS)
 
 # The long chaos run (python -m mqds.chaos --help for the options); run as root
 # for real network partitions. The short run is part of make test.
-chaos: $(STAMP)
+chaos: $(STAMP) generate
 	$(BIN)/python -m mqds.chaos $(CHAOS_ARGS)
 
 # deploy/ and k8s/: manifests validated offline, and their commands run as local processes.
 .PHONY: test-deploy image
-test-deploy: $(STAMP)
+test-deploy: $(STAMP) generate
 	$(BIN)/python -m pytest tests/deploy $(PYTEST_ARGS)
 
 image:
@@ -118,30 +123,30 @@ image:
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 
-bench-storage: $(STAMP)
+bench-storage: $(STAMP) generate
 	$(BIN)/python -m mqds.server.storage.bench
 
-bench-cluster: $(STAMP)
+bench-cluster: $(STAMP) generate
 	$(BIN)/python -m mqds.bench.cluster
 
 # The peer's scripts (jetstream_bench.py, setup.sh): the anchors directory; its setup.sh installs the peer once per
 # machine under $$ANCHORS. BENCH_PEER_ARGS="--duration 3 --peer-args '--n 30000 --n-sync 1000'" for a short sitting.
 PEER_ANCHORS ?= ../shared/anchors
 BENCH_PEER_ARGS ?=
-bench-peer: $(STAMP)
+bench-peer: $(STAMP) generate
 	$(BIN)/mqds bench --start-cluster --small-writes --peer-anchors $(PEER_ANCHORS) $(BENCH_PEER_ARGS)
 
-bench-spark: $(STAMP)
+bench-spark: $(STAMP) generate
 	$(BIN)/python -m mqds.bench.spark
 
-server: $(STAMP)
+server: $(STAMP) generate
 	$(BIN)/mqds-server --node-id n1 --listen 127.0.0.1:7101 --data-dir data/n1
 
 # Stop it with: .venv/bin/mqds cluster down --data-dir data/cluster
-cluster: $(STAMP)
+cluster: $(STAMP) generate
 	$(BIN)/mqds cluster up --data-dir data/cluster
 
-demo: $(STAMP)
+demo: $(STAMP) generate
 	$(BIN)/python -m mqds.tools.demo
 
 clean:

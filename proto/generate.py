@@ -44,7 +44,7 @@ def proto_files() -> list[pathlib.Path]:
 # The fields each side's C parts encode or parse by hand, by message: the header beside them names each one's
 # number, wire type and tag. A field the C code starts to use is added here (and the header written again).
 C_HEADERS: dict[pathlib.Path, tuple[str, dict[str, tuple[str, ...]]]] = {
-    CLIENT_DIR / "mqds" / "client" / "wire_tags.h": (
+    CLIENT_DIR / "mqds" / "client" / "core" / "wire_tags.h": (
         "_store_frames.c (pipelined writes, their answers) and _wire_columns.c (Next answers as columns)",
         {
             "mqds.v1.Message": ("topic", "payload", "sender", "qos", "retain", "properties", "timestamp_us"),

@@ -19,7 +19,7 @@ from harness import sender_on
 
 from mqds.client import BackupError, BackupReport, Client, ConnectionSettings, Message, RestoreReport, aio
 from mqds.client import errors as E
-from mqds.client.backup_files import Place, verify
+from mqds.client.core.backup_files import Place, verify
 from mqds.protocol.sharding import shard_of
 from mqds.tools.local_cluster import LocalCluster
 

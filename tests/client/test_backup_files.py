@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mqds.client.backup_files import (
+from mqds.client.core.backup_files import (
     MANIFEST,
     BackupError,
     FileEntry,

@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from mqds.client import Iterator as StreamIterator
 from mqds.client import Message, MessageBatch, NextResult, Stream
 from mqds.client.batch import wire_times
-from mqds.client.merge import runs
-from mqds.client.next_answer import next_result, parsed_next_result
-from mqds.client.replay import merged, merged_from, read_ahead
-from mqds.client.stream_reads import RankRead, rank_sources
+from mqds.client.core.merge import runs
+from mqds.client.core.next_answer import next_result, parsed_next_result
+from mqds.client.core.stream_reads import RankRead, ReadAhead
+from mqds.client.sync.reads import merged, merged_from, rank_sources
+from mqds.client.sync.replay import read_ahead
 from mqds.protocol.errors import GenerationDroppedError, Reason
 from mqds.v1 import storage_pb2 as pb
 
@@ -137,13 +138,15 @@ def test_read_ahead_hands_on_sources_in_order_whatever_finishes_first() -> None:
         time.sleep(0.2)
         yield from _source("a", 3)
 
-    got = list(read_ahead([slow, lambda: _source("b", 2), lambda: _source("c", 0), lambda: _source("d", 1)], 3, 2))
+    got = list(
+        read_ahead([slow, lambda: _source("b", 2), lambda: _source("c", 0), lambda: _source("d", 1)], ReadAhead(3, 2))
+    )
     assert got == ["a0", "a1", "a2", "b0", "b1", "d0"]
 
 
 def test_read_ahead_keeps_at_most_depth_items_per_source_and_ahead_sources_running() -> None:
     taken: dict[str, list[str]] = {name: [] for name in "abc"}
-    items = read_ahead([lambda n=name: _source(n, 100, taken[n]) for name in "abc"], 2, 3)
+    items = read_ahead([lambda n=name: _source(n, 100, taken[n]) for name in "abc"], ReadAhead(2, 3))
     assert next(items) == "a0"
     time.sleep(0.3)
     # a: the one taken, 3 queued and 1 waiting for room; b: 3 queued, 1 waiting; c not started.
@@ -157,7 +160,8 @@ def test_read_ahead_bounded_in_bytes_holds_what_fits_and_one_item_at_least() -> 
     taken: dict[str, list[str]] = {name: [] for name in "ab"}
     weights = {"a": 10, "b": 40}
     items = read_ahead(
-        [lambda n=name: _source(n, 100, taken[n]) for name in "ab"], 2, 50, max_bytes=25, weigh=lambda i: weights[i[0]]
+        [lambda n=name: _source(n, 100, taken[n]) for name in "ab"],
+        ReadAhead(2, 50, max_bytes=25, weigh=lambda i: weights[i[0]]),
     )
     assert next(items) == "a0"
     time.sleep(0.3)
@@ -193,7 +197,7 @@ def test_merged_batches_carry_their_share_of_the_answers_bytes() -> None:
 
 
 def test_a_source_error_comes_in_its_place_after_the_items_before_it() -> None:
-    items = read_ahead([lambda: _source("a", 2), lambda: _source("b", 5, fail_at=1)], 2, 2)
+    items = read_ahead([lambda: _source("a", 2), lambda: _source("b", 5, fail_at=1)], ReadAhead(2, 2))
     assert next(items) == "a0" and next(items) == "a1" and next(items) == "b0"
     with pytest.raises(RuntimeError, match="b failed at 1"):
         next(items)
@@ -211,12 +215,12 @@ def test_closing_a_read_ahead_stops_its_readers() -> None:
         finally:
             closed.set()
 
-    items = read_ahead([endless], 1, 2)
+    items = read_ahead([endless], ReadAhead(1, 2))
     assert next(items) == 1
     items.close()
     assert closed.wait(2), "the reader kept its source open after the replay was closed"
     with pytest.raises(ValueError, match="ahead and depth of 1 or more"):
-        next(read_ahead([endless], 0, 1))
+        next(read_ahead([endless], ReadAhead(0, 1)))
 
 
 def test_a_next_answer_comes_with_its_size_on_the_wire() -> None:

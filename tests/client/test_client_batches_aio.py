@@ -9,7 +9,9 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from mqds.client import MessageBatch
-from mqds.client.replay_aio import merged, read_ahead
+from mqds.client.aio.reads import merged
+from mqds.client.aio.replay import read_ahead
+from mqds.client.core.stream_reads import ReadAhead
 from mqds.v1 import storage_pb2 as pb
 
 
@@ -63,12 +65,14 @@ def test_read_ahead_hands_on_sources_in_order_and_errors_in_their_place() -> Non
             yield item
 
     sources: list[Callable[[], AsyncIterator[str]]] = [slow, lambda: _source("b", 2), lambda: _source("c", 0)]
-    assert asyncio.run(_all(read_ahead(sources, 3, 2))) == ["a0", "a1", "a2", "b0", "b1"]
+    assert asyncio.run(_all(read_ahead(sources, ReadAhead(3, 2)))) == ["a0", "a1", "a2", "b0", "b1"]
 
     async def failing() -> list[str]:
         got: list[str] = []
         with pytest.raises(RuntimeError, match="b failed at 1"):
-            async for item in read_ahead([lambda: _source("a", 2), lambda: _source("b", 5, fail_at=1)], 2, 2):
+            async for item in read_ahead(
+                [lambda: _source("a", 2), lambda: _source("b", 5, fail_at=1)], ReadAhead(2, 2)
+            ):
                 got.append(item)
         return got
 
@@ -79,7 +83,7 @@ def test_read_ahead_is_bounded_and_closing_it_cancels_its_tasks() -> None:
     taken: dict[str, list[str]] = {name: [] for name in "abc"}
 
     async def run() -> list[str]:
-        items = read_ahead([lambda n=name: _source(n, 100, taken[n]) for name in "abc"], 2, 3)
+        items = read_ahead([lambda n=name: _source(n, 100, taken[n]) for name in "abc"], ReadAhead(2, 3))
         assert await anext(items) == "a0"
         await asyncio.sleep(0.1)
         # a: the one taken, 3 queued, 1 waiting for room; b: 3 queued, 1 waiting; c not started.
@@ -95,11 +99,11 @@ def test_read_ahead_is_bounded_and_closing_it_cancels_its_tasks() -> None:
             finally:
                 done.append("closed")
 
-        reading = read_ahead([endless], 1, 2)
+        reading = read_ahead([endless], ReadAhead(1, 2))
         assert await anext(reading) == "e0"
         await reading.aclose()
         with pytest.raises(ValueError, match="ahead and depth of 1 or more"):
-            await anext(read_ahead([endless], 0, 1))
+            await anext(read_ahead([endless], ReadAhead(0, 1)))
         return done
 
     assert asyncio.run(run()) == ["closed"], "the task kept reading after the replay was closed"
@@ -112,10 +116,7 @@ def test_read_ahead_bounded_in_bytes_holds_what_fits_and_one_item_at_least() -> 
     async def run() -> list[str]:
         items = read_ahead(
             [lambda n=name: _source(n, 100, taken[n]) for name in "ab"],
-            2,
-            50,
-            max_bytes=25,
-            weigh=lambda item: weights[item[0]],
+            ReadAhead(2, 50, max_bytes=25, weigh=lambda item: weights[item[0]]),
         )
         assert await anext(items) == "a0"
         await asyncio.sleep(0.1)

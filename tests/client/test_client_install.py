@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -47,6 +48,14 @@ def _copy(name: str, tmp_path: Path) -> Path:
     return source
 
 
+def _generated_names() -> tuple[str, ...]:
+    """The modules client/generate_sync.py writes into mqds/client/sync/ (its GENERATED)."""
+    text = (ROOT / "client" / "generate_sync.py").read_text()
+    names = ast.literal_eval(text.split("GENERATED = ", 1)[1].split("\n", 1)[0])
+    assert names, "generate_sync.py names the modules it generates"
+    return tuple(names)
+
+
 def _pip(python: Path, *args: str) -> None:
     install = subprocess.run(
         [str(python), "-m", "pip", "install", "--quiet", *args], capture_output=True, text=True, timeout=600
@@ -59,7 +68,12 @@ def test_client_in_a_fresh_venv_talks_to_a_node(tmp_path: Path, server: ServerPr
     env_dir = tmp_path / "client-venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
-    _pip(python, str(_copy("client", tmp_path)))
+    source = _copy("client", tmp_path)
+    # As in a fresh clone: the synchronous client's generated modules are not there; the build writes them.
+    generated = [source / "mqds" / "client" / "sync" / name for name in _generated_names()]
+    for path in generated:
+        path.unlink(missing_ok=True)
+    _pip(python, str(source))
     pip_list = [str(python), "-m", "pip", "list", "--format", "freeze"]
     listed = {
         line.split("==")[0].lower() for line in subprocess.run(pip_list, capture_output=True, text=True).stdout.split()

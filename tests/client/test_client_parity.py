@@ -1,8 +1,9 @@
 """The synchronous and the asyncio client have the same API: the same methods, arguments and results.
 
-``mqds.client.Client`` and ``mqds.client.aio.Client`` are two drivers of one
-I/O-free core, and so are the objects they hand out (push subscriptions,
-share-group members, pipelined-call futures) and the routers under them.
+``mqds.client.Client`` is generated from ``mqds.client.aio.Client``
+(``client/generate_sync.py``), and so is the share-group member; the objects
+written by hand in each driver (push subscriptions, pipelined-call futures,
+the routers under the clients) are twins with the same names.
 Each pair of twins is compared with :mod:`inspect`: the same public names;
 for each, the same parameters (names, kinds, defaults, annotations) and the
 same result, where the asyncio side may say ``Awaitable[X]`` for ``X``,
@@ -30,20 +31,18 @@ from mqds.client import aio
 # (synchronous, asyncio): where each lives, as "module:Class".
 TWINS = [
     ("mqds.client:Client", "mqds.client.aio:Client"),
-    ("mqds.client.broker_state:BrokerStateCalls", "mqds.client.aio_broker_state:AsyncBrokerStateCalls"),
-    ("mqds.client.storage_admin:StorageAdminCalls", "mqds.client.aio_storage_admin:AsyncStorageAdminCalls"),
     ("mqds.client:Subscription", "mqds.client.aio:AsyncSubscription"),
     ("mqds.client:SharedSubscription", "mqds.client.aio:AsyncSharedSubscription"),
-    ("mqds.client.routing:Router", "mqds.client.aio:AsyncRouter"),
-    ("mqds.client.pipeline_handles:StoreFuture", "mqds.client.pipeline_handles:AsyncStoreFuture"),
+    ("mqds.client.sync.routing:Router", "mqds.client.aio:AsyncRouter"),
+    ("mqds.client.sync.handles:StoreFuture", "mqds.client.aio.handles:AsyncStoreFuture"),
 ]
 
 # The futures are a concurrent.futures.Future and an asyncio.Future: what those standard classes offer differs
 # by design (result(timeout) and a thread's wait, or await and the loop's callbacks), so only what the mqds
 # classes add to them is compared.
 STANDARD_BASES: dict[str, type] = {
-    "mqds.client.pipeline_handles:StoreFuture": futures.Future,
-    "mqds.client.pipeline_handles:AsyncStoreFuture": asyncio.Future,
+    "mqds.client.sync.handles:StoreFuture": futures.Future,
+    "mqds.client.aio.handles:AsyncStoreFuture": asyncio.Future,
 }
 
 # The protocols' methods, by the name each side gives them.
@@ -51,11 +50,13 @@ PROTOCOL_TWINS = {"__enter__": "__aenter__", "__exit__": "__aexit__", "__iter__"
 
 # Names only one side has, on purpose.
 ONE_SIDED = {
-    ("mqds.client.routing:Router", "submit"): "the thread pool the blocking router fans out on; asyncio makes tasks",
-    ("mqds.client.pipeline_handles:StoreFuture", "wait"): (
+    ("mqds.client.sync.routing:Router", "submit"): (
+        "the thread pool the blocking router fans out on; asyncio makes tasks"
+    ),
+    ("mqds.client.sync.handles:StoreFuture", "wait"): (
         "a thread blocks until the call is done, or a timeout; asyncio code awaits the future itself"
     ),
-    ("mqds.client.pipeline_handles:AsyncStoreFuture", "create"): (
+    ("mqds.client.aio.handles:AsyncStoreFuture", "create"): (
         "an asyncio.Future is made for its loop first, then given the call; StoreFuture's constructor does both"
     ),
 }
@@ -117,7 +118,7 @@ def spelling(annotation: Any, *, asyncio_side: bool) -> str:
     if asyncio_side:
         text = re.sub(r"\bAsync(?=[A-Z])", "", _unwrap(text, "Awaitable")).replace("grpc.aio.", "grpc.")
     else:
-        text = re.sub(r"\bAbcIterator\b", "Iterator", text)  # collections.abc's, named apart from model.Iterator
+        text = re.sub(r"\bSyncIterator\b", "Iterator", text)  # collections.abc's, named apart from model.Iterator
     return text
 
 

@@ -1,4 +1,4 @@
-"""The pipelined-write rules of mqds.client.pipeline, without a cluster: batches, window, acks, resends."""
+"""The pipelined-write rules of mqds.client.core.pipeline, without a cluster: batches, window, acks, resends."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 
 from mqds.client import Client, Message, aio
 from mqds.client import errors as E
-from mqds.client.operations import StoreBatch
-from mqds.client.pipeline import (
+from mqds.client.aio.handles import AsyncStoreFuture
+from mqds.client.core.operations import StoreBatch
+from mqds.client.core.pipeline import (
     Batch,
     PendingCall,
     Pipeline,
@@ -21,9 +22,9 @@ from mqds.client.pipeline import (
     check_message,
     check_messages,
 )
-from mqds.client.pipeline_handles import AsyncStoreFuture, StoreFuture
-from mqds.client.retry import Backoff
-from mqds.client.routing_table import RoutingTable
+from mqds.client.core.retry import Backoff
+from mqds.client.core.routing_table import RoutingTable
+from mqds.client.sync.handles import StoreFuture
 from mqds.protocol.sharding import shard_of
 from mqds.v1 import storage_pb2 as pb
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from mqds.client import ConnectionSettings
-from mqds.client.aio_routing import AsyncRouter
-from mqds.client.routing import Router
+from mqds.client.aio.routing import AsyncRouter
+from mqds.client.sync.routing import Router
 
 A, B = "127.0.0.1:1", "127.0.0.1:2"  # nothing listens: a stub is made without connecting
 

@@ -18,8 +18,8 @@ from tls_certs import TestCA
 from mqds.client import Client, ConnectionSettings, Message, aio
 from mqds.client import errors as E
 from mqds.client.connection import resolve_settings
-from mqds.client.retry import MIN_RETRY_S
-from mqds.client.routing import Backoff, Fanout, MapRefresh, MapWait, RoutingTable, ShardRetry
+from mqds.client.core.retry import MIN_RETRY_S
+from mqds.client.sync.routing import Backoff, Fanout, MapRefresh, MapWait, RoutingTable, ShardRetry
 from mqds.protocol import errors as perrors
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc

@@ -14,7 +14,7 @@ import pytest
 from mqds.client import Client, ConnectionSettings, aio
 from mqds.client import errors as E
 from mqds.client.aio import AsyncRouter
-from mqds.client.routing import Router
+from mqds.client.sync.routing import Router
 from mqds.tools.ports import free_port
 from mqds.tools.processes import NodeProcess, thread_states
 from mqds.v1 import storage_pb2 as pb

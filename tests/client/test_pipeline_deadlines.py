@@ -23,7 +23,7 @@ from harness import replayed, sender_on
 
 from mqds.client import Client, Message, aio
 from mqds.client import errors as E
-from mqds.client.pipeline import PipelineLimits
+from mqds.client.core.pipeline import PipelineLimits
 from mqds.tools.local_cluster import LocalCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""Pipelined writes' wire work in C (mqds.client._store_frames) against the Python encoder, the rules and protobuf."""
+"""Pipelined writes' wire work in C (mqds.client.core._store_frames) against the Python encoder, rules and protobuf."""
 
 from __future__ import annotations
 
@@ -6,14 +6,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mqds.client import Message, store_frames
+from mqds.client import Message
 from mqds.client import errors as E
+from mqds.client.core import store_frames
 from mqds.protocol import messages as rules
 from mqds.protocol.wire import encode_message, store_stream_frame
 from mqds.v1 import storage_pb2 as pb
 
 native = store_frames.native
-needs_native = pytest.mark.skipif(native is None, reason="the C extension mqds.client._store_frames is not built")
+needs_native = pytest.mark.skipif(native is None, reason="the C extension mqds.client.core._store_frames is not built")
 
 texts = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
 # Topics and senders as callers write them, and the ones the rules refuse: empty, a wildcard, NUL, a surrogate.

@@ -1,4 +1,4 @@
-"""Next answers read in C (mqds.client._wire_columns) against protobuf reading the same bytes.
+"""Next answers read in C (mqds.client.core._wire_columns) against protobuf reading the same bytes.
 
 ``envelope`` and ``columns`` read a serialized ``NextResponse`` without
 protobuf; hypothesis makes answers of any messages (unicode, empty fields,
@@ -22,15 +22,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mqds.client import Message
-from mqds.client import wire_columns as wc
-from mqds.client.next_answer import next_result, parsed_next_result
+from mqds.client.core import wire_columns as wc
+from mqds.client.core.next_answer import next_result, parsed_next_result
 from mqds.protocol.wire import varint
 from mqds.v1 import storage_pb2 as pb
 
 
 def test_make_install_builds_the_c_extension() -> None:
     """The fast read path is what the tests and benchmarks measure: it must be there, not the fallback."""
-    assert wc.native is not None, "mqds.client._wire_columns is not built (make install builds it)"
+    assert wc.native is not None, "mqds.client.core._wire_columns is not built (make install builds it)"
 
 
 _text = st.text(st.characters(codec="utf-8"), max_size=10)

@@ -62,7 +62,7 @@ from tls_certs import Issued, TestCA
 from mqds.broker.exhook.v3 import exhook_pb2 as expb
 from mqds.broker.exhook.v3 import exhook_pb2_grpc as expb_grpc
 from mqds.client import Client, ConnectionSettings, Message
-from mqds.client.backup_files import Place, verify
+from mqds.client.core.backup_files import Place, verify
 from mqds.tools.waiting import wait_serving, wait_until
 from mqds.v1 import cluster_pb2 as clpb
 from mqds.v1 import cluster_pb2_grpc as clpb_grpc

@@ -8,7 +8,7 @@ from types import ModuleType
 import pytest
 
 from mqds.chaos.faultfs import extents
-from mqds.client import retry, routing_table
+from mqds.client.core import retry, routing_table
 from mqds.protocol import messages, sharding, topics
 from mqds.server import config
 from mqds.server.cluster import placement

@@ -74,7 +74,10 @@ TAGS: dict[ModuleType, dict[str, tuple[Any, str]]] = {
     },
 }
 WIRE_MODULES = {ROOT / "client" / "mqds" / "protocol" / "wire.py", ROOT / "server" / "mqds" / "server" / "wire.py"}
-C_HEADERS = [ROOT / "client" / "mqds" / "client" / "wire_tags.h", ROOT / "server" / "mqds" / "server" / "wire_tags.h"]
+C_HEADERS = [
+    ROOT / "client" / "mqds" / "client" / "core" / "wire_tags.h",
+    ROOT / "server" / "mqds" / "server" / "wire_tags.h",
+]
 
 _F = FieldDescriptor
 _WIRE_OF_TYPE = {

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from mqds.client import MessageBatch
 from mqds.client.batch import wire_times
-from mqds.client.next_answer import next_result, parsed_next_result
+from mqds.client.core.next_answer import next_result, parsed_next_result
 from mqds.spark import arrow_schema, reading
 from mqds.spark.columns import to_record_batch
 from mqds.spark.plan import Slice

@@ -22,7 +22,7 @@ from mqds.bench.load import TOPIC_PREFIX, LeaderKill, RunResult, publisher_ids, 
 from mqds.bench.mqtt import _cpu_total
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, ProgressLine, bar, connection
 from mqds.client import Client
-from mqds.client.client import parse_endpoints
+from mqds.client.connection import parse_endpoints
 from mqds.protocol.sharding import shard_of
 from mqds.tools import cluster_command
 

@@ -40,7 +40,7 @@ from mqds.bench.load import TOPIC_PREFIX, run_load, shard_places
 from mqds.bench.mqtt import _cpu_total
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, connection
 from mqds.client import Client, Message
-from mqds.client.client import parse_endpoints
+from mqds.client.connection import parse_endpoints
 from mqds.protocol.sharding import shard_of
 from mqds.tools import cluster_command
 

@@ -31,7 +31,7 @@ import grpc
 
 from mqds.bench.load import TOPIC_PREFIX
 from mqds.client.connection import ConnectionSettings
-from mqds.client.follow import FOLLOW_METHOD
+from mqds.client.core.follow import FOLLOW_METHOD
 from mqds.v1 import storage_pb2 as pb
 
 TOPIC_FILTER = f"{TOPIC_PREFIX}/#"

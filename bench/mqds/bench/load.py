@@ -36,7 +36,7 @@ import grpc
 
 from mqds.client.connection import ConnectionSettings
 from mqds.client.model import Message
-from mqds.client.routing import Router
+from mqds.client.sync.routing import Router
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.sharding import shard_of

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from mqds.bench.cli_process import CliProcess
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError
-from mqds.client.client import parse_endpoints
+from mqds.client.connection import parse_endpoints
 from mqds.tools import cluster_command
 
 if TYPE_CHECKING:

@@ -56,7 +56,7 @@ from mqds.bench.mqtt import _cpu_total
 from mqds.bench.peer import PeerFailed, PeerMissing, PeerSetup, PeerSummary, locate, ratio, run_peer
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, ProgressLine, bar, connection, table
 from mqds.client import Client, Message
-from mqds.client.client import parse_endpoints
+from mqds.client.connection import parse_endpoints
 from mqds.tools import cluster_command
 
 DEFAULT_DURATION_S = 5.0

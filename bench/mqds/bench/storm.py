@@ -40,7 +40,7 @@ from mqds.bench.mqtt import _cpu_total
 from mqds.broker.offline import OfflineFetches
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, ProgressLine, bar, connection
 from mqds.client import Message, OfflineFetch, aio
-from mqds.client.client import parse_endpoints
+from mqds.client.connection import parse_endpoints
 from mqds.tools import cluster_command
 
 DEFAULT_SESSIONS = 10_000

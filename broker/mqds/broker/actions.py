@@ -59,8 +59,8 @@ from mqds.broker.hooks import HookConfig, Rule
 from mqds.broker.offline import DEFAULT_WINDOW_S, OfflineFetches
 from mqds.broker.subscriptions import Delivery, check_clientid, check_qos, real_filter
 from mqds.client import aio
+from mqds.client.core.offline import OfflineFetch
 from mqds.client.model import Message
-from mqds.client.offline import OfflineFetch
 from mqds.protocol.errors import PartialBatchError
 from mqds.protocol.topics import matches, validate_filter, validate_topic
 

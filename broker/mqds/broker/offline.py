@@ -20,8 +20,8 @@ import asyncio
 import collections
 from typing import Any
 
+from mqds.client.core.offline import OfflineFetch
 from mqds.client.model import Message
-from mqds.client.offline import OfflineFetch
 from mqds.protocol.limits import MAX_SESSIONS_PER_CALL
 
 __all__ = ["DEFAULT_MAX_BATCH", "DEFAULT_WINDOW_S", "OfflineFetches"]

@@ -18,8 +18,7 @@ import grpc
 
 from mqds.cli.console import EXIT_OK, connection
 from mqds.cli.secret import cluster_secret_options, with_cluster_secret
-from mqds.client.client import parse_endpoints
-from mqds.client.connection import ConnectionSettings
+from mqds.client.connection import ConnectionSettings, parse_endpoints
 from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.v1 import cluster_pb2 as clpb

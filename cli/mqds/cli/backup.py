@@ -9,7 +9,7 @@ import threading
 from mqds.cli.console import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CommandError, ProgressLine, bar, connection, table
 from mqds.cli.secret import cluster_secret_options, with_cluster_secret
 from mqds.client import Client
-from mqds.client.backup_files import BackupError, Place, VerifyReport, verify
+from mqds.client.core.backup_files import BackupError, Place, VerifyReport, verify
 
 PLACE_HELP = "a directory, or an fsspec URL (file://, s3://... with the matching fsspec package installed)"
 

@@ -8,7 +8,7 @@ or indexed, so a reader that counts, forwards or wants columns (the Spark
 source, benchmarks, ``mqds replay --count``) pays for the parse only, and a
 reader that wants objects gets them one at a time, as before.
 
-A batch read with the C extension (``mqds.client.wire_columns``) holds the
+A batch read with the C extension (``mqds.client.core.wire_columns``) holds the
 answer's bytes themselves, not even parsed: protobuf parses them the first
 time a message is read, and a reader of columns reads them from the bytes.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import overload
 
-from mqds.client.answer_rows import parse_answer
+from mqds.client.core.answer_rows import parse_answer
 from mqds.client.model import Iterator as StreamIterator
 from mqds.client.model import Message, Properties
 from mqds.v1 import storage_pb2 as pb

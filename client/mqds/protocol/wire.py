@@ -59,7 +59,7 @@ STORE_BATCH_REQUEST_SYNC_TAG = b"\x10"  # StoreBatchRequest.sync = 2, bool (vari
 STORE_BATCH_REQUEST_PRODUCER_ID_TAG = b"\x1a"  # StoreBatchRequest.producer_id = 3, string
 STORE_BATCH_REQUEST_SEQUENCE_TAG = b"\x20"  # StoreBatchRequest.sequence = 4, uint64 (varint)
 STORE_STREAM_REQUEST_BATCH_TAG = b"\x0a"  # StoreStreamRequest.batch = 1, StoreBatchRequest
-# A Next answer read field by field (mqds.client.answer_rows).
+# A Next answer read field by field (mqds.client.core.answer_rows).
 NEXT_RESPONSE_MESSAGES_TAG = b"\x0a"  # NextResponse.messages = 1, repeated Message
 
 _TRUE = varint(1)

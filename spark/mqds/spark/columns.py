@@ -3,7 +3,7 @@
 Two ways to the same rows:
 
 - **From the answers' bytes** (the client's C extension,
-  :mod:`mqds.client.wire_columns`): every column is built in one pass of C
+  :mod:`mqds.client.core.wire_columns`): every column is built in one pass of C
   code over the serialized answers, straight into Arrow's buffers; no
   protobuf parse, no Python object per message. The C code checks strings
   as UTF-8 as protobuf does, so no damaged string is passed on.
@@ -35,7 +35,7 @@ from typing import Any
 import pyarrow as pa
 
 from mqds.client import MessageBatch
-from mqds.client import wire_columns as wc
+from mqds.client.core import wire_columns as wc
 
 log = logging.getLogger(__name__)
 

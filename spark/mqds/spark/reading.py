@@ -26,8 +26,8 @@ import pyarrow as pa
 
 from mqds.client import Client, ConnectionSettings, MessageBatch, NextResult, Stream
 from mqds.client import Iterator as StreamIterator
+from mqds.client.core.rank_read import RankCalls
 from mqds.client.errors import GenerationDroppedError, NotFoundError
-from mqds.client.rank_read import RankCalls
 from mqds.protocol.errors import Reason
 from mqds.spark.columns import to_record_batch
 from mqds.spark.plan import Slice, loss_error

@@ -22,8 +22,8 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 
 from mqds.client import Client, Fence, NextResult, Stream
 from mqds.client import Iterator as StreamIterator
+from mqds.client.core.operations import replay_order
 from mqds.client.errors import GenerationDroppedError
-from mqds.client.operations import replay_order
 from mqds.spark.batch import SlicePartition, read_partition
 from mqds.spark.options import EARLIEST, LATEST, SourceOptions
 from mqds.spark.plan import data_loss, dropped_ranges, loss_error, pack_slices, plan_slices

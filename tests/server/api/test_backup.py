@@ -28,7 +28,7 @@ import pytest
 
 from mqds.cli import main
 from mqds.client import Client, ConnectionSettings, Message
-from mqds.client.backup_files import BackupError, Place, verify
+from mqds.client.core.backup_files import BackupError, Place, verify
 from mqds.client.errors import UnavailableError
 from mqds.protocol import errors
 from mqds.protocol.errors import Reason

@@ -22,8 +22,8 @@ from harness import sender_on
 
 from mqds.client import Client, Message, aio
 from mqds.client import errors as E
-from mqds.client import wire_columns as wc
-from mqds.client.pipeline import PipelineLimits
+from mqds.client.core import wire_columns as wc
+from mqds.client.core.pipeline import PipelineLimits
 from mqds.protocol.errors import Reason, from_rpc_error
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.wire import encode_message, length_delimited

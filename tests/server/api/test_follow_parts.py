@@ -14,7 +14,7 @@ from storage_support import msg
 
 from mqds.client import FollowPosition
 from mqds.client import errors as E
-from mqds.client.follow import FollowRoutes, ShardPart, merge_credits
+from mqds.client.core.follow import FollowRoutes, ShardPart, merge_credits
 from mqds.server.cluster.feed import ShardFeed
 from mqds.server.storage import keys
 from mqds.server.storage.ordered import dropped_after, ordered
@@ -335,7 +335,7 @@ def test_the_asyncio_client_merges_the_credits_waiting_on_a_call() -> None:
     client): a thousand subscribers freeing their windows cost the node one credit, not a thousand."""
     from types import SimpleNamespace
 
-    from mqds.client.follow_aio import _Call
+    from mqds.client.aio.follow import _Call
 
     class Stream:
         def __init__(self) -> None:

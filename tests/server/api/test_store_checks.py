@@ -146,8 +146,8 @@ def test_a_call_of_only_bad_messages_fails_with_the_first_ones_error() -> None:
 def test_node_and_client_apply_one_set_of_rules() -> None:
     """The client checks a message with the same function before it joins a batch (all but the payload's limit,
     which is the node's)."""
+    from mqds.client.core.pipeline_calls import check_messages
     from mqds.client.model import Message
-    from mqds.client.pipeline_calls import check_messages
 
     batch = [Message("a/b", b"x", "s"), Message("a/b", b"x", "s", properties=TOO_MANY), Message("#", b"", "s")]
     refused = check_messages(batch)

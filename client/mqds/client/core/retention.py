@@ -1,0 +1,39 @@
+"""The cluster's retention policy through the client: the policy checked and built, and read from a map.
+
+The policy is checked and built once (:func:`policy_message`) and read from
+a map once (:func:`policy_of`); each driver's ``retention`` module sends it,
+asking the nodes in turn by the rules of :func:`rounds`
+(:class:`~mqds.client.core.retry.NodeRounds`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mqds.client.core.retry import NodeRounds
+from mqds.protocol.retention import check_rules
+from mqds.v1 import cluster_pb2 as clpb
+
+PAUSE_S = 0.3
+"""The pause after a round of the nodes in which none took the policy (an election of the metadata group)."""
+
+
+def policy_message(rules: Sequence[tuple[str, int]], default_s: int) -> clpb.RetentionPolicy:
+    """A checked ``RetentionPolicy``: (filter, seconds) rules in order, the default in seconds (0: keep)."""
+    check_rules(rules, default_s)
+    return clpb.RetentionPolicy(
+        rules=[clpb.RetentionRule(topic_filter=f, period_s=p) for f, p in rules], default_s=default_s
+    )
+
+
+def policy_of(cmap: clpb.ClusterMap) -> clpb.RetentionPolicy | None:
+    """The policy a cluster map carries, or None when none was set (each node's retention_period_s applies)."""
+    return cmap.retention if cmap.HasField("retention") else None
+
+
+def rounds(deadline: float) -> NodeRounds:
+    """The rounds of the nodes a policy is sent in until ``deadline``, ``PAUSE_S`` apart."""
+    return NodeRounds(deadline, first_pause_s=PAUSE_S, max_pause_s=PAUSE_S)
+
+
+LATE = "no node took the retention policy in time"
