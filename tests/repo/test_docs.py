@@ -102,3 +102,15 @@ def test_every_readme_figure_and_status_row_points_at_a_docs_section(section: st
 
 def _relative_links_of(text: str) -> list[str]:
     return [t for t in _LINK.findall(_INLINE_CODE.sub("", text)) if not re.match(r"^[a-z][a-z0-9+.-]*:", t)]
+
+
+def test_every_design_note_is_linked_from_the_readme() -> None:
+    """A package's DESIGN.md is where its design is explained; a newcomer finds each from the front door."""
+    notes = {
+        path.relative_to(ROOT).as_posix()
+        for path in ROOT.glob("*/mqds/**/DESIGN.md")
+        if ".venv" not in path.parts and "build" not in path.parts
+    }
+    assert notes, "the check sees the design notes"
+    linked = set(re.findall(r"\]\(([^)#]+/DESIGN\.md)\)", README))
+    assert not notes - linked, f"design notes the README does not link: {sorted(notes - linked)}"

@@ -1,13 +1,13 @@
-"""Replay's read path for the asyncio client: rank groups read ahead in tasks, streams merged a batch at a time.
+"""Replay's read-ahead for the asyncio driver: rank groups read ahead in tasks, handed on in rank order.
 
-The asyncio twin of ``replay.py``: up to ``ahead`` rank groups (shards, or
-generations of one) are read at once, each by a task that keeps at most
-``depth`` batches waiting in its queue (and with ``max_bytes``, batches
-weighing at most that much together, one at least), while the caller takes
-them in rank order; a group's streams are merged with the same
-batch-at-a-time step (``merge.cut``). A group's error is raised where the
-caller reaches it; closing the iterator early cancels the tasks.
-"""
+The asyncio twin of the synchronous driver's ``replay.py``: up to
+``ahead`` rank groups (shards, or generations of one) are read at once,
+each by a task that keeps at most ``depth`` batches waiting in its queue
+(and with ``max_bytes``, batches weighing at most that much together, one
+at least: :class:`~mqds.client.core.stream_reads.ReadAhead`), while the
+caller takes them in rank order (a group's streams are merged by
+``reads.py``). A group's error is raised where the caller reaches it;
+closing the iterator early cancels the tasks."""
 
 from __future__ import annotations
 
