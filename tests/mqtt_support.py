@@ -8,6 +8,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import paho.mqtt.client as mqtt
 from harness import MQDS
@@ -98,6 +99,7 @@ class Mqtt:
         self.messages: queue.Queue[Received] = queue.Queue()
         self._connected = threading.Event()
         self._acked: set[int] = set()
+        self._granted: dict[int, list[int]] = {}  # SUBACK's codes, by message id
         self._suback = threading.Condition()
         self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=clientid, clean_session=clean_session)
         self.client.on_connect = self._on_connect
@@ -121,16 +123,19 @@ class Mqtt:
     def _on_message(self, client: object, userdata: object, msg: mqtt.MQTTMessage) -> None:
         self.messages.put((msg.topic, bytes(msg.payload), msg.qos, bool(msg.retain)))
 
-    def _on_subscribe(self, client: object, userdata: object, mid: int, codes: object, props: object) -> None:
+    def _on_subscribe(self, client: object, userdata: object, mid: int, codes: list[Any], props: object) -> None:
         with self._suback:
             self._acked.add(mid)
+            self._granted[mid] = [int(getattr(code, "value", code)) for code in codes]
             self._suback.notify_all()
 
-    def subscribe(self, topic_filter: str, qos: int = 1) -> None:
+    def subscribe(self, topic_filter: str, qos: int = 1) -> int:
+        """Subscribe and wait for SUBACK; the code it gave the filter (the QoS granted, or 0x80: refused)."""
         result, mid = self.client.subscribe(topic_filter, qos=qos)
         assert result == mqtt.MQTT_ERR_SUCCESS
         with self._suback:
             assert self._suback.wait_for(lambda: mid in self._acked, 10), f"no SUBACK for {topic_filter}"
+            return self._granted[mid][0]
 
     def publish(self, topic: str, payload: bytes | str, *, qos: int = 1, retain: bool = False) -> None:
         info = self.client.publish(topic, payload, qos=qos, retain=retain)

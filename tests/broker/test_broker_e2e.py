@@ -462,6 +462,76 @@ def test_retained_message_from_the_history_comes_once_with_its_flag(
     assert late.quiet(1.5) == []  # neither the old value nor the empty delete marker
 
 
+def test_a_resumed_session_gets_its_retained_messages_once_not_at_each_reconnect(
+    cluster: Cluster, connect: Callable[..., Mqtt]
+) -> None:
+    # MQTT sends a retained message when a subscription is made, not when a session resumes (before, the
+    # plugin sent it again at every reconnect). One filter without an offline fetch, one with.
+    topics = ("e2e/retained/resume", "e2e/retfetch/resume")
+    publisher = connect("e2e-resume-ret-pub")
+    for topic in topics:
+        publisher.publish(topic, b"on", retain=True)
+        wait_until(f"{topic} retained in mqds", lambda t=topic: cluster.client.retained(t), 10)
+    subscriber = connect("e2e-resume-ret-sub", clean_session=False)
+    for topic in topics:
+        assert subscriber.subscribe(topic) == 1
+    assert sorted(subscriber.take(2)) == [(topic, b"on", 1, True) for topic in topics]
+    subscriber.close()
+    for attempt in range(1, 4):
+        again = connect("e2e-resume-ret-sub", clean_session=False)
+        assert again.session_present is True
+        assert again.quiet(1.5) == [], f"reconnect {attempt}: the retained messages came again"
+        again.close()
+    # A SUBSCRIBE on the resumed session makes the subscription again: then the retained message comes.
+    last = connect("e2e-resume-ret-sub", clean_session=False)
+    last.subscribe(topics[0])
+    assert last.take(1) == [(topics[0], b"on", 1, True)]
+    assert last.quiet(1.0) == []
+    for topic in topics:  # leave no retained message for the module's other subscribers
+        publisher.publish(topic, b"", retain=True)
+        wait_until(f"{topic} no longer retained", lambda t=topic: cluster.client.retained(t) == [], 10)
+
+
+@pytest.mark.parametrize(
+    ("clean", "base"),
+    [(True, "e2e/retained/race-clean"), (False, "e2e/retained/race-kept"), (False, "e2e/retfetch/race-kept")],
+    ids=["clean", "persistent", "persistent-with-fetch"],
+)
+def test_a_retained_publish_right_after_suback_comes_once_as_a_live_message(
+    cluster: Cluster, connect: Callable[..., Mqtt], clean: bool, base: str
+) -> None:
+    # Published after the subscription was made, it is a live message: once, without the retained flag.
+    # Before, a clean subscriber got it twice (live, then from the retained lookup that ran after SUBACK),
+    # and a persistent one twice, or only at its next reconnect.
+    publisher = connect(f"e2e-race-pub-{clean}-{base[4:7]}")
+    for attempt in range(3):
+        topic, clientid = f"{base}/{attempt}", f"e2e-race-{base.replace('/', '-')}-{attempt}"
+        subscriber = connect(clientid, clean_session=clean)
+        assert subscriber.subscribe(topic) == 1
+        publisher.publish(topic, b"v", retain=True)
+        assert subscriber.take(1) == [(topic, b"v", 1, False)], f"attempt {attempt}"
+        assert subscriber.quiet(1.5) == [], f"attempt {attempt}: it came again"
+        subscriber.close()
+        if not clean:
+            again = connect(clientid, clean_session=False)
+            assert again.quiet(1.0) == [], f"attempt {attempt}: it came again at the reconnect"
+            again.close()
+        publisher.publish(topic, b"", retain=True)  # leave no retained message behind
+        wait_until(f"{topic} no longer retained", lambda t=topic: cluster.client.retained(t) == [], 10)
+
+
+def test_a_shared_subscription_is_refused_until_the_broker_serves_it(connect: Callable[..., Mqtt]) -> None:
+    # amqtt has no shared subscriptions: it granted $share/... as a plain filter and delivered at random.
+    member = connect("e2e-share-member")
+    assert member.subscribe("$share/g/e2e/share/#") == 0x80
+    assert member.subscribe("$queue/e2e/share/#") == 0x80
+    assert member.subscribe("e2e/share/#") == 1  # a plain filter, granted as before
+    publisher = connect("e2e-share-pub")
+    publisher.publish("e2e/share/a", b"x")
+    assert member.take(1) == [("e2e/share/a", b"x", 1, False)]
+    assert member.quiet(0.5) == []
+
+
 def test_mqds_pub_retain_makes_the_retained_message(cluster: Cluster, connect: Callable[..., Mqtt]) -> None:
     def pub(payload: str) -> str:
         done = subprocess.run(
@@ -487,15 +557,24 @@ def test_mqds_pub_retain_makes_the_retained_message(cluster: Cluster, connect: C
     assert second.quiet(1.5) == []
 
 
-def test_session_present_after_broker_restart(broker: BrokerProcess, connect: Callable[..., Mqtt]) -> None:
+def test_session_present_after_broker_restart(
+    cluster: Cluster, broker: BrokerProcess, connect: Callable[..., Mqtt]
+) -> None:
+    publisher = connect("e2e-resume-pub")
+    publisher.publish("e2e/resume/lamp", b"on", retain=True)
+    wait_until("the retained message in mqds", lambda: cluster.client.retained("e2e/resume/lamp"), 10)
+    publisher.close()
     client = connect("e2e-resume", clean_session=False)
     assert client.session_present is False  # new
     client.subscribe("e2e/resume/#")
+    assert client.take(1) == [("e2e/resume/lamp", b"on", 1, True)]
     client.close()
     broker.stop()
     broker.start()  # amqtt has no session in memory now; mqds has the client's subscriptions
     resumed = connect("e2e-resume", clean_session=False)
     assert resumed.session_present is True
+    # Its subscription is restored from mqds, not made again: the retained message does not come again.
+    assert resumed.quiet(1.5) == []
     resumed.close()
     clean = connect("e2e-resume", clean_session=True)
     assert clean.session_present is False

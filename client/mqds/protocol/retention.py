@@ -70,9 +70,9 @@ def parse_rule(text: str) -> tuple[str, int]:
         raise RetentionError(f"{text!r} is not a rule: write FILTER=PERIOD, such as 'telemetry/#=1d'")
     try:
         validate_filter(topic_filter)
-    except TopicError as err:
+        return topic_filter, parse_period(period)
+    except (TopicError, RetentionError) as err:
         raise RetentionError(f"rule {text!r}: {err}") from None
-    return topic_filter, parse_period(period)
 
 
 def check_rules(rules: Sequence[tuple[str, int]], default_s: int) -> None:

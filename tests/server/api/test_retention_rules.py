@@ -108,11 +108,15 @@ def test_closed_generations_whose_messages_all_ended_are_dropped_whole(cluster: 
     cluster.assert_replicas_identical()
 
 
-def test_bad_rules_are_refused_clearly(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_rules_are_refused_clearly(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("MQDS_CLUSTER_SECRET", cluster.secret)
     endpoints = ",".join(cluster.addresses)
     assert main(["--endpoints", endpoints, "retention", "set", "a/#/b=1d"]) == 2
-    assert main(["--endpoints", endpoints, "retention", "set", "a/#=soon"]) == 2
+    assert "'a/#/b=1d'" in capsys.readouterr().err
+    assert main(["--endpoints", endpoints, "retention", "set", "ok/#=1d", "a/#=soon"]) == 2
+    assert "rule 'a/#=soon': 'soon' is not a period" in capsys.readouterr().err  # the rule, not only the period
     with admin(cluster) as c, pytest.raises(InvalidArgumentError, match="listed twice"):
         c.set_retention([("a/#", 10), ("a/#", 20)])
     # The node checks too, and wants admin rights.

@@ -154,3 +154,26 @@ def test_the_disk_a_delete_frees_comes_back(shard: ShardStorage, sender: str) ->
     while _generation_bytes(shard, 1) > before // 10 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _generation_bytes(shard, 1) <= before // 10, (before, _generation_bytes(shard, 1))
+
+
+def _log_bytes(shard: ShardStorage) -> int:
+    """What the shard's RocksDB write-ahead log files hold on disk."""
+    return sum(entry.stat().st_size for entry in os.scandir(shard.path) if entry.name.endswith(".log"))
+
+
+def test_a_delete_gives_back_the_write_ahead_log_too(shard: ShardStorage) -> None:
+    """A shard that stops taking writes once everything is deleted gives back its write-ahead log as well.
+
+    A log file goes only once every column family flushed what it holds; before, the metadata family's
+    memtable (the applied index each store writes) kept the logs of everything stored, up to
+    max_total_wal_size per shard, long after the data in them was deleted and compacted away."""
+    for i in range(40):
+        shard.store([msg("wal/t", payload=os.urandom(200), sender="s1") for _ in range(1_000)], 10 + i * 1_000)
+    before = _log_bytes(shard)
+    assert before > 4_000_000, before
+    deleted, _, _ = run_delete(shard, DeleteSpec("wal/#", "", 0, 0), 5_000)
+    assert deleted == 40_000
+    deadline = time.monotonic() + 30
+    while _log_bytes(shard) > before // 10 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _log_bytes(shard) <= before // 10, (before, _log_bytes(shard))

@@ -13,17 +13,69 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
 
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError
 from mqds.cli.secret import CLUSTER_DIR_ENV, DEFAULT_CLUSTER_DIR, STATE_FILE, default_cluster_dir
+from mqds.server.config import ConfigError, NodeConfig, load_config
 from mqds.tools.errors import LocalClusterError
 from mqds.tools.local_cluster import LocalCluster
 from mqds.tools.ports import port_in_use
 
 DEFAULT_BASE_PORT = 7101
+
+CLUSTER_SETS = frozenset(
+    {
+        "node_id",
+        "listen",
+        "advertise",
+        "metrics_listen",
+        "data_dir",
+        "peers",
+        "n_shards",
+        "replication_factor",
+        "cluster_secret",
+        "raft_listen",
+    }
+)
+"""Node settings ``mqds cluster up`` sets itself (ids, addresses, directories, shape, secret): not for --set."""
+
+
+def node_args(settings: list[str], config: str | None) -> list[str]:
+    """Each node's extra command line for ``--set NAME=VALUE`` and ``--config FILE``, checked as a node checks it.
+
+    Raises ``CommandError`` (usage) naming what is wrong: no ``=``, a name that is no node setting or one
+    the command sets itself, a value the setting refuses, a file that is not a node settings file.
+    """
+    names = {f.name for f in dataclasses.fields(NodeConfig)}
+    args: list[str] = []
+    if config is not None:
+        path = Path(config).absolute()  # the nodes run elsewhere, later (mqds cluster start)
+        args += ["--config", str(path)]
+    for text in settings:
+        name, sep, value = text.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or not name:
+            raise CommandError(f"--set {text!r}: write NAME=VALUE, such as --set retention_period_s=7d", EXIT_USAGE)
+        if name not in names:
+            raise CommandError(
+                f"--set {text!r}: {name!r} is not a node setting (mqds-server --help lists them)", EXIT_USAGE
+            )
+        if name in CLUSTER_SETS:
+            raise CommandError(
+                f"--set {text!r}: mqds cluster up sets {name} itself (--nodes, --base-port, --shards, "
+                "--replication-factor and the directory say what it is)",
+                EXIT_USAGE,
+            )
+        args += ["--" + name.replace("_", "-"), value]
+    try:
+        load_config(args)
+    except ConfigError as err:
+        raise CommandError(f"node settings: {err}", EXIT_USAGE) from None
+    return args
 
 
 def for_benchmark(opts: argparse.Namespace, stack: contextlib.ExitStack, prefix: str) -> LocalCluster | None:
@@ -95,6 +147,9 @@ def run_up(opts: argparse.Namespace) -> int:
             flush=True,
         )
     started = time.monotonic()
+    args = node_args(opts.settings, opts.config)
+    if args:
+        print("each node with: " + " ".join(args), flush=True)
     try:
         cluster = LocalCluster.up(
             opts.data_dir,
@@ -103,6 +158,7 @@ def run_up(opts: argparse.Namespace) -> int:
             n_shards=opts.shards,
             replication_factor=opts.rf,
             timeout_s=opts.wait,
+            args=args,
         )
     except LocalClusterError as err:
         raise CommandError(str(err)) from None
@@ -218,6 +274,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         type=int,
         metavar="N",
         help="replicas per vnode of a new cluster (default 3, at most the number of nodes)",
+    )
+    up.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help=(
+            "a node setting for every node of a new cluster, as mqds-server takes it (repeat for more), e.g. "
+            "--set retention_period_s=7d --set disk_quota_bytes=64MiB; checked before any node starts; "
+            "mqds-server --help lists the settings. Not the ones this command sets (ids, addresses, shards)"
+        ),
+    )
+    up.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a node settings file (TOML, as mqds-server --config takes) for every node of a new cluster; "
+        "--set values win over it",
     )
     up.set_defaults(run=run_up)
     down = actions.add_parser(

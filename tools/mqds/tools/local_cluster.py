@@ -202,6 +202,7 @@ class LocalCluster:
         timeout_s: float = 120,
         detach: bool = True,
         fault_injection: bool = False,
+        args: Sequence[str] = (),
     ) -> LocalCluster:
         """What ``mqds cluster up`` does: start the cluster recorded in ``base_dir``, or create one there.
 
@@ -209,7 +210,9 @@ class LocalCluster:
         ``base_port``, ``base_port + 1``, ... (free ports when None). A
         recorded one restarts as it was, keeping nodes that still run; an
         argument that contradicts the record is an error rather than ignored.
-        Returns once every vnode has a leader, with the state saved.
+        Returns once every vnode has a leader, with the state saved. ``args``
+        are every node's extra command-line settings (``mqds cluster up
+        --set``); a recorded cluster keeps its own.
         """
         base = Path(base_dir).absolute()
         if cls.recorded(base):
@@ -220,6 +223,12 @@ class LocalCluster:
                 "shards": (n_shards, cluster.n_shards),
                 "replication factor": (replication_factor, cluster.replication_factor),
             }
+            if args and list(args) != cluster.args:
+                raise LocalClusterError(
+                    f"{base} holds a cluster whose nodes run with {' '.join(cluster.args) or 'no extra settings'}, "
+                    f"not {' '.join(args)}; leave --set and --config out to restart it as it was, or use another "
+                    "directory for a new cluster"
+                )
             for what, (wanted, actual) in asked.items():
                 if wanted is not None and wanted != actual:
                     raise LocalClusterError(
@@ -235,6 +244,7 @@ class LocalCluster:
                 replication_factor=3 if replication_factor is None else replication_factor,
                 fault_injection=fault_injection,
                 detach=detach,
+                args=args,
             )
         for node_id, proc in cluster.nodes.items():
             if not proc.running and port_in_use(proc.port):

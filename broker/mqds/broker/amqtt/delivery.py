@@ -34,6 +34,8 @@ _SEEN_LIMIT = 65_536
 _ACK_CONCURRENCY = 16
 SLOW_ITEM_S = 5.0
 """A connection's item (connect, subscribe, close...) that takes longer is logged: what comes after it waits."""
+SHARED_PREFIXES = ("$share/", "$queue/")
+"""Shared subscriptions' filters: amqtt has none, so the plugin refuses them (SUBACK 0x80) and skips such proxies."""
 
 
 class _Window(Protocol):
@@ -138,6 +140,10 @@ class _Connection:
         self._items: collections.deque[_Item] = collections.deque()
         self._wakeup = asyncio.Event()
         self._seen: collections.OrderedDict[tuple[Any, ...], None] = collections.OrderedDict()
+        # The retained publishes routed to this connection's live filters (topic, sender, payload): made
+        # after the subscription, so each comes live (from amqtt, or the plugin's live and offline paths),
+        # never from a retained lookup as well, nor flagged retained (MQTT). Bounded like _seen.
+        self._routed: collections.OrderedDict[tuple[Any, ...], None] = collections.OrderedDict()
         self._failed_shards: set[int] = set()
         # Delivered-and-confirmed messages to acknowledge; a future is a barrier
         # (set once everything queued before it was acknowledged); None ends the loop.
@@ -161,6 +167,12 @@ class _Connection:
             self._wakeup.clear()
             await self._wakeup.wait()
         return self._items.popleft()
+
+    def routed(self, message: Message) -> None:
+        """amqtt routes the retained publish ``message`` now, and it matches one of this connection's live filters."""
+        self._routed[_identity(message)] = None
+        if len(self._routed) > _SEEN_LIMIT:
+            self._routed.popitem(last=False)
 
     def _take_live(self, first: _Live) -> list[_Live]:
         """``first`` and the live messages queued right after it: sent as one pipelined batch."""
@@ -240,23 +252,30 @@ class _Connection:
         # MQTT 3.1.1 has no Session Expiry Interval: a clean session lasts as long as its connection (0), a
         # persistent one as the node's session_expiry_default_s says (None).
         expiry = 0 if clean else None
+        # Retained messages go with a subscription when it is made (SUBSCRIBE, or a proxy subscription the
+        # session did not have), never again when a session resumes: the filters it had are those amqtt
+        # kept for it, and, for a session resumed from mqds (new to amqtt, session present), its proxies.
+        had = set(self.plugin.amqtt_subscriptions(self.clientid))
+        resumed_from_mqds = self.new_session and self.session.parent == 1
         proxies: dict[str, int] = {}
         if clean or hooks.config.rules_for("client.connected"):  # a clean session discards the previous one
             proxies.update(await hooks.client_connected(self.clientid, clean_start=clean, session_expiry_s=expiry))
         if self.new_session and hooks.config.rules_for("session.created"):
             proxies.update(await hooks.session_created(self.clientid, clean_start=clean, session_expiry_s=expiry))
         for topic_filter, qos in proxies.items():
-            if topic_filter.startswith(("$share/", "$queue/")):
+            if topic_filter.startswith(SHARED_PREFIXES):
                 log.warning(
                     "client %s: shared subscription %r not applied (amqtt has none)", self.clientid, topic_filter
                 )
                 continue
             await self.plugin.broker_context.add_subscription(self.clientid, topic_filter, qos)
             self.plugin.count("proxy_subscriptions")
+        if resumed_from_mqds:
+            had |= set(proxies)
         for topic_filter, qos in self.plugin.amqtt_subscriptions(self.clientid).items():
             if not self.open:
                 return
-            await self._subscribed(topic_filter, qos, send_retained=True)
+            await self._subscribed(topic_filter, qos, send_retained=topic_filter not in had)
 
     async def _subscribed(self, topic_filter: str, qos: int, *, send_retained: bool) -> None:
         # Active before the fetch: a live message stored after the fetch read is sent live;
@@ -271,8 +290,8 @@ class _Connection:
         outs = self._with_older_live(self._offline_outs(delivery.offline, qos, covered))
         for m in delivery.retained:
             key = ("retained", m.topic, m.timestamp_us)
-            if key in self._seen:
-                continue
+            if key in self._seen or _identity(m) in self._routed:
+                continue  # sent already, or published after the subscription was made: it comes live
             self._remember(key)
             outs.append(_Out(m, min(m.qos, qos), "retained", retain=True))
         await self._deliver(outs)
@@ -290,11 +309,12 @@ class _Connection:
             await self._deliver(outs)
 
     def _offline_outs(self, messages: list[Message], qos: int, covered: bool) -> list[_Out]:
-        """The stored messages to send; with ``covered``, stored copies of retained publishes are only
-        acknowledged (the retained lookup sends the topic's retained message, if it still has one)."""
+        """The stored messages to send; with ``covered``, stored copies of retained publishes made before the
+        subscription are only acknowledged (the retained lookup sends the topic's retained message, if it
+        still has one); one published since is sent as the live message it is."""
         return [
             _Out(m, min(m.qos, qos), "retained_copy", ack=True, send=False)
-            if covered and m.retain and self.plugin.keeps_retained(m.topic)
+            if covered and m.retain and self.plugin.keeps_retained(m.topic) and _identity(m) not in self._routed
             else _Out(m, min(m.qos, qos), "offline", ack=True)
             for m in messages
             if self._key(m) not in self._seen
@@ -463,6 +483,11 @@ class _Connection:
             self.plugin.count("acked", len(batch))
         else:  # read positions stay behind: those messages come again at the next connect
             self.plugin.count("ack_failed", len(batch))
+
+
+def _identity(message: Message) -> tuple[Any, ...]:
+    """A message and its retained copy alike (the retained record has a position of its own)."""
+    return (message.topic, message.sender, len(message.payload), hash(message.payload))
 
 
 async def _first(window: collections.deque[tuple[_Out, asyncio.Task[Any]]]) -> tuple[_Out, asyncio.Task[Any]]:

@@ -36,7 +36,15 @@ from amqtt.plugins.base import BaseTopicPlugin
 
 from mqds.broker.actions import BrokerHooks
 from mqds.broker.amqtt import protocol
-from mqds.broker.amqtt.delivery import SLOW_ITEM_S, _Connect, _Connection, _Live, _Subscribe, _Unsubscribe
+from mqds.broker.amqtt.delivery import (
+    SHARED_PREFIXES,
+    SLOW_ITEM_S,
+    _Connect,
+    _Connection,
+    _Live,
+    _Subscribe,
+    _Unsubscribe,
+)
 from mqds.broker.amqtt.internals import AmqttInternals
 from mqds.broker.amqtt.puback import StoreWaits
 from mqds.broker.amqtt.writer import _Writers
@@ -212,9 +220,19 @@ class MqdsPlugin(BaseTopicPlugin):
     async def topic_filtering(
         self, *, session: Session | None = None, topic: str | None = None, action: Action | None = None
     ) -> bool:
-        """Refuse amqtt's own delivery of stored topics to persistent sessions: the plugin sends those."""
+        """Refuse amqtt's own delivery of stored topics to persistent sessions (the plugin sends those), and
+        shared subscriptions (SUBACK 0x80: amqtt has none, it would take the filter as a plain one)."""
         if action == Action.RECEIVE and session is not None and topic is not None:
             return not (session.clean_session is False and self.served_from_mqds(topic))
+        if action == Action.SUBSCRIBE and topic is not None and topic.startswith(SHARED_PREFIXES):
+            self.count("shared_refused")
+            log.warning(
+                "client %s: shared subscription %r refused (SUBACK 0x80): mqds broker does not serve "
+                "$share/ or $queue/ filters yet; use a plain filter, or mqds.client.SharedSubscription",
+                session.client_id if session is not None else "?",
+                topic,
+            )
+            return False
         return True
 
     # -- broker life cycle ------------------------------------------------------------
@@ -343,6 +361,10 @@ class MqdsPlugin(BaseTopicPlugin):
                 qos=int(message.qos or 0),
                 retain=bool(packet is not None and packet.retain_flag),
             )
+            if outgoing.retain:  # only a retained publish can meet its own retained copy in a lookup
+                for connection in self.connections.values():  # before any await: in amqtt's routing order
+                    if connection.open and connection.live_qos(topic) is not None:
+                        connection.routed(outgoing)
             ok = False
             ok = await self._route(outgoing)
         finally:
@@ -410,6 +432,8 @@ class MqdsPlugin(BaseTopicPlugin):
             parts.append(f"{s['puback_withheld']} publishes not acknowledged (not stored; connection closed)")
         if s["delivery_failed"]:
             parts.append(f"{s['delivery_failed']} deliveries unacknowledged by clients")
+        if s["shared_refused"]:
+            parts.append(f"{s['shared_refused']} shared subscriptions refused (not served yet)")
         if s["errors"]:
             parts.append(f"{s['errors']} errors (see the log)")
         if s["slow_items"]:

@@ -88,14 +88,17 @@ class ShardCompactions:
         thread: CompactionThread,
         family: Callable[[int], Rdict | None],
         metadata_keys: Callable[[], int],
+        release_logs: Callable[[], None],
     ) -> None:
         """``family(number)``: the column family to compact (:data:`METADATA`: the database), taken under the
         shard's lock; None once that generation was dropped or the shard closed. ``metadata_keys()``: RocksDB's
-        estimate of the metadata family's keys."""
+        estimate of the metadata family's keys. ``release_logs()``: every family's memtable flushed (not
+        waited for), so the write-ahead log files that held what was deleted can go."""
         self._shard = shard
         self._thread = thread
         self._family = family
         self._metadata_keys = metadata_keys
+        self._release_logs = release_logs
         self.lock = threading.Lock()
         """Held while compactions run: the shard's ``close`` takes it, so it waits for one under way."""
         self._pending = PendingRanges()
@@ -140,6 +143,13 @@ class ShardCompactions:
                         cf.compact_range(begin, end)
                 except Exception as err:  # the disk comes back later, with other compactions
                     log.warning("shard %d: compacting %s after deletes failed: %s", self._shard, _family(number), err)
+            # A write-ahead log file goes only once every family flushed what it holds, and a shard that stopped
+            # taking writes (everything deleted) never fills a memtable again: without this, its logs (up to
+            # max_total_wal_size) stayed on disk after the data they held was gone.
+            try:
+                self._release_logs()
+            except Exception as err:
+                log.warning("shard %d: flushing after deletes failed: %s", self._shard, err)
 
 
 def _family(number: int) -> str:

@@ -162,7 +162,9 @@ class ShardStorage:
         cf_opts = {name: engine.cf_options() for name in existing if name != "default"}
         self._db = Rdict(path, engine.db_options(), column_families=cf_opts or None)
         self._meta_handle = self._db.get_column_family_handle("default")
-        self._compactions = ShardCompactions(shard, engine.compactions, self._compaction_family, self._metadata_keys)
+        self._compactions = ShardCompactions(
+            shard, engine.compactions, self._compaction_family, self._metadata_keys, self._release_logs
+        )
         """The compactions this shard waits for after deletes and expiry (``compaction.py``)."""
         self.trie = self._load(lts_threshold_top, lts_threshold, existing)
         self._routes = writes.Routes(self.trie)
@@ -542,6 +544,15 @@ class ShardStorage:
                 return self._db
             gen = self._generations.by_number.get(number)
             return None if gen is None else gen.cf
+
+    def _release_logs(self) -> None:
+        """For the compaction thread: flush every family's memtable (not waited for), so write-ahead log
+        files whose data was deleted can go; nothing once the shard closed."""
+        with self._lock:
+            if self._db is None:
+                return
+            for cf in [self._db] + [gen.cf for gen in self._generations.by_number.values()]:
+                cf.flush(False)
 
     def _metadata_keys(self) -> int:
         """RocksDB's estimate of the metadata family's keys."""
