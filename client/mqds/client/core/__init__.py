@@ -6,6 +6,7 @@ Requests are built and answers parsed (``operations``, ``offline``, ``deletes``,
 ``pipeline_calls``, ``store_frames``), push subscriptions' positions kept
 (``follow``), replays planned and merged (``rank_read``, ``merge``,
 ``stream_reads``) and backups' files written and checked (``backup_files``,
-``backup_runs``) here, with no socket, thread or event loop: what waits is in
-the drivers. The C extensions (``_wire_columns``, ``_store_frames``) are here too.
+``backup_runs``, which read and write a backup's files) here, with no call to
+the cluster, thread or event loop: what waits is in the drivers. The C
+extensions (``_wire_columns``, ``_store_frames``) are here too.
 """
