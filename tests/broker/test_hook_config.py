@@ -268,17 +268,17 @@ BAD_RULES: list[tuple[dict[str, Any], str]] = [
     ({"hook": "message.publish", "topic": "a/b+", "action": "on_message_publish"}, "must occupy the whole level"),
     ({"hook": "client.connected", "topic": "#", "action": "on_client_connected"}, "client.connected has no topic"),
     ({**PUBLISH, "offline_opts": {}}, "offline_opts is only for the fetch actions"),
-    (fetch_with({"max_returned_count": 0}), "max_returned_count must be a whole number above 0, not 0"),
-    (fetch_with({"max_returned_count": -5}), "above 0, not -5"),
-    (fetch_with({"max_returned_count": "500"}), "above 0, not '500'"),
-    (fetch_with({"max_returned_count": True}), "above 0, not True"),
+    (fetch_with({"max_returned_count": 0}), 'max_returned_count must be a whole number above 0 or "infinity", not 0'),
+    (fetch_with({"max_returned_count": -5}), '"infinity", not -5'),
+    (fetch_with({"max_returned_count": "500"}), "\"infinity\", not '500'"),
+    (fetch_with({"max_returned_count": True}), '"infinity", not True'),
     (fetch_with({"time_range": "2x"}), "time_range: '2x' is not a duration such as 45s"),
     (fetch_with({"time_range": "0s"}), "time range must be above 0"),
     (fetch_with({"time_range": "two hours"}), "is not a duration"),
     (fetch_with({"time_rnage": "2h"}), r"unknown offline_opts key 'time_rnage' \(did you mean 'time_range'\?\)"),
     (fetch_with({"include_qos0": "yes"}), "include_qos0 must be true or false"),
     (fetch_with(500), "offline_opts must be a table"),
-    ({**PUBLISH, "pool": "pool1"}, "unknown key 'pool'"),
+    ({**PUBLISH, "pol": "pool1"}, r"unknown key 'pol' \(did you mean 'pool'\?\)"),
 ]
 
 
@@ -329,3 +329,23 @@ def test_unreadable_files_are_refused(tmp_path: Path) -> None:
     binary.write_bytes(b"\xff\xfe")
     with pytest.raises(HookConfigError, match="not UTF-8"):
         load_config(binary)
+
+
+def test_the_seeds_pool_is_accepted_and_ignored_with_a_note() -> None:
+    # The seeds' rules name a connection pool ("pool": "pool1"); a seed's line loads as written.
+    config = parse_config({"rule": [{**PUBLISH, "topic": "#", "pool": "pool1"}]}, "etc/hooks.toml")
+    assert [rule.action for rule in config.rules] == ["on_message_publish"]
+    assert config.notes == (
+        "etc/hooks.toml: rule 1: pool 'pool1' accepted and ignored: mqds has one connection to the cluster "
+        "(the client's), not pools",
+    )
+    assert parse_config({"rule": [PUBLISH]}).notes == ()
+
+
+def test_an_unlimited_count_reads_every_message_page_by_page() -> None:
+    # The seeds' commented Cassandra line has no limit; "infinity" is the word for it, as for time_range.
+    config = parse_config({"rule": [fetch_with({"max_returned_count": "infinity", "time_range": "infinity"})]})
+    opts = config.rules[0].offline_opts
+    assert opts is not None and opts.max_returned_count is None and opts.time_range_s is None
+    assert opts.page == hooks.UNLIMITED_PAGE
+    assert OfflineOpts(max_returned_count=25).page == 25

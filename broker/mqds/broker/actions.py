@@ -362,9 +362,7 @@ class BrokerHooks:
         opts = rule.offline_opts
         assert opts is not None and rule.mode is not None  # every fetch rule has both
         include_qos0 = self.config.stores_qos0 if opts.include_qos0 is None else opts.include_qos0
-        request = OfflineFetch(
-            clientid, topic_filter, rule.mode, opts.max_returned_count, opts.time_range_s, include_qos0, "now"
-        )
+        request = OfflineFetch(clientid, topic_filter, rule.mode, opts.page, opts.time_range_s, include_qos0, "now")
         return await self.offline.fetch(request)
 
     async def session_unsubscribed(self, clientid: str, topic_filter: str) -> None:
@@ -498,7 +496,7 @@ class BrokerHooks:
 
 def _full_page(page: list[Message], fetch: Rule) -> bool:
     assert fetch.offline_opts is not None  # every fetch rule has them
-    return len(page) >= fetch.offline_opts.max_returned_count
+    return len(page) >= fetch.offline_opts.page
 
 
 def _acks(filters: Iterable[str], config: HookConfig, ack_rule: Rule) -> Iterable[tuple[str, Mode]]:

@@ -105,15 +105,25 @@ def parse_duration(value: object) -> float | None:
 class OfflineOpts:
     """How a fetch rule reads offline messages.
 
-    ``max_returned_count``: at most this many per subscription;
-    ``time_range_s``: only messages newer than that many seconds (None: any
-    age); ``include_qos0``: QoS 0 messages too (None: when the configuration
-    stores them, see :attr:`HookConfig.stores_qos0`).
+    ``max_returned_count``: at most this many per subscription at a time, the
+    rest page by page (None: ``infinity``, no limit: pages of
+    :data:`UNLIMITED_PAGE`); ``time_range_s``: only messages newer than that
+    many seconds (None: any age); ``include_qos0``: QoS 0 messages too (None:
+    when the configuration stores them, see :attr:`HookConfig.stores_qos0`).
     """
 
-    max_returned_count: int = 500
+    max_returned_count: int | None = 500
     time_range_s: float | None = None
     include_qos0: bool | None = None
+
+    @property
+    def page(self) -> int:
+        """How many messages one offline fetch asks for: the count, or a page of an unlimited one."""
+        return UNLIMITED_PAGE if self.max_returned_count is None else self.max_returned_count
+
+
+UNLIMITED_PAGE = 1_000
+"""The page of a fetch rule with ``max_returned_count = "infinity"``: every message comes, this many at a time."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +170,8 @@ class HookConfig:
     node: str | None = None
     keep_qos0: bool = False
     source: str = "<config>"
+    notes: tuple[str, ...] = ()
+    """What the file says that mqds accepts and does not use (the seeds' ``pool``), one line each."""
 
     def rules_for(self, hook: str, topic: str | None = None) -> list[Rule]:
         """The rules of ``hook`` that apply to ``topic``, in file order."""
@@ -197,7 +209,9 @@ class HookConfig:
 # -- loading -------------------------------------------------------------------
 
 _TOP_KEYS = ("node", "keep_qos0", "offline_opts", "rule", "rules")
-_RULE_KEYS = ("hook", "topic", "action", "offline_opts")
+_RULE_KEYS = ("hook", "topic", "action", "offline_opts", "pool")
+# Keys of the seeds' rules that mqds accepts and ignores, with why (a note when a file has them).
+_IGNORED_KEYS = {"pool": "mqds has one connection to the cluster (the client's), not pools"}
 _OFFLINE_KEYS = ("max_returned_count", "time_range", "include_qos0")
 
 
@@ -216,8 +230,12 @@ def _offline_opts(raw: object, base: OfflineOpts, where: str) -> OfflineOpts:
             f"known: {', '.join(_OFFLINE_KEYS)}"
         )
     count = raw.get("max_returned_count", base.max_returned_count)
-    if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
-        raise HookConfigError(f"{where}: offline_opts.max_returned_count must be a whole number above 0, not {count!r}")
+    if isinstance(count, str) and count.strip().lower() == "infinity":
+        count = None  # the seeds' word for no limit
+    elif isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+        raise HookConfigError(
+            f'{where}: offline_opts.max_returned_count must be a whole number above 0 or "infinity", not {count!r}'
+        )
     time_range_s = base.time_range_s
     if "time_range" in raw:
         try:
@@ -327,7 +345,13 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> HookConfi
     if not isinstance(raw_rules, list):
         raise HookConfigError(f"{source}: rules must be a list of tables ([[rule]] in TOML)")
     rules = tuple(_rule(raw, n, defaults, source) for n, raw in enumerate(raw_rules, start=1))
-    return HookConfig(rules=rules, node=node, keep_qos0=keep_qos0, source=source)
+    notes = tuple(
+        f"{source}: rule {n}: {key} {raw[key]!r} accepted and ignored: {why}"
+        for n, raw in enumerate(raw_rules, start=1)
+        for key, why in _IGNORED_KEYS.items()
+        if isinstance(raw, Mapping) and key in raw
+    )
+    return HookConfig(rules=rules, node=node, keep_qos0=keep_qos0, source=source, notes=notes)
 
 
 def load_config(path: str | os.PathLike[str]) -> HookConfig:

@@ -136,6 +136,8 @@ def run_broker(opts: argparse.Namespace) -> int:
         rules = load_config(opts.hooks) if opts.hooks else DEFAULT_RULES
     except HookConfigError as err:
         raise CommandError(str(err), EXIT_USAGE) from None
+    for note in rules.notes:
+        print(f"mqds broker: {note}", flush=True)
     config = broker_config(opts)
     logging.basicConfig(
         level=logging.INFO if opts.verbose else logging.WARNING,

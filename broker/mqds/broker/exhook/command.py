@@ -96,6 +96,8 @@ def run(opts: argparse.Namespace) -> int:
         config = load_config(opts.config)
     except HookConfigError as err:
         raise CommandError(str(err), EXIT_USAGE) from None
+    for note in config.notes:
+        print(f"mqds exhook: {note}", flush=True)
     if opts.ack_cache_size < 1:
         raise CommandError("--ack-cache-size must be at least 1", EXIT_USAGE)
     tls = _provider_tls(opts)
