@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -320,7 +320,7 @@ class StoreCall:
         self._put(None)
         self.call.cancel()
 
-    def failure(self, address: str, call_error: Any, failure: Exception) -> MqdsError:
+    def failure(self, address: str, call_error: Callable[[grpc.RpcError], MqdsError], failure: Exception) -> MqdsError:
         """What the stream ends with when reading its answers failed: the call's status, or (a bug) an
         unexpected error, logged, after which the call is cancelled."""
         if isinstance(failure, grpc.RpcError):

@@ -436,7 +436,7 @@ class ShardStorage:
                 lambda b: self._write(b, True, applied_index),
                 self._routes.clear,
             )
-            for cf in [self._db] + [gen.cf for gen in self._generations.by_number.values()]:
+            for cf in self._families():
                 cf.flush(False)
             return info
 
@@ -545,13 +545,17 @@ class ShardStorage:
             gen = self._generations.by_number.get(number)
             return None if gen is None else gen.cf
 
+    def _families(self) -> list[Rdict]:
+        """The database (its metadata family) and every generation's family; the caller holds the lock."""
+        return [self._db, *(gen.cf for gen in self._generations.by_number.values())]
+
     def _release_logs(self) -> None:
         """For the compaction thread: flush every family's memtable (not waited for), so write-ahead log
         files whose data was deleted can go; nothing once the shard closed."""
         with self._lock:
             if self._db is None:
                 return
-            for cf in [self._db] + [gen.cf for gen in self._generations.by_number.values()]:
+            for cf in self._families():
                 cf.flush(False)
 
     def _metadata_keys(self) -> int:
@@ -815,8 +819,7 @@ class ShardStorage:
     def flush(self, wait_s: float = 120) -> None:
         """Flush every memtable to disk and wait (bounded) for background compactions."""
         with self._lock:
-            cfs = [self._db] + [gen.cf for gen in self._generations.by_number.values()]
-            for cf in cfs:
+            for cf in self._families():
                 cf.flush()
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
