@@ -138,7 +138,8 @@ def test_a_node_steps_all_its_groups_on_the_scheduler_threads_alone(tmp_path: Pa
     """Seventeen groups, writes from eight threads: every write answered, no thread per group."""
     log = NodeLog(str(tmp_path / "wal"))
     scheduler = RaftScheduler(workers=1, long_workers=2)
-    before = {t.ident for t in threading.enumerate()}
+    # Thread objects, not idents: a thread that ends after this line frees its ident for a new one.
+    before = set(threading.enumerate())
     groups = lone_groups(tmp_path, log, scheduler, 17)
     for group in groups:
         group.start()
@@ -147,7 +148,7 @@ def test_a_node_steps_all_its_groups_on_the_scheduler_threads_alone(tmp_path: Pa
         while not all(g.is_leader for g in groups):
             assert time.monotonic() < deadline, "the groups did not lead"
             time.sleep(0.01)
-        new_threads = sorted(t.name for t in threading.enumerate() if t.ident not in before)
+        new_threads = sorted(t.name for t in threading.enumerate() if t not in before)
         assert new_threads == ["raft-long-0", "raft-long-1", "raft-pass-0"]
         results: list[Any] = []
 
