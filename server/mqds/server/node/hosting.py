@@ -111,6 +111,15 @@ class Hosting:
         """The vnode replicas hosted here, by shard (a copy)."""
         return sorted(list(self.vnodes.items()), key=lambda item: item[0])
 
+    def release_logs(self) -> None:
+        """The disk is past a limit: every replica hosted here flushes its memtables (so its RocksDB logs go), and
+        every group compacts its Raft log at its next cycle that may (so dead log segments go)."""
+        for _, vnode in self.hosted_vnodes():
+            with vnode.replica.reading() as storage:
+                storage.release_logs()
+        for _, group in self.groups():
+            group.compact_soon()
+
     def group_of(self, group: int) -> RaftGroup | None:
         """The group a Raft message is for (the router's lookup)."""
         return self._groups.get(group)
@@ -353,7 +362,7 @@ class Hosting:
                 return storage.meta_get(key) is not None
 
         def admit(body: bytes) -> None:
-            refusal = self.disk_usage.refusal if self.disk_usage is not None else None
+            refusal = self.disk_usage.admits() if self.disk_usage is not None else None
             if refusal is None:
                 return
             what = growth.adds(body, exists)

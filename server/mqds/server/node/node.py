@@ -140,6 +140,8 @@ class Node:
             config.disk_quota_bytes,
             config.disk_min_free_bytes,
             config.disk_check_interval_s,
+            logged=lambda: self.raft_log.bytes_written,
+            refusing=lambda: self.hosting.release_logs(),
         )
         self.peers = Peers(self.router)
         self.snapshots = Snapshots(self.peers, self.auth, self.metrics, self.data_dir.tmp)

@@ -65,7 +65,7 @@ from mqds.server.raft.snapshot import Manifest as Manifest
 from mqds.server.raft.snapshot import ManifestFiles
 from mqds.server.raft.snapshot import decode_manifest as decode_manifest
 from mqds.server.raft.snapshot import encode_manifest as encode_manifest
-from mqds.server.raft.timing import ElectionTimers, IdleLog, RaftTiming, raft_clock, syncobj_timers
+from mqds.server.raft.timing import IDLE_KEEP_BYTES, ElectionTimers, IdleLog, RaftTiming, raft_clock, syncobj_timers
 from mqds.server.raft.transfer import LeadershipTransfer
 
 log = logging.getLogger(__name__)
@@ -167,6 +167,8 @@ class RaftGroup:
         self._seen_leader: str | None = None
         self._seen_term = -1
         self._idle_log = IdleLog(self.timing.idle_compaction_s)
+        self._compaction_wanted = False
+        """``compact_soon`` asked for a compaction that has not run yet."""
         self._role = ROLE_FOLLOWER
         make_dirs(directory)
         self.journal = journal
@@ -602,8 +604,14 @@ class RaftGroup:
             return self.take_outgoing()
         return []
 
+    def compact_soon(self) -> None:
+        """Compact the log at the next cycle that may, whatever its size or age (the node's disk is past a limit:
+        the log's entries are in the replica's storage already, and a deleted message's stay in the log until then)."""
+        self._compaction_wanted = True
+        self.wake()
+
     def _idle_compaction_due(self) -> bool:
-        """Whether the log stopped growing long enough to compact (``IdleLog``).
+        """Whether the log stopped growing long enough to compact (``IdleLog``), or ``compact_soon`` asked.
 
         A leader waits until every follower has the whole log: one that was
         down would otherwise need a snapshot (a copy of the shard) where a few
@@ -612,6 +620,10 @@ class RaftGroup:
         last = self.last_log_index
         if self._role == ROLE_LEADER and any(self.match_index(str(n.id)) < last for n in self.raft.peers):
             return False
+        if self._compaction_wanted:
+            self._compaction_wanted = False
+            if self.journal.size_bytes > IDLE_KEEP_BYTES:
+                return True
         return self._idle_log.due(last, self.journal.size_bytes, raft_clock())
 
     def take_outgoing(self) -> list[Outgoing]:

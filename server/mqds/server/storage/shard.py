@@ -163,7 +163,7 @@ class ShardStorage:
         self._db = Rdict(path, engine.db_options(), column_families=cf_opts or None)
         self._meta_handle = self._db.get_column_family_handle("default")
         self._compactions = ShardCompactions(
-            shard, engine.compactions, self._compaction_family, self._metadata_keys, self._release_logs
+            shard, engine.compactions, self._compaction_family, self._metadata_keys, self.release_logs
         )
         """The compactions this shard waits for after deletes and expiry (``compaction.py``)."""
         self.trie = self._load(lts_threshold_top, lts_threshold, existing)
@@ -549,9 +549,9 @@ class ShardStorage:
         """The database (its metadata family) and every generation's family; the caller holds the lock."""
         return [self._db, *(gen.cf for gen in self._generations.by_number.values())]
 
-    def _release_logs(self) -> None:
-        """For the compaction thread: flush every family's memtable (not waited for), so write-ahead log
-        files whose data was deleted can go; nothing once the shard closed."""
+    def release_logs(self) -> None:
+        """Flush every family's memtable (not waited for), so that the write-ahead log files can go: after
+        deletes (the compaction thread), or on a node past its disk quota; nothing once the shard closed."""
         with self._lock:
             if self._db is None:
                 return
