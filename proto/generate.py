@@ -47,7 +47,16 @@ C_HEADERS: dict[pathlib.Path, tuple[str, dict[str, tuple[str, ...]]]] = {
     CLIENT_DIR / "mqds" / "client" / "core" / "wire_tags.h": (
         "_store_frames.c (pipelined writes, their answers) and _wire_columns.c (Next answers as columns)",
         {
-            "mqds.v1.Message": ("topic", "payload", "sender", "qos", "retain", "properties", "timestamp_us"),
+            "mqds.v1.Message": (
+                "topic",
+                "payload",
+                "sender",
+                "qos",
+                "retain",
+                "properties",
+                "timestamp_us",
+                "message_expiry_s",
+            ),
             "mqds.v1.UserProperty": ("key", "value"),
             "mqds.v1.StoreBatchRequest": ("messages", "sync", "producer_id", "sequence"),
             "mqds.v1.StoreStreamRequest": ("batch",),
@@ -58,9 +67,9 @@ C_HEADERS: dict[pathlib.Path, tuple[str, dict[str, tuple[str, ...]]]] = {
         },
     ),
     SERVER_DIR / "mqds" / "server" / "wire_tags.h": (
-        "_wire_native.c (read answers, the store path's field check)",
+        "_wire_native.c (read answers, the store path's field check, a stored message's expiry interval)",
         {
-            "mqds.v1.Message": ("timestamp_us",),
+            "mqds.v1.Message": ("timestamp_us", "message_expiry_s"),
             "mqds.v1.StoreBatchRequest": ("messages",),
         },
     ),

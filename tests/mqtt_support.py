@@ -20,7 +20,8 @@ from mqds.tools.waiting import wait_until
 class BrokerProcess:
     """`mqds broker` on a fixed port; restartable, so clients reconnect to the same address."""
 
-    def __init__(self, workdir: Path, endpoints: str, hooks: Path, node: str) -> None:
+    def __init__(self, workdir: Path, endpoints: str, hooks: Path | None, node: str) -> None:
+        """``hooks``: the rules file; None runs the built-in rules (``DEFAULT_RULES``)."""
         self.port = free_port()
         self.workdir = workdir
         self.args = [
@@ -30,8 +31,7 @@ class BrokerProcess:
             endpoints,
             "--listen",
             f"127.0.0.1:{self.port}",
-            "--hooks",
-            str(hooks),
+            *(["--hooks", str(hooks)] if hooks is not None else []),
             "--node",
             node,
             "--timeout",
@@ -93,7 +93,9 @@ class Mqtt:
         clean_session: bool,
         will: tuple[str, bytes] | None = None,
         max_inflight: int = 20,
+        manual_ack: bool = False,
     ) -> None:
+        """``manual_ack``: never acknowledge a message (no PUBACK/PUBREC): a client that fails on it."""
         self.clientid = clientid
         self.session_present: bool | None = None  # CONNACK's flag
         self.messages: queue.Queue[Received] = queue.Queue()
@@ -101,7 +103,9 @@ class Mqtt:
         self._acked: set[int] = set()
         self._granted: dict[int, list[int]] = {}  # SUBACK's codes, by message id
         self._suback = threading.Condition()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=clientid, clean_session=clean_session)
+        self.client = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2, client_id=clientid, clean_session=clean_session, manual_ack=manual_ack
+        )
         self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message
         self.client.on_subscribe = self._on_subscribe

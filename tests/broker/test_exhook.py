@@ -1,24 +1,29 @@
 """The EMQX ExHook provider against a real 3-node cluster: EMQX's hook calls replayed over gRPC, state checked in mqds.
 
-`mqds exhook` runs as a real process with deploy/hooks/redis-style.toml (queue
-delivery on queue/#, pubsub on pubsub/#), serving mutual TLS as EMQX's exhook
+`mqds exhook` runs as a real process with deploy/hooks/redis-style.toml and its
+mqds additions uncommented (queue delivery on queue/#, pubsub on pubsub/#,
+acknowledgements), serving mutual TLS as EMQX's exhook
 ssl option connects; a gRPC client with EMQX's client certificate plays EMQX,
 calling the hooks in the order EMQX does for a client's life, and callers
 without that certificate are refused. What the provider wrote
 is read back with the mqds client. The dispatcher itself is also driven
-in-process with the DynamoDB-style rules (QoS 0 stored, queue mode, a
-restarted dispatcher that has to look subscriptions up).
+in-process with the DynamoDB-style rules (queue mode, a restarted dispatcher
+that has to look subscriptions up). Acknowledgements survive a restart of the
+provider process, and deliveries count as acknowledgements with
+on_message_delivered.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +31,7 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
+from hook_files import write_with_mqds_additions
 from repo_paths import ROOT
 from tls_certs import TestCA
 
@@ -33,7 +39,7 @@ from mqds.broker.actions import BrokerHooks
 from mqds.broker.exhook.provider import HookProvider
 from mqds.broker.exhook.v3 import exhook_pb2 as pb
 from mqds.broker.exhook.v3 import exhook_pb2_grpc as pb_grpc
-from mqds.broker.hooks import load_config
+from mqds.broker.hooks import load_config, parse_config
 from mqds.client import Client, Message, aio
 from mqds.tools.local_cluster import LocalCluster
 from mqds.tools.ports import free_port
@@ -102,16 +108,26 @@ def tls_channel(address: str, ca: TestCA, client: TestCA | None, name: str = "em
 
 @pytest.fixture(scope="module")
 def provider(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Provider]:
+    folder = tmp_path_factory.mktemp("exhook")
+    rules = write_with_mqds_additions(EXAMPLES / "redis-style.toml", folder)
+    with running_provider(cluster, rules, folder) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def running_provider(cluster: LocalCluster, rules: Path, folder: Path) -> Iterator[Provider]:
+    """A `mqds exhook` process with ``rules``, its certificates and log in ``folder``; killed if still running."""
     address = f"127.0.0.1:{free_port()}"
-    certs = tmp_path_factory.mktemp("exhook-certs")
+    certs = folder / "certs"
+    certs.mkdir(parents=True, exist_ok=True)
     # One CA issues the provider's certificate and EMQX's client certificate (as cert-manager would).
     ca = TestCA(certs / "ca")
     served = ca.issue("mqds-exhook")
-    stderr = open(tmp_path_factory.mktemp("exhook-log") / "stderr.log", "w+")  # noqa: SIM115 (closed below)
+    stderr = open(folder / "stderr.log", "w+")  # noqa: SIM115 (closed below)
     process = subprocess.Popen(
         [
             *(MQDS, "--endpoints", ",".join(cluster.addresses), "exhook"),
-            *("--config", str(EXAMPLES / "redis-style.toml"), "--listen", address, "--verbose"),
+            *("--config", str(rules), "--listen", address, "--verbose"),
             *("--server-cert", str(served.cert_file), "--server-key", str(served.key_file)),
             *("--client-ca", str(ca.file)),
         ],
@@ -138,6 +154,7 @@ def provider(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) ->
             process.wait(timeout=10)
         stderr.seek(0)
         assert "Traceback" not in stderr.read()
+        stderr.close()
         stderr.close()
 
 
@@ -340,6 +357,18 @@ def test_malformed_requests_get_clear_errors_and_the_provider_goes_on(provider: 
         ),
         (lambda: stub.OnMessagePublish(pb.MessagePublishRequest(), timeout=CALL_TIMEOUT_S), "message is missing"),
         (
+            lambda: stub.OnMessageDelivered(
+                pb.MessageDeliveredRequest(clientinfo=info("sub-x")), timeout=CALL_TIMEOUT_S
+            ),
+            "message is missing",
+        ),
+        (
+            lambda: stub.OnMessageAcked(
+                pb.MessageAckedRequest(message=emqx_message("x3", "queue/a", b"p")), timeout=CALL_TIMEOUT_S
+            ),
+            "clientid is empty",
+        ),
+        (
             lambda: stub.OnSessionSubscribed(
                 pb.SessionSubscribedRequest(clientinfo=info("sub-x"), topic="a/#/b"), timeout=CALL_TIMEOUT_S
             ),
@@ -406,9 +435,16 @@ def test_ctrl_c_prints_what_was_handled(provider: Provider) -> None:
     # Publishes: 9 in the lifecycle, 3 refused and 1 more after them (the undecodable bytes never reach it),
     # 1 after the forgeries (which never reached it either).
     assert calls["OnMessagePublish"] == 14 and errors["OnMessagePublish"] == 3
-    assert calls["OnMessageAcked"] == 3 and calls["OnClientConnected"] == 5 and errors["OnClientConnected"] == 1
-    assert errors == {"OnClientConnect": 1, "OnClientConnected": 1, "OnMessagePublish": 3, "OnSessionSubscribed": 2}
-    assert calls["OnClientConnect"] == 4 and calls["OnMessageDelivered"] == 2
+    assert calls["OnMessageAcked"] == 4 and calls["OnClientConnected"] == 5 and errors["OnClientConnected"] == 1
+    assert errors == {
+        "OnClientConnect": 1,
+        "OnClientConnected": 1,
+        "OnMessageAcked": 1,
+        "OnMessageDelivered": 1,
+        "OnMessagePublish": 3,
+        "OnSessionSubscribed": 2,
+    }
+    assert calls["OnClientConnect"] == 4 and calls["OnMessageDelivered"] == 3
     assert {name: done.get(name) for name in ("stored", "retained", "retained deleted", "acked")} == {
         "stored": 10,  # QoS 1/2 only: the QoS 0 message was not kept
         "retained": 2,
@@ -427,9 +463,10 @@ def run(coro: Coroutine[Any, Any, T], timeout_s: float = 60) -> T:
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
-def test_dispatcher_with_dynamodb_rules(cluster: LocalCluster, mqds: Client) -> None:
-    """Queue delivery with QoS 0 kept, shared subscriptions, and acknowledgements after a dispatcher restart."""
-    config = load_config(EXAMPLES / "dynamodb-style.toml")
+def test_dispatcher_with_dynamodb_rules(cluster: LocalCluster, mqds: Client, tmp_path: Path) -> None:
+    """Queue delivery, shared subscriptions, and acknowledgements after a dispatcher restart (the DynamoDB
+    seed's rules, with the mqds additions that store subscriptions for its session.created lookup)."""
+    config = load_config(write_with_mqds_additions(EXAMPLES / "dynamodb-style.toml", tmp_path))
 
     async def scenario() -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -440,10 +477,14 @@ def test_dispatcher_with_dynamodb_rules(cluster: LocalCluster, mqds: Client) -> 
             first = await hooks.session_subscribed("worker-1", "$share/pool/dyn/jobs/+", 1)
             out["first"] = first
             stored = [
-                await hooks.message_publish(Message(topic=f"dyn/jobs/{n}", payload=f"job{n}".encode(), sender="p"))
+                await hooks.message_publish(
+                    Message(topic=f"dyn/jobs/{n}", payload=f"job{n}".encode(), sender="p", qos=1)
+                )
                 for n in range(3)
             ]
             out["stored"] = stored
+            # The seed's on_message_publish keeps QoS 1/2 only (its on_message_store line is commented out).
+            out["qos0"] = await hooks.message_publish(Message(topic="dyn/jobs/9", payload=b"qos0", sender="p"))
             out["retained_publish"] = await hooks.message_publish(
                 Message(topic="dyn/state", payload=b"up", sender="p", qos=1, retain=True)
             )
@@ -463,9 +504,9 @@ def test_dispatcher_with_dynamodb_rules(cluster: LocalCluster, mqds: Client) -> 
 
     got = run(scenario())
     assert got["first"].messages == [] and got["first"].modes == {"dyn/jobs/+": "queue"}
-    # on_message_store keeps QoS 0 messages, and the queue fetch includes them.
-    assert [m.qos for m in got["stored"]] == [0, 0, 0] and all(m.shard is not None for m in got["stored"])
-    assert got["retained_publish"] is not None  # stored too: on_message_store keeps every message
+    assert [m.qos for m in got["stored"]] == [1, 1, 1] and all(m.shard is not None for m in got["stored"])
+    assert got["qos0"] is None  # not stored, so never fetched offline
+    assert got["retained_publish"] is not None  # QoS 1: stored too
     assert payloads(got["after_ack"]) == [b"job1", b"job2"]
     assert got["known"] == {"dyn/jobs/+": 1}
     second = got["second"]
@@ -600,3 +641,110 @@ def test_mqds_exhook_refuses_what_it_cannot_serve(cluster: LocalCluster, tmp_pat
     assert f"cannot reach the mqds cluster at {nobody}" in insecure.stderr
     missing_key = exhook("exhook", "--config", config, "--server-cert", str(issued.cert_file))
     assert missing_key.returncode == 2 and "--server-cert and --server-key go together" in missing_key.stderr
+
+
+def test_acknowledgements_after_a_provider_restart(cluster: LocalCluster, mqds: Client, tmp_path: Path) -> None:
+    """EMQX acknowledges through a new `mqds exhook` process messages the one before it stored: the id ->
+    position records are in mqds, so the read position moves (it used to be an in-memory map: skipped)."""
+    rules = write_with_mqds_additions(EXAMPLES / "redis-style.toml", tmp_path)
+    ids = [uuid.uuid4().hex for _ in range(4)]  # EMQX's ids: its GUIDs in hex
+    sent = [emqx_message(ids[n], "pubsub/restart/a", f"r{n}".encode()) for n in range(3)]
+    sent.append(emqx_message(ids[3], "queue/restart", b"q0"))
+    with running_provider(cluster, rules, tmp_path / "first") as first:
+        first.stub.OnClientConnected(pb.ClientConnectedRequest(clientinfo=info("restart-sub")), timeout=CALL_TIMEOUT_S)
+        for name in ("pubsub/restart/#", "queue/restart"):
+            first.stub.OnSessionSubscribed(
+                pb.SessionSubscribedRequest(clientinfo=info("restart-sub"), topic=name, subopts=pb.SubOpts(qos=1)),
+                timeout=CALL_TIMEOUT_S,
+            )
+        for message in sent:
+            publish(first, message)
+        # EMQX delivers them; r0 is acknowledged before the provider goes.
+        first.stub.OnMessageAcked(
+            pb.MessageAckedRequest(clientinfo=info("restart-sub"), message=sent[0]), timeout=CALL_TIMEOUT_S
+        )
+        assert first.stop()[0] == 0
+    assert payloads(mqds.fetch_offline("restart-sub", "pubsub/restart/#")) == [b"r1", b"r2"]
+    # The records: one per stored message, replicated and expiring, under a $-topic no "#" subscriber matches.
+    stored = {m.payload: m for m in mqds.replay("pubsub/restart/#")} | {m.payload: m for m in mqds.replay("queue/#")}
+    records = {m.topic.rsplit("/", 1)[1]: m for m in mqds.retained("$mqds/exhook/positions/+")}
+    for message in sent:
+        copy = stored[message.payload]
+        assert records[message.id].payload == f"{copy.shard} {copy.timestamp_us}".encode()
+        assert 0 < records[message.id].message_expiry_s <= 86_400
+    assert not [m for m in mqds.retained("#") if m.topic.startswith("$mqds/")]
+
+    with running_provider(cluster, rules, tmp_path / "second") as second:
+        for message in (sent[1], sent[3]):
+            second.stub.OnMessageAcked(
+                pb.MessageAckedRequest(clientinfo=info("restart-sub"), message=message), timeout=CALL_TIMEOUT_S
+            )
+        # An id no provider stored is still counted and skipped.
+        unknown = emqx_message(uuid.uuid4().hex, "pubsub/restart/a", b"never stored")
+        second.stub.OnMessageAcked(
+            pb.MessageAckedRequest(clientinfo=info("restart-sub"), message=unknown), timeout=CALL_TIMEOUT_S
+        )
+        code, printed = second.stop()
+    assert code == 0
+    # The read position moved past r1, and the queue message is gone for every reader.
+    assert payloads(mqds.fetch_offline("restart-sub", "pubsub/restart/#")) == [b"r2"]
+    assert mqds.fetch_offline("someone-else", "queue/restart", mode="queue") == []
+    done = dict(
+        (what.strip(), int(n)) for what, n in (part.rsplit(" ", 1) for part in _line(printed, "done: ").split(", "))
+    )
+    assert done["ack positions read"] == 2 and done["acks of unknown messages"] == 1 and done["acked"] == 2
+
+
+def _line(printed: str, start: str) -> str:
+    return next(line.strip()[len(start) :] for line in printed.splitlines() if line.strip().startswith(start))
+
+
+def test_deliveries_count_as_acknowledgements_with_on_message_delivered(cluster: LocalCluster, mqds: Client) -> None:
+    """message.delivered with on_message_delivered: each delivery moves the read position (QoS 0 too, which no
+    PUBACK acknowledges), also in a provider started after the message was stored."""
+    config = parse_config(
+        {
+            "rule": [
+                {"hook": "message.publish", "topic": "deliv/#", "action": "on_message_store"},
+                {"hook": "session.subscribed", "topic": "deliv/#", "action": "on_message_fetch"},
+                # A provider that restarts finds the client's filters in mqds.
+                {"hook": "session.subscribed", "topic": "deliv/#", "action": "on_subscription_store"},
+                {"hook": "message.delivered", "topic": "deliv/#", "action": "on_message_delivered"},
+            ]
+        }
+    )
+    sent = [emqx_message(uuid.uuid4().hex, "deliv/a", f"d{n}".encode(), qos=0) for n in range(3)]
+
+    def delivered(message: pb.Message) -> pb.MessageDeliveredRequest:
+        return pb.MessageDeliveredRequest(clientinfo=info("deliv-sub"), message=message)
+
+    async def scenario() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with aio.Client(cluster.addresses, timeout_s=CALL_TIMEOUT_S) as client:
+            first = HookProvider(BrokerHooks(client, config, node="emqx-1"))
+            out["needed"] = first.hooks.needed_hooks()
+            subscribe = pb.SessionSubscribedRequest(
+                clientinfo=info("deliv-sub"), topic="deliv/#", subopts=pb.SubOpts(qos=0)
+            )
+            await first.OnSessionSubscribed(subscribe, _Context())
+            for message in sent:
+                await first.OnMessagePublish(pb.MessagePublishRequest(message=message), _Context())
+            await first.OnMessageDelivered(delivered(sent[0]), _Context())
+            out["after_first"] = await client.fetch_offline("deliv-sub", "deliv/#", include_qos0=True)
+            # Another provider (a restart): it knows neither the ids nor the client's filters.
+            second = HookProvider(BrokerHooks(client, config, node="emqx-1"))
+            await second.OnMessageDelivered(delivered(sent[1]), _Context())
+            out["after_second"] = await client.fetch_offline("deliv-sub", "deliv/#", include_qos0=True)
+            # Ids that are no EMQX id (a topic's wildcards, 100,000 characters) resolve to nothing: counted.
+            for hostile in ("x/#/+", "a" * 100_000):
+                message = emqx_message(hostile, "deliv/a", b"d0", qos=0)
+                await second.OnMessageDelivered(delivered(message), _Context())
+            out["stats"] = second.hooks.stats + second.stats + second.positions.stats
+        return out
+
+    got = run(scenario())
+    assert got["needed"]["message.delivered"] == ["deliv/#"]
+    assert payloads(got["after_first"]) == [b"d1", b"d2"]
+    assert payloads(got["after_second"]) == [b"d2"]
+    assert got["stats"]["acked_on_delivery"] == 1 and got["stats"]["ack_positions_read"] == 1
+    assert got["stats"]["deliveries_of_unknown_messages"] == 2

@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hook_files import write_with_mqds_additions
 from repo_paths import ROOT
 
-from mqds.broker import hooks, subscriptions
+from mqds.broker import hooks, seedconf, subscriptions
 from mqds.broker.actions import BrokerHooks, real_filter
 from mqds.broker.hooks import ACTIONS, HOOKS, HookConfigError, OfflineOpts, load_config, parse_config, parse_duration
 from mqds.client import aio
@@ -146,23 +147,30 @@ def test_the_seed_actions_are_all_supported() -> None:
     assert seeds <= set(ACTIONS)
 
 
-def test_redis_style_example() -> None:
+def test_redis_style_example(tmp_path: Path) -> None:
     config = load_config(EXAMPLES / "redis-style.toml")
     queue, pubsub = config.fetch_rule("queue/jobs"), config.fetch_rule("pubsub/news/#")
     assert queue is not None and queue.mode == "queue"
     assert pubsub is not None and pubsub.mode == "pubsub"
     assert config.fetch_rule("other/topic") is None
-    acked = {r.topic: r.mode for r in config.rules if r.hook == "message.acked"}
-    assert acked == {"queue/#": "queue", "pubsub/#": "pubsub"}
+    # The Redis guide lists no acknowledgement, unsubscribe or retained-lookup line: neither does the file.
+    assert config.hooks == ["client.connected", "client.disconnected", "session.subscribed", "message.publish"]
     assert [r.action for r in config.rules_for("client.connected")] == ["on_client_connected", "on_subscribe_lookup"]
     assert not config.stores_qos0
+    # Its mqds additions, uncommented, acknowledge in each fetch rule's mode.
+    added = load_config(write_with_mqds_additions(EXAMPLES / "redis-style.toml", tmp_path))
+    assert added.rules[: len(config.rules)] == config.rules
+    acked = {r.topic: r.mode for r in added.rules if r.hook == "message.acked"}
+    assert acked == {"queue/#": "queue", "pubsub/#": "pubsub"}
 
 
 def test_cassandra_style_example() -> None:
     config = load_config(EXAMPLES / "cassandra-style.yaml")
     fetch = config.fetch_rule("a/b")
     assert fetch is not None and fetch.action == "on_message_fetch" and fetch.mode == "pubsub"
-    assert fetch.offline_opts == OfflineOpts(max_returned_count=500, time_range_s=7200.0)
+    # The seed comments its max_returned_count and time_range out: any age, page by page.
+    assert fetch.offline_opts == OfflineOpts()
+    assert fetch.offline_opts.time_range_s is None
     assert "on_subscription_lookup" in [r.action for r in config.rules_for("client.connected")]
     assert {r.action for r in config.rules_for("message.publish", "x")} == {
         "on_message_publish",
@@ -170,16 +178,23 @@ def test_cassandra_style_example() -> None:
         "on_retain_delete",
     }
     assert [r.mode for r in config.rules_for("message.acked", "x")] == ["pubsub"]
+    # The seed's CQL unsubscribe line deletes the acked record: on_acked_delete.
+    assert [r.action for r in config.rules_for("session.unsubscribed", "x")] == ["on_acked_delete"]
 
 
 def test_dynamodb_style_example() -> None:
     config = load_config(EXAMPLES / "dynamodb-style.toml")
     assert [r.action for r in config.rules_for("session.created")] == ["on_subscribe_lookup"]
     assert config.rules_for("client.connected")[0].action == "on_client_connected"
-    assert config.stores_qos0  # on_message_store
+    # The seed stores with on_message_publish (QoS 1/2) and leaves on_message_store commented out.
+    assert [r.action for r in config.rules_for("message.publish", "x")] == [
+        "on_message_publish",
+        "on_message_retain",
+        "on_retain_delete",
+    ]
+    assert not config.stores_qos0
     fetch = config.fetch_rule("anything")
-    assert fetch is not None and fetch.mode == "queue" and fetch.offline_opts is not None
-    assert fetch.offline_opts.time_range_s == 86400.0
+    assert fetch is not None and fetch.mode == "queue" and fetch.offline_opts == OfflineOpts()
     assert [r.mode for r in config.rules_for("message.acked", "x")] == ["queue"]
 
 
@@ -193,10 +208,17 @@ def test_needed_hooks_add_what_acknowledgements_rely_on() -> None:
         "session.unsubscribed": [],
         "message.acked": ["pubsub/#"],
     }
+    delivered = parse_config(rule(hook="message.delivered", topic="q/#", action="on_message_delivered"))
+    assert BrokerHooks(client, delivered).needed_hooks() == {
+        "client.disconnected": [],
+        "session.subscribed": [],
+        "session.unsubscribed": [],
+        "message.delivered": ["q/#"],
+    }
     redis = BrokerHooks(client, load_config(EXAMPLES / "redis-style.toml"))
     needed = redis.needed_hooks()
-    assert needed["message.publish"] == ["#"] and needed["message.acked"] == ["queue/#", "pubsub/#"]
-    assert "session.created" not in needed
+    assert needed["message.publish"] == ["#"] and "message.acked" not in needed
+    assert "session.created" not in needed and "session.unsubscribed" not in needed
 
 
 def test_durations() -> None:
@@ -220,7 +242,7 @@ def test_shared_subscription_filters() -> None:
             real_filter(bad)
 
 
-@pytest.mark.parametrize("module", [hooks, subscriptions], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [hooks, seedconf, subscriptions], ids=lambda m: m.__name__)
 def test_doctests_pass(module: Any) -> None:
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
@@ -240,7 +262,12 @@ BAD_RULES: list[tuple[dict[str, Any], str]] = [
         {"hook": "client.connectd", "action": "on_client_connected"},
         r"'client\.connectd' is not a hook \(did you mean 'client\.connected'\?\)",
     ),
-    ({"hook": "message.delivered", "action": "on_message_publish"}, r"'message\.delivered' has no persistence actions"),
+    ({"hook": "message.dropped", "action": "on_message_publish"}, r"'message\.dropped' has no persistence actions"),
+    (
+        {"hook": "message.delivered", "action": "on_message_acked"},
+        "on_message_acked does not run on message.delivered; it runs on message.acked. Actions of message.delivered: "
+        "on_message_delivered",
+    ),
     ({"action": "on_message_publish"}, "hook is missing"),
     ({"hook": "message.publish"}, "action is missing; actions of message.publish: on_message_publish"),
     (
@@ -313,7 +340,7 @@ def test_bad_files_are_refused_with_the_file(data: Any, expected: str) -> None:
 
 def test_unreadable_files_are_refused(tmp_path: Path) -> None:
     cases = [
-        (write(tmp_path, "hooks.json", "{}"), "unknown configuration format '.json'; use .toml or .yaml"),
+        (write(tmp_path, "hooks.json", "{}"), "unknown configuration format '.json'; use .toml, .yaml or .conf"),
         (tmp_path / "missing.toml", "cannot read: No such file or directory"),
         (write(tmp_path, "broken.toml", "[[rule]\nhook = 1"), "not valid TOML"),
         (write(tmp_path, "broken.yaml", "rules: [\n  - hook: a\n"), "not valid YAML"),

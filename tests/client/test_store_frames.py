@@ -34,15 +34,23 @@ messages = st.builds(
     qos=st.integers(-1, 3),
     retain=st.booleans(),
     properties=properties,
+    # MQTT 5's Message Expiry Interval: mostly none, any four-byte value, and ones out of its range.
+    message_expiry_s=st.one_of(st.just(0), st.integers(0, 2**32 - 1), st.sampled_from([-1, 2**32, 2**64])),
 )
 
 
 def python_encoding(m: Message) -> bytes:
-    return encode_message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties)
+    return encode_message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, m.message_expiry_s)
 
 
 def problem(m: Message) -> rules.Problem | None:
-    return rules.message_problem(m.topic, m.payload, m.sender, m.qos, m.properties)
+    found = rules.message_problem(m.topic, m.payload, m.sender, m.qos, m.properties)
+    if found is None and not 0 <= m.message_expiry_s <= 2**32 - 1:
+        return (
+            E.Reason.INVALID_MESSAGE,
+            f"message_expiry_s must be 0 to 4,294,967,295 seconds, got {m.message_expiry_s}",
+        )
+    return found
 
 
 @needs_native
@@ -76,6 +84,7 @@ def test_a_frame_is_the_bytes_of_the_python_encoder_and_parses_as_the_batch(
     assert frame == store_stream_frame([python_encoding(m) for m in good], producer, sequence)
     parsed = pb.StoreStreamRequest.FromString(frame).batch
     assert [m.payload for m in parsed.messages] == [m.payload for m in good]
+    assert [m.message_expiry_s for m in parsed.messages] == [m.message_expiry_s for m in good]
     assert (parsed.producer_id, parsed.sequence, parsed.sync) == (producer, sequence, True)
 
 

@@ -196,7 +196,7 @@ def compose_mounts(svc: dict[str, Any], named: Path, files: dict[str, Path]) -> 
         else:
             assert volume["type"] == "bind", volume
             source, target = volume["source"], volume["target"]
-        if source.startswith("./"):
+        if source.startswith((".", "/")):  # a path (compose's rule): a bind mount, relative to the compose file
             mounts[target] = files.get(source, (DEPLOY / source).resolve())
         else:
             mounts[target] = named / source

@@ -31,6 +31,13 @@ def test_a_message_encodes_to_the_bytes_protobuf_writes(m: tuple) -> None:
     assert encode_message(*m) == as_pb(m).SerializeToString()
 
 
+@given(messages, st.integers(0, 2**32 - 1))
+def test_a_message_with_an_expiry_interval_encodes_to_the_bytes_protobuf_writes(m: tuple, expiry_s: int) -> None:
+    expected = as_pb(m)
+    expected.message_expiry_s = expiry_s
+    assert encode_message(*m, expiry_s) == expected.SerializeToString()
+
+
 @given(st.lists(messages, max_size=5), st.text(max_size=200), st.integers(0, 2**64 - 1))
 def test_a_stream_frame_parses_as_the_batch_it_carries(batch: list, producer: str, sequence: int) -> None:
     frame = pb.StoreStreamRequest.FromString(

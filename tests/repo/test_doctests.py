@@ -9,7 +9,7 @@ import pytest
 
 from mqds.chaos.faultfs import extents
 from mqds.client.core import retry, routing_table
-from mqds.protocol import messages, sharding, topics
+from mqds.protocol import delivery, messages, sharding, topics
 from mqds.server import config
 from mqds.server.cluster import placement
 from mqds.server.config import units
@@ -18,6 +18,7 @@ from mqds.server.storage import iterators, keys, trie
 
 MODULES = [
     topics,
+    delivery,
     messages,
     sharding,
     keys,

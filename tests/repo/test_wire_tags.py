@@ -36,6 +36,7 @@ TAGS: dict[ModuleType, dict[str, tuple[Any, str]]] = {
         "MESSAGE_QOS_TAG": (pb.Message, "qos"),
         "MESSAGE_RETAIN_TAG": (pb.Message, "retain"),
         "MESSAGE_PROPERTIES_TAG": (pb.Message, "properties"),
+        "MESSAGE_MESSAGE_EXPIRY_S_TAG": (pb.Message, "message_expiry_s"),
         "USER_PROPERTY_KEY_TAG": (pb.UserProperty, "key"),
         "USER_PROPERTY_VALUE_TAG": (pb.UserProperty, "value"),
         "STORE_BATCH_REQUEST_MESSAGES_TAG": (pb.StoreBatchRequest, "messages"),
@@ -48,6 +49,7 @@ TAGS: dict[ModuleType, dict[str, tuple[Any, str]]] = {
     server_wire: {
         "MESSAGE_TIMESTAMP_US_TAG": (pb.Message, "timestamp_us"),
         "MESSAGE_SHARD_TAG": (pb.Message, "shard"),
+        "MESSAGE_MESSAGE_EXPIRY_S_TAG": (pb.Message, "message_expiry_s"),
         "NEXT_RESPONSE_MESSAGES_TAG": (pb.NextResponse, "messages"),
         "NEXT_RESPONSE_ITERATOR_TAG": (pb.NextResponse, "iterator"),
         "NEXT_RESPONSE_END_OF_STREAM_TAG": (pb.NextResponse, "end_of_stream"),

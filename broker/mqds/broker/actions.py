@@ -61,6 +61,7 @@ from mqds.broker.subscriptions import Delivery, check_clientid, check_qos, real_
 from mqds.client import aio
 from mqds.client.core.offline import OfflineFetch
 from mqds.client.model import Message
+from mqds.protocol.delivery import Policy
 from mqds.protocol.errors import PartialBatchError
 from mqds.protocol.topics import matches, validate_filter, validate_topic
 
@@ -92,6 +93,7 @@ class BrokerHooks:
         *,
         max_clients: int = DEFAULT_MAX_CLIENTS,
         offline_window_s: float = DEFAULT_WINDOW_S,
+        redelivery: Policy | None = None,
     ) -> None:
         if max_clients < 1:
             raise ValueError("max_clients must be at least 1")
@@ -100,6 +102,9 @@ class BrokerHooks:
         self.config = config
         self.node = node or config.node
         self.max_clients = max_clients
+        self.redelivery = redelivery
+        """Queue subscriptions' redelivery policy: with one, their offline messages come from ``Client.deliver``
+        (counted deliveries, an ack wait, a dead-letter topic; see ``message_nacked``); None: plain queue fetches."""
         self.stats: collections.Counter[str] = collections.Counter()
         self._records_acks = any(rule.kind == "ack" for rule in config.rules)
         # clientid -> real filter -> QoS, least recently used first.
@@ -116,7 +121,7 @@ class BrokerHooks:
         filters those itself, e.g. EMQX by ``HookSpec.topics``).
         """
         hooks = set(self.config.hooks)
-        if "message.acked" in hooks:
+        if hooks & {"message.acked", "message.delivered"}:
             hooks |= {"session.subscribed", "session.unsubscribed", "client.disconnected"}
         return {
             hook: self.config.topics_for(hook) if hook.startswith("message.") else [] for hook in HOOKS if hook in hooks
@@ -362,8 +367,39 @@ class BrokerHooks:
         opts = rule.offline_opts
         assert opts is not None and rule.mode is not None  # every fetch rule has both
         include_qos0 = self.config.stores_qos0 if opts.include_qos0 is None else opts.include_qos0
+        if rule.mode == "queue" and self.redelivery is not None:
+            # The cluster counts each delivery to this reader and redelivers what it does not acknowledge
+            # (time_range_s does not apply: a queue reader gets the whole backlog).
+            done = await self.client.deliver(
+                clientid, topic_filter, self.redelivery, opts.page, queue=True, include_qos0=include_qos0
+            )
+            self.stats["redelivered"] += sum(1 for count in done.deliveries if count > 1)
+            self.stats["dead_lettered"] += done.dead_lettered
+            return done.messages
         request = OfflineFetch(clientid, topic_filter, rule.mode, opts.page, opts.time_range_s, include_qos0, "now")
         return await self.offline.fetch(request)
+
+    async def message_nacked(self, clientid: str, message: Message, *, sent: bool = True) -> None:
+        """The broker could not deliver ``message`` to the client: its connection closed before the PUBACK
+        (``sent``) or before the message was sent.
+
+        With a redelivery policy, each of the client's queue filters that
+        matches the topic gives the delivery back (``Client.nack``): due again
+        at once, so the client's next connection gets it without waiting for
+        the ack wait; a message never sent does not count as delivered.
+        Otherwise nothing to do: an unacknowledged queue message comes again
+        anyway.
+        """
+        check_clientid(clientid)
+        if self.redelivery is None or message.shard is None or message.timestamp_us is None:
+            return
+        queued = [
+            f
+            for f in await self._filters_of(clientid)
+            if matches(f, message.topic) and (rule := self.config.fetch_rule(f)) is not None and rule.mode == "queue"
+        ]
+        await asyncio.gather(*(self.client.nack(clientid, f, message, received=sent) for f in queued))
+        self.stats["nacked"] += len(queued)
 
     async def session_unsubscribed(self, clientid: str, topic_filter: str) -> None:
         """Run the ``session.unsubscribed`` rules: forget the read position, delete the stored subscription."""
@@ -476,13 +512,27 @@ class BrokerHooks:
         documentation); a queue message is removed once, whichever filters
         match.
         """
+        await self._acknowledge("message.acked", clientid, message, "acked")
+
+    async def message_delivered(self, clientid: str, message: Message) -> None:
+        """Run the ``message.delivered`` rules: the broker sent ``message`` to the client (QoS 0 too).
+
+        ``on_message_delivered`` counts the delivery as the acknowledgement,
+        as ``message_acked`` records one (at most once: what the client then
+        loses is not sent again); a QoS 0 subscription, which sends no
+        PUBACK, moves its read position this way. ``message`` must carry its
+        stored position, as for ``message_acked``.
+        """
+        await self._acknowledge("message.delivered", clientid, message, "acked_on_delivery")
+
+    async def _acknowledge(self, hook: str, clientid: str, message: Message, counted: str) -> None:
         check_clientid(clientid)
         if message.shard is None or message.timestamp_us is None:
             raise ValueError(
-                "message_acked needs the message's stored position (shard and timestamp_us), "
+                f"{hook} needs the message's stored position (shard and timestamp_us), "
                 "as message_publish or session_subscribed returned it"
             )
-        rules = [rule for rule in self.config.rules_for("message.acked", message.topic) if rule.kind == "ack"]
+        rules = [rule for rule in self.config.rules_for(hook, message.topic) if rule.kind == "ack"]
         if not rules:
             return
         filters = [f for f in await self._filters_of(clientid) if matches(f, message.topic)]
@@ -491,7 +541,12 @@ class BrokerHooks:
             return
         acks = list(_acks(filters, self.config, rules[0]))
         await asyncio.gather(*(self.client.ack(clientid, f, message, mode=mode) for f, mode in acks))
-        self.stats["acked"] += len(acks)
+        self.stats[counted] += len(acks)
+
+    @property
+    def records_acks(self) -> bool:
+        """Whether some rule records acknowledgements (``message.acked``, or deliveries as acknowledgements)."""
+        return self._records_acks
 
 
 def _full_page(page: list[Message], fetch: Rule) -> bool:

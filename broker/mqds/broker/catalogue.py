@@ -38,12 +38,15 @@ HOOKS: dict[str, str] = {
     "session.subscribed": "a subscription was added to a session (one call per topic filter)",
     "session.unsubscribed": "a subscription was removed from a session",
     "message.publish": "a message was published (before it is routed to subscribers)",
+    "message.delivered": "the broker sent a message to a subscriber (before any PUBACK; QoS 0 too)",
     "message.acked": "a subscriber acknowledged a QoS 1/2 message (PUBACK, PUBCOMP)",
 }
 """The hooks rules may name, with when the broker runs them."""
 
 # Hooks whose topic is a message topic or a subscription filter; the others have none.
-TOPIC_HOOKS = frozenset({"session.subscribed", "session.unsubscribed", "message.publish", "message.acked"})
+TOPIC_HOOKS = frozenset(
+    {"session.subscribed", "session.unsubscribed", "message.publish", "message.delivered", "message.acked"}
+)
 
 # EMQX hook points that exist but have no persistence action, for a clearer error.
 OTHER_BROKER_HOOKS = frozenset(
@@ -60,7 +63,6 @@ OTHER_BROKER_HOOKS = frozenset(
         "session.takenover",
         "session.takeovered",
         "session.terminated",
-        "message.delivered",
         "message.dropped",
     }
 )
@@ -156,6 +158,14 @@ ACTIONS: dict[str, ActionSpec] = {
         "ack",
         "removes the acknowledged message from the queue, for every subscriber (queue)",
         mode="queue",
+    ),
+    "on_message_delivered": ActionSpec(
+        frozenset({"message.delivered"}),
+        "ack",
+        "counts the delivery as the acknowledgement (at most once): the read position of each of the client's "
+        "subscriptions matching the message moves past it, or a queue message is removed, when the broker sends "
+        "it; how a QoS 0 subscription, which never sends PUBACK, moves (mqds addition: the Cassandra seed lists "
+        "message.delivered for raw CQL only)",
     ),
     "on_acked_delete": ActionSpec(
         frozenset({"session.unsubscribed"}),

@@ -7,8 +7,9 @@ Redis, Cassandra and DynamoDB persistence backends (``hook``, ``topic``,
 ``action``), so their configurations translate line by line; the
 ``deploy/hooks/`` examples are such translations.
 
-A configuration file is TOML (``.toml``) or YAML (``.yaml``/``.yml``, needs
-PyYAML: ``pip install 'mqds-broker[cli]'``)::
+A configuration file is TOML (``.toml``), YAML (``.yaml``/``.yml``, needs
+PyYAML: ``pip install 'mqds-broker[cli]'``), or an EMQX backend's own lines
+as its documentation writes them (``.conf``: :mod:`mqds.broker.seedconf`)::
 
     node = "broker-1"            # optional: the broker node recorded with online clients
     keep_qos0 = false            # store QoS 0 messages with on_message_publish too
@@ -46,12 +47,13 @@ import difflib
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mqds.broker.catalogue import ACTIONS, HOOKS, OTHER_BROKER_HOOKS, TOPIC_HOOKS, ActionSpec, Kind, Mode
+from mqds.broker.seedconf import SeedConfError, read_seed_conf
 from mqds.protocol.topics import TopicError, matches, validate_filter
 
 # The catalogue's names are re-exported: ``mqds.broker.hooks.ACTIONS`` and ``HOOKS`` were here first.
@@ -66,6 +68,7 @@ __all__ = [
     "load_config",
     "parse_config",
     "parse_duration",
+    "parse_seed_conf",
 ]
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(s|m|h|d|w)")
@@ -263,8 +266,9 @@ def _action_name(raw: object, where: str) -> str:
     return raw
 
 
-def _rule(raw: object, number: int, defaults: OfflineOpts, source: str) -> Rule:
-    where = f"{source}: rule {number}"
+def _rule(raw: object, number: int, defaults: OfflineOpts, source: str, name: str | None = None) -> Rule:
+    label = name or f"rule {number}"
+    where = f"{source}: {label}"
     if not isinstance(raw, Mapping):
         raise HookConfigError(f"{where}: a rule must be a table with hook, action and optionally topic")
     unknown = [str(k) for k in raw if k not in _RULE_KEYS]
@@ -284,7 +288,7 @@ def _rule(raw: object, number: int, defaults: OfflineOpts, source: str) -> Rule:
     if "action" not in raw:
         raise HookConfigError(f"{where}: action is missing; actions of {hook}: {', '.join(_actions_of(hook))}")
     action = _action_name(raw["action"], where)
-    where = f"{source}: rule {number} ({hook} -> {action})"
+    where = f"{source}: {label} ({hook} -> {action})"
     spec = ACTIONS[action]
     if hook not in spec.hooks:
         raise HookConfigError(
@@ -318,8 +322,19 @@ def _fetch_actions() -> list[str]:
     return [name for name, spec in ACTIONS.items() if spec.kind == "fetch"]
 
 
-def parse_config(data: Mapping[str, Any], source: str = "<config>") -> HookConfig:
-    """Validate a configuration already read into a mapping (what the TOML or YAML file holds)."""
+def parse_config(
+    data: Mapping[str, Any],
+    source: str = "<config>",
+    *,
+    names: Sequence[str] = (),
+    notes: Sequence[str] = (),
+) -> HookConfig:
+    """Validate a configuration already read into a mapping (what the TOML or YAML file holds).
+
+    ``names``: what messages call each rule (a seed ``.conf``'s line and
+    key), "rule N" by default; ``notes``: what the reader accepted and
+    ignored already, kept before the notes of the rules.
+    """
     if not isinstance(data, Mapping):
         raise HookConfigError(f"{source}: expected a table of node, keep_qos0, offline_opts and rule entries")
     unknown = [str(k) for k in data if k not in _TOP_KEYS]
@@ -344,29 +359,36 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> HookConfi
         raise HookConfigError(f"{source}: no rules: add [[rule]] tables (TOML) or a rules: list (YAML)")
     if not isinstance(raw_rules, list):
         raise HookConfigError(f"{source}: rules must be a list of tables ([[rule]] in TOML)")
-    rules = tuple(_rule(raw, n, defaults, source) for n, raw in enumerate(raw_rules, start=1))
-    notes = tuple(
-        f"{source}: rule {n}: {key} {raw[key]!r} accepted and ignored: {why}"
+    labels = [names[n - 1] if n <= len(names) else f"rule {n}" for n in range(1, len(raw_rules) + 1)]
+    rules = tuple(_rule(raw, n, defaults, source, labels[n - 1]) for n, raw in enumerate(raw_rules, start=1))
+    rule_notes = tuple(
+        f"{source}: {labels[n - 1]}: {key} {raw[key]!r} accepted and ignored: {why}"
         for n, raw in enumerate(raw_rules, start=1)
         for key, why in _IGNORED_KEYS.items()
         if isinstance(raw, Mapping) and key in raw
     )
-    return HookConfig(rules=rules, node=node, keep_qos0=keep_qos0, source=source, notes=notes)
+    return HookConfig(rules=rules, node=node, keep_qos0=keep_qos0, source=source, notes=(*notes, *rule_notes))
 
 
 def load_config(path: str | os.PathLike[str]) -> HookConfig:
-    """Read and validate a configuration file: TOML (``.toml``) or YAML (``.yaml``, ``.yml``), by suffix."""
+    """Read and validate a configuration file: TOML (``.toml``), YAML (``.yaml``, ``.yml``), or an EMQX
+    backend's own lines (``.conf``, :mod:`mqds.broker.seedconf`), by suffix."""
     file = Path(path)
     source = str(path)
     suffix = file.suffix.lower()
-    if suffix not in (".toml", ".yaml", ".yml"):
-        raise HookConfigError(f"{source}: unknown configuration format {suffix or '(no suffix)'!r}; use .toml or .yaml")
+    if suffix not in (".toml", ".yaml", ".yml", ".conf"):
+        raise HookConfigError(
+            f"{source}: unknown configuration format {suffix or '(no suffix)'!r}; use .toml, .yaml or .conf "
+            "(an EMQX backend's lines)"
+        )
     try:
         text = file.read_text(encoding="utf-8")
     except OSError as err:
         raise HookConfigError(f"{source}: cannot read: {err.strerror or err}") from None
     except UnicodeDecodeError as err:
         raise HookConfigError(f"{source}: not UTF-8 text ({err.reason})") from None
+    if suffix == ".conf":
+        return parse_seed_conf(text, source)
     if suffix == ".toml":
         try:
             data: Any = tomllib.loads(text)
@@ -386,3 +408,12 @@ def load_config(path: str | os.PathLike[str]) -> HookConfig:
     if data is None:
         data = {}
     return parse_config(data, source)
+
+
+def parse_seed_conf(text: str, source: str = "<conf>") -> HookConfig:
+    """Validate an EMQX backend's ``.conf`` lines, as a seed writes them (see :mod:`mqds.broker.seedconf`)."""
+    try:
+        data, notes, names = read_seed_conf(text, source)
+    except SeedConfError as err:
+        raise HookConfigError(str(err)) from None
+    return parse_config(data, source, names=names, notes=notes)

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Sequence
 from typing import NoReturn
 
-from mqds.cli import admin, backup, delete, generations, messages, plugins, retention, secret, status
+from mqds.cli import admin, backup, consumers, delete, generations, messages, plugins, retention, secret, status
 from mqds.cli.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CommandError
 from mqds.protocol.errors import InvalidArgumentError, MqdsError
 from mqds.protocol.malloc import tune_malloc
@@ -101,6 +101,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     generations.register(sub, connection)
     delete.register(sub, connection)
     retention.register(sub, connection)
+    consumers.register(sub, connection)
     backup.register(sub, connection)
     admin.register(sub, connection)
     plugins.register(sub, connection, command)

@@ -7,7 +7,14 @@ import argparse
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, connection, table
 from mqds.cli.secret import cluster_secret_options, with_cluster_secret
 from mqds.client import Client
-from mqds.protocol.retention import RetentionError, format_period, parse_period, parse_rule
+from mqds.protocol.retention import (
+    RetentionError,
+    format_limits,
+    format_period,
+    has_limits,
+    parse_period,
+    parse_rule_limits,
+)
 from mqds.v1 import cluster_pb2 as clpb
 
 
@@ -15,16 +22,25 @@ def _show(policy: clpb.RetentionPolicy | None) -> None:
     if policy is None:
         print("no retention policy is set: each node drops whole generations past its retention_period_s")
         return
-    rows = [[i, r.topic_filter, format_period(r.period_s)] for i, r in enumerate(policy.rules, 1)]
-    rows.append(["", "(every other topic)", format_period(policy.default_s)])
-    print(table(["#", "FILTER", "KEPT FOR"], rows, right=(0,)))
-    print("\nthe first rule whose filter matches a message's topic decides how long it is kept")
+    rows = [
+        [i, r.topic_filter, format_period(r.period_s), format_limits(r) or "-"] for i, r in enumerate(policy.rules, 1)
+    ]
+    rows.append(["", "(every other topic)", format_period(policy.default_s), "-"])
+    print(table(["#", "FILTER", "KEPT FOR", "LIMITS"], rows, right=(0,)))
+    print(
+        "\nthe first rule whose filter matches a message's topic decides how long it is kept and which limits count it"
+    )
+    if any(has_limits(r) for r in policy.rules):
+        print(
+            "limits count per shard: each shard keeps max_msgs and max_bytes divided by the number of shards, "
+            "per_topic as set"
+        )
 
 
 def run(opts: argparse.Namespace) -> int:
     if opts.action == "set":
         try:
-            rules = [parse_rule(text) for text in opts.rules]
+            rules = [parse_rule_limits(text) for text in opts.rules]
             default_s = parse_period(opts.default)
         except RetentionError as err:
             raise CommandError(str(err), EXIT_USAGE) from None
@@ -56,10 +72,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         parents=[connection, cluster_secret_options()],
         help="replace the policy (an admin call)",
         description="Replace the retention policy, e.g. mqds retention set 'telemetry/#=1d' 'audit/#=90d' "
-        "--default 30d. Periods: a number and a unit (s m h d w), such as 90s, 12h, 7d, 1d12h, or 'keep'.",
+        "'busy/#=7d,max_msgs=100000,max_bytes=64MiB,per_topic=10,discard=old' --default 30d. Periods: a number "
+        "and a unit (s m h d w), such as 90s, 12h, 7d, 1d12h, or 'keep'. Limits after the period, each "
+        ",NAME=VALUE: max_msgs (messages), max_bytes (a size: bytes or 64KiB, 64MiB, 1GB...), per_topic "
+        "(messages of each topic), discard=old (the oldest go; the default) or discard=new (a store over "
+        "max_msgs or max_bytes is refused with LIMIT_REACHED; not with per_topic). Limits count the messages "
+        "the rule decides, per shard: each shard keeps max_msgs and max_bytes divided by the number of shards.",
     )
     setting.add_argument(
-        "rules", nargs="*", metavar="FILTER=PERIOD", help="a rule, such as 'telemetry/#=1d' (in order: first wins)"
+        "rules",
+        nargs="*",
+        metavar="FILTER=PERIOD[,LIMIT=VALUE...]",
+        help="a rule, such as 'telemetry/#=1d' or 'busy/#=keep,per_topic=10' (in order: first wins)",
     )
     setting.add_argument(
         "--default", default="keep", metavar="PERIOD", help="how long other messages are kept (default: keep)"

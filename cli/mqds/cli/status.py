@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from mqds.cli import consumers
 from mqds.cli.console import EXIT_DEGRADED, EXIT_OK, connection, table
 from mqds.cli.secret import cluster_secret_options, with_cluster_secret
 from mqds.client import Client
@@ -215,7 +216,10 @@ def run(opts: argparse.Namespace) -> int:
     # local cluster) proves it as well as a token does.
     with Client(opts.endpoints, settings=with_cluster_secret(connection(opts, 15.0), opts)) as client:
         report = gather(client)
-    print(render(report))
+        print(render(report))
+        if opts.consumers:  # an admin call: it names every client (mqds consumers lists them all)
+            print()
+            print(consumers.summary(client.consumers(lag_cap=opts.lag_cap)))
     return EXIT_OK if report.healthy else EXIT_DEGRADED
 
 
@@ -232,5 +236,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
             "Exits 0 when every node is up, takes new messages and every vnode has a leader, 3 when the "
             "cluster answers but is degraded, 1 when no node answers."
         ),
+    )
+    parser.add_argument(
+        "--consumers",
+        action="store_true",
+        help="also summarise the consumers (an admin call): how many sessions, read positions, share groups and "
+        f"push subscriptions, and the {consumers.SUMMARY_TOP} furthest behind with their lag ('mqds consumers' "
+        "lists them all)",
+    )
+    parser.add_argument(
+        "--lag-cap",
+        type=consumers.lag_cap_arg,
+        default=10_000,
+        metavar="N",
+        help="with --consumers: count at most N messages behind per consumer and shard (default 10,000)",
     )
     parser.set_defaults(run=run)

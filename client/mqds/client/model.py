@@ -28,7 +28,11 @@ class Message:
     as a tuple of pairs. ``timestamp_us`` and ``shard`` are set on messages
     the client returns, and ignored when storing. ``message_expiry_s`` is
     MQTT 5's Message Expiry Interval (0: none): a retained message with one
-    is returned until that long after it was retained, then removed. (A plain, not frozen,
+    is returned until that long after it was retained, then removed; a stored
+    one is returned by offline fetches and push subscriptions until that long
+    after it was stored, carrying what is left of it (whole seconds, rounded
+    up), which is what a broker forwards; replay returns it as stored
+    (``docs/client.md``, "Message expiry"). (A plain, not frozen,
     dataclass: replay builds one per message and frozen ones cost 4x more.)
     """
 
@@ -49,6 +53,20 @@ class Message:
             self.payload = bytes(self.payload)
         if type(self.properties) is not tuple:
             self.properties = _properties(self.properties)
+
+    def at(self, timestamp_us: int | None, shard: int | None) -> Message:
+        """This message with its position (``timestamp_us``, ``shard``) set and every other field as it is."""
+        return Message(
+            self.topic,
+            self.payload,
+            self.sender,
+            self.qos,
+            self.retain,
+            self.properties,
+            timestamp_us,
+            shard,
+            self.message_expiry_s,
+        )
 
     def to_pb(self) -> pb.Message:
         return pb.Message(
@@ -210,3 +228,39 @@ class ReadPosition:
     start_us: int = 0
     found: bool = False
     started: bool = False
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """What ``Client.deliver`` gave a consumer: its messages, each with its delivery count, oldest first per shard.
+
+    ``messages[i]`` has been delivered ``deliveries[i]`` times (1 the first
+    time, more for a redelivery); acknowledge each with ``ack(..., mode="delivery")``
+    (or ``"queue"`` for a queue reader). ``dead_lettered``: messages the call
+    ended after their last delivery (stored on the policy's dead-letter
+    topic when it has one); ``unacked``: the consumer's messages delivered and
+    not acknowledged in the shards asked, after the call.
+    """
+
+    messages: list[Message]
+    deliveries: list[int]
+    dead_lettered: int = 0
+    unacked: int = 0
+
+    @classmethod
+    def from_pb(cls, r: spb.DeliverResponse) -> Delivered:
+        return cls([Message.from_pb(m) for m in r.messages], list(r.deliveries), r.dead_lettered, r.unacked)
+
+    @classmethod
+    def merged(cls, parts: list[Delivered]) -> Delivered:
+        """The answers of several nodes as one, messages ordered by (timestamp, shard)."""
+        pairs = sorted(
+            ((m, n) for part in parts for m, n in zip(part.messages, part.deliveries, strict=True)),
+            key=lambda pair: (pair[0].timestamp_us or 0, pair[0].shard or 0),
+        )
+        return cls(
+            [m for m, _ in pairs],
+            [n for _, n in pairs],
+            sum(p.dead_lettered for p in parts),
+            sum(p.unacked for p in parts),
+        )

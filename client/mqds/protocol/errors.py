@@ -199,6 +199,11 @@ class Reason(enum.Enum):
     # generations frees it; reads, deletes and whatever removes or updates
     # state go on). Retried with backoff within the deadline.
     STORAGE_FULL = "STORAGE_FULL"
+    # A store would take a retention rule with discard=new over its
+    # max_messages or max_bytes in a shard (the message names the rule). Not
+    # retried: room comes back only when deletes or the rule's period remove
+    # messages, which no retry within a deadline can count on.
+    LIMIT_REACHED = "LIMIT_REACHED"
     # A restore (Storage.ImportShard) found the shard holding messages or
     # broker state: a backup is restored into an empty cluster only.
     SHARD_NOT_EMPTY = "SHARD_NOT_EMPTY"
@@ -276,6 +281,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.REPLICA_BEHIND: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, False, UnavailableError),
     Reason.OVERLOADED: ReasonInfo(grpc.StatusCode.RESOURCE_EXHAUSTED, True, False, UnavailableError),
     Reason.STORAGE_FULL: ReasonInfo(grpc.StatusCode.RESOURCE_EXHAUSTED, True, False, UnavailableError),
+    Reason.LIMIT_REACHED: ReasonInfo(_RE, False, False, FailedPreconditionError),
     Reason.SHARD_RESTORING: ReasonInfo(grpc.StatusCode.UNAVAILABLE, True, False, UnavailableError),
     Reason.SHARD_NOT_EMPTY: ReasonInfo(grpc.StatusCode.FAILED_PRECONDITION, False, False, FailedPreconditionError),
     Reason.NOT_RESTORING: ReasonInfo(grpc.StatusCode.FAILED_PRECONDITION, False, False, FailedPreconditionError),

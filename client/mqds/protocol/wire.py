@@ -51,6 +51,7 @@ MESSAGE_SENDER_TAG = b"\x1a"  # 3, string
 MESSAGE_QOS_TAG = b"\x20"  # 4, uint32 (varint)
 MESSAGE_RETAIN_TAG = b"\x28"  # 5, bool (varint)
 MESSAGE_PROPERTIES_TAG = b"\x32"  # 6, repeated UserProperty
+MESSAGE_MESSAGE_EXPIRY_S_TAG = b"\x48"  # 9, uint32 (varint)
 USER_PROPERTY_KEY_TAG = b"\x0a"  # UserProperty.key = 1, string
 USER_PROPERTY_VALUE_TAG = b"\x12"  # UserProperty.value = 2, string
 # The pipelined write's frame.
@@ -74,6 +75,7 @@ def encode_message(
     qos: int,
     retain: bool,
     properties: Sequence[tuple[str, str]] = (),
+    message_expiry_s: int = 0,
 ) -> bytes:
     """The wire form of a ``mqds.v1.Message`` to store (no ``timestamp_us`` or ``shard``).
 
@@ -98,6 +100,8 @@ def encode_message(
         if value:
             entry += length_delimited(USER_PROPERTY_VALUE_TAG, value.encode("utf-8"))
         parts += (MESSAGE_PROPERTIES_TAG, varint(len(entry)), entry)
+    if message_expiry_s:
+        parts += (MESSAGE_MESSAGE_EXPIRY_S_TAG, varint(message_expiry_s))
     return b"".join(parts)
 
 

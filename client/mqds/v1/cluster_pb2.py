@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15mqds/v1/cluster.proto\x12\x07mqds.v1\"M\n\x0b\x43lusterNode\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12!\n\x05state\x18\x03 \x01(\x0e\x32\x12.mqds.v1.NodeState\"J\n\tVnodeInfo\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x10\n\x08replicas\x18\x02 \x03(\t\x12\x0e\n\x06leader\x18\x03 \x01(\t\x12\x0c\n\x04term\x18\x04 \x01(\x04\"\x16\n\x14GetClusterMapRequest\"\xff\x01\n\nClusterMap\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x10\n\x08n_shards\x18\x02 \x01(\r\x12\x1a\n\x12replication_factor\x18\x03 \x01(\r\x12#\n\x05nodes\x18\x04 \x03(\x0b\x32\x14.mqds.v1.ClusterNode\x12\"\n\x06vnodes\x18\x05 \x03(\x0b\x32\x12.mqds.v1.VnodeInfo\x12\x0f\n\x07version\x18\x06 \x01(\x04\x12\x13\n\x0b\x61nswered_by\x18\x07 \x01(\t\x12\x13\n\x0bmeta_leader\x18\x08 \x01(\t\x12+\n\tretention\x18\t \x01(\x0b\x32\x18.mqds.v1.RetentionPolicy\"K\n\x0fRetentionPolicy\x12%\n\x05rules\x18\x01 \x03(\x0b\x32\x16.mqds.v1.RetentionRule\x12\x11\n\tdefault_s\x18\x02 \x01(\x04\"7\n\rRetentionRule\x12\x14\n\x0ctopic_filter\x18\x01 \x01(\t\x12\x10\n\x08period_s\x18\x02 \x01(\x04\"?\n\x13SetRetentionRequest\x12(\n\x06policy\x18\x01 \x01(\x0b\x32\x18.mqds.v1.RetentionPolicy\"\x16\n\x14GetNodeStatusRequest\"\x9a\x04\n\rReplicaStatus\x12\r\n\x05group\x18\x01 \x01(\r\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.mqds.v1.RaftRole\x12\x0c\n\x04term\x18\x03 \x01(\x04\x12\x0e\n\x06leader\x18\x04 \x01(\t\x12\x14\n\x0c\x63ommit_index\x18\x05 \x01(\x04\x12\x15\n\rapplied_index\x18\x06 \x01(\x04\x12\x16\n\x0elast_log_index\x18\x07 \x01(\x04\x12\x13\n\x0blog_entries\x18\x08 \x01(\x04\x12\x11\n\tlog_bytes\x18\t \x01(\x04\x12\x0f\n\x07members\x18\n \x03(\t\x12=\n\x0c\x66ollower_lag\x18\x0b \x03(\x0b\x32\'.mqds.v1.ReplicaStatus.FollowerLagEntry\x12\x1b\n\x13snapshots_installed\x18\x0c \x01(\x04\x12\x14\n\x0clast_applied\x18\r \x01(\x04\x12;\n\x0bmatch_index\x18\x0e \x03(\x0b\x32&.mqds.v1.ReplicaStatus.MatchIndexEntry\x12\x13\n\x0bgenerations\x18\x0f \x01(\r\x12\x12\n\ndisk_bytes\x18\x10 \x01(\x04\x1a\x32\n\x10\x46ollowerLagEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x31\n\x0fMatchIndexEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xb8\x02\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\x08replicas\x18\x03 \x03(\x0b\x32\x16.mqds.v1.ReplicaStatus\x12\x1d\n\x15\x64ropped_raft_messages\x18\x04 \x01(\x04\x12\r\n\x05ready\x18\x05 \x01(\x08\x12\x16\n\x0e\x64\x61ta_dir_bytes\x18\x06 \x01(\x04\x12\x17\n\x0f\x64isk_free_bytes\x18\x07 \x01(\x04\x12\x18\n\x10\x64isk_total_bytes\x18\x08 \x01(\x04\x12\x18\n\x10\x64isk_quota_bytes\x18\t \x01(\x04\x12\x1b\n\x13\x64isk_min_free_bytes\x18\n \x01(\x04\x12\x16\n\x0ewrites_refused\x18\x0b \x01(\t\x12\x16\n\x0eraft_wal_bytes\x18\x0c \x01(\x04\"3\n\x0fJoinNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"#\n\x10LeaveNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"$\n\x11\x46orgetNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x12\n\x10RebalanceRequest\"[\n\x12MembershipResponse\x12\r\n\x05moves\x18\x01 \x03(\t\x12\x14\n\x0cleader_moves\x18\x02 \x03(\t\x12 \n\x03map\x18\x03 \x01(\x0b\x32\x13.mqds.v1.ClusterMap\"(\n\x17GetReplicaDigestRequest\x12\r\n\x05shard\x18\x01 \x01(\r\"S\n\rReplicaDigest\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x15\n\rapplied_index\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0c\n\x04keys\x18\x04 \x01(\x04*V\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_STATE_ACTIVE\x10\x01\x12\x16\n\x12NODE_STATE_LEAVING\x10\x02*l\n\x08RaftRole\x12\x19\n\x15RAFT_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12RAFT_ROLE_FOLLOWER\x10\x01\x12\x17\n\x13RAFT_ROLE_CANDIDATE\x10\x02\x12\x14\n\x10RAFT_ROLE_LEADER\x10\x03\x32\xb8\x04\n\x07\x43luster\x12\x43\n\rGetClusterMap\x12\x1d.mqds.v1.GetClusterMapRequest\x1a\x13.mqds.v1.ClusterMap\x12\x43\n\rGetNodeStatus\x12\x1d.mqds.v1.GetNodeStatusRequest\x1a\x13.mqds.v1.NodeStatus\x12\x41\n\x08JoinNode\x12\x18.mqds.v1.JoinNodeRequest\x1a\x1b.mqds.v1.MembershipResponse\x12\x43\n\tLeaveNode\x12\x19.mqds.v1.LeaveNodeRequest\x1a\x1b.mqds.v1.MembershipResponse\x12\x45\n\nForgetNode\x12\x1a.mqds.v1.ForgetNodeRequest\x1a\x1b.mqds.v1.MembershipResponse\x12\x43\n\tRebalance\x12\x19.mqds.v1.RebalanceRequest\x1a\x1b.mqds.v1.MembershipResponse\x12L\n\x10GetReplicaDigest\x12 .mqds.v1.GetReplicaDigestRequest\x1a\x16.mqds.v1.ReplicaDigest\x12\x41\n\x0cSetRetention\x12\x1c.mqds.v1.SetRetentionRequest\x1a\x13.mqds.v1.ClusterMapb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15mqds/v1/cluster.proto\x12\x07mqds.v1\"M\n\x0b\x43lusterNode\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12!\n\x05state\x18\x03 \x01(\x0e\x32\x12.mqds.v1.NodeState\"J\n\tVnodeInfo\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x10\n\x08replicas\x18\x02 \x03(\t\x12\x0e\n\x06leader\x18\x03 \x01(\t\x12\x0c\n\x04term\x18\x04 \x01(\x04\"\x16\n\x14GetClusterMapRequest\"\xff\x01\n\nClusterMap\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x10\n\x08n_shards\x18\x02 \x01(\r\x12\x1a\n\x12replication_factor\x18\x03 \x01(\r\x12#\n\x05nodes\x18\x04 \x03(\x0b\x32\x14.mqds.v1.ClusterNode\x12\"\n\x06vnodes\x18\x05 \x03(\x0b\x32\x12.mqds.v1.VnodeInfo\x12\x0f\n\x07version\x18\x06 \x01(\x04\x12\x13\n\x0b\x61nswered_by\x18\x07 \x01(\t\x12\x13\n\x0bmeta_leader\x18\x08 \x01(\t\x12+\n\tretention\x18\t \x01(\x0b\x32\x18.mqds.v1.RetentionPolicy\"K\n\x0fRetentionPolicy\x12%\n\x05rules\x18\x01 \x03(\x0b\x32\x16.mqds.v1.RetentionRule\x12\x11\n\tdefault_s\x18\x02 \x01(\x04\"\xac\x01\n\rRetentionRule\x12\x14\n\x0ctopic_filter\x18\x01 \x01(\t\x12\x10\n\x08period_s\x18\x02 \x01(\x04\x12\x14\n\x0cmax_messages\x18\x03 \x01(\x04\x12\x11\n\tmax_bytes\x18\x04 \x01(\x04\x12\x1e\n\x16max_messages_per_topic\x18\x05 \x01(\x04\x12*\n\x07\x64iscard\x18\x06 \x01(\x0e\x32\x19.mqds.v1.RetentionDiscard\"?\n\x13SetRetentionRequest\x12(\n\x06policy\x18\x01 \x01(\x0b\x32\x18.mqds.v1.RetentionPolicy\"\x16\n\x14GetNodeStatusRequest\"\x9a\x04\n\rReplicaStatus\x12\r\n\x05group\x18\x01 \x01(\r\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.mqds.v1.RaftRole\x12\x0c\n\x04term\x18\x03 \x01(\x04\x12\x0e\n\x06leader\x18\x04 \x01(\t\x12\x14\n\x0c\x63ommit_index\x18\x05 \x01(\x04\x12\x15\n\rapplied_index\x18\x06 \x01(\x04\x12\x16\n\x0elast_log_index\x18\x07 \x01(\x04\x12\x13\n\x0blog_entries\x18\x08 \x01(\x04\x12\x11\n\tlog_bytes\x18\t \x01(\x04\x12\x0f\n\x07members\x18\n \x03(\t\x12=\n\x0c\x66ollower_lag\x18\x0b \x03(\x0b\x32\'.mqds.v1.ReplicaStatus.FollowerLagEntry\x12\x1b\n\x13snapshots_installed\x18\x0c \x01(\x04\x12\x14\n\x0clast_applied\x18\r \x01(\x04\x12;\n\x0bmatch_index\x18\x0e \x03(\x0b\x32&.mqds.v1.ReplicaStatus.MatchIndexEntry\x12\x13\n\x0bgenerations\x18\x0f \x01(\r\x12\x12\n\ndisk_bytes\x18\x10 \x01(\x04\x1a\x32\n\x10\x46ollowerLagEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x31\n\x0fMatchIndexEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xb8\x02\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\x08replicas\x18\x03 \x03(\x0b\x32\x16.mqds.v1.ReplicaStatus\x12\x1d\n\x15\x64ropped_raft_messages\x18\x04 \x01(\x04\x12\r\n\x05ready\x18\x05 \x01(\x08\x12\x16\n\x0e\x64\x61ta_dir_bytes\x18\x06 \x01(\x04\x12\x17\n\x0f\x64isk_free_bytes\x18\x07 \x01(\x04\x12\x18\n\x10\x64isk_total_bytes\x18\x08 \x01(\x04\x12\x18\n\x10\x64isk_quota_bytes\x18\t \x01(\x04\x12\x1b\n\x13\x64isk_min_free_bytes\x18\n \x01(\x04\x12\x16\n\x0ewrites_refused\x18\x0b \x01(\t\x12\x16\n\x0eraft_wal_bytes\x18\x0c \x01(\x04\"3\n\x0fJoinNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"#\n\x10LeaveNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"$\n\x11\x46orgetNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x12\n\x10RebalanceRequest\"[\n\x12MembershipResponse\x12\r\n\x05moves\x18\x01 \x03(\t\x12\x14\n\x0cleader_moves\x18\x02 \x03(\t\x12 \n\x03map\x18\x03 \x01(\x0b\x32\x13.mqds.v1.ClusterMap\"(\n\x17GetReplicaDigestRequest\x12\r\n\x05shard\x18\x01 \x01(\r\"S\n\rReplicaDigest\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x15\n\rapplied_index\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0c\n\x04keys\x18\x04 \x01(\x04*V\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_STATE_ACTIVE\x10\x01\x12\x16\n\x12NODE_STATE_LEAVING\x10\x02*k\n\x10RetentionDiscard\x12!\n\x1dRETENTION_DISCARD_UNSPECIFIED\x10\x00\x12\x19\n\x15RETENTION_DISCARD_OLD\x10\x01\x12\x19\n\x15RETENTION_DISCARD_NEW\x10\x02*l\n\x08RaftRole\x12\x19\n\x15RAFT_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12RAFT_ROLE_FOLLOWER\x10\x01\x12\x17\n\x13RAFT_ROLE_CANDIDATE\x10\x02\x12\x14\n\x10RAFT_ROLE_LEADER\x10\x03\x32\xb8\x04\n\x07\x43luster\x12\x43\n\rGetClusterMap\x12\x1d.mqds.v1.GetClusterMapRequest\x1a\x13.mqds.v1.ClusterMap\x12\x43\n\rGetNodeStatus\x12\x1d.mqds.v1.GetNodeStatusRequest\x1a\x13.mqds.v1.NodeStatus\x12\x41\n\x08JoinNode\x12\x18.mqds.v1.JoinNodeRequest\x1a\x1b.mqds.v1.MembershipResponse\x12\x43\n\tLeaveNode\x12\x19.mqds.v1.LeaveNodeRequest\x1a\x1b.mqds.v1.MembershipResponse\x12\x45\n\nForgetNode\x12\x1a.mqds.v1.ForgetNodeRequest\x1a\x1b.mqds.v1.MembershipResponse\x12\x43\n\tRebalance\x12\x19.mqds.v1.RebalanceRequest\x1a\x1b.mqds.v1.MembershipResponse\x12L\n\x10GetReplicaDigest\x12 .mqds.v1.GetReplicaDigestRequest\x1a\x16.mqds.v1.ReplicaDigest\x12\x41\n\x0cSetRetention\x12\x1c.mqds.v1.SetRetentionRequest\x1a\x13.mqds.v1.ClusterMapb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICASTATUS_FOLLOWERLAGENTRY']._serialized_options = b'8\001'
   _globals['_REPLICASTATUS_MATCHINDEXENTRY']._loaded_options = None
   _globals['_REPLICASTATUS_MATCHINDEXENTRY']._serialized_options = b'8\001'
-  _globals['_NODESTATE']._serialized_start=1918
-  _globals['_NODESTATE']._serialized_end=2004
-  _globals['_RAFTROLE']._serialized_start=2006
-  _globals['_RAFTROLE']._serialized_end=2114
+  _globals['_NODESTATE']._serialized_start=2036
+  _globals['_NODESTATE']._serialized_end=2122
+  _globals['_RETENTIONDISCARD']._serialized_start=2124
+  _globals['_RETENTIONDISCARD']._serialized_end=2231
+  _globals['_RAFTROLE']._serialized_start=2233
+  _globals['_RAFTROLE']._serialized_end=2341
   _globals['_CLUSTERNODE']._serialized_start=34
   _globals['_CLUSTERNODE']._serialized_end=111
   _globals['_VNODEINFO']._serialized_start=113
@@ -49,34 +51,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLUSTERMAP']._serialized_end=469
   _globals['_RETENTIONPOLICY']._serialized_start=471
   _globals['_RETENTIONPOLICY']._serialized_end=546
-  _globals['_RETENTIONRULE']._serialized_start=548
-  _globals['_RETENTIONRULE']._serialized_end=603
-  _globals['_SETRETENTIONREQUEST']._serialized_start=605
-  _globals['_SETRETENTIONREQUEST']._serialized_end=668
-  _globals['_GETNODESTATUSREQUEST']._serialized_start=670
-  _globals['_GETNODESTATUSREQUEST']._serialized_end=692
-  _globals['_REPLICASTATUS']._serialized_start=695
-  _globals['_REPLICASTATUS']._serialized_end=1233
-  _globals['_REPLICASTATUS_FOLLOWERLAGENTRY']._serialized_start=1132
-  _globals['_REPLICASTATUS_FOLLOWERLAGENTRY']._serialized_end=1182
-  _globals['_REPLICASTATUS_MATCHINDEXENTRY']._serialized_start=1184
-  _globals['_REPLICASTATUS_MATCHINDEXENTRY']._serialized_end=1233
-  _globals['_NODESTATUS']._serialized_start=1236
-  _globals['_NODESTATUS']._serialized_end=1548
-  _globals['_JOINNODEREQUEST']._serialized_start=1550
-  _globals['_JOINNODEREQUEST']._serialized_end=1601
-  _globals['_LEAVENODEREQUEST']._serialized_start=1603
-  _globals['_LEAVENODEREQUEST']._serialized_end=1638
-  _globals['_FORGETNODEREQUEST']._serialized_start=1640
-  _globals['_FORGETNODEREQUEST']._serialized_end=1676
-  _globals['_REBALANCEREQUEST']._serialized_start=1678
-  _globals['_REBALANCEREQUEST']._serialized_end=1696
-  _globals['_MEMBERSHIPRESPONSE']._serialized_start=1698
-  _globals['_MEMBERSHIPRESPONSE']._serialized_end=1789
-  _globals['_GETREPLICADIGESTREQUEST']._serialized_start=1791
-  _globals['_GETREPLICADIGESTREQUEST']._serialized_end=1831
-  _globals['_REPLICADIGEST']._serialized_start=1833
-  _globals['_REPLICADIGEST']._serialized_end=1916
-  _globals['_CLUSTER']._serialized_start=2117
-  _globals['_CLUSTER']._serialized_end=2685
+  _globals['_RETENTIONRULE']._serialized_start=549
+  _globals['_RETENTIONRULE']._serialized_end=721
+  _globals['_SETRETENTIONREQUEST']._serialized_start=723
+  _globals['_SETRETENTIONREQUEST']._serialized_end=786
+  _globals['_GETNODESTATUSREQUEST']._serialized_start=788
+  _globals['_GETNODESTATUSREQUEST']._serialized_end=810
+  _globals['_REPLICASTATUS']._serialized_start=813
+  _globals['_REPLICASTATUS']._serialized_end=1351
+  _globals['_REPLICASTATUS_FOLLOWERLAGENTRY']._serialized_start=1250
+  _globals['_REPLICASTATUS_FOLLOWERLAGENTRY']._serialized_end=1300
+  _globals['_REPLICASTATUS_MATCHINDEXENTRY']._serialized_start=1302
+  _globals['_REPLICASTATUS_MATCHINDEXENTRY']._serialized_end=1351
+  _globals['_NODESTATUS']._serialized_start=1354
+  _globals['_NODESTATUS']._serialized_end=1666
+  _globals['_JOINNODEREQUEST']._serialized_start=1668
+  _globals['_JOINNODEREQUEST']._serialized_end=1719
+  _globals['_LEAVENODEREQUEST']._serialized_start=1721
+  _globals['_LEAVENODEREQUEST']._serialized_end=1756
+  _globals['_FORGETNODEREQUEST']._serialized_start=1758
+  _globals['_FORGETNODEREQUEST']._serialized_end=1794
+  _globals['_REBALANCEREQUEST']._serialized_start=1796
+  _globals['_REBALANCEREQUEST']._serialized_end=1814
+  _globals['_MEMBERSHIPRESPONSE']._serialized_start=1816
+  _globals['_MEMBERSHIPRESPONSE']._serialized_end=1907
+  _globals['_GETREPLICADIGESTREQUEST']._serialized_start=1909
+  _globals['_GETREPLICADIGESTREQUEST']._serialized_end=1949
+  _globals['_REPLICADIGEST']._serialized_start=1951
+  _globals['_REPLICADIGEST']._serialized_end=2034
+  _globals['_CLUSTER']._serialized_start=2344
+  _globals['_CLUSTER']._serialized_end=2912
 # @@protoc_insertion_point(module_scope)

@@ -13,6 +13,12 @@ class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NODE_STATE_ACTIVE: _ClassVar[NodeState]
     NODE_STATE_LEAVING: _ClassVar[NodeState]
 
+class RetentionDiscard(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RETENTION_DISCARD_UNSPECIFIED: _ClassVar[RetentionDiscard]
+    RETENTION_DISCARD_OLD: _ClassVar[RetentionDiscard]
+    RETENTION_DISCARD_NEW: _ClassVar[RetentionDiscard]
+
 class RaftRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RAFT_ROLE_UNSPECIFIED: _ClassVar[RaftRole]
@@ -22,6 +28,9 @@ class RaftRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 NODE_STATE_UNSPECIFIED: NodeState
 NODE_STATE_ACTIVE: NodeState
 NODE_STATE_LEAVING: NodeState
+RETENTION_DISCARD_UNSPECIFIED: RetentionDiscard
+RETENTION_DISCARD_OLD: RetentionDiscard
+RETENTION_DISCARD_NEW: RetentionDiscard
 RAFT_ROLE_UNSPECIFIED: RaftRole
 RAFT_ROLE_FOLLOWER: RaftRole
 RAFT_ROLE_CANDIDATE: RaftRole
@@ -84,12 +93,20 @@ class RetentionPolicy(_message.Message):
     def __init__(self, rules: _Optional[_Iterable[_Union[RetentionRule, _Mapping]]] = ..., default_s: _Optional[int] = ...) -> None: ...
 
 class RetentionRule(_message.Message):
-    __slots__ = ("topic_filter", "period_s")
+    __slots__ = ("topic_filter", "period_s", "max_messages", "max_bytes", "max_messages_per_topic", "discard")
     TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
     PERIOD_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGES_PER_TOPIC_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_FIELD_NUMBER: _ClassVar[int]
     topic_filter: str
     period_s: int
-    def __init__(self, topic_filter: _Optional[str] = ..., period_s: _Optional[int] = ...) -> None: ...
+    max_messages: int
+    max_bytes: int
+    max_messages_per_topic: int
+    discard: RetentionDiscard
+    def __init__(self, topic_filter: _Optional[str] = ..., period_s: _Optional[int] = ..., max_messages: _Optional[int] = ..., max_bytes: _Optional[int] = ..., max_messages_per_topic: _Optional[int] = ..., discard: _Optional[_Union[RetentionDiscard, str]] = ...) -> None: ...
 
 class SetRetentionRequest(_message.Message):
     __slots__ = ("policy",)

@@ -134,6 +134,21 @@ class SessionsStub:
                 request_serializer=mqds_dot_v1_dot_sessions__pb2.ShareGroupRequest.SerializeToString,
                 response_deserializer=mqds_dot_v1_dot_sessions__pb2.ShareGroupResponse.FromString,
                 _registered_method=True)
+        self.ListConsumers = channel.unary_unary(
+                '/mqds.v1.Sessions/ListConsumers',
+                request_serializer=mqds_dot_v1_dot_sessions__pb2.ListConsumersRequest.SerializeToString,
+                response_deserializer=mqds_dot_v1_dot_sessions__pb2.ListConsumersResponse.FromString,
+                _registered_method=True)
+        self.ConsumerLag = channel.unary_unary(
+                '/mqds.v1.Sessions/ConsumerLag',
+                request_serializer=mqds_dot_v1_dot_sessions__pb2.ConsumerLagRequest.SerializeToString,
+                response_deserializer=mqds_dot_v1_dot_sessions__pb2.ConsumerLagResponse.FromString,
+                _registered_method=True)
+        self.Deliver = channel.unary_unary(
+                '/mqds.v1.Sessions/Deliver',
+                request_serializer=mqds_dot_v1_dot_sessions__pb2.DeliverRequest.SerializeToString,
+                response_deserializer=mqds_dot_v1_dot_sessions__pb2.DeliverResponse.FromString,
+                _registered_method=True)
 
 
 class SessionsServicer:
@@ -310,6 +325,46 @@ class SessionsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListConsumers(self, request, context):
+        """Inspecting consumers (`mqds consumers`): one kind of consumer at a time,
+        listed from the shards this node leads (any replica with stale_ok) that
+        the request names, page by page (see ListConsumersRequest); push
+        subscriptions are this node's own Follow calls, from its memory, with
+        their lag measured here. Admins only: it names every client.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ConsumerLag(self, request, context):
+        """How far read positions are behind their filters' heads in the shards
+        named (this node must lead them; any replica with stale_ok): per item
+        and shard, the matching messages after the position (counted up to a
+        cap) and the time of the oldest of them. A client asks each shard's
+        leader and adds the shards up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Deliver(self, request, context):
+        """Server-side redelivery for a queue reader or a share group (a
+        "consumer": a clientid, or "$share/<group>", and a topic filter), as
+        JetStream's pull consumers have it: in each of the given shards (which
+        this node must lead), the consumer's due redeliveries first (messages
+        it was given whose ack wait passed, oldest first), then messages after
+        its delivered cursor, up to max_count, the node's max_answer_bytes and
+        the policy's max_unacked. Every delivery, with its count and deadline,
+        is a logged change of the message's shard (the leader's clock in the
+        entry), so a leader change neither loses nor doubles a count. A message
+        due again after its max_deliveries-th delivery is stored on the
+        policy's dead-letter topic (in the same write) and is gone from the
+        consumer. Ack (mode DELIVERY, or QUEUE) ends a delivery.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -412,6 +467,21 @@ def add_SessionsServicer_to_server(servicer, server):
                     servicer.LeaveShareGroup,
                     request_deserializer=mqds_dot_v1_dot_sessions__pb2.ShareGroupRequest.FromString,
                     response_serializer=mqds_dot_v1_dot_sessions__pb2.ShareGroupResponse.SerializeToString,
+            ),
+            'ListConsumers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListConsumers,
+                    request_deserializer=mqds_dot_v1_dot_sessions__pb2.ListConsumersRequest.FromString,
+                    response_serializer=mqds_dot_v1_dot_sessions__pb2.ListConsumersResponse.SerializeToString,
+            ),
+            'ConsumerLag': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConsumerLag,
+                    request_deserializer=mqds_dot_v1_dot_sessions__pb2.ConsumerLagRequest.FromString,
+                    response_serializer=mqds_dot_v1_dot_sessions__pb2.ConsumerLagResponse.SerializeToString,
+            ),
+            'Deliver': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deliver,
+                    request_deserializer=mqds_dot_v1_dot_sessions__pb2.DeliverRequest.FromString,
+                    response_serializer=mqds_dot_v1_dot_sessions__pb2.DeliverResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -954,6 +1024,87 @@ class Sessions:
             '/mqds.v1.Sessions/LeaveShareGroup',
             mqds_dot_v1_dot_sessions__pb2.ShareGroupRequest.SerializeToString,
             mqds_dot_v1_dot_sessions__pb2.ShareGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListConsumers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mqds.v1.Sessions/ListConsumers',
+            mqds_dot_v1_dot_sessions__pb2.ListConsumersRequest.SerializeToString,
+            mqds_dot_v1_dot_sessions__pb2.ListConsumersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConsumerLag(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mqds.v1.Sessions/ConsumerLag',
+            mqds_dot_v1_dot_sessions__pb2.ConsumerLagRequest.SerializeToString,
+            mqds_dot_v1_dot_sessions__pb2.ConsumerLagResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deliver(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mqds.v1.Sessions/Deliver',
+            mqds_dot_v1_dot_sessions__pb2.DeliverRequest.SerializeToString,
+            mqds_dot_v1_dot_sessions__pb2.DeliverResponse.FromString,
             options,
             channel_credentials,
             insecure,

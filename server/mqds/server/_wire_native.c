@@ -30,6 +30,13 @@
  * [] for the common request; None where the request holds a group (wire type 3) beside its
  * messages, which this scan does not skip (the caller asks protobuf instead); ValueError for
  * bytes that do not parse. Tag-level only: a payload is skipped by its length, never read.
+ *
+ * message_expiry(stored) -> int
+ *   The Message Expiry Interval of a stored mqds.v1.Message (0: none), by the same scan of its tags: what
+ *   offline fetches and push subscriptions check per message (mqds.server.wire.message_expiry_s).
+ * expiry_intervals(values) -> [(index, interval)]
+ *   For a list of stored messages' bytes (a stored batch), those that hold an interval: what the store
+ *   path indexes for removal (mqds.server.wire.expiry_intervals), in one call for the batch.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -295,17 +302,85 @@ done:
     return out;
 }
 
+/* ---- message_expiry, expiry_intervals ------------------------------------------------------ */
+
+/* The Message Expiry Interval (mqds.v1.Message.message_expiry_s) a stored message holds, 0 where it has none;
+ * as protobuf reads it, the last one where the field comes more than once. A scan of the tags, skipping every
+ * value by its length (the payload is never read); 0 for bytes that do not parse (a stored message always
+ * does: the store path parsed it). */
+static uint64_t scan_expiry(const char *data, Py_ssize_t size) {
+    cursor c = {(const unsigned char *)data, (const unsigned char *)data + size};
+    uint64_t found = 0;
+    while (c.p < c.end) {
+        uint64_t tag, value;
+        if (read_varint(&c, &tag) < 0)
+            return 0;
+        if (tag == MESSAGE_MESSAGE_EXPIRY_S_TAG) {
+            if (read_varint(&c, &value) < 0)
+                return 0;
+            found = (uint32_t)value; /* a uint32 field: protobuf keeps the low 32 bits */
+            continue;
+        }
+        if (skip_value(&c, (unsigned)(tag & 7), NULL) < 0)
+            return 0;
+    }
+    return found;
+}
+
+static PyObject *message_expiry(PyObject *self, PyObject *arg) {
+    (void)self;
+    if (!PyBytes_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "message_expiry takes the stored message's bytes");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong((unsigned long long)scan_expiry(PyBytes_AS_STRING(arg), PyBytes_GET_SIZE(arg)));
+}
+
+static PyObject *expiry_intervals(PyObject *self, PyObject *arg) {
+    (void)self;
+    if (!PyList_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "expiry_intervals takes a list of stored messages' bytes");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(arg); i++) {
+        PyObject *value = PyList_GET_ITEM(arg, i);
+        if (!PyBytes_Check(value)) {
+            PyErr_Format(PyExc_TypeError, "message %zd is not bytes", i);
+            Py_DECREF(out);
+            return NULL;
+        }
+        uint64_t expiry = scan_expiry(PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value));
+        if (!expiry)
+            continue;
+        PyObject *item = Py_BuildValue("(nK)", i, (unsigned long long)expiry);
+        if (item == NULL || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"encode_rows", encode_rows, METH_VARARGS,
      "encode_rows(tag, rows, tail) -> (body, stamps): stored rows as a repeated mqds.v1.Message field."},
     {"unknown_fields", unknown_fields, METH_VARARGS,
      "unknown_fields(request, message_types, property_field, property_types) -> [(index, property, field, wire)] "
      "or None: the messages of a StoreBatchRequest holding fields mqds.v1.Message does not have as they came."},
+    {"message_expiry", message_expiry, METH_O,
+     "message_expiry(stored) -> int: the Message Expiry Interval a stored mqds.v1.Message holds (0: none)."},
+    {"expiry_intervals", expiry_intervals, METH_O,
+     "expiry_intervals(values) -> [(index, interval)]: the stored messages of a list that hold an interval."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_wire_native", "The node's wire work in C: read answers, store requests' fields.", -1,
+    PyModuleDef_HEAD_INIT, "_wire_native", "The node's wire work in C: read answers, store requests' fields, expiry intervals.", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 

@@ -39,10 +39,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mqds.protocol.errors import MqdsError, Reason
+from mqds.server.api.consumer_metrics import ConsumerLagCollector
 from mqds.server.api.methods import Lane
 from mqds.server.raft.group import META_GROUP, ROLE_NAMES
 
 if TYPE_CHECKING:
+    from mqds.server.api.follow_registry import FollowCalls
     from mqds.server.api.guard import ApiGuard
     from mqds.server.cluster.vnode import Vnode
     from mqds.server.config import NodeConfig
@@ -91,6 +93,11 @@ class ObservedNode(Protocol):
 
     @property
     def disk_usage(self) -> DiskUsage: ...
+
+    @property
+    def follow_calls(self) -> FollowCalls:
+        """The Follow calls open on the node (the consumer lag metrics measure them)."""
+        ...
 
     def ready(self) -> bool: ...
 
@@ -229,11 +236,14 @@ class NodeMetrics:
             "What this node, as the vnode's leader, had removed because it ended: kind retained (a retained "
             "message's Message Expiry Interval ran out) or session (a client offline past its Session Expiry "
             "Interval: its state, subscriptions and read positions) or message (a stored message past its period under "
-            "the cluster's retention rules)",
+            "the cluster's retention rules) or limit (a stored message over its retention rule's max_msgs, "
+            "max_bytes or per_topic, discard=old) or message_expiry (a stored message past its MQTT 5 Message Expiry "
+            "Interval)",
             ("shard", "kind"),
             registry=r,
         )
         self.registry.register(_NodeCollector(node, self.requests))
+        self.registry.register(ConsumerLagCollector(node, int(node.config.consumer_lag_metric_top)))
         self._http: WSGIServer | None = None
 
     def snapshot_sent(self, shard: int, sent_bytes: int, seconds: float) -> None:

@@ -30,6 +30,7 @@ from mqds.v1 import storage_pb2 as pb
 # mqds.v1.Message: what a reply appends to a stored message.
 MESSAGE_TIMESTAMP_US_TAG = b"\x39"  # 7, fixed64
 MESSAGE_SHARD_TAG = b"\x40"  # 8, varint
+MESSAGE_MESSAGE_EXPIRY_S_TAG = b"\x48"  # 9, varint: what a fetch or push appends, the remaining interval
 # Answers built by hand (mqds.v1).
 NEXT_RESPONSE_MESSAGES_TAG = b"\x0a"  # NextResponse.messages = 1, length-delimited
 NEXT_RESPONSE_ITERATOR_TAG = b"\x12"  # NextResponse.iterator = 2, length-delimited
@@ -84,6 +85,43 @@ def encode_messages(tag: bytes, entries: list[tuple[int, bytes]], shard: int) ->
         item = stored + MESSAGE_TIMESTAMP_US_TAG + _pack_ts(ts) + tail
         parts.append(tag + varint(len(item)) + item)
     return b"".join(parts)
+
+
+def message_expiry_python(stored: bytes) -> int:
+    """:func:`message_expiry_s` by protobuf: the reference the C scan (``_wire_native``) is tested against."""
+    return int(pb.Message.FromString(stored).message_expiry_s)
+
+
+message_expiry_s: Callable[[bytes], int] = native_or(
+    "mqds.server._wire_native", "message_expiry", message_expiry_python
+)
+"""The Message Expiry Interval a stored message holds, in seconds (0: none), as protobuf reads it.
+
+In C a scan of the tags that skips every value by its length (tens of
+nanoseconds, whatever the payload); by protobuf otherwise. Offline fetches
+and push subscriptions call it once per message they hand out
+(``storage/expiry.py``, ``message_left``).
+"""
+
+
+def expiry_intervals_python(values: list[bytes]) -> list[tuple[int, int]]:
+    """:func:`expiry_intervals` by protobuf: the reference the C scan (``_wire_native``) is tested against."""
+    return [(i, expiry) for i, value in enumerate(values) if (expiry := message_expiry_python(value))]
+
+
+expiry_intervals: Callable[[list[bytes]], list[tuple[int, int]]] = native_or(
+    "mqds.server._wire_native", "expiry_intervals", expiry_intervals_python
+)
+"""The stored messages of a list (a stored batch's values) that hold a Message Expiry Interval: (index, interval).
+
+One C call for the batch (a few nanoseconds a message, most of which have
+none); the store path indexes them for removal (``storage/expiry.py``).
+"""
+
+
+def with_expiry(stored: bytes, remaining_s: int) -> bytes:
+    """A stored message with its ``message_expiry_s`` set to ``remaining_s``: the field appended, last wins."""
+    return stored + MESSAGE_MESSAGE_EXPIRY_S_TAG + varint(remaining_s)
 
 
 _HEADS: dict[tuple[bytes, int], list[bytes]] = {}

@@ -28,7 +28,7 @@ def reference_read(parts: list[FeedPart], position: int, limit: int, budget: int
     for part in parts:
         if part.last <= position:
             continue
-        indexes, pieces, _ = part.matching(FILTER, LEVELS, 3)
+        indexes, pieces, _, _ = part.matching(FILTER, LEVELS, 3)
         for index, piece in zip(indexes, pieces, strict=True):
             ts = part.first + index
             if ts <= position:

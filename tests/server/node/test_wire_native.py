@@ -13,8 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from native_support import native, printed_with_and_without_pure_python, skip_without_compiler
 
+from mqds.protocol.wire import varint
 from mqds.server import wire
 from mqds.server.storage import keys
+from mqds.v1 import storage_pb2 as pb
 
 _wire_native = native("mqds.server._wire_native")
 pytestmark = skip_without_compiler(_wire_native, "encode")
@@ -33,6 +35,8 @@ row_lists = st.lists(
 def test_the_c_encoding_is_built_and_used() -> None:
     assert _wire_native is not None, "make install builds mqds.server._wire_native where a C compiler is present"
     assert wire.NATIVE
+    assert wire.message_expiry_s is _wire_native.message_expiry
+    assert wire.expiry_intervals is _wire_native.expiry_intervals
 
 
 @settings(max_examples=300, deadline=None)
@@ -92,3 +96,49 @@ def test_a_list_another_thread_changes_meanwhile_is_encoded_as_it_was_when_the_c
     finally:
         stop.set()
         thread.join()
+
+
+stored_messages = st.builds(
+    lambda topic, payload, qos, props, expiry, again: (
+        pb.Message(
+            topic=topic,
+            payload=payload,
+            sender="s",
+            qos=qos,
+            properties=[pb.UserProperty(key=k, value=v) for k, v in props],
+            message_expiry_s=expiry,
+        ).SerializeToString()
+        # The field again, as a fetch appends what is left of the interval (protobuf keeps the last one).
+        + b"".join(wire.MESSAGE_MESSAGE_EXPIRY_S_TAG + varint(v) for v in again)
+    ),
+    st.text(max_size=20),
+    # Payloads full of the field's tag byte (0x48, "H"): the scan skips them by their length.
+    st.one_of(st.binary(max_size=300), st.integers(0, 300).map(lambda n: b"H" * n)),
+    st.integers(0, 2),
+    st.lists(st.tuples(st.text(max_size=5), st.text(max_size=5)), max_size=3),
+    st.one_of(st.just(0), st.integers(0, 2**32 - 1)),
+    st.lists(st.integers(0, 2**32 - 1), max_size=2),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(stored=stored_messages)
+def test_c_and_python_read_the_same_expiry_interval(stored: bytes) -> None:
+    assert _wire_native.message_expiry(stored) == wire.message_expiry_python(stored)
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=st.lists(st.one_of(stored_messages, st.just(b"")), max_size=20))
+def test_c_and_python_find_the_same_messages_with_an_interval_in_a_batch(batch: list[bytes]) -> None:
+    assert _wire_native.expiry_intervals(batch) == wire.expiry_intervals_python(batch)
+
+
+def test_the_expiry_scan_refuses_what_is_not_bytes_and_reads_damaged_bytes_as_no_interval() -> None:
+    with pytest.raises(TypeError, match="stored message's bytes"):
+        _wire_native.message_expiry("text")
+    with pytest.raises(TypeError, match="message 1 is not bytes"):
+        _wire_native.expiry_intervals([b"", "text"])
+    with pytest.raises(TypeError, match="a list"):
+        _wire_native.expiry_intervals((b"",))
+    assert _wire_native.message_expiry(b"\x12\x7f" + b"x" * 3) == 0  # a length past the end
+    assert _wire_native.message_expiry(b"\x48") == 0  # the tag without its value

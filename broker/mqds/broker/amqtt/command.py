@@ -101,6 +101,12 @@ def broker_config(opts: argparse.Namespace) -> dict[str, Any]:
         "token": opts.token,
         "max_inflight": opts.max_inflight,
         "puback_after_store": not opts.early_puback,
+        "queue_redelivery": not opts.no_queue_redelivery,
+        "queue_ack_wait_ms": opts.queue_ack_wait_ms,
+        "queue_max_deliveries": opts.queue_max_deliveries,
+        "queue_backoff_ms": opts.queue_backoff_ms,
+        "queue_max_unacked": opts.queue_max_unacked,
+        "queue_dead_letter_topic": opts.queue_dead_letter_topic,
     }
     # The mqds plugin's own entry (if the file had one) is replaced by the command line's.
     config["plugins"] = {name: cfg for name, cfg in config["plugins"].items() if name != PLUGIN} | {PLUGIN: plugin}
@@ -129,7 +135,7 @@ def run_broker(opts: argparse.Namespace) -> int:
         raise CommandError(
             f"mqds broker runs amqtt, which is not installed ({err}); install it: pip install 'mqds-broker[cli]'"
         ) from None
-    from mqds.broker.amqtt.plugin import DEFAULT_RULES, MqdsPlugin
+    from mqds.broker.amqtt.plugin import DEFAULT_RULES, MqdsPlugin, redelivery_policy
     from mqds.broker.hooks import HookConfigError, load_config
 
     try:
@@ -138,7 +144,18 @@ def run_broker(opts: argparse.Namespace) -> int:
         raise CommandError(str(err), EXIT_USAGE) from None
     for note in rules.notes:
         print(f"mqds broker: {note}", flush=True)
+    for rule in rules.rules_for("message.delivered"):
+        # amqtt has no delivery event: the rule is valid (mqds exhook runs it), but never runs here.
+        print(
+            f"mqds broker: {rules.source}: {rule.describe()} never runs: amqtt reports no deliveries "
+            "(the PUBACKs of what mqds delivers run the message.acked rules)",
+            flush=True,
+        )
     config = broker_config(opts)
+    try:
+        redelivery_policy(MqdsPlugin.Config(**config["plugins"][PLUGIN]))
+    except ValueError as err:
+        raise CommandError(str(err), EXIT_USAGE) from None
     logging.basicConfig(
         level=logging.INFO if opts.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -210,7 +227,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
     broker.add_argument(
         "--hooks",
         metavar="FILE",
-        help="the hook rules (TOML or YAML; see mqds.broker.hooks) deciding what is stored, fetched and "
+        help="the hook rules (TOML, YAML, or an EMQX backend's .conf lines; see mqds.broker.hooks) deciding what "
+        "is stored, fetched and "
         "acknowledged; default: store every QoS 1/2 and retained message, pubsub offline delivery on every topic",
     )
     broker.add_argument(
@@ -238,6 +256,53 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         "killed (kill -9, a crash) loses what it acknowledged and had not stored yet. Default: a QoS 1/2 "
         "publish a rule stores gets its PUBACK/PUBREC once mqds stored it; a failed store closes the "
         "publisher's connection unacknowledged (it resends when it reconnects)",
+    )
+    redelivery = broker.add_argument_group(
+        "queue redelivery",
+        "How queue subscriptions (on_message_fetch_for_queue) are redelivered by the cluster: each delivery to "
+        "a reader is counted; one it does not PUBACK comes again after the ack wait (at its next connection at "
+        "once when the connection closed before the PUBACK), and after its last delivery it goes to the "
+        "dead-letter topic",
+    )
+    redelivery.add_argument(
+        "--no-queue-redelivery",
+        action="store_true",
+        help="plain queue fetches instead: an unacknowledged message comes again at each connection, uncounted",
+    )
+    redelivery.add_argument(
+        "--queue-ack-wait-ms",
+        type=_positive,
+        default=30_000,
+        metavar="MS",
+        help="how long a delivery waits for its PUBACK before it is due again (1 to 86,400,000; default 30000)",
+    )
+    redelivery.add_argument(
+        "--queue-max-deliveries",
+        type=_positive,
+        default=1_000,
+        metavar="N",
+        help="the most times a message is delivered to one reader (1 to 1,000; default 1000)",
+    )
+    redelivery.add_argument(
+        "--queue-backoff-ms",
+        default="",
+        metavar="MS,MS,...",
+        help="waits after the 1st, 2nd, ... delivery instead of the ack wait, the last for later ones "
+        "(e.g. 1000,5000,30000; default none)",
+    )
+    redelivery.add_argument(
+        "--queue-max-unacked",
+        type=_positive,
+        default=1_000,
+        metavar="N",
+        help="the most messages of one reader delivered and not acknowledged, per shard (1 to 10,000; default 1000)",
+    )
+    redelivery.add_argument(
+        "--queue-dead-letter-topic",
+        default="",
+        metavar="TOPIC",
+        help="where a message goes after its last delivery (a topic without wildcards, with the original topic, "
+        "the delivery count and the reader as user properties); default: it is just not delivered again",
     )
     broker.add_argument("-v", "--verbose", action="store_true", help="log amqtt's and the plugin's activity (INFO)")
     broker.set_defaults(run=run_broker)

@@ -145,6 +145,10 @@ class _Connection:
         # never from a retained lookup as well, nor flagged retained (MQTT). Bounded like _seen.
         self._routed: collections.OrderedDict[tuple[Any, ...], None] = collections.OrderedDict()
         self._failed_shards: set[int] = set()
+        # Stored messages not delivered, each with whether it was sent (the connection closed before its
+        # PUBACK) or not (closed before it was sent): given back at the close (``BrokerHooks.message_nacked``),
+        # so a queue reader's next connection gets them at once, and one never sent is not counted.
+        self._unsent: list[tuple[Message, bool]] = []
         # Delivered-and-confirmed messages to acknowledge; a future is a barrier
         # (set once everything queued before it was acknowledged); None ends the loop.
         self._acks: asyncio.Queue[Message | asyncio.Future[None] | None] = asyncio.Queue()
@@ -206,6 +210,7 @@ class _Connection:
             started = time.monotonic()
             self._acks.put_nowait(None)
             await asyncio.wait([acks])
+            await self._give_back()
             self._note_slow("the acknowledgements before its disconnect", started)
             if record:
                 started = time.monotonic()
@@ -378,9 +383,12 @@ class _Connection:
         """Send in order, up to ``max_inflight`` awaiting their acknowledgement; settle in order."""
         window: collections.deque[tuple[_Out, asyncio.Task[Any]]] = collections.deque()
         limit = max(1, self.plugin.config.max_inflight)
-        for out in outs:
+        for i, out in enumerate(outs):
             handler = self.handler
             if not self.open or handler is None or self.session.transitions.state != "connected":
+                # Fetched and never sent: given back at the close, like a send that failed.
+                self._unsent.extend((o.message, False) for o in outs[i:] if o.ack)
+                del self._unsent[_SEEN_LIMIT:]
                 break
             if not await self.plugin.others_allow(self.session, out.message.topic):
                 self.plugin.count("refused_by_topic_filter")
@@ -403,6 +411,8 @@ class _Connection:
             self.plugin.count("delivery_failed")
             if shard is not None:
                 self._failed_shards.add(shard)
+            if out.ack and len(self._unsent) < _SEEN_LIMIT:
+                self._unsent.append((out.message, out.send))
             return
         self.plugin.count(f"delivered_{out.kind}")
         if out.ack and shard not in self._failed_shards:
@@ -431,6 +441,20 @@ class _Connection:
                     barrier.set_result(None)
             if closing:
                 return
+
+    async def _give_back(self) -> None:
+        """Give back what was not delivered (a queue reader's redeliveries), a few calls at once."""
+        limit = asyncio.Semaphore(_ACK_CONCURRENCY)
+
+        async def give_back(message: Message, sent: bool) -> None:
+            async with limit:
+                try:
+                    await self.plugin.hooks.message_nacked(self.clientid, message, sent=sent)
+                except Exception as err:  # it comes again after its ack wait
+                    log.warning("client %s: giving back %s failed: %s", self.clientid, message.topic, err)
+
+        unsent, self._unsent = self._unsent, []
+        await asyncio.gather(*(give_back(message, sent) for message, sent in unsent))
 
     def _coalesce(self, batch: list[Message]) -> list[Message]:
         """The calls that acknowledge ``batch`` (in delivery order, every one acknowledged by the client).

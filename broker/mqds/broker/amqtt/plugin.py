@@ -52,6 +52,8 @@ from mqds.broker.hooks import load_config, parse_config
 from mqds.client import aio
 from mqds.client.connection import ConnectionSettings
 from mqds.client.model import Message
+from mqds.protocol.delivery import Policy
+from mqds.protocol.errors import MqdsError
 
 if TYPE_CHECKING:
     from amqtt.broker import Broker
@@ -104,6 +106,29 @@ def settings_from(config: Any) -> ConnectionSettings:
     )
 
 
+def redelivery_policy(config: Any) -> Policy | None:
+    """The queue redelivery policy of a plugin configuration (``MqdsPlugin.Config``); None when it is off.
+
+    Checked here, so a bad setting stops the broker at start with what is wrong (ValueError).
+    """
+    if not config.queue_redelivery:
+        return None
+    try:
+        backoff = [int(part) for part in str(config.queue_backoff_ms).split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"queue_backoff_ms {config.queue_backoff_ms!r}: comma-separated milliseconds") from None
+    try:
+        return Policy.of(
+            int(config.queue_ack_wait_ms),
+            int(config.queue_max_deliveries),
+            backoff,
+            int(config.queue_max_unacked),
+            str(config.queue_dead_letter_topic),
+        )
+    except MqdsError as err:
+        raise ValueError(f"queue redelivery: {err.message}") from None
+
+
 class MqdsPlugin(BaseTopicPlugin):
     """amqtt broker plugin: stores, replays and acknowledges through mqds (see ``mqds/broker/DESIGN.md``)."""
 
@@ -132,6 +157,22 @@ class MqdsPlugin(BaseTopicPlugin):
         """Send a publisher's PUBACK (QoS 1) / PUBREC (QoS 2) for a message a rule stores only once mqds
         stored it (see :mod:`mqds.broker.amqtt.puback`); False: amqtt's own, as soon as the message is
         queued, before it is stored (a broker killed then loses what it acknowledged and had not stored)."""
+        queue_redelivery: bool = True
+        """Queue subscriptions (``on_message_fetch_for_queue``) take their offline messages with the cluster's
+        redelivery (``Client.deliver``): each delivery counted, an unacknowledged one delivered again after the
+        ack wait (at once when its connection closed before the PUBACK), dead-lettered after the last.
+        False: plain queue fetches, as before redelivery existed."""
+        queue_ack_wait_ms: int = 30_000
+        """How long a queue delivery waits for the client's PUBACK before it is due again."""
+        queue_max_deliveries: int = 1_000
+        """The most times a queue message is delivered to one reader (1 to 1,000)."""
+        queue_backoff_ms: str = ""
+        """Comma-separated waits after the 1st, 2nd, ... delivery (the last for later ones), instead of the ack
+        wait; empty: none."""
+        queue_max_unacked: int = 1_000
+        """The most queue messages of one reader delivered and not acknowledged, per shard."""
+        queue_dead_letter_topic: str = ""
+        """Where a queue message goes after its last delivery (a topic); empty: it is just not delivered again."""
 
     def __init__(self, context: BaseContext) -> None:
         super().__init__(context)
@@ -142,7 +183,7 @@ class MqdsPlugin(BaseTopicPlugin):
         rules = load_config(self.config.hooks) if self.config.hooks else DEFAULT_RULES
         self.client: aio.Client = aio.Client(self.config.endpoints, settings=settings_from(self.config))
         self.node: str = self.config.node or rules.node or socket.gethostname()
-        self.hooks: BrokerHooks = BrokerHooks(self.client, rules, self.node)
+        self.hooks: BrokerHooks = BrokerHooks(self.client, rules, self.node, redelivery=redelivery_policy(self.config))
         self.stats: collections.Counter[str] = collections.Counter()
         self.started_at: float = time.monotonic()
         # The clients' current connections (persistent sessions get their stored messages through them).
@@ -432,6 +473,12 @@ class MqdsPlugin(BaseTopicPlugin):
             parts.append(f"{s['puback_withheld']} publishes not acknowledged (not stored; connection closed)")
         if s["delivery_failed"]:
             parts.append(f"{s['delivery_failed']} deliveries unacknowledged by clients")
+        redelivery = self.hooks.stats
+        if redelivery["redelivered"] or redelivery["dead_lettered"] or redelivery["nacked"]:
+            parts.append(
+                f"queue redelivery: {redelivery['redelivered']} redelivered, {redelivery['nacked']} given back, "
+                f"{redelivery['dead_lettered']} dead-lettered"
+            )
         if s["shared_refused"]:
             parts.append(f"{s['shared_refused']} shared subscriptions refused (not served yet)")
         if s["errors"]:

@@ -10,6 +10,7 @@ import sys
 
 from mqds.broker.actions import BrokerHooks
 from mqds.broker.exhook.listener import INSECURE_FLAG, ProviderTLS, check_listener, describe
+from mqds.broker.exhook.positions import DEFAULT_TTL_S
 from mqds.broker.exhook.provider import (
     DEFAULT_ACK_CACHE_SIZE,
     SERVICE,
@@ -17,11 +18,12 @@ from mqds.broker.exhook.provider import (
     HookProvider,
     UndecodableRequests,
 )
-from mqds.broker.hooks import HookConfig, HookConfigError, load_config
+from mqds.broker.hooks import HookConfig, HookConfigError, load_config, parse_duration
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, connection
 from mqds.client import aio
 from mqds.client.connection import ConnectionSettings
 from mqds.protocol.errors import MqdsError
+from mqds.protocol.limits import SESSION_NEVER_EXPIRES
 
 DEFAULT_LISTEN = "127.0.0.1:9000"
 STARTUP_CHECK_TIMEOUT_S = 10.0
@@ -57,7 +59,7 @@ async def _serve(
         except MqdsError as err:
             raise CommandError(f"cannot reach the mqds cluster at {opts.endpoints}: {err}") from None
         hooks = BrokerHooks(client, config, node=opts.node)
-        provider = HookProvider(hooks, ack_cache_size=opts.ack_cache_size)
+        provider = HookProvider(hooks, ack_cache_size=opts.ack_cache_size, ack_positions_ttl_s=opts.ack_positions_ttl_s)
         try:
             server = ExhookServer(provider, opts.listen, tls, insecure_no_client_auth=opts.insecure_no_client_auth)
         except ValueError as err:
@@ -91,6 +93,21 @@ async def _serve(
     return EXIT_OK
 
 
+def _ttl_s(text: str) -> int:
+    """``--ack-positions-ttl`` in whole seconds: a duration of 1 s to about 136 years; no infinity (it bounds)."""
+    try:
+        seconds = parse_duration(text)
+    except ValueError as err:
+        raise CommandError(f"--ack-positions-ttl: {err}", EXIT_USAGE) from None
+    if seconds is None or not 1 <= seconds <= SESSION_NEVER_EXPIRES:
+        raise CommandError(
+            f"--ack-positions-ttl {text!r}: give a duration from 1s to {SESSION_NEVER_EXPIRES} seconds "
+            "(the records must expire)",
+            EXIT_USAGE,
+        )
+    return int(seconds)
+
+
 def run(opts: argparse.Namespace) -> int:
     try:
         config = load_config(opts.config)
@@ -100,6 +117,7 @@ def run(opts: argparse.Namespace) -> int:
         print(f"mqds exhook: {note}", flush=True)
     if opts.ack_cache_size < 1:
         raise CommandError("--ack-cache-size must be at least 1", EXIT_USAGE)
+    opts.ack_positions_ttl_s = _ttl_s(opts.ack_positions_ttl)
     tls = _provider_tls(opts)
     # Before the cluster is asked anything: a listener that would let anyone in is a usage error.
     try:
@@ -130,7 +148,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         help="serve EMQX's ExHook gRPC interface, keeping client state, subscriptions and messages in mqds",
         description=(
             f"Serve {SERVICE} (EMQX 5.9+ ExHook v3) so that EMQX calls mqds at its hook points. The rules in "
-            "--config (TOML or YAML; examples in deploy/hooks/) decide what each hook does: record clients "
+            "--config (TOML, YAML, or an EMQX backend's .conf lines; examples in deploy/hooks/) decide what each "
+            "hook does: record clients "
             "online and offline, store published messages and retained messages, store subscriptions, record "
             "acknowledgements. Point EMQX at it with exhook.servers = [{name = mqds, url = "
             '"https://HOST:PORT", ssl = {enable = true, certfile, keyfile, cacertfile, verify = verify_peer}}]. '
@@ -145,7 +164,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         "--config",
         metavar="FILE",
         required=True,
-        help="the hook rules: a .toml or .yaml file (see docs/brokers.md; deploy/hooks/ has examples)",
+        help="the hook rules: a .toml or .yaml file, or an EMQX backend's own .conf lines (see docs/brokers.md; "
+        "deploy/hooks/ has examples)",
     )
     parser.add_argument(
         "--listen",
@@ -165,8 +185,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         type=int,
         metavar="N",
         default=DEFAULT_ACK_CACHE_SIZE,
-        help="how many EMQX message ids to remember with their stored positions, to record their "
-        f"acknowledgements (default {DEFAULT_ACK_CACHE_SIZE:,}; older ones are forgotten first)",
+        help="how many EMQX message ids this process remembers with their stored positions, to record their "
+        f"acknowledgements without asking the cluster (default {DEFAULT_ACK_CACHE_SIZE:,}; older ones are "
+        "forgotten first, and read back from the cluster when acknowledged)",
+    )
+    parser.add_argument(
+        "--ack-positions-ttl",
+        metavar="DURATION",
+        default=f"{DEFAULT_TTL_S // 3600}h",
+        help="how long the cluster keeps each stored message's EMQX id -> position record, by which a restarted "
+        "provider still records the acknowledgements of messages stored before (default "
+        f"{DEFAULT_TTL_S // 3600}h; 45s, 30m, 2h, 1d; shorter for a message with a shorter expiry interval). "
+        "Written only when some rule records acknowledgements: one retained record per stored message",
     )
     parser.add_argument(
         "--server-cert",

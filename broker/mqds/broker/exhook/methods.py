@@ -54,7 +54,7 @@ HOOK_METHODS: dict[str, Handling] = {
     "OnSessionTakenover": Handling.NO_OP,
     "OnSessionTerminated": Handling.NO_OP,
     "OnMessagePublish": Handling.HANDLED,
-    "OnMessageDelivered": Handling.NO_OP,
+    "OnMessageDelivered": Handling.HANDLED,
     "OnMessageDropped": Handling.NO_OP,
     "OnMessageAcked": Handling.HANDLED,
 }

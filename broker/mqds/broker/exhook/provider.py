@@ -10,11 +10,15 @@ What ExHook allows, and so what this provider does:
 - ``message.publish`` is the one hook EMQX waits for. The provider stores the
   message by the rules and answers CONTINUE with the message unchanged (a
   message an earlier hook refused, header ``allow_publish=false``, is not
-  stored). It remembers EMQX's message id -> stored position in a bounded
-  LRU, since the message EMQX later reports as acknowledged carries its id,
-  not mqds's position; an acknowledgement of a message it does not remember
-  (published before this process started, or pushed out of the LRU) is
-  counted and skipped.
+  stored). When some rule records acknowledgements it keeps EMQX's message
+  id -> stored position (:class:`~mqds.broker.exhook.positions.AckPositions`:
+  in a bounded LRU and, replicated and expiring, in mqds), since the message
+  EMQX later reports as delivered or acknowledged carries its id, not mqds's
+  position; so a provider that restarted resolves the acknowledgements of
+  messages the one before it stored. One neither knows (never stored, or
+  its record expired) is counted and skipped.
+- ``message.delivered`` runs the ``on_message_delivered`` rules (the
+  delivery counts as the acknowledgement, QoS 0 too), resolved as above.
 - Every other hook is a notification: EMQX ignores the answer. Client state,
   stored subscriptions, read positions and queue acknowledgements are all
   recorded; but **fetched offline and retained messages and looked-up proxy
@@ -50,6 +54,7 @@ from google.protobuf.message import DecodeError
 from mqds.broker.actions import BrokerHooks, Delivery
 from mqds.broker.exhook.listener import ProviderTLS, check_listener
 from mqds.broker.exhook.methods import SERVICE, MethodGuard
+from mqds.broker.exhook.positions import DEFAULT_TTL_S, AckPositions
 from mqds.broker.exhook.v3 import exhook_pb2 as pb
 from mqds.broker.exhook.v3 import exhook_pb2_grpc as pb_grpc
 from mqds.client.model import Message
@@ -135,17 +140,23 @@ class HookProvider(pb_grpc.HookProviderServicer):
     dispatcher's own counts are in ``hooks.stats``).
     """
 
-    def __init__(self, hooks: BrokerHooks, *, ack_cache_size: int = DEFAULT_ACK_CACHE_SIZE) -> None:
+    def __init__(
+        self,
+        hooks: BrokerHooks,
+        *,
+        ack_cache_size: int = DEFAULT_ACK_CACHE_SIZE,
+        ack_positions_ttl_s: int = DEFAULT_TTL_S,
+    ) -> None:
         if ack_cache_size < 1:
             raise ValueError("ack_cache_size must be at least 1")
         self.hooks = hooks
         self.ack_cache_size = ack_cache_size
+        # EMQX message id -> (shard, timestamp_us) of the stored copy: here (LRU) and in mqds.
+        self.positions = AckPositions(hooks.client, cache_size=ack_cache_size, ttl_s=ack_positions_ttl_s)
         self.calls: collections.Counter[str] = collections.Counter()
         self.failures: collections.Counter[str] = collections.Counter()
         self.stats: collections.Counter[str] = collections.Counter()
         self.started = time.monotonic()
-        # EMQX message id -> (shard, timestamp_us) of the stored copy, least recently used first.
-        self._positions: collections.OrderedDict[str, tuple[int, int]] = collections.OrderedDict()
         # clientid -> the Session Expiry Interval of its CONNECT (OnClientConnect), until OnClientConnected.
         self._session_expiry: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._told_undeliverable = False
@@ -171,17 +182,34 @@ class HookProvider(pb_grpc.HookProviderServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"{name}: internal error: {type(err).__name__}: {err}")
         raise AssertionError("context.abort returned")  # it raises
 
-    def _remember_position(self, message_id: str, stored: Message) -> None:
-        if not message_id or stored.shard is None or stored.timestamp_us is None:
-            return
-        self._positions[message_id] = (stored.shard, stored.timestamp_us)
-        self._positions.move_to_end(message_id)
-        while len(self._positions) > self.ack_cache_size:
-            self._positions.popitem(last=False)
-
     def position_of(self, message_id: str) -> tuple[int, int] | None:
-        """The stored position remembered for an EMQX message id, if any."""
-        return self._positions.get(message_id)
+        """The stored position this process remembers for an EMQX message id, if any (mqds is not asked)."""
+        return self.positions.remembered(message_id)
+
+    async def _stored_message(self, hook: str, name: str, request: Any) -> tuple[str, Message] | None:
+        """The client and the message, with its stored position, of a delivered or acknowledged message.
+
+        None when no rule of ``hook`` acknowledges the message's topic (mqds
+        is not asked), and (counted as ``<name>_of_unknown_messages``) when
+        its position is unknown: no rule stores the topic, or it was not
+        stored, or its record expired.
+        """
+        clientid = _clientid(request.clientinfo)
+        if not request.HasField("message"):
+            raise ValueError("message is missing")
+        topic = request.message.topic
+        if not any(rule.kind == "ack" for rule in self.hooks.config.rules_for(hook, topic)):
+            return None
+        stores = self.hooks.config.rules_for("message.publish", topic)
+        stored = any(rule.kind == "store" for rule in stores)
+        # A message no rule stores has no position: mqds is not asked.
+        position = await self.positions.resolve(request.message.id) if stored else None
+        if position is None:
+            self.stats[f"{name}_of_unknown_messages"] += 1
+            return None
+        message = to_message(request.message)
+        message.shard, message.timestamp_us = position
+        return clientid, message
 
     def _undeliverable(self, what: str, clientid: str, count: int) -> None:
         self.stats[what] += count
@@ -312,28 +340,41 @@ class HookProvider(pb_grpc.HookProviderServicer):
                 stored = await self.hooks.message_publish(
                     to_message(request.message, request.user_props, request.props)
                 )
-                if stored is not None:
-                    self._remember_position(request.message.id, stored)
+                if stored is not None and self.hooks.records_acks:
+                    await self.positions.record(request.message.id, stored)
             return pb.ValuedResponse(type=pb.ValuedResponse.CONTINUE, message=request.message)
 
         return await self._run("OnMessagePublish", context, work)
 
     async def OnMessageAcked(self, request: pb.MessageAckedRequest, context: Any) -> pb.EmptySuccess:
+        return await self._acknowledgement(
+            "OnMessageAcked", "message.acked", "acks", request, context, self.hooks.message_acked
+        )
+
+    async def OnMessageDelivered(self, request: pb.MessageDeliveredRequest, context: Any) -> pb.EmptySuccess:
+        """EMQX sent a message to a subscriber: the ``message.delivered`` rules (``on_message_delivered``)."""
+        return await self._acknowledgement(
+            "OnMessageDelivered", "message.delivered", "deliveries", request, context, self.hooks.message_delivered
+        )
+
+    async def _acknowledgement(
+        self,
+        name: str,
+        hook: str,
+        counted: str,
+        request: Any,
+        context: Any,
+        act: Callable[[str, Message], Awaitable[None]],
+    ) -> pb.EmptySuccess:
+        """An acknowledgement (or a delivery): ``act`` on the client and the message at its stored position."""
+
         async def work() -> pb.EmptySuccess:
-            clientid = _clientid(request.clientinfo)
-            if not request.HasField("message"):
-                raise ValueError("message is missing")
-            position = self._positions.get(request.message.id) if request.message.id else None
-            if position is None:
-                self.stats["acks_of_unknown_messages"] += 1
-                return pb.EmptySuccess()
-            self._positions.move_to_end(request.message.id)
-            message = to_message(request.message)
-            message.shard, message.timestamp_us = position
-            await self.hooks.message_acked(clientid, message)
+            found = await self._stored_message(hook, counted, request)
+            if found is not None:
+                await act(*found)
             return pb.EmptySuccess()
 
-        return await self._run("OnMessageAcked", context, work)
+        return await self._run(name, context, work)
 
     # -- hooks mqds does not use: answered, counted --------------------------------------
 
@@ -362,9 +403,6 @@ class HookProvider(pb_grpc.HookProviderServicer):
     async def OnSessionTerminated(self, request: pb.SessionTerminatedRequest, context: Any) -> pb.EmptySuccess:
         return await self._ignored("OnSessionTerminated")
 
-    async def OnMessageDelivered(self, request: pb.MessageDeliveredRequest, context: Any) -> pb.EmptySuccess:
-        return await self._ignored("OnMessageDelivered")
-
     async def OnMessageDropped(self, request: pb.MessageDroppedRequest, context: Any) -> pb.EmptySuccess:
         return await self._ignored("OnMessageDropped")
 
@@ -383,7 +421,7 @@ class HookProvider(pb_grpc.HookProviderServicer):
             lines.append("  calls: " + ", ".join(f"{name} {n}" for name, n in sorted(self.calls.items())))
         if self.failures:
             lines.append("  errors: " + ", ".join(f"{name} {n}" for name, n in sorted(self.failures.items())))
-        done = self.hooks.stats + self.stats
+        done = self.hooks.stats + self.stats + self.positions.stats
         if done:
             lines.append("  done: " + ", ".join(f"{what.replace('_', ' ')} {n}" for what, n in sorted(done.items())))
         piped = self.hooks.client.pipeline_stats()

@@ -16,6 +16,7 @@ channels are opened there); the synchronous one is thread-safe.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -39,16 +40,18 @@ from mqds.client.core import operations as ops
 from mqds.client.core import retention as retention_calls
 from mqds.client.core.backup_runs import START_S, BackupReport, CallError, RestoreReport
 from mqds.client.core.backup_runs import Progress as BackupProgress
+from mqds.client.core.consumers import ConsumerPages, Consumers, LagPlan, check_kinds, push_page, push_request
 from mqds.client.core.deletes import DeleteReport, DeleteRun, Progress
 from mqds.client.core.follow import FollowCore, FollowPosition
 from mqds.client.core.offline import OfflineFetch, SharedFetch
-from mqds.client.core.operations import FanoutCall, ShardCall
+from mqds.client.core.operations import Delivered, FanoutCall, ShardCall
 from mqds.client.core.pipeline import PipelineLimits, resolve_limits
 from mqds.client.core.retry import Backoff, time_left
 from mqds.client.core.share_group import ShareAssignment, share_group_call
 from mqds.client.core.stream_reads import GROUP_BYTES, GROUP_DEPTH, WEIGH_BATCH, RankRead, ReadAhead
 from mqds.client.model import ClientState, Fence, Generation, Iterator, Message, Rank, ReadPosition, Stream
 from mqds.protocol import errors
+from mqds.protocol.delivery import Policy
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.v1 import cluster_pb2 as clpb
 
@@ -191,11 +194,17 @@ class Client:
         return self._router.table.cluster_map()
 
     async def set_retention(
-        self, rules: Sequence[tuple[str, int]], default_s: int = 0, timeout_s: float | None = None
+        self,
+        rules: Sequence[tuple[str, int] | clpb.RetentionRule],
+        default_s: int = 0,
+        timeout_s: float | None = None,
     ) -> clpb.RetentionPolicy:
         """Set the cluster's retention policy: ``(topic filter, seconds)`` rules, the first matching one
-        deciding a message's period, and ``default_s`` for the rest (0: kept until deleted). Replaces the
-        previous policy; each vnode's leader then removes what it ended. Needs the admin role."""
+        deciding a message's period, and ``default_s`` for the rest (0: kept until deleted). A rule may be a
+        ``RetentionRule`` instead, with limits beside its period (``max_messages``, ``max_bytes``,
+        ``max_messages_per_topic``, ``discard``; ``mqds.protocol.retention.parse_rule_limits`` reads
+        ``'a/#=7d,max_msgs=1000,discard=old'``). Replaces the previous policy; each vnode's leader then
+        removes what it ended. Needs the admin role."""
         policy = retention_calls.policy_message(rules, default_s)
         await self._router.ensure_map(self.timeout_s if timeout_s is None else timeout_s)
         return await set_policy(self._router, self.settings.call_error, policy, self._deadline(timeout_s))
@@ -659,10 +668,65 @@ class Client:
         ``pubsub``: moves this (clientid, filter)'s read position in the
         message's shard up to the message (acknowledging a message also
         acknowledges the earlier ones of its shard: brokers deliver in order).
-        ``queue``: removes the message for every queue reader. ``message``
+        ``queue``: removes the message for every queue reader (and ends its
+        delivery to ``clientid``, see ``deliver``). ``delivery``: ends a
+        delivery of ``deliver`` to the (clientid, filter) consumer, in the
+        message's shard, and nothing else. ``message``
         must carry its position (``shard``, ``timestamp_us``), as
         ``fetch_offline`` and ``store_batch`` return it.
         """
+        await self._keyed_call(lambda n: ops.ack(clientid, topic_filter, message, mode, n), timeout_s)
+
+    async def deliver(
+        self,
+        clientid: str,
+        topic_filter: str,
+        policy: Policy,
+        max_count: int = 100,
+        *,
+        queue: bool = False,
+        include_qos0: bool = False,
+        start_after_us: int = 0,
+        shards: Iterable[int] | None = None,
+        timeout_s: float | None = None,
+    ) -> Delivered:
+        """Messages for a consumer that the cluster redelivers: its due redeliveries first, then new messages.
+
+        The consumer is ``clientid`` (a queue reader's, or a share group's
+        ``"$share/<group>"``) with ``topic_filter``. A message it does not
+        acknowledge (``ack(..., mode="delivery")``, or ``"queue"`` for a queue
+        reader, which also removes it for every queue reader) within the
+        policy's wait comes back from a later call, its count one higher;
+        after ``policy.max_deliveries`` deliveries it is stored on the
+        policy's dead-letter topic and not delivered again. ``policy`` is a
+        :class:`mqds.protocol.delivery.Policy` (``Policy.of`` checks it).
+
+        Each node leading some of ``shards`` (None: every shard) answers with
+        at most ``max_count`` messages and its ``max_answer_bytes``; every
+        message in the answer is counted as delivered, so handle them all.
+        ``queue``: skip messages a queue reader acknowledged. ``start_after_us``:
+        where a consumer new to a shard starts (0: the whole stored history).
+        A call that fails after a node logged its step loses that node's
+        answer: its messages come back after their wait (at least once).
+        """
+        call = ops.deliver(clientid, topic_filter, policy, max_count, queue, include_qos0, start_after_us, shards)
+        return Delivered.merged(await self._fanout_call(call, timeout_s))
+
+    async def nack(
+        self,
+        clientid: str,
+        topic_filter: str,
+        message: Message,
+        *,
+        received: bool = True,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Give back a message ``deliver`` gave the (clientid, filter) consumer (a negative acknowledgement):
+        it is due again at once, its delivery count kept, so the consumer's next ``deliver`` call delivers it
+        again, or dead-letters it after its last delivery. ``received=False``: it never reached the consumer
+        (a broker fetched it and lost the connection before sending it), so that delivery does not count. A
+        message not waiting for its ack is left alone."""
+        mode = "nack" if received else "release"
         await self._keyed_call(lambda n: ops.ack(clientid, topic_filter, message, mode, n), timeout_s)
 
     async def forget_acks(self, clientid: str, topic_filter: str, timeout_s: float | None = None) -> bool:
@@ -691,6 +755,83 @@ class Client:
         """Delete every proxy subscription and read position of ``clientid`` (an MQTT clean session discards
         the previous session); (subscriptions, read positions) deleted. Its client state stays."""
         return await self._keyed_call(lambda n: ops.forget_session(clientid, n), timeout_s)
+
+    # -- inspecting consumers -----------------------------------------------------
+
+    async def consumers(
+        self,
+        kinds: Iterable[str] | None = None,
+        *,
+        clientid: str = "",
+        clientid_prefix: str = "",
+        group: str = "",
+        lag: bool = True,
+        lag_cap: int = 0,
+        stale_ok: bool = False,
+        timeout_s: float | None = None,
+    ) -> Consumers:
+        """Who reads the cluster, and how far behind: client sessions, read positions, share groups, push
+        subscriptions (``kinds``, a subset of ``"sessions"``, ``"read_positions"``, ``"share_groups"``,
+        ``"push_subscriptions"``; None: all). An admin call: it needs the cluster secret or an admin token.
+
+        Each kind is listed from every shard's leader page by page (``Sessions.ListConsumers``), merged
+        and sorted; ``clientid`` (exact) and ``clientid_prefix`` narrow sessions and read positions,
+        ``group`` share groups (and read positions to that group's). With ``lag``, each read position and
+        share group gets its :class:`~mqds.client.core.consumers.Lag`, measured on every shard's leader
+        (``Sessions.ConsumerLag``): messages counted up to ``lag_cap`` per shard (0: the nodes' 10,000;
+        at most 100,000) and "at least" beyond, and the age of the oldest unread message. Push
+        subscriptions are asked of every node (each serves its own) with their lag in the shard they
+        read; a node that does not answer is named in ``unreachable``.
+        """
+        chosen = check_kinds(kinds)
+        deadline = self._deadline(timeout_s)
+        found = Consumers()
+        for kind in chosen:
+            if kind == "push_subscriptions":
+                await self._push_subscriptions(found, lag_cap, deadline)
+                continue
+            pages = ConsumerPages(kind, clientid, clientid_prefix, group, stale_ok)
+            while (call := pages.next_call()) is not None:
+                pages.record(await self._fanout_call(call, time_left(deadline)))
+            if kind == "sessions":
+                found.sessions = pages.sessions()
+            elif kind == "read_positions":
+                found.read_positions = pages.positions()
+            else:
+                found.share_groups = pages.share_groups()
+        positions, groups = found.read_positions or [], found.share_groups or []
+        if lag and (positions or groups):
+            places = [(p.topic_filter, p.position) for p in positions] + [(g.topic_filter, g.position) for g in groups]
+            plan = LagPlan(places, lag_cap, await self._n_shards(deadline), stale_ok)
+            for first, lag_call in plan.calls():
+                plan.record(first, await self._fanout_call(lag_call, time_left(deadline)))
+            lags = plan.lags()
+            if found.read_positions is not None:
+                found.read_positions = [dataclasses.replace(p, lag=lags[i]) for i, p in enumerate(positions)]
+            if found.share_groups is not None:
+                n = len(positions)
+                found.share_groups = [dataclasses.replace(g, lag=lags[n + i]) for i, g in enumerate(groups)]
+        return found
+
+    async def _push_subscriptions(self, found: Consumers, lag_cap: int, deadline: float) -> None:
+        """Every node's push subscriptions into ``found`` (a node that does not answer into ``unreachable``)."""
+        view = await self._router.ensure_map(time_left(deadline))
+        found.push_subscriptions = []
+        for node, address in sorted(view.addresses.items()):
+            start = b""
+            try:
+                while True:
+                    answer = await self._rpc(
+                        address, "ListConsumers", push_request(start, lag_cap), time_left(deadline), "Sessions"
+                    )
+                    page, start = push_page(node, answer)
+                    found.push_subscriptions.extend(page)
+                    if not start:
+                        break
+            except MqdsError as err:
+                if err.reason in (Reason.UNAUTHENTICATED, Reason.PERMISSION_DENIED, Reason.INVALID_REQUEST):
+                    raise
+                found.unreachable.append(node)
 
     # -- storage administration: generations, deletes, backup and restore ----
 

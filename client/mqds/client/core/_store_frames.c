@@ -2,13 +2,14 @@
  *
  * message_size(message) -> int
  *   message: an mqds.client.Message (anything with its attributes: topic, payload, sender, qos,
- *            retain, properties)
+ *            retain, properties, message_expiry_s)
  *   The size of its mqds.v1.Message wire form (what mqds.protocol.wire.encode_message makes),
  *   or -1 when the message breaks one of the rules of mqds.protocol.messages (a topic that is
  *   empty, holds NUL or a wildcard, is not UTF-8 or is over 65,535 bytes; qos not 0, 1 or 2; a
  *   sender over 65,535 bytes or not UTF-8; more than 1,024 user properties or more than 64 KiB
  *   of them, or one that is not UTF-8) or holds what this reader does not take (a payload that
- *   is not bytes, properties that are not a tuple of (str, str) pairs): the caller then checks
+ *   is not bytes, properties that are not a tuple of (str, str) pairs, an expiry interval that is not
+ *   an int from 0 to 4,294,967,295): the caller then checks
  *   and encodes it in Python, which says what is wrong.
  *
  * store_frame(messages, producer_id, sequence) -> bytes
@@ -39,7 +40,7 @@
 #define MAX_USER_PROPERTIES 1024
 #define MAX_USER_PROPERTY_BYTES 65536
 
-static PyObject *s_topic, *s_payload, *s_sender, *s_qos, *s_retain, *s_properties;
+static PyObject *s_topic, *s_payload, *s_sender, *s_qos, *s_retain, *s_properties, *s_message_expiry_s;
 
 static inline Py_ssize_t varint_len(uint64_t v) {
     Py_ssize_t n = 1;
@@ -74,12 +75,13 @@ typedef struct {
     long qos;
     int retain;
     PyObject *properties; /* a tuple, borrowed from the message while it is held */
+    uint64_t expiry;      /* message_expiry_s: MQTT 5's Message Expiry Interval, 0 for none */
     Py_ssize_t size;      /* the message's wire size */
-    PyObject *refs[6];    /* the attributes read, released by release() */
+    PyObject *refs[7];    /* the attributes read, released by release() */
 } view;
 
 static void release(view *v) {
-    for (int i = 0; i < 6; i++)
+    for (int i = 0; i < 7; i++)
         Py_CLEAR(v->refs[i]);
 }
 
@@ -97,10 +99,11 @@ static int read_view(PyObject *m, view *v) {
     PyObject **r = v->refs;
     if (!(r[0] = PyObject_GetAttr(m, s_topic)) || !(r[1] = PyObject_GetAttr(m, s_payload)) ||
         !(r[2] = PyObject_GetAttr(m, s_sender)) || !(r[3] = PyObject_GetAttr(m, s_qos)) ||
-        !(r[4] = PyObject_GetAttr(m, s_retain)) || !(r[5] = PyObject_GetAttr(m, s_properties)))
+        !(r[4] = PyObject_GetAttr(m, s_retain)) || !(r[5] = PyObject_GetAttr(m, s_properties)) ||
+        !(r[6] = PyObject_GetAttr(m, s_message_expiry_s)))
         return -1;
     if (!PyUnicode_CheckExact(r[0]) || !PyBytes_CheckExact(r[1]) || !PyUnicode_CheckExact(r[2]) ||
-        !PyLong_Check(r[3]) || !PyTuple_CheckExact(r[5]))
+        !PyLong_Check(r[3]) || !PyTuple_CheckExact(r[5]) || !PyLong_Check(r[6]))
         return 0;
     if (!(v->topic = utf8(r[0], &v->topic_n)) || v->topic_n == 0 || v->topic_n > MAX_TOPIC_BYTES)
         return 0;
@@ -120,6 +123,12 @@ static int read_view(PyObject *m, view *v) {
     if (retain < 0)
         return -1;
     v->retain = retain;
+    long long expiry = PyLong_AsLongLongAndOverflow(r[6], &overflow);
+    if (overflow || expiry < 0 || expiry > 0xFFFFFFFFLL) {
+        PyErr_Clear();
+        return 0;
+    }
+    v->expiry = (uint64_t)expiry;
     v->properties = r[5];
     Py_ssize_t count = PyTuple_GET_SIZE(r[5]);
     if (count > MAX_USER_PROPERTIES)
@@ -135,6 +144,8 @@ static int read_view(PyObject *m, view *v) {
         size += 2;
     if (v->retain)
         size += 2;
+    if (v->expiry)
+        size += 1 + varint_len(v->expiry);
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *pair = PyTuple_GET_ITEM(r[5], i);
         if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2)
@@ -189,6 +200,10 @@ static unsigned char *put_message(unsigned char *p, const view *v) {
             p = put_bytes(p, USER_PROPERTY_KEY_TAG, k, kn);
         if (vn)
             p = put_bytes(p, USER_PROPERTY_VALUE_TAG, val, vn);
+    }
+    if (v->expiry) { /* field 9, after the properties: fields in number order, as protobuf writes them */
+        *p++ = MESSAGE_MESSAGE_EXPIRY_S_TAG;
+        p = put_varint(p, v->expiry);
     }
     return p;
 }
@@ -373,7 +388,8 @@ PyMODINIT_FUNC PyInit__store_frames(void) {
     if (!(s_topic = PyUnicode_InternFromString("topic")) || !(s_payload = PyUnicode_InternFromString("payload")) ||
         !(s_sender = PyUnicode_InternFromString("sender")) || !(s_qos = PyUnicode_InternFromString("qos")) ||
         !(s_retain = PyUnicode_InternFromString("retain")) ||
-        !(s_properties = PyUnicode_InternFromString("properties")))
+        !(s_properties = PyUnicode_InternFromString("properties")) ||
+        !(s_message_expiry_s = PyUnicode_InternFromString("message_expiry_s")))
         return NULL;
     return PyModule_Create(&module);
 }

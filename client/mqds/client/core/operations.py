@@ -24,6 +24,7 @@ from mqds.client.core.fanout import ShardFailures
 from mqds.client.core.pipeline_calls import check_messages
 from mqds.client.model import (
     ClientState,
+    Delivered,
     Fence,
     Generation,
     Iterator,
@@ -33,6 +34,7 @@ from mqds.client.model import (
     Stream,
 )
 from mqds.protocol import errors
+from mqds.protocol.delivery import Policy
 from mqds.protocol.errors import MqdsError, PartialBatchError, Reason
 from mqds.protocol.limits import SESSION_NEVER_EXPIRES
 from mqds.protocol.sharding import shard_of
@@ -265,11 +267,11 @@ class StoreBatch:
         for index, m in enumerate(self.batch):
             if index in self.positions:
                 ts, shard = self.positions[index]
-                stored.append(Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, ts, shard))
+                stored.append(m.at(ts, shard))
             else:
                 shard = shard_of(m.sender, self.n_shards)
                 err = self.refused[index] if index in self.refused else failures[shard]
-                failed.append((Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, None, shard), err))
+                failed.append((m.at(None, shard), err))
         if not failed:
             return stored
         if not stored:
@@ -282,13 +284,16 @@ class StoreBatch:
 # -- broker state (the Sessions service) -----------------------------------------
 
 MODES = {"pubsub": spb.PUBSUB, "queue": spb.QUEUE}
+ACK_MODES = {**MODES, "delivery": spb.DELIVERY, "nack": spb.NACK, "release": spb.RELEASE}
+"""An acknowledgement's modes: a fetch's, ``delivery`` (ends a delivery of ``Client.deliver``), ``nack``
+(gives one back: due again at once) and ``release`` (gives back one that was never sent: not counted)."""
 
 
-def _mode(mode: str) -> spb.DeliveryMode:
+def _mode(mode: str, modes: dict[str, spb.DeliveryMode] = MODES) -> spb.DeliveryMode:
     try:
-        return MODES[mode]
+        return modes[mode]
     except KeyError:
-        raise ValueError(f"mode must be 'pubsub' or 'queue', got {mode!r}") from None
+        raise ValueError(f"mode must be {' or '.join(map(repr, modes))}, got {mode!r}") from None
 
 
 def _client_state(response: spb.ClientStateResponse) -> ClientState | None:
@@ -504,18 +509,57 @@ class FetchOffline:
 
 
 def ack(clientid: str, topic_filter: str, message: Message, mode: str, n_shards: int) -> ShardCall[None]:
-    """Pubsub: logged in the clientid's shard (its read position); queue: in the message's shard."""
+    """Pubsub: logged in the clientid's shard (its read position); queue and delivery: in the message's shard."""
     if message.shard is None or not message.timestamp_us:
         raise ValueError(
             "ack needs the message's position (shard and timestamp_us): pass a message as fetch_offline "
             "or store_batch returned it"
         )
-    code = _mode(mode)
+    code = _mode(mode, ACK_MODES)
     request = spb.AckRequest(
         clientid=clientid, topic_filter=topic_filter, mode=code, shard=message.shard, timestamp_us=message.timestamp_us
     )
-    shard = message.shard if code == spb.QUEUE else shard_of(clientid, n_shards)
+    shard = shard_of(clientid, n_shards) if code == spb.PUBSUB else message.shard
     return ShardCall("Ack", shard, request, lambda _: None, service="Sessions")
+
+
+def deliver(
+    clientid: str,
+    topic_filter: str,
+    policy: Policy,
+    max_count: int,
+    queue: bool,
+    include_qos0: bool,
+    start_after_us: int,
+    shards: Iterable[int] | None,
+) -> FanoutCall[Delivered]:
+    """The consumer's due redeliveries and new messages, from each node leading some of ``shards``."""
+    if max_count < 1:
+        raise ValueError(f"max_count must be at least 1, got {max_count}")
+    wire_policy = spb.DeliveryPolicy(
+        ack_wait_ms=policy.ack_wait_ms,
+        max_deliveries=policy.max_deliveries,
+        backoff_ms=policy.backoff_ms,
+        max_unacked=policy.max_unacked,
+        dead_letter_topic=policy.dead_letter_topic,
+    )
+    return FanoutCall(
+        "Deliver",
+        None if shards is None else sorted(set(shards)),
+        lambda shards: spb.DeliverRequest(
+            clientid=clientid,
+            topic_filter=topic_filter,
+            shards=shards,
+            policy=wire_policy,
+            max_count=max_count,
+            queue=queue,
+            include_qos0=include_qos0,
+            start_after_us=start_after_us,
+        ),
+        lambda r: [Delivered.from_pb(r)],
+        lambda d: 0,
+        service="Sessions",
+    )
 
 
 def forget_acks(clientid: str, topic_filter: str, n_shards: int) -> ShardCall[bool]:

@@ -224,21 +224,19 @@ class CallState:
         m = self.message
         if m is not None:
             ts = self.timestamp_us or None
-            return [Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, ts, self.shard)]
+            return [m.at(ts, self.shard)]
         batch, positions, shards, failed = self.messages, self.positions, self.shards, self.failed
         assert batch is not None and positions is not None and shards is not None
         if not failed:
             return [
-                Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, *at)
-                if at is not None
-                else Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, None, shards[i])
+                m.at(*at) if at is not None else m.at(None, shards[i])
                 for i, (m, at) in enumerate(zip(batch, positions, strict=True))
             ]
         stored: list[Message] = []
         lost: list[tuple[Message, MqdsError]] = []
         for index, m in enumerate(batch):
             ts, shard = positions[index] or (None, shards[index])
-            copy = Message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, ts, shard)
+            copy = m.at(ts, shard)
             if index in failed:
                 lost.append((copy, failed[index]))
             else:

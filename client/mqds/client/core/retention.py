@@ -11,19 +11,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mqds.client.core.retry import NodeRounds
-from mqds.protocol.retention import check_rules
+from mqds.protocol.retention import check_limits, check_rules
 from mqds.v1 import cluster_pb2 as clpb
 
 PAUSE_S = 0.3
 """The pause after a round of the nodes in which none took the policy (an election of the metadata group)."""
 
 
-def policy_message(rules: Sequence[tuple[str, int]], default_s: int) -> clpb.RetentionPolicy:
-    """A checked ``RetentionPolicy``: (filter, seconds) rules in order, the default in seconds (0: keep)."""
-    check_rules(rules, default_s)
-    return clpb.RetentionPolicy(
-        rules=[clpb.RetentionRule(topic_filter=f, period_s=p) for f, p in rules], default_s=default_s
-    )
+def policy_message(rules: Sequence[tuple[str, int] | clpb.RetentionRule], default_s: int) -> clpb.RetentionPolicy:
+    """A checked ``RetentionPolicy``: rules in order, each (filter, seconds) or a ``RetentionRule`` (which may
+    set limits: ``mqds.protocol.retention.parse_rule_limits`` reads one), the default in seconds (0: keep)."""
+    messages = [
+        r if isinstance(r, clpb.RetentionRule) else clpb.RetentionRule(topic_filter=r[0], period_s=r[1]) for r in rules
+    ]
+    check_rules([(r.topic_filter, r.period_s) for r in messages], default_s)
+    check_limits(messages)
+    return clpb.RetentionPolicy(rules=messages, default_s=default_s)
 
 
 def policy_of(cmap: clpb.ClusterMap) -> clpb.RetentionPolicy | None:

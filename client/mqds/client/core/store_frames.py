@@ -28,7 +28,7 @@ from typing import Any
 
 from mqds.client.model import Message
 from mqds.protocol import messages as rules
-from mqds.protocol.errors import MqdsError
+from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.wire import encode_message, store_stream_frame
 from mqds.v1 import storage_pb2 as pb
 
@@ -41,8 +41,12 @@ except ImportError:  # built by make install; optional elsewhere
     native = None
 
 
+_MAX_EXPIRY_S = 0xFFFF_FFFF
+"""The largest Message Expiry Interval (MQTT 5: a four-byte integer; mqds.v1.Message.message_expiry_s)."""
+
+
 def _encode(m: Message) -> bytes:
-    return encode_message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties)
+    return encode_message(m.topic, m.payload, m.sender, m.qos, m.retain, m.properties, m.message_expiry_s)
 
 
 def message_size(index: int, m: Message) -> int:
@@ -52,6 +56,9 @@ def message_size(index: int, m: Message) -> int:
         if size >= 0:
             return size
     problem = rules.message_problem(m.topic, m.payload, m.sender, m.qos, m.properties)
+    expiry = m.message_expiry_s
+    if problem is None and (type(expiry) is not int or not 0 <= expiry <= _MAX_EXPIRY_S):
+        problem = (Reason.INVALID_MESSAGE, f"message_expiry_s must be 0 to {_MAX_EXPIRY_S:,} seconds, got {expiry!r}")
     if problem is not None:
         raise rules.problem_error(f"message {index}", problem)
     return len(_encode(m))

@@ -44,6 +44,11 @@
 #define MESSAGE_TIMESTAMP_US_WIRE 1
 #define MESSAGE_TIMESTAMP_US_TAG 0x39
 
+/* mqds.v1.Message.message_expiry_s: field 9, varint */
+#define MESSAGE_MESSAGE_EXPIRY_S_FIELD 9
+#define MESSAGE_MESSAGE_EXPIRY_S_WIRE 0
+#define MESSAGE_MESSAGE_EXPIRY_S_TAG 0x48
+
 /* mqds.v1.UserProperty.key: field 1, length-delimited */
 #define USER_PROPERTY_KEY_FIELD 1
 #define USER_PROPERTY_KEY_WIRE 2

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mqds.protocol.retention import check_rules, format_period
+from mqds.protocol.retention import check_limits, check_rules, format_limits, format_period
 from mqds.server.api import replica_digest
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.v1 import cluster_pb2 as clpb
@@ -130,10 +130,15 @@ class ClusterAPI:
     def SetRetention(self, request: clpb.SetRetentionRequest, context: Any = None) -> clpb.ClusterMap:
         policy = request.policy
         check_rules([(r.topic_filter, r.period_s) for r in policy.rules], policy.default_s)
+        check_limits(policy.rules)
         self.node.propose_meta(cpb.MetaCommand(set_retention=cpb.SetRetention(policy=policy)))
         log.info(
             "retention policy set: %s; default %s",
-            ", ".join(f"{r.topic_filter}={format_period(r.period_s)}" for r in policy.rules) or "no rules",
+            ", ".join(
+                ",".join(filter(None, (f"{r.topic_filter}={format_period(r.period_s)}", format_limits(r))))
+                for r in policy.rules
+            )
+            or "no rules",
             format_period(policy.default_s),
         )
         # Committed; this node may not have applied it yet (a follower of the metadata group).

@@ -55,6 +55,7 @@ from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.api import follow_start
 from mqds.server.api.follow_cohort import Cohort, FollowSub
+from mqds.server.api.follow_registry import FollowCalls
 from mqds.server.api.request_bounds import check_parsed
 from mqds.server.storage.ordered import dropped_after, ordered
 from mqds.v1 import storage_pb2 as pb
@@ -369,7 +370,9 @@ class _Call:
             if cohort.listening is not feed:
                 self._unlisten(cohort)
                 self._listen(cohort, feed, storage)
-            got = feed.read_after(cohort.position, cohort.topic_filter, cohort.levels, limit, self.max_answer_bytes)
+            got = feed.read_after(
+                cohort.position, cohort.topic_filter, cohort.levels, limit, self.max_answer_bytes, now_us=self.clock()
+            )
             if got is not None:
                 # Read up to the feed's head: nothing more until it stores again (and then it wakes the call).
                 return _Read(got[0], got[1], feed, True, got[1] < feed.head)
@@ -413,7 +416,7 @@ class _Call:
                     return found, ts
             return found, fence
 
-        return catchup.read(topic_filter, after, limit, budget, load, self.limits.max_batch)
+        return catchup.read(topic_filter, after, limit, budget, load, self.limits.max_batch, now_us=self.clock())
 
     def _listen(self, cohort: Cohort, feed: Any, storage: Any) -> None:
         """Have ``feed`` wake this call (once for all its cohorts on that feed), marking the feed dirty."""
@@ -454,13 +457,24 @@ class _Call:
 
 
 def serve(
-    shards: _Shards, requests: Iterator[Any], limits: FollowLimits, max_answer_bytes: int | None, clock: Any
+    shards: _Shards,
+    requests: Iterator[Any],
+    limits: FollowLimits,
+    max_answer_bytes: int | None,
+    clock: Any,
+    registry: tuple[FollowCalls, str] | None = None,
 ) -> Iterator[bytes]:
-    """Answer a Follow call: yields encoded FollowResponses until the client ends it (or breaks the protocol)."""
+    """Answer a Follow call: yields encoded FollowResponses until the client ends it (or breaks the protocol).
+
+    ``registry``: the node's open calls and the caller's address; the call is listed there while it lasts.
+    """
     call = _Call(shards, limits, max_answer_bytes, clock)
+    number = registry[0].add(call, registry[1]) if registry is not None else None
     reader = threading.Thread(target=call.read, args=(requests,), name="follow-reader", daemon=True)
     reader.start()
     try:
         yield from call.serve()
     finally:
         call.stop()
+        if registry is not None and number is not None:
+            registry[0].remove(number)

@@ -29,6 +29,7 @@ from google.protobuf import descriptor as pbd
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
+from mqds.protocol.delivery import MAX_BACKOFF
 from mqds.protocol.errors import Reason
 from mqds.protocol.limits import MAX_SESSIONS_PER_CALL
 from mqds.protocol.retention import MAX_RULES
@@ -196,6 +197,12 @@ METHODS: dict[str, Method] = {
             _write(),
         ),
         Retain=_write(_DATA),
+        # It names every client, its subscriptions and where it reads, and the callers of push subscriptions:
+        # admins only, as ExportShard. Its lag counts are what a reader could count with FetchMessages.
+        ListConsumers=_admin(),
+        ConsumerLag=_read(),
+        # A broker's queue reader or share group takes messages: each step is a logged write (the deliveries).
+        Deliver=_write(),
     ),
     **_service(
         CLUSTER,
@@ -297,6 +304,13 @@ FIELD_LIMITS: dict[str, Limit | Elsewhere] = {
     "mqds.v1.FetchMessagesSharedRequest.sessions": _constant(MAX_SESSIONS_PER_CALL, "1,000 sessions a call"),
     "mqds.v1.SharedFetchSession.after_us": _SHARDS,
     "mqds.v1.SharedFetchSession.shards": _SHARDS,
+    "mqds.v1.ListConsumersRequest.shards": _SHARDS,
+    "mqds.v1.ListConsumersRequest.starts": _SHARDS,
+    "mqds.v1.ConsumerLagRequest.shards": _SHARDS,
+    "mqds.v1.ConsumerLagRequest.items": _constant(MAX_SESSIONS_PER_CALL, "1,000 sessions a call"),
+    "mqds.v1.LagItem.after_us": _SHARDS,
+    "mqds.v1.DeliverRequest.shards": _SHARDS,
+    "mqds.v1.DeliveryPolicy.backoff_ms": _constant(MAX_BACKOFF, "100 backoff waits"),
     "mqds.v1.RetentionPolicy.rules": _constant(MAX_RULES, "256 retention rules"),
     "mqds.server.raft.v1.Frame.messages": Elsewhere(
         "a Raft frame is bytes until the Raft router parses it, after the caller proved the cluster secret; "

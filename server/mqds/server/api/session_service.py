@@ -18,7 +18,8 @@ from mqds.protocol.errors import MqdsError, Reason
 from mqds.protocol.messages import check_message
 from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import MAX_TOPIC_BYTES
-from mqds.server.api import shared_fetch
+from mqds.server.api import consumers, deliver, shared_fetch
+from mqds.server.api.follow_registry import FollowCalls
 from mqds.server.api.shards_api import Shards, ShardsAPI, now_us
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.storage.expiry import NEVER
@@ -71,6 +72,7 @@ class SessionService(ShardsAPI):
         max_entry_bytes: int | None = None,
         clock: Any = now_us,
         session_expiry_default_s: int = NEVER,
+        follow_calls: FollowCalls | None = None,
     ) -> None:
         super().__init__(shards, max_answer_bytes=max_answer_bytes, max_entry_bytes=max_entry_bytes)
         self.max_payload_bytes = max_payload_bytes
@@ -78,6 +80,8 @@ class SessionService(ShardsAPI):
         self.clock = clock
         self.session_expiry_default_s = session_expiry_default_s
         """The session expiry interval of a client that reported none (MQTT 3.1.1), logged with its connect."""
+        self.follow_calls = follow_calls if follow_calls is not None else FollowCalls()
+        """The node's open Follow calls: ListConsumers lists them (the storage service registers them)."""
 
     def _log(self, shard: int, **change: Any) -> Any:
         """Log one session change in ``shard``'s group (on its leader); the result of applying it."""
@@ -265,7 +269,8 @@ class SessionService(ShardsAPI):
         if request.max_count < 1:
             raise errors.error(Reason.INVALID_REQUEST, f"max_count must be at least 1, got {request.max_count}")
         max_count = min(request.max_count, self.max_fetch)
-        since = max(0, self.clock() - request.time_range_us) if request.time_range_us else 0
+        now = self.clock()
+        since = max(0, now - request.time_range_us) if request.time_range_us else 0
         numbers = self._shard_numbers(0, True, request.shards)
         self._shard_numbers(0, False, list(request.after_us), field="after_us")
         found: list[tuple[int, int, bytes]] = []
@@ -286,7 +291,7 @@ class SessionService(ShardsAPI):
                 max_bytes=self.max_answer_bytes,
             )
             with vnode.replica.reading() as storage:
-                found.extend((ts, vnode.shard, stored) for ts, stored in storage.sessions.fetch(wanted))
+                found.extend((ts, vnode.shard, stored) for ts, stored in storage.sessions.fetch(wanted, now_us=now))
         found.sort(key=lambda entry: (entry[0], entry[1]))
         # Oldest first, up to max_answer_bytes (one message at least): the
         # reader continues after the last one (after_us), as after max_count.
@@ -303,14 +308,17 @@ class SessionService(ShardsAPI):
 
     def Ack(self, request: spb.AckRequest) -> spb.AckResponse:
         self._filter(request.topic_filter)
-        if request.mode not in (spb.PUBSUB, spb.QUEUE):
-            raise errors.error(Reason.INVALID_REQUEST, f"mode {request.mode} is neither PUBSUB (0) nor QUEUE (1)")
+        if request.mode not in (spb.PUBSUB, spb.QUEUE, spb.DELIVERY, spb.NACK, spb.RELEASE):
+            raise errors.error(
+                Reason.INVALID_REQUEST,
+                f"mode {request.mode} is none of PUBSUB (0), QUEUE (1), DELIVERY (2), NACK (3) and RELEASE (4)",
+            )
         if request.timestamp_us < 1:
             raise errors.error(
                 Reason.INVALID_REQUEST, "timestamp_us is 0: acknowledge a message as fetched, with its position"
             )
         (message_shard,) = self._shard_numbers(request.shard, False)
-        if request.mode == spb.QUEUE:
+        if request.mode != spb.PUBSUB:  # kept in the message's shard
             check_clientid(request.clientid)
             self._log(message_shard, ack=request)
         else:
@@ -353,3 +361,17 @@ class SessionService(ShardsAPI):
 
     def LeaveShareGroup(self, request: spb.ShareGroupRequest) -> spb.ShareGroupResponse:
         return self._share_group(request, "share_leave")
+
+    # -- redelivery -----------------------------------------------------------------
+
+    def Deliver(self, request: spb.DeliverRequest) -> bytes:
+        check_clientid(request.clientid)
+        return deliver.serve(self, request)
+
+    # -- inspecting consumers -------------------------------------------------------
+
+    def ListConsumers(self, request: spb.ListConsumersRequest) -> spb.ListConsumersResponse:
+        return consumers.list_consumers(self, self.follow_calls, request, self.clock)
+
+    def ConsumerLag(self, request: spb.ConsumerLagRequest) -> spb.ConsumerLagResponse:
+        return consumers.consumer_lag(self, request, self.clock)

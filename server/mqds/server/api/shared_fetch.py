@@ -197,7 +197,7 @@ def serve(api: Any, request: spb.FetchMessagesSharedRequest) -> bytes:
             if not wanted:
                 continue
             with vnode.replica.reading() as storage:
-                scan = storage.sessions.fetch_shared(wanted, answer.scan_budget(), ref_bytes=_REF_BYTES)
+                scan = storage.sessions.fetch_shared(wanted, answer.scan_budget(), ref_bytes=_REF_BYTES, now_us=now)
             found = scan.found
             last = (found[-1][0], shard) if found else None
             for session, taken in zip(readers, scan.taken, strict=True):

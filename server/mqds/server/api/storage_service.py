@@ -27,9 +27,11 @@ from mqds.protocol.sharding import shard_of
 from mqds.protocol.topics import TopicError, validate_filter
 from mqds.protocol.wire import varint
 from mqds.server.api import backup_service, delete_service, follow, store_stream
+from mqds.server.api.follow_registry import FollowCalls
 from mqds.server.api.handlers import takes_raw_request
 from mqds.server.api.shards_api import Shards, ShardsAPI, now_us
 from mqds.server.api.store_in_flight import StoreInFlight
+from mqds.server.cluster.store_limits import StoreLimits
 from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.group import Proposal
 from mqds.server.storage import IteratorDecodeError, IteratorState, StorePart
@@ -85,12 +87,17 @@ class StorageService(ShardsAPI):
         follow_limits: follow.FollowLimits | None = None,
         scratch_dir: str | None = None,
         node_id: str = "",
+        store_limits: StoreLimits | None = None,
     ) -> None:
         super().__init__(shards, max_answer_bytes=max_answer_bytes, max_entry_bytes=max_entry_bytes)
+        self.store_limits = store_limits
+        """The figures of retention rules with discard=new: the messages over one are refused alone (LIMIT_REACHED)."""
         self.scratch_dir = scratch_dir
         """Where exports put their checkpoints (the data directory's tmp); None: no exports."""
         self.node_id = node_id
         self.follow_limits = follow_limits or follow.FollowLimits()
+        self.follow_calls = FollowCalls()
+        """The Follow calls open on this node (``mqds consumers`` lists them, the lag metrics measure them)."""
         self.stream_window = stream_window
         self.stream_idle_s = stream_idle_s
         self.max_payload_bytes = max_payload_bytes
@@ -234,6 +241,8 @@ class StorageService(ShardsAPI):
                 if not by_shard[shard]:
                     del by_shard[shard]
                 invalid[index] = (shard, (Reason.INVALID_MESSAGE, unknown_field_text(found)))
+        if self.store_limits is not None:
+            self._over_limits(by_shard, messages, invalid)
         if invalid:
             as_sent = False  # the command is built without them
         now = self.clock()
@@ -262,6 +271,22 @@ class StorageService(ShardsAPI):
         started = self._propose_started(commands, refused, parsed)
         return StoreInFlight(order, by_shard, len(messages), started, invalid)
 
+    def _over_limits(
+        self, by_shard: dict[int, list[int]], messages: Any, invalid: dict[int, tuple[int, Problem]]
+    ) -> None:
+        """Leave out of their parts, as refused alone (LIMIT_REACHED), the messages a retention rule with
+        discard=new refuses in their shard (``StoreLimits``)."""
+        assert self.store_limits is not None
+        for shard in list(by_shard):
+            refused = self.store_limits.refused(shard, ((i, messages[i]) for i in by_shard[shard]))
+            if not refused:
+                continue
+            for index, problem in refused.items():
+                invalid[index] = (shard, problem)
+            by_shard[shard] = [i for i in by_shard[shard] if i not in refused]
+            if not by_shard[shard]:
+                del by_shard[shard]
+
     def check_batch_size(self, request: pb.StoreBatchRequest) -> None:
         """Refuse a batch of more than max_batch_messages (BATCH_TOO_LARGE)."""
         if len(request.messages) > self.max_batch_messages:
@@ -277,7 +302,14 @@ class StorageService(ShardsAPI):
 
     def Follow(self, requests: Iterator[Any], context: Any) -> Iterator[bytes]:
         """Push subscriptions on one call (``follow.py``): committed messages sent as they come, within credit."""
-        return follow.serve(self.shards, requests, self.follow_limits, self.max_answer_bytes, self.clock)
+        return follow.serve(
+            self.shards,
+            requests,
+            self.follow_limits,
+            self.max_answer_bytes,
+            self.clock,
+            registry=(self.follow_calls, context.peer() if context is not None else ""),
+        )
 
     def GetStreams(self, request: pb.GetStreamsRequest) -> pb.GetStreamsResponse:
         levels = self._filter(request.topic_filter)

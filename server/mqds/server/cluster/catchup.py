@@ -29,7 +29,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from mqds.server.wire import encode_messages
+from mqds.server.cluster.expiring import Expiring, encode_kept
 
 Load = Callable[[int, int], tuple[list[tuple[int, bytes]], int]]
 """``load(after_us, count)``: up to ``count`` messages of the filter after ``after_us`` read from disk, in
@@ -43,14 +43,24 @@ _SEGMENT_OVERHEAD = 256
 class Segment:
     """Every message of ``topic_filter`` with a timestamp in ``(lo, hi]``: timestamps and encoded answer parts."""
 
-    __slots__ = ("hi", "lo", "pieces", "size", "stamps", "topic_filter")
+    __slots__ = ("expiring", "hi", "lo", "pieces", "size", "stamps", "topic_filter")
 
-    def __init__(self, topic_filter: str, lo: int, hi: int, stamps: list[int], pieces: list[bytes]) -> None:
+    def __init__(
+        self,
+        topic_filter: str,
+        lo: int,
+        hi: int,
+        stamps: list[int],
+        pieces: list[bytes],
+        expiring: Expiring | None = None,
+    ) -> None:
         self.topic_filter = topic_filter
         self.lo = lo
         self.hi = hi
         self.stamps = stamps
         self.pieces = pieces
+        self.expiring = expiring
+        """Its messages with a Message Expiry Interval (``expiring.py``), made fresh when served; None: none."""
         self.size = sum(len(p) for p in pieces) + _SEGMENT_OVERHEAD
 
     def covers(self, position: int) -> bool:
@@ -78,11 +88,20 @@ class CatchUp:
         """Messages served from segments (each counted once per subscriber served)."""
 
     def read(
-        self, topic_filter: str, after_us: int, limit: int, max_bytes: int | None, load: Load, chunk: int
+        self,
+        topic_filter: str,
+        after_us: int,
+        limit: int,
+        max_bytes: int | None,
+        load: Load,
+        chunk: int,
+        *,
+        now_us: int = 0,
     ) -> tuple[list[bytes], int]:
         """The encoded messages of ``topic_filter`` after ``after_us`` (at most ``limit`` and, past the first,
         ``max_bytes``), and the position they reach: from a segment, or from one read of at least ``chunk``
-        messages (``load``) that becomes a segment."""
+        messages (``load``) that becomes a segment. Messages whose Message Expiry Interval ended by ``now_us``
+        are left out (the position passes them); the others carry what is left of theirs (0: as stored)."""
         segment = self._find(topic_filter, after_us)
         if segment is None:
             with self._load_locks[hash(topic_filter) % _LOAD_LOCKS]:
@@ -91,7 +110,7 @@ class CatchUp:
                     segment = self._load(topic_filter, after_us, max(limit, chunk), load)
                     if segment is None:
                         return [], after_us
-        return self._serve(segment, after_us, limit, max_bytes)
+        return self._serve(segment, after_us, limit, max_bytes, now_us)
 
     def reset(self) -> None:
         """Forget every segment, and what reads under way bring: the replica's storage was replaced, or a
@@ -119,8 +138,8 @@ class CatchUp:
         entries, reached = load(after_us, count)
         if reached <= after_us:
             return None
-        pieces = [encode_messages(self._tag, [entry], self.shard) for entry in entries]
-        segment = Segment(topic_filter, after_us, reached, [ts for ts, _ in entries], pieces)
+        pieces, expiring = encode_kept(self._tag, entries, self.shard)
+        segment = Segment(topic_filter, after_us, reached, [ts for ts, _ in entries], pieces, expiring)
         with self._lock:
             self.read_from_disk += len(entries)
             if segment.size <= self.max_bytes and epoch == self._epoch:
@@ -131,7 +150,9 @@ class CatchUp:
                     self._bytes -= oldest.size
         return segment
 
-    def _serve(self, segment: Segment, after_us: int, limit: int, max_bytes: int | None) -> tuple[list[bytes], int]:
+    def _serve(
+        self, segment: Segment, after_us: int, limit: int, max_bytes: int | None, now_us: int
+    ) -> tuple[list[bytes], int]:
         first = bisect.bisect_right(segment.stamps, after_us)
         end = min(len(segment.stamps), first + limit)
         if max_bytes is not None:
@@ -142,6 +163,9 @@ class CatchUp:
                     end = i
                     break
         pieces = segment.pieces[first:end]
+        expiring = segment.expiring
+        if expiring is not None and now_us >= expiring.exact_until:
+            pieces = expiring.fresh(pieces, first, now_us)
         # All of the segment after the position: the subscriber has everything up to its end.
         reached = segment.hi if end == len(segment.stamps) else segment.stamps[end - 1]
         with self._lock:

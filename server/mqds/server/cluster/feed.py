@@ -27,10 +27,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mqds.protocol.topics import matches_levels
-from mqds.server.wire import FOLLOW_RESPONSE_MESSAGES_TAG, encode_messages
+from mqds.server.cluster.expiring import Expiring, encode_kept
+from mqds.server.wire import FOLLOW_RESPONSE_MESSAGES_TAG
 
 _CACHED_FILTERS = 64
 """Filters whose matches a batch remembers; past that they are matched again on each read."""
+
+
+Matches = tuple[list[int], list[bytes], int, "Expiring | None"]
+"""What a batch holds for one filter (``FeedPart.matching``)."""
 
 
 class FeedPart:
@@ -45,12 +50,13 @@ class FeedPart:
         self.encoded = encoded
         self.size = sum(len(e) for e in encoded) + 64
         self._topics: list[list[str]] | None = None
-        self._matches: dict[str, tuple[list[int], list[bytes], int]] = {}
+        self._matches: dict[str, Matches] = {}
 
-    def matching(self, topic_filter: str, levels: list[str], shard: int) -> tuple[list[int], list[bytes], int]:
+    def matching(self, topic_filter: str, levels: list[str], shard: int) -> Matches:
         """The indexes of the messages whose topic matches the filter, each one as an answer carries it
-        (a ``FollowResponse.messages`` entry, timestamp and shard set), and their bytes: found and encoded
-        once per filter, so every subscriber of the filter only joins bytes.
+        (a ``FollowResponse.messages`` entry, timestamp and shard set), their bytes, and those of them with a
+        Message Expiry Interval (``expiring.py``; None: none has one): found and encoded once per filter, so
+        every subscriber of the filter only joins bytes.
         """
         found = self._matches.get(topic_filter)
         if found is not None:
@@ -59,8 +65,10 @@ class FeedPart:
             self._topics = [m.topic.split("/") for m in self.messages]
         indexes = [i for i, topic in enumerate(self._topics) if matches_levels(levels, topic)]
         encoded = self.encoded
-        pieces = [encode_messages(FOLLOW_RESPONSE_MESSAGES_TAG, [(self.first + i, encoded[i])], shard) for i in indexes]
-        found = indexes, pieces, sum(map(len, pieces))
+        pieces, expiring = encode_kept(
+            FOLLOW_RESPONSE_MESSAGES_TAG, [(self.first + i, encoded[i]) for i in indexes], shard
+        )
+        found = indexes, pieces, sum(map(len, pieces)), expiring
         if len(self._matches) < _CACHED_FILTERS:
             self._matches[topic_filter] = found
         return found
@@ -144,11 +152,19 @@ class ShardFeed:
         return self._bytes
 
     def read_after(
-        self, position: int, topic_filter: str, levels: list[str], limit: int, max_bytes: int | None
+        self,
+        position: int,
+        topic_filter: str,
+        levels: list[str],
+        limit: int,
+        max_bytes: int | None,
+        *,
+        now_us: int = 0,
     ) -> tuple[list[bytes], int] | None:
         """Up to ``limit`` messages matching the filter after ``position`` (and within ``max_bytes``, one at
         least), encoded as a ``FollowResponse`` carries them, and the position after them; None if the ring
-        does not reach back to ``position`` (read from disk instead).
+        does not reach back to ``position`` (read from disk instead). A message whose Message Expiry Interval
+        ended by ``now_us`` is passed over; one whose interval runs carries what is left of it (0: as stored).
         """
         with self._lock:
             covers = self._covers_after
@@ -165,9 +181,13 @@ class ShardFeed:
         size = 0
         reached = position
         for part in parts:
-            indexes, pieces, part_bytes = part.matching(topic_filter, levels, self.shard)
+            indexes, pieces, part_bytes, expiring = part.matching(topic_filter, levels, self.shard)
+            exact = expiring is None or now_us < expiring.exact_until
+            if expiring is not None and not exact:  # messages with an interval stored a while ago: made fresh
+                pieces = expiring.fresh(pieces, 0, now_us, keep_places=True)
             if (
-                part.first > position
+                exact
+                and part.first > position
                 and len(found) + len(pieces) < limit
                 and (max_bytes is None or size + part_bytes <= max_bytes or (not found and len(pieces) == 1))
             ):  # all of the part's matches, as they are (a reader at the head takes each batch so)
@@ -178,6 +198,9 @@ class ShardFeed:
             for index, piece in zip(indexes, pieces, strict=True):
                 ts = part.first + index
                 if ts <= position:
+                    continue
+                if not piece:  # its expiry interval ended: passed over
+                    reached = ts
                     continue
                 if found and max_bytes is not None and size + len(piece) > max_bytes:
                     self.read_from_ring += len(found)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from mqds.protocol import errors
+from mqds.protocol.delivery import Policy
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.cluster.catchup import CatchUp
 from mqds.server.cluster.feed import ShardFeed
@@ -33,6 +34,7 @@ from mqds.server.cluster.v1 import commands_pb2 as cpb
 from mqds.server.raft.journal import fsync_dir
 from mqds.server.storage import Engine, GenerationInfo, ShardStorage, StorePart
 from mqds.server.storage.deletes import Cursor, DeleteSpec, StepResult
+from mqds.server.storage.deliveries import Delivered, DeliverStep
 from mqds.server.storage.expiry import NEVER
 from mqds.server.storage.retention import policy_of
 from mqds.server.storage.share_groups import MAX_MEMBERS
@@ -280,6 +282,10 @@ class VnodeReplica:
             return self._apply_retention(cmd.apply_retention, index)
         if kind == "import_shard":
             return self._apply_import(cmd.import_shard, index)
+        if kind == "trim_messages":
+            return self._apply_trim(cmd.trim_messages, index)
+        if kind == "expire_messages":
+            return self._apply_expire_messages(cmd.expire_messages, index)
         raise errors.error(Reason.INTERNAL, f"shard {self.shard}: a log entry holds an unknown command")
 
     def _restoring(self) -> MqdsError:
@@ -320,7 +326,7 @@ class VnodeReplica:
         """One step of a retention pass, with the policy the leader logged."""
         policy = policy_of(cmd.policy)
         return self._apply_deletes(
-            cmd,
+            cmd.cursor if cmd.HasField("cursor") else None,
             cmd.now_us,
             lambda storage, cursor: storage.apply_retention(
                 policy, cmd.now_us, cmd.after_us, cursor, max(1, cmd.max_keys), applied_index=index
@@ -328,11 +334,26 @@ class VnodeReplica:
             index,
         )
 
+    def _apply_trim(self, cmd: cpb.TrimMessages, index: int | None) -> StepResult:
+        """Messages the leader found over a retention rule's limits (``storage/limits.py``): those still here go."""
+        return self._apply_deletes(
+            None, 0, lambda storage, _: storage.trim_messages(cmd.streams, applied_index=index), index
+        )
+
+    def _apply_expire_messages(self, cmd: cpb.ExpireMessages, index: int | None) -> StepResult:
+        """Stored messages whose Message Expiry Interval ended by the leader's clock (``storage/expiry.py``)."""
+        return self._apply_deletes(
+            None,
+            0,
+            lambda storage, _: storage.expire_messages(cmd.now_us, max(1, cmd.max_count), applied_index=index),
+            index,
+        )
+
     def _apply_delete(self, cmd: cpb.DeleteMessages, index: int | None) -> StepResult:
         """One step of a delete."""
         spec = DeleteSpec(cmd.topic_filter, cmd.sender, cmd.since_us, cmd.until_us)
         return self._apply_deletes(
-            cmd,
+            cmd.cursor if cmd.HasField("cursor") else None,
             cmd.until_us,
             lambda storage, cursor: storage.delete_messages(spec, cursor, max(1, cmd.max_keys), applied_index=index),
             index,
@@ -340,19 +361,19 @@ class VnodeReplica:
 
     def _apply_deletes(
         self,
-        cmd: cpb.DeleteMessages | cpb.ApplyRetention,
+        cursor: pb.DeleteCursor | None,
         until_us: int,
         step: Callable[[ShardStorage, Cursor | None], StepResult],
         index: int | None,
     ) -> StepResult:
-        """A delete or retention step from the command's cursor; push subscribers and shared catch-up reads
+        """A delete, retention or trim step from the command's cursor; push subscribers and shared catch-up reads
         see its messages gone at once (the feed's ring and the catch-up segments may hold them)."""
         storage = self.storage
         if not storage.initialized:
             if index is not None:
                 storage.record_applied(index)
             return StepResult(until_us=until_us)
-        result = step(storage, Cursor.of(cmd.cursor) if cmd.HasField("cursor") else None)
+        result = step(storage, None if cursor is None else Cursor.of(cursor))
         if result.messages:
             self.feed.reset(storage.last_ts)
             self.catchup.reset()
@@ -386,8 +407,23 @@ class VnodeReplica:
             return sessions.retain(cmd.retain, now, applied_index=index)
         if kind == "ack":
             ack = cmd.ack
+            deliveries = self.storage.deliveries
             if ack.mode == spb.QUEUE:
-                return sessions.ack_queue(ack.timestamp_us, ack.topic_filter, applied_index=index)
+                delivery = deliveries.key(ack.clientid, ack.topic_filter, ack.timestamp_us)
+                return sessions.ack_queue(
+                    ack.timestamp_us, ack.topic_filter, applied_index=index, delivery_key=delivery
+                )
+            if ack.mode == spb.DELIVERY:
+                return deliveries.ack(ack.clientid, ack.topic_filter, ack.timestamp_us, applied_index=index)
+            if ack.mode in (spb.NACK, spb.RELEASE):
+                return deliveries.nack(
+                    ack.clientid,
+                    ack.topic_filter,
+                    ack.timestamp_us,
+                    now,
+                    applied_index=index,
+                    uncount=ack.mode == spb.RELEASE,
+                )
             return sessions.ack_pubsub(ack.clientid, ack.topic_filter, ack.shard, ack.timestamp_us, applied_index=index)
         if kind == "forget_position":
             f = cmd.forget_position
@@ -412,7 +448,31 @@ class VnodeReplica:
         if kind == "share_leave":
             lv = cmd.share_leave
             return self.storage.share_groups.leave(lv.group, lv.topic_filter, lv.member, now, applied_index=index)
+        if kind == "deliver":
+            return self._apply_deliver(cmd.deliver, now, index)
         raise errors.error(Reason.INTERNAL, f"shard {self.shard}: a log entry holds an unknown session command")
+
+    def _apply_deliver(self, cmd: cpb.Deliver, now_us: int, index: int | None) -> Delivered:
+        """A consumer's delivery step (``storage/deliveries.py``); the dead letters it stored go to the feed."""
+        r, p = cmd.request, cmd.request.policy
+        policy = Policy(p.ack_wait_ms, p.max_deliveries, tuple(p.backoff_ms), p.max_unacked, p.dead_letter_topic)
+        step = DeliverStep(
+            r.clientid,
+            r.topic_filter,
+            policy,
+            r.max_count,
+            cmd.max_bytes or None,
+            r.queue,
+            r.include_qos0,
+            r.start_after_us,
+            cmd.strict_bytes,
+        )
+        result = self.storage.deliveries.deliver(step, now_us, applied_index=index)
+        if result.dead_letters:
+            parsed = [pb.Message.FromString(m) for m in result.dead_letters]
+            self.stored_messages += len(parsed)
+            self.feed.append(result.dead_first_ts, parsed, result.dead_letters)
+        return result
 
     def snapshot(self) -> bytes:
         self.storage.sync_wal()

@@ -182,6 +182,11 @@ class NodeConfig:
         "readiness: a hosted replica with committed entries it has not applied is not ready once none of them "
         "was applied for this many seconds (its apply keeps failing, or its Raft thread is stuck)",
     )
+    consumer_lag_metric_top: int = _opt(
+        20,
+        "the consumer lag metrics: how many share groups and how many push subscriptions each get series of their "
+        'own (those furthest behind); the rest are summed into consumer="_other"; 0 = only the sums',
+    )
     fault_injection: bool = _opt(False, "accept InjectFault calls that drop Raft traffic (tests and chaos runs only)")
     fault_clock_offset_s: float = _opt(
         0.0,
@@ -381,6 +386,7 @@ class NodeConfig:
             "disk_quota_bytes",
             "disk_min_free_bytes",
             "session_expiry_default_s",
+            "consumer_lag_metric_top",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be 0 or more, got {getattr(self, name)}")

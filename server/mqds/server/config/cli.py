@@ -84,7 +84,12 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "follow_max_batch",
         "shutdown_grace_s",
     ),
-    "health and metrics": ("metrics_listen", "ready_max_lag_entries", "ready_max_apply_stall_s"),
+    "health and metrics": (
+        "metrics_listen",
+        "ready_max_lag_entries",
+        "ready_max_apply_stall_s",
+        "consumer_lag_metric_top",
+    ),
     "logging": ("log_level", "log_format"),
     "fault injection (tests and chaos runs only)": ("fault_injection", "fault_clock_offset_s"),
 }

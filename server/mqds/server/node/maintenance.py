@@ -32,11 +32,14 @@ from prometheus_client import Counter
 from mqds.protocol.errors import MqdsError
 from mqds.server.cluster import meta as meta_mod
 from mqds.server.cluster.membership import Membership
+from mqds.server.cluster.store_limits import StoreLimits
 from mqds.server.cluster.v1 import commands_pb2 as cpb
+from mqds.server.cluster.vnode import Vnode
 from mqds.server.config import NodeConfig
 from mqds.server.node.health import Health
 from mqds.server.node.hosting import Hosting, add_generation_command
 from mqds.server.node.peers import Peers
+from mqds.server.node.retention_limits import RetentionLimits
 from mqds.server.node.retention_rules import RetentionRules
 from mqds.server.raft.cluster_auth import ClusterAuth
 from mqds.server.raft.transport import PeerRouter
@@ -46,7 +49,8 @@ from mqds.v1 import cluster_pb2_grpc as clpb_grpc
 log = logging.getLogger(__name__)
 
 EXPIRE_STEP = 1000
-"""Most expired retained messages, and most expired sessions, one logged command removes."""
+"""Most expired retained messages, and most expired sessions, one logged command removes; and most stored messages
+past their Message Expiry Interval (with their index entries) one ``ExpireMessages`` removes."""
 
 
 class Maintenance:
@@ -88,6 +92,8 @@ class Maintenance:
         self.retention_rules = RetentionRules(
             hosting, config.retention_check_interval_s, clock, retention_drops, expired
         )
+        self.retention_limits = RetentionLimits(hosting, config.retention_check_interval_s, expired, StoreLimits())
+        """Limits by size and count per rule; its ``admission`` is what the Storage API's stores are checked against."""
 
     def run(self) -> None:
         """Rounds of maintenance until the node stops (the maintenance thread)."""
@@ -112,6 +118,7 @@ class Maintenance:
                 self._maintain_generations()
                 self._expire()
                 self.retention_rules.run_round()
+                self.retention_limits.run_round()
                 self._balance_leaders()
                 self._check_placement()
             except Exception:
@@ -198,7 +205,8 @@ class Maintenance:
                 log.info("shard %d: generation maintenance postponed: %s", vnode.shard, err)
 
     def _expire(self) -> None:
-        """In the vnodes led here: log the removal of what ended (retained messages, sessions), a bounded step each.
+        """In the vnodes led here: log the removal of what ended (retained messages, sessions, stored messages past
+        their Message Expiry Interval), a bounded step each.
 
         The command carries the leader's clock, so every replica removes the
         same ones; a step removes at most ``EXPIRE_STEP`` of each kind and
@@ -208,6 +216,7 @@ class Maintenance:
         for vnode in list(self.hosting.vnodes.values()):
             if not vnode.group.is_leader or vnode.replica.storage.restoring:
                 continue
+            self._expire_messages(vnode, now)
             try:
                 with vnode.replica.reading() as storage:
                     if not storage.sessions.expiry_due(now):
@@ -227,6 +236,20 @@ class Maintenance:
                 )
             except MqdsError as err:
                 log.info("shard %d: removing what expired postponed: %s", vnode.shard, err)
+
+    def _expire_messages(self, vnode: Vnode, now: int) -> None:
+        """Log one ``ExpireMessages`` step in a vnode led here whose expiry index has a message due at ``now``."""
+        try:
+            with vnode.replica.reading() as storage:
+                if not storage.messages_expiry_due(now):
+                    return
+            body = cpb.VnodeCommand(expire_messages=cpb.ExpireMessages(now_us=now, max_count=EXPIRE_STEP))
+            result = self.hosting.propose(vnode.shard, body.SerializeToString())
+            self.expired.labels(str(vnode.shard), "message_expiry").inc(result.messages)
+            if result.messages:  # none: only the index entries of a dropped generation went
+                log.info("shard %d: removed %d expired stored messages", vnode.shard, result.messages)
+        except MqdsError as err:
+            log.info("shard %d: removing expired messages postponed: %s", vnode.shard, err)
 
     def _balance_leaders(self) -> None:
         interval = self.config.leader_balance_interval_s

@@ -33,6 +33,7 @@ from mqds.protocol.errors import MqdsError
 from mqds.server import wire
 from mqds.server.api.cluster_service import ClusterAPI
 from mqds.server.api.follow import FollowLimits
+from mqds.server.api.follow_registry import FollowCalls
 from mqds.server.api.guard import ApiGuard, CallLimits
 from mqds.server.api.handlers import service_handler
 from mqds.server.api.raft_service import raft_handler
@@ -141,7 +142,7 @@ class Node:
             config.disk_min_free_bytes,
             config.disk_check_interval_s,
             logged=lambda: self.raft_log.bytes_written,
-            refusing=lambda: self.hosting.release_logs(),
+            refusing=self._release_logs,
         )
         self.peers = Peers(self.router)
         self.snapshots = Snapshots(self.peers, self.auth, self.metrics, self.data_dir.tmp)
@@ -213,6 +214,7 @@ class Node:
             follow_limits=FollowLimits(config.follow_max_subscriptions, config.follow_max_batch),
             scratch_dir=self.data_dir.tmp,
             node_id=config.node_id,
+            store_limits=self.maintenance.retention_limits.admission,
         )
         tokens = load_tokens(config.auth_tokens_file) if config.auth_tokens_file else {}
         self._control_pool = futures.ThreadPoolExecutor(max_workers=_CONTROL_WORKERS, thread_name_prefix="grpc-control")
@@ -280,6 +282,7 @@ class Node:
             max_entry_bytes=self.timing.max_entry_bytes,
             clock=self.clock,
             session_expiry_default_s=min(int(config.session_expiry_default_s), NEVER),
+            follow_calls=self.storage_service.follow_calls,
         )
         return [
             service_handler(pb.DESCRIPTOR.services_by_name["Storage"], self.storage_service, pb, requests),
@@ -298,6 +301,10 @@ class Node:
                 f"the cluster in {self.config.data_dir} was created with n_shards={cmap.n_shards}; "
                 f"n_shards={self.config.n_shards} cannot change after creation"
             )
+
+    def _release_logs(self) -> None:
+        """The disk is past a limit: give back what the logs hold (``Hosting.release_logs``)."""
+        self.hosting.release_logs()
 
     def start(self) -> None:
         self.disk_usage.start()
@@ -397,6 +404,11 @@ class Node:
     def groups(self) -> list[tuple[int, RaftGroup]]:
         """The Raft groups hosted here, by group id (a copy: safe to use from any thread)."""
         return self.hosting.groups()
+
+    @property
+    def follow_calls(self) -> FollowCalls:
+        """The Follow calls open on this node (``mqds consumers`` lists them, the lag metrics measure them)."""
+        return self.storage_service.follow_calls
 
     def hosted_vnodes(self) -> list[tuple[int, Vnode]]:
         """The vnode replicas hosted here, by shard (a copy)."""

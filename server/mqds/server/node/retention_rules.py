@@ -146,11 +146,12 @@ class RetentionRules:
                 self._done[shard] = (running.now_us, key, term)
                 break
             running.cursor = result.cursor.message()
-        if removed:
-            self.expired.labels(str(shard), "message").inc(removed)
-            log.info(
-                "shard %d: removed %d messages past their retention%s",
-                shard,
-                removed,
-                " (going on)" if shard in self._passes else "",
-            )
+        report_removed(self.expired, shard, "message", removed, "past their retention", shard in self._passes)
+
+
+def report_removed(expired: Counter, shard: int, kind: str, removed: int, why: str, going_on: bool) -> None:
+    """Count and log what a round of a retention job removed from a shard (nothing when it removed nothing)."""
+    if not removed:
+        return
+    expired.labels(str(shard), kind).inc(removed)
+    log.info("shard %d: removed %d messages %s%s", shard, removed, why, " (going on)" if going_on else "")

@@ -137,8 +137,10 @@ def prefix_end(prefix: bytes) -> bytes | None:
     return trimmed[:-1] + bytes([trimmed[-1] + 1])
 
 
-def scan(cf: Rdict, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+def scan(cf: Rdict, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
     """The keys of ``cf`` (a database or a column family) that start with ``prefix``, in order, with their values.
+
+    With ``start`` (a key starting with ``prefix``), from that key on: a listing continued page by page.
 
     The iterator is bounded to the prefix: without a bound, RocksDB looks for
     the next live key past the prefix, stepping over every deleted key on its
@@ -149,7 +151,7 @@ def scan(cf: Rdict, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
     bounded = ReadOptions()  # kept in this frame while the scan runs: the iterator does not hold it
     if end is not None:
         bounded.set_iterate_upper_bound(end)
-    for key, value in cf.items(from_key=prefix, read_opt=bounded):
+    for key, value in cf.items(from_key=prefix if start is None else max(prefix, start), read_opt=bounded):
         if not key.startswith(prefix):
             return
         yield key, value

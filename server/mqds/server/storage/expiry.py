@@ -11,6 +11,17 @@ clientid), written in the same batch as the change that sets the time and
 removed with the change that cancels it (a new retained message, a
 reconnect).
 
+A stored message with ``message_expiry_s`` is handed out by offline
+fetches and push subscriptions only until that long after it was stored
+(its ``timestamp_us``), with what is left of its interval
+(:func:`message_left`); replay and Spark read it as stored until it is
+removed. The store writes an entry for it in its generation's index
+(``keys.message_expiry_key``: ``z:`` by generation, then the time it ends);
+an ``ExpireMessages`` step walks each generation's entries from their head
+(:func:`due_messages`) and removes those messages (``limits.trim``, the
+listed messages of a stream deleted) with their entries. A generation that
+was dropped has its entries removed whole, by one range deletion.
+
 Removal is a logged change like any other: the leader asks ``due`` now and
 then and logs an ``Expire`` command with its clock and a bounded step; each
 replica applies it by walking the indexes from their heads, so every replica
@@ -20,11 +31,15 @@ due but not removed yet (a few entries at the indexes' heads).
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from typing import NamedTuple
+
 from rocksdict import WriteBatch
 
 from mqds.protocol.limits import SESSION_NEVER_EXPIRES
 from mqds.server.storage import keys
 from mqds.server.storage.metadata import MetadataFamily
+from mqds.server.wire import message_expiry_s, with_expiry
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
 
@@ -37,6 +52,29 @@ def message_expires_us(message: pb.Message) -> int | None:
     if not message.message_expiry_s:
         return None
     return message.timestamp_us + message.message_expiry_s * 1_000_000
+
+
+def remaining_s(expires_us: int, now_us: int) -> int:
+    """What is left at ``now_us`` of an interval ending at ``expires_us``, in whole seconds rounded up (MQTT 5
+    forwards a positive whole number of seconds); 0 once it ended."""
+    left = expires_us - now_us
+    return 0 if left <= 0 else -(-left // 1_000_000)
+
+
+def message_left(timestamp_us: int, stored: bytes, now_us: int) -> bytes | None:
+    """A stored message as an offline fetch or a push hands it out at ``now_us``: as stored without a Message
+    Expiry Interval; with the interval left (``message_expiry_s`` appended, last wins) while it runs; None once
+    it ended (at ``timestamp_us`` + the interval, as for a retained message).
+
+    One scan of the message's tags (``wire.message_expiry_s``) and, for the few with an interval, a
+    comparison.
+    """
+    expiry = message_expiry_s(stored)
+    if not expiry:
+        return stored
+    # Never more than the interval itself (a replica whose clock is behind the one that stored it).
+    left = min(expiry, remaining_s(timestamp_us + expiry * 1_000_000, now_us))
+    return with_expiry(stored, left) if left else None
 
 
 def session_expires_us(state: spb.ClientState) -> int | None:
@@ -71,3 +109,52 @@ class ExpiryIndex:
 
     def any_due(self, now_us: int) -> bool:
         return bool(self.due(now_us, 1))
+
+
+class ExpiredMessages(NamedTuple):
+    """Stored messages of one stream of one generation whose interval ended, by timestamp (what ``limits.trim``
+    deletes)."""
+
+    generation: int
+    stream: int
+    timestamps: list[int]
+
+
+def due_messages(
+    meta: MetadataFamily, live: Collection[int], now_us: int, max_count: int, batch: WriteBatch | None = None
+) -> tuple[list[ExpiredMessages], int]:
+    """The stored messages whose interval ended at ``now_us``, each generation's earliest first, and how many
+    index entries go with them: at most ``max_count`` entries, the entries of a generation not in ``live``
+    (dropped with its messages) counting as one, since they go whole, as one range deletion.
+
+    With ``batch``, the entries' deletions are put in it (the caller deletes the messages). Reads the index
+    only, a seek per generation that holds entries; without ``batch``, a count above 0 says a step has
+    something to do.
+    """
+    found: dict[tuple[int, int], list[int]] = {}
+    removed = 0
+    taken = 0
+    start: bytes | None = None
+    while taken + removed < max_count:
+        head = next(iter(meta.scan(keys.MESSAGE_EXPIRY_PREFIX, start)), None)
+        if head is None:
+            break
+        generation = keys.read_message_expiry_key(head[0])[0]
+        prefix = keys.message_expiry_prefix(generation)
+        following = keys.message_expiry_prefix(generation + 1)
+        start = following
+        if generation not in live:  # dropped with its messages: its entries go, as one range
+            removed += 1
+            if batch is not None:
+                batch.delete_range(prefix, following, meta.handle)
+            continue
+        for key, _ in meta.scan(prefix):
+            _, expires_us, stream, ts = keys.read_message_expiry_key(key)
+            if expires_us > now_us or taken + removed >= max_count:
+                break
+            found.setdefault((generation, stream), []).append(ts)
+            taken += 1
+            if batch is not None:
+                batch.delete(key, meta.handle)
+    expired = [ExpiredMessages(g, stream, stamps) for (g, stream), stamps in found.items()]
+    return expired, taken + removed

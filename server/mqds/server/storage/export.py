@@ -153,6 +153,18 @@ class CheckpointExport:
                     continue
             elif key.startswith(keys.QUEUE_ACK_PREFIX) and keys.read_u64(key[len(keys.QUEUE_ACK_PREFIX) :]) > fence:
                 continue
+            elif key.startswith(keys.DELIVERY_PREFIX) and keys.read_u64(key[-8:]) > fence:
+                continue  # a delivery of a message stored after the fence (deliveries.py)
+            elif key.startswith(keys.DELIVERED_PREFIX) and keys.read_u64(value) > fence:
+                # A consumer offered messages after the fence: in the backup, offered up to it, so what the
+                # restored cluster stores after its fence is the consumer's.
+                value = keys.u64(fence)
+            elif key.startswith(keys.MESSAGE_EXPIRY_PREFIX):
+                # A message's expiry entry goes with the message: its generation exported, its timestamp not past
+                # the fence.
+                generation, _, _, ts = keys.read_message_expiry_key(key)
+                if generation in left_out or ts > fence:
+                    continue
             yield key, value
         if not last_ts_seen and fence:
             yield keys.META_LAST_TS, keys.u64(fence)

@@ -37,12 +37,19 @@ default                ``x:`` u64 expires at, topic                 empty: the r
                                                                    expires then (``message_expiry_s``)
 default                ``y:`` u64 expires at, clientid              empty: the offline client's session expires
                                                                    then (``session_expiry_s``)
+default                ``z:`` u32 generation, u64 expires at,      empty: the stored message expires then
+                       u32 stream, u64 timestamp                   (``message_expiry_s``; ``expiry.py``)
 default                ``q:`` u64 timestamp                        empty: a queue reader acknowledged the
                                                                    message stored at this timestamp
 default                ``f:`` topic filter                         u64 queue floor: every message up to this
                                                                    timestamp matching the filter is acknowledged
 default                ``h:`` u16 len, group, u16 len, filter,     u64 lease end: a member of a share group
                        member                                      (``share_groups.py``)
+default                ``w:`` u16 len, clientid, u16 len, filter,  a delivery waiting for its acknowledgement
+                       u64 timestamp                               (``deliveries.py``): u32 deliveries, u64
+                                                                   due at (redelivery), the message's topic
+default                ``o:`` u16 len, clientid, u16 len, filter   u64 delivered cursor: the consumer was
+                                                                   offered every message up to it
 gen-NNNNNNNN           ``D`` u32 stream, u64 timestamp             message: a serialised ``mqds.v1.Message``
                                                                    without ``timestamp_us`` and ``shard``
 gen-NNNNNNNN           ``I`` u32 stream, u8 level, 8-byte hash,    postings: which messages of one stored batch
@@ -130,9 +137,13 @@ POSITION_PREFIX = b"a:"
 RETAINED_PREFIX = b"r:"
 RETAINED_EXPIRY_PREFIX = b"x:"
 SESSION_EXPIRY_PREFIX = b"y:"
+MESSAGE_EXPIRY_PREFIX = b"z:"
+MESSAGE_EXPIRY_KEY_LEN = 2 + 4 + 8 + 4 + 8
 QUEUE_ACK_PREFIX = b"q:"
 QUEUE_FLOOR_PREFIX = b"f:"
 SHARE_MEMBER_PREFIX = b"h:"
+DELIVERY_PREFIX = b"w:"
+DELIVERED_PREFIX = b"o:"
 
 MAX_INDEXED_LEVELS = 16
 
@@ -348,12 +359,46 @@ def read_expiry_key(prefix: bytes, key: bytes) -> tuple[int, str]:
     return read_u64(key[start : start + 8]), key[start + 8 :].decode("utf-8")
 
 
+_MESSAGE_EXPIRY = struct.Struct(">IQIQ")
+
+
+def message_expiry_key(generation: int, expires_us: int, stream: int, timestamp_us: int) -> bytes:
+    """A stored message's entry in its generation's expiry index: by generation, then the time it expires."""
+    return MESSAGE_EXPIRY_PREFIX + _MESSAGE_EXPIRY.pack(generation, expires_us, stream, timestamp_us)
+
+
+def read_message_expiry_key(key: bytes) -> tuple[int, int, int, int]:
+    """A ``z:`` key's (generation, expires at, stream, timestamp)."""
+    generation, expires_us, stream, timestamp_us = _MESSAGE_EXPIRY.unpack_from(key, len(MESSAGE_EXPIRY_PREFIX))
+    return generation, expires_us, stream, timestamp_us
+
+
+def message_expiry_prefix(generation: int) -> bytes:
+    """The ``z:`` keys of one generation's messages."""
+    return MESSAGE_EXPIRY_PREFIX + u32(generation)
+
+
 def queue_ack_key(timestamp_us: int) -> bytes:
     return QUEUE_ACK_PREFIX + u64(timestamp_us)
 
 
 def queue_floor_key(topic_filter: str) -> bytes:
     return QUEUE_FLOOR_PREFIX + topic_filter.encode("utf-8")
+
+
+def consumer_id(clientid: str, topic_filter: str) -> bytes:
+    """A consumer of ``Deliver`` (a clientid, or ``$share/<group>``, and a filter) as its keys name it."""
+    return _sized(clientid) + _sized(topic_filter)
+
+
+def deliveries_prefix(consumer: bytes) -> bytes:
+    """The prefix of a consumer's ``w:`` keys (its deliveries waiting for an ack); the message's u64 timestamp
+    follows it."""
+    return DELIVERY_PREFIX + consumer
+
+
+def delivered_key(consumer: bytes) -> bytes:
+    return DELIVERED_PREFIX + consumer
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,9 @@ class MetadataFamily:
         value: bytes | None = self._db.get(key)
         return value
 
-    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-        """The family's keys starting with ``prefix``, in order, with their values."""
-        return scan(self._db, prefix)
+    def scan(self, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """The family's keys starting with ``prefix``, in order, with their values (from ``start`` on, if given)."""
+        return scan(self._db, prefix, start)
 
     def write(self, batch: WriteBatch, applied_index: int | None) -> None:
         """Write a batch of this family's changes (built with ``handle``), recording ``applied_index``."""

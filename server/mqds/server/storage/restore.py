@@ -65,6 +65,8 @@ BROKER_STATE = (
     (keys.QUEUE_ACK_PREFIX, "queue acknowledgements"),
     (keys.QUEUE_FLOOR_PREFIX, "queue floors"),
     (keys.SHARE_MEMBER_PREFIX, "share groups"),
+    (keys.DELIVERY_PREFIX, "deliveries waiting for an ack"),
+    (keys.DELIVERED_PREFIX, "delivered cursors"),
     (keys.DEDUP_PREFIX, "records of stored batches"),
 )
 
@@ -85,6 +87,8 @@ _PREFIXED = (
     (keys.PRESENCE_PREFIX, 10, 0),
     (keys.TRIE_PREFIX, 0, 4),
     (keys.DEDUP_PREFIX, 0, 20),
+    (keys.DELIVERED_PREFIX, 0, 8),  # a consumer's delivered cursor (deliveries.py)
+    (keys.MESSAGE_EXPIRY_PREFIX, keys.MESSAGE_EXPIRY_KEY_LEN, 0),  # read by expiry steps (expiry.py)
 )
 _INDEX_KEY_LEN = keys.INDEX_PREFIX_LEN + 8
 

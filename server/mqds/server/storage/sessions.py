@@ -23,7 +23,7 @@ from rocksdict import WriteBatch
 
 from mqds.protocol.topics import matches_levels
 from mqds.server.storage import keys
-from mqds.server.storage.expiry import NEVER, ExpiryIndex, message_expires_us, session_expires_us
+from mqds.server.storage.expiry import NEVER, ExpiryIndex, message_expires_us, message_left, session_expires_us
 from mqds.server.storage.metadata import MetadataFamily
 from mqds.v1 import sessions_pb2 as spb
 from mqds.v1 import storage_pb2 as pb
@@ -259,15 +259,26 @@ class SessionState:
             batch.put(key, position.SerializeToString(deterministic=True), self._meta.handle)
         self._commit(batch, applied_index)
 
-    def ack_queue(self, timestamp_us: int, topic_filter: str, *, applied_index: int | None = None) -> None:
+    def ack_queue(
+        self,
+        timestamp_us: int,
+        topic_filter: str,
+        *,
+        applied_index: int | None = None,
+        delivery_key: bytes | None = None,
+    ) -> None:
         """Remove the message stored in this shard at ``timestamp_us`` for every queue reader.
 
         Also moves the filter's queue floor over the acknowledged messages at
         the head of the queue (at most ``_FLOOR_STEPS`` per call): reads of
         this replica's own state, the same on every replica at this log index.
+        ``delivery_key``: the acknowledging reader's delivery of the message
+        (``deliveries.py``), ended in the same write.
         """
         batch = WriteBatch(raw_mode=True)
         batch.put(keys.queue_ack_key(timestamp_us), b"", self._meta.handle)
+        if delivery_key is not None:
+            batch.delete(delivery_key, self._meta.handle)
         floor = self.queue_floor(topic_filter)
         if timestamp_us > floor:
             moved = floor
@@ -376,16 +387,18 @@ class SessionState:
         raw = self._get(keys.queue_floor_key(topic_filter))
         return 0 if raw is None else keys.read_u64(raw)
 
-    def fetch(self, wanted: FetchFilter) -> list[tuple[int, bytes]]:
+    def fetch(self, wanted: FetchFilter, *, now_us: int = 0) -> list[tuple[int, bytes]]:
         """Up to ``max_count`` stored messages (and ``max_bytes``) that pass ``wanted``, oldest first.
 
         Each is (timestamp, stored bytes). A queue fetch starts after the filter's queue floor, so acknowledged
-        messages at the head of a queue are not scanned again and again.
+        messages at the head of a queue are not scanned again and again. With ``now_us``, a message whose
+        Message Expiry Interval ended by then is left out and one whose interval runs has what is left of it
+        (``expiry.message_left``); 0: every message as stored.
         """
-        return self.fetch_shared([wanted], wanted.max_bytes).found
+        return self.fetch_shared([wanted], wanted.max_bytes, now_us=now_us).found
 
     def fetch_shared(
-        self, wanted: Sequence[FetchFilter], max_bytes: int | None = None, *, ref_bytes: int = 0
+        self, wanted: Sequence[FetchFilter], max_bytes: int | None = None, *, ref_bytes: int = 0, now_us: int = 0
     ) -> SharedScan:
         """``fetch`` for several fetches of one topic filter at once, in one scan of the shard.
 
@@ -395,6 +408,7 @@ class SessionState:
         at the end of the data, or before the message that would take the bytes found past ``max_bytes``
         (one message at least): each message counts its stored bytes plus ``ref_bytes`` per fetch that takes
         it (what an answer spends to say whose it is). ``max_bytes`` of the fetches themselves is not used.
+        ``now_us`` as for ``fetch``: an expired message is passed over like an acknowledged one.
         """
         if not wanted:
             return SharedScan([], [], False)
@@ -450,6 +464,11 @@ class SessionState:
                 takers.append(members)
             if not takers:
                 continue
+            if now_us:
+                left = message_left(ts, stored, now_us)
+                if left is None:
+                    continue
+                stored = left
             size += len(stored) + ref_bytes * sum(len(members) for members in takers)
             if max_bytes is not None and found and size > max_bytes:
                 cut = True

@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from rocksdict import Checkpoint, Rdict, WriteBatch
@@ -44,9 +44,11 @@ from mqds.protocol import errors
 from mqds.protocol.errors import MqdsError, Reason
 from mqds.server.durable import make_dirs
 from mqds.server.storage import dedup as dedups
-from mqds.server.storage import deletes, keys, reads, restore, retention, writes
+from mqds.server.storage import deletes, expiry, keys, limits, reads, restore, retention, writes
 from mqds.server.storage.compaction import METADATA, ShardCompactions
+from mqds.server.storage.consumers import ConsumerListing
 from mqds.server.storage.dedup import DEDUP_PRUNE_PERIOD_US, DEDUP_WINDOW_US
+from mqds.server.storage.deliveries import Deliveries
 from mqds.server.storage.engine import Engine, EngineOptions, scan
 from mqds.server.storage.generations import Generation, GenerationInfo, Generations
 from mqds.server.storage.iterators import IteratorState
@@ -176,6 +178,10 @@ class ShardStorage:
         """Client state, subscriptions, retained messages and read positions kept in this shard."""
         self.share_groups = ShareGroups(self._metadata)
         """The members of the share groups kept in this shard (shared subscriptions)."""
+        self.deliveries = Deliveries(self._metadata, functools.partial(ordered, self), self._store_dead)
+        """The deliveries of this shard's messages to consumers that redeliver (``Sessions.Deliver``)."""
+        self.consumers = ConsumerListing(self._metadata, self.sessions.read_position, self.sessions.subscriptions)
+        """This shard's sessions, read positions and share groups, listed page by page (``mqds consumers``)."""
 
     @property
     def _gens(self) -> dict[int, Generation]:
@@ -343,7 +349,12 @@ class ShardStorage:
         return result
 
     def store_many(
-        self, parts: Sequence[StorePart], *, sync: bool = False, applied_index: int | None = None
+        self,
+        parts: Sequence[StorePart],
+        *,
+        sync: bool = False,
+        applied_index: int | None = None,
+        also: Callable[[WriteBatch], None] | None = None,
     ) -> list[int | errors.MqdsError]:
         """Store several batches in one RocksDB write (group commit); each one's first timestamp, or its refusal.
 
@@ -351,6 +362,8 @@ class ShardStorage:
         (its own ``now_us`` and deduplication pair; a pair stored by an
         earlier part of the same call counts as stored). A refusal (a reused
         sequence number) is that part's result and stores nothing of it.
+        ``also`` adds changes of the caller's to the same write (a delivery
+        step's, with the dead letters it stores).
         """
         with self._lock:
             results: list[int | errors.MqdsError] = []
@@ -380,6 +393,8 @@ class ShardStorage:
                 results.append(first)
             now = max((part.now_us for part in parts), default=0)
             pruned = dedups.prune(self._db, batch, meta, now, self._dedup_pruned) if built else self._dedup_pruned
+            if also is not None:
+                also(batch)
             try:
                 self._write(batch, sync, applied_index)
             except BaseException:
@@ -389,6 +404,16 @@ class ShardStorage:
             self.last_ts = last_ts
             self._dedup_pruned = pruned
             return results
+
+    def _store_dead(
+        self, encoded: list[bytes], now_us: int, also: Callable[[WriteBatch], None], applied_index: int | None
+    ) -> int:
+        """Store dead letters (``deliveries.py``) with the delivery step's changes in one write; the first
+        timestamp. Their senders are those of messages of this shard, so they belong here."""
+        messages = [pb.Message.FromString(m) for m in encoded]
+        (first,) = self.store_many([StorePart(messages, now_us, None, encoded)], applied_index=applied_index, also=also)
+        assert isinstance(first, int)  # no deduplication pair: nothing to refuse
+        return first
 
     def _seen_result(self, part: StorePart, seen: keys.DedupRecord) -> int | errors.MqdsError:
         """The answer to a part whose (producer, sequence) was stored already: its first timestamp then."""
@@ -514,6 +539,45 @@ class ShardStorage:
             drops = [g.number for g in gens if retention.droppable(g, self.trie, policy, now_us)]
             kept = [g for g in gens if g.number not in drops]
             return drops, retention.may_have_expired(kept, self.trie, policy, now_us, after_us)
+
+    def limit_scan(self, policy: limits.LimitPolicy, scan: limits.LimitScan, budget: int, doomed: limits.Doomed) -> int:
+        """Go on with a newest-first pass over a rule's messages (``limits.py``); the keys it read (at most ``budget``).
+
+        Reads only: what is over the rule's limits is added to ``doomed``, for the leader to log."""
+        with self._lock:
+            return limits.scan_step(self.trie, self._generations.in_order(), policy, scan, budget, doomed)
+
+    def trim_messages(
+        self, streams: Iterable[limits.TrimmedStream], *, applied_index: int | None = None
+    ) -> deletes.StepResult:
+        """Delete the messages a leader found over a rule's limits (``limits.trim``): those still held."""
+        with self._lock:
+            batch = WriteBatch(raw_mode=True)
+            result = limits.trim(self._generations.by_number, streams, batch)
+            self._count_changes(result, batch)
+            self._write(batch, False, applied_index)
+        self._compactions.soon(result.ranges)
+        return result
+
+    def expire_messages(self, now_us: int, max_count: int, *, applied_index: int | None = None) -> deletes.StepResult:
+        """One step removing stored messages whose Message Expiry Interval ended by ``now_us`` (``expiry.py``): at
+        most ``max_count`` index entries, the messages they name (``limits.trim``) with them."""
+        with self._lock:
+            batch = WriteBatch(raw_mode=True)
+            live = self._generations.by_number
+            expired, entries = expiry.due_messages(self._metadata, live.keys(), now_us, max_count, batch)
+            result = limits.trim(live, expired, batch)
+            result.scanned += entries
+            self._count_changes(result, batch)
+            self._write(batch, False, applied_index)
+        self._compactions.soon(result.ranges)
+        self.metadata_deleted(entries)
+        return result
+
+    def messages_expiry_due(self, now_us: int) -> bool:
+        """Whether an ``expire_messages`` step has something to remove at ``now_us`` (reads the index's heads)."""
+        with self._lock:
+            return expiry.due_messages(self._metadata, self._generations.by_number.keys(), now_us, 1)[1] > 0
 
     def metadata_deleted(self, count: int) -> None:
         """Expiry deleted ``count`` keys of the metadata family: compact it once they outweigh what it holds

@@ -3,8 +3,9 @@
 A stored batch writes, in the current generation, a data key per message
 (``D | stream | timestamp``) and an index key per varying level and value with
 the posting list of the messages that have it; in the metadata family, the
-trie edges and presence keys it created and the last timestamp. Topics are
-routed to their stream and key prefixes through the trie, and the routes are
+trie edges and presence keys it created, an expiry index entry for each
+message with a Message Expiry Interval (``expiry.py``) and the last timestamp.
+Topics are routed to their stream and key prefixes through the trie, and the routes are
 cached (``Routes``). The data and index keys are built and put by C code
 (``_store_native.put_batch``) where it was built, else by its Python twin
 (``put_batch_python``); both make the same calls. The caller
@@ -23,6 +24,7 @@ from mqds.server.native import native_or
 from mqds.server.storage import keys
 from mqds.server.storage.generations import Generation
 from mqds.server.storage.trie import TopicTrie
+from mqds.server.wire import expiry_intervals
 from mqds.v1 import storage_pb2 as pb
 
 ROUTE_CACHE_LIMIT = 100_000
@@ -145,6 +147,12 @@ def build(
             routes.learn(topic, new_edges)
     values = values if isinstance(values, list) else list(values)
     streams = _PUT_BATCH(put, handle, topics, values, first, cache)
+    # The few messages with a Message Expiry Interval get an entry in the generation's expiry index (one C call
+    # finds them), by which expiry steps remove them (``expiry.py``).
+    for index, interval in expiry_intervals(values):
+        ts = first + index
+        stream = cache[topics[index]][2]
+        put(keys.message_expiry_key(gen.number, ts + interval * 1_000_000, stream, ts), b"", meta)
     new_streams = [stream for stream in streams if stream not in present]
     present.update(new_streams)
     ts = first + len(topics)

@@ -27,7 +27,7 @@ from mqds.v1 import sessions_pb2 as mqds_dot_v1_dot_sessions__pb2
 from mqds.v1 import storage_pb2 as mqds_dot_v1_dot_storage__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%mqds/server/cluster/v1/commands.proto\x12\x16mqds.server.cluster.v1\x1a\x15mqds/v1/cluster.proto\x1a\x16mqds/v1/sessions.proto\x1a\x15mqds/v1/storage.proto\"\xc8\x03\n\x0cVnodeCommand\x12\x36\n\x05store\x18\x01 \x01(\x0b\x32%.mqds.server.cluster.v1.StoreMessagesH\x00\x12?\n\x0e\x61\x64\x64_generation\x18\x02 \x01(\x0b\x32%.mqds.server.cluster.v1.AddGenerationH\x00\x12\x41\n\x0f\x64rop_generation\x18\x03 \x01(\x0b\x32&.mqds.server.cluster.v1.DropGenerationH\x00\x12\x39\n\x07session\x18\x04 \x01(\x0b\x32&.mqds.server.cluster.v1.SessionCommandH\x00\x12\x41\n\x0f\x64\x65lete_messages\x18\x05 \x01(\x0b\x32&.mqds.server.cluster.v1.DeleteMessagesH\x00\x12\x41\n\x0f\x61pply_retention\x18\x06 \x01(\x0b\x32&.mqds.server.cluster.v1.ApplyRetentionH\x00\x12\x33\n\x0cimport_shard\x18\x07 \x01(\x0b\x32\x1b.mqds.v1.ImportShardRequestH\x00\x42\x06\n\x04kind\"\x95\x01\n\x0e\x41pplyRetention\x12\x0e\n\x06now_us\x18\x01 \x01(\x04\x12(\n\x06policy\x18\x02 \x01(\x0b\x32\x18.mqds.v1.RetentionPolicy\x12\x10\n\x08\x61\x66ter_us\x18\x03 \x01(\x04\x12%\n\x06\x63ursor\x18\x04 \x01(\x0b\x32\x15.mqds.v1.DeleteCursor\x12\x10\n\x08max_keys\x18\x05 \x01(\r\"\x93\x01\n\x0e\x44\x65leteMessages\x12\x14\n\x0ctopic_filter\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x10\n\x08since_us\x18\x03 \x01(\x04\x12\x10\n\x08until_us\x18\x04 \x01(\x04\x12%\n\x06\x63ursor\x18\x05 \x01(\x0b\x32\x15.mqds.v1.DeleteCursor\x12\x10\n\x08max_keys\x18\x06 \x01(\r\"p\n\rStoreMessages\x12\"\n\x08messages\x18\x01 \x03(\x0b\x32\x10.mqds.v1.Message\x12\x13\n\x0bproducer_id\x18\x03 \x01(\t\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x0e\n\x06now_us\x18\x05 \x01(\x04J\x04\x08\x02\x10\x03\"R\n\x13VnodeCommandEncoded\x12;\n\x05store\x18\x01 \x01(\x0b\x32,.mqds.server.cluster.v1.StoreMessagesEncoded\"(\n\x14StoreMessagesEncoded\x12\x10\n\x08messages\x18\x01 \x03(\x0c\"3\n\rAddGeneration\x12\x0e\n\x06now_us\x18\x01 \x01(\x04\x12\x12\n\nif_current\x18\x02 \x01(\r\"$\n\x0e\x44ropGeneration\x12\x12\n\ngeneration\x18\x01 \x01(\r\"\x92\x05\n\x0eSessionCommand\x12\x0e\n\x06now_us\x18\x01 \x01(\x04\x12\x34\n\tconnected\x18\x02 \x01(\x0b\x32\x1f.mqds.v1.ClientConnectedRequestH\x00\x12:\n\x0c\x64isconnected\x18\x03 \x01(\x0b\x32\".mqds.v1.ClientDisconnectedRequestH\x00\x12.\n\tsubscribe\x18\x04 \x01(\x0b\x32\x19.mqds.v1.SubscribeRequestH\x00\x12\x32\n\x0bunsubscribe\x18\x05 \x01(\x0b\x32\x1b.mqds.v1.UnsubscribeRequestH\x00\x12\"\n\x06retain\x18\x06 \x01(\x0b\x32\x10.mqds.v1.MessageH\x00\x12\"\n\x03\x61\x63k\x18\x07 \x01(\x0b\x32\x13.mqds.v1.AckRequestH\x00\x12=\n\x0f\x66orget_position\x18\x08 \x01(\x0b\x32\".mqds.v1.ForgetReadPositionRequestH\x00\x12;\n\x0estart_position\x18\t \x01(\x0b\x32!.mqds.v1.StartReadPositionRequestH\x00\x12\x37\n\x0e\x66orget_session\x18\n \x01(\x0b\x32\x1d.mqds.v1.ForgetSessionRequestH\x00\x12\x30\n\x06\x65xpire\x18\x0b \x01(\x0b\x32\x1e.mqds.server.cluster.v1.ExpireH\x00\x12\x30\n\nshare_join\x18\x0c \x01(\x0b\x32\x1a.mqds.v1.ShareGroupRequestH\x00\x12\x31\n\x0bshare_leave\x18\r \x01(\x0b\x32\x1a.mqds.v1.ShareGroupRequestH\x00\x42\x06\n\x04kind\"\x1b\n\x06\x45xpire\x12\x11\n\tmax_count\x18\x01 \x01(\r\"\xfb\x02\n\x0bMetaCommand\x12=\n\x0bset_address\x18\x01 \x01(\x0b\x32&.mqds.server.cluster.v1.SetNodeAddressH\x00\x12\x33\n\x08\x61\x64\x64_node\x18\x02 \x01(\x0b\x32\x1f.mqds.server.cluster.v1.AddNodeH\x00\x12\x39\n\tset_state\x18\x03 \x01(\x0b\x32$.mqds.server.cluster.v1.SetNodeStateH\x00\x12\x39\n\x0bremove_node\x18\x04 \x01(\x0b\x32\".mqds.server.cluster.v1.RemoveNodeH\x00\x12;\n\x0cset_replicas\x18\x05 \x01(\x0b\x32#.mqds.server.cluster.v1.SetReplicasH\x00\x12=\n\rset_retention\x18\x06 \x01(\x0b\x32$.mqds.server.cluster.v1.SetRetentionH\x00\x42\x06\n\x04kind\"8\n\x0cSetRetention\x12(\n\x06policy\x18\x01 \x01(\x0b\x32\x18.mqds.v1.RetentionPolicy\"2\n\x0eSetNodeAddress\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"+\n\x07\x41\x64\x64Node\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"B\n\x0cSetNodeState\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12!\n\x05state\x18\x02 \x01(\x0e\x32\x12.mqds.v1.NodeState\"\x1d\n\nRemoveNode\x12\x0f\n\x07node_id\x18\x01 \x01(\t\".\n\x0bSetReplicas\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x10\n\x08replicas\x18\x02 \x03(\t\"W\n\x0c\x43lusterState\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\r\x12\x15\n\rapplied_index\x18\x02 \x01(\x04\x12 \n\x03map\x18\x03 \x01(\x0b\x32\x13.mqds.v1.ClusterMapb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%mqds/server/cluster/v1/commands.proto\x12\x16mqds.server.cluster.v1\x1a\x15mqds/v1/cluster.proto\x1a\x16mqds/v1/sessions.proto\x1a\x15mqds/v1/storage.proto\"\xca\x04\n\x0cVnodeCommand\x12\x36\n\x05store\x18\x01 \x01(\x0b\x32%.mqds.server.cluster.v1.StoreMessagesH\x00\x12?\n\x0e\x61\x64\x64_generation\x18\x02 \x01(\x0b\x32%.mqds.server.cluster.v1.AddGenerationH\x00\x12\x41\n\x0f\x64rop_generation\x18\x03 \x01(\x0b\x32&.mqds.server.cluster.v1.DropGenerationH\x00\x12\x39\n\x07session\x18\x04 \x01(\x0b\x32&.mqds.server.cluster.v1.SessionCommandH\x00\x12\x41\n\x0f\x64\x65lete_messages\x18\x05 \x01(\x0b\x32&.mqds.server.cluster.v1.DeleteMessagesH\x00\x12\x41\n\x0f\x61pply_retention\x18\x06 \x01(\x0b\x32&.mqds.server.cluster.v1.ApplyRetentionH\x00\x12\x33\n\x0cimport_shard\x18\x07 \x01(\x0b\x32\x1b.mqds.v1.ImportShardRequestH\x00\x12=\n\rtrim_messages\x18\n \x01(\x0b\x32$.mqds.server.cluster.v1.TrimMessagesH\x00\x12\x41\n\x0f\x65xpire_messages\x18\x0b \x01(\x0b\x32&.mqds.server.cluster.v1.ExpireMessagesH\x00\x42\x06\n\x04kind\"3\n\x0e\x45xpireMessages\x12\x0e\n\x06now_us\x18\x01 \x01(\x04\x12\x11\n\tmax_count\x18\x02 \x01(\r\"F\n\x0cTrimMessages\x12\x36\n\x07streams\x18\x01 \x03(\x0b\x32%.mqds.server.cluster.v1.TrimmedStream\"G\n\rTrimmedStream\x12\x12\n\ngeneration\x18\x01 \x01(\r\x12\x0e\n\x06stream\x18\x02 \x01(\r\x12\x12\n\ntimestamps\x18\x03 \x03(\x04\"\x95\x01\n\x0e\x41pplyRetention\x12\x0e\n\x06now_us\x18\x01 \x01(\x04\x12(\n\x06policy\x18\x02 \x01(\x0b\x32\x18.mqds.v1.RetentionPolicy\x12\x10\n\x08\x61\x66ter_us\x18\x03 \x01(\x04\x12%\n\x06\x63ursor\x18\x04 \x01(\x0b\x32\x15.mqds.v1.DeleteCursor\x12\x10\n\x08max_keys\x18\x05 \x01(\r\"\x93\x01\n\x0e\x44\x65leteMessages\x12\x14\n\x0ctopic_filter\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x10\n\x08since_us\x18\x03 \x01(\x04\x12\x10\n\x08until_us\x18\x04 \x01(\x04\x12%\n\x06\x63ursor\x18\x05 \x01(\x0b\x32\x15.mqds.v1.DeleteCursor\x12\x10\n\x08max_keys\x18\x06 \x01(\r\"p\n\rStoreMessages\x12\"\n\x08messages\x18\x01 \x03(\x0b\x32\x10.mqds.v1.Message\x12\x13\n\x0bproducer_id\x18\x03 \x01(\t\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x0e\n\x06now_us\x18\x05 \x01(\x04J\x04\x08\x02\x10\x03\"R\n\x13VnodeCommandEncoded\x12;\n\x05store\x18\x01 \x01(\x0b\x32,.mqds.server.cluster.v1.StoreMessagesEncoded\"(\n\x14StoreMessagesEncoded\x12\x10\n\x08messages\x18\x01 \x03(\x0c\"3\n\rAddGeneration\x12\x0e\n\x06now_us\x18\x01 \x01(\x04\x12\x12\n\nif_current\x18\x02 \x01(\r\"$\n\x0e\x44ropGeneration\x12\x12\n\ngeneration\x18\x01 \x01(\r\"\xc6\x05\n\x0eSessionCommand\x12\x0e\n\x06now_us\x18\x01 \x01(\x04\x12\x34\n\tconnected\x18\x02 \x01(\x0b\x32\x1f.mqds.v1.ClientConnectedRequestH\x00\x12:\n\x0c\x64isconnected\x18\x03 \x01(\x0b\x32\".mqds.v1.ClientDisconnectedRequestH\x00\x12.\n\tsubscribe\x18\x04 \x01(\x0b\x32\x19.mqds.v1.SubscribeRequestH\x00\x12\x32\n\x0bunsubscribe\x18\x05 \x01(\x0b\x32\x1b.mqds.v1.UnsubscribeRequestH\x00\x12\"\n\x06retain\x18\x06 \x01(\x0b\x32\x10.mqds.v1.MessageH\x00\x12\"\n\x03\x61\x63k\x18\x07 \x01(\x0b\x32\x13.mqds.v1.AckRequestH\x00\x12=\n\x0f\x66orget_position\x18\x08 \x01(\x0b\x32\".mqds.v1.ForgetReadPositionRequestH\x00\x12;\n\x0estart_position\x18\t \x01(\x0b\x32!.mqds.v1.StartReadPositionRequestH\x00\x12\x37\n\x0e\x66orget_session\x18\n \x01(\x0b\x32\x1d.mqds.v1.ForgetSessionRequestH\x00\x12\x30\n\x06\x65xpire\x18\x0b \x01(\x0b\x32\x1e.mqds.server.cluster.v1.ExpireH\x00\x12\x30\n\nshare_join\x18\x0c \x01(\x0b\x32\x1a.mqds.v1.ShareGroupRequestH\x00\x12\x31\n\x0bshare_leave\x18\r \x01(\x0b\x32\x1a.mqds.v1.ShareGroupRequestH\x00\x12\x32\n\x07\x64\x65liver\x18\x0e \x01(\x0b\x32\x1f.mqds.server.cluster.v1.DeliverH\x00\x42\x06\n\x04kind\"\\\n\x07\x44\x65liver\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.mqds.v1.DeliverRequest\x12\x11\n\tmax_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cstrict_bytes\x18\x03 \x01(\x08\"\x1b\n\x06\x45xpire\x12\x11\n\tmax_count\x18\x01 \x01(\r\"\xfb\x02\n\x0bMetaCommand\x12=\n\x0bset_address\x18\x01 \x01(\x0b\x32&.mqds.server.cluster.v1.SetNodeAddressH\x00\x12\x33\n\x08\x61\x64\x64_node\x18\x02 \x01(\x0b\x32\x1f.mqds.server.cluster.v1.AddNodeH\x00\x12\x39\n\tset_state\x18\x03 \x01(\x0b\x32$.mqds.server.cluster.v1.SetNodeStateH\x00\x12\x39\n\x0bremove_node\x18\x04 \x01(\x0b\x32\".mqds.server.cluster.v1.RemoveNodeH\x00\x12;\n\x0cset_replicas\x18\x05 \x01(\x0b\x32#.mqds.server.cluster.v1.SetReplicasH\x00\x12=\n\rset_retention\x18\x06 \x01(\x0b\x32$.mqds.server.cluster.v1.SetRetentionH\x00\x42\x06\n\x04kind\"8\n\x0cSetRetention\x12(\n\x06policy\x18\x01 \x01(\x0b\x32\x18.mqds.v1.RetentionPolicy\"2\n\x0eSetNodeAddress\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"+\n\x07\x41\x64\x64Node\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"B\n\x0cSetNodeState\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12!\n\x05state\x18\x02 \x01(\x0e\x32\x12.mqds.v1.NodeState\"\x1d\n\nRemoveNode\x12\x0f\n\x07node_id\x18\x01 \x01(\t\".\n\x0bSetReplicas\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x10\n\x08replicas\x18\x02 \x03(\t\"W\n\x0c\x43lusterState\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\r\x12\x15\n\rapplied_index\x18\x02 \x01(\x04\x12 \n\x03map\x18\x03 \x01(\x0b\x32\x13.mqds.v1.ClusterMapb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,39 +35,47 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mqds.server.cluster.v1.comm
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VNODECOMMAND']._serialized_start=136
-  _globals['_VNODECOMMAND']._serialized_end=592
-  _globals['_APPLYRETENTION']._serialized_start=595
-  _globals['_APPLYRETENTION']._serialized_end=744
-  _globals['_DELETEMESSAGES']._serialized_start=747
-  _globals['_DELETEMESSAGES']._serialized_end=894
-  _globals['_STOREMESSAGES']._serialized_start=896
-  _globals['_STOREMESSAGES']._serialized_end=1008
-  _globals['_VNODECOMMANDENCODED']._serialized_start=1010
-  _globals['_VNODECOMMANDENCODED']._serialized_end=1092
-  _globals['_STOREMESSAGESENCODED']._serialized_start=1094
-  _globals['_STOREMESSAGESENCODED']._serialized_end=1134
-  _globals['_ADDGENERATION']._serialized_start=1136
-  _globals['_ADDGENERATION']._serialized_end=1187
-  _globals['_DROPGENERATION']._serialized_start=1189
-  _globals['_DROPGENERATION']._serialized_end=1225
-  _globals['_SESSIONCOMMAND']._serialized_start=1228
-  _globals['_SESSIONCOMMAND']._serialized_end=1886
-  _globals['_EXPIRE']._serialized_start=1888
-  _globals['_EXPIRE']._serialized_end=1915
-  _globals['_METACOMMAND']._serialized_start=1918
-  _globals['_METACOMMAND']._serialized_end=2297
-  _globals['_SETRETENTION']._serialized_start=2299
-  _globals['_SETRETENTION']._serialized_end=2355
-  _globals['_SETNODEADDRESS']._serialized_start=2357
-  _globals['_SETNODEADDRESS']._serialized_end=2407
-  _globals['_ADDNODE']._serialized_start=2409
-  _globals['_ADDNODE']._serialized_end=2452
-  _globals['_SETNODESTATE']._serialized_start=2454
-  _globals['_SETNODESTATE']._serialized_end=2520
-  _globals['_REMOVENODE']._serialized_start=2522
-  _globals['_REMOVENODE']._serialized_end=2551
-  _globals['_SETREPLICAS']._serialized_start=2553
-  _globals['_SETREPLICAS']._serialized_end=2599
-  _globals['_CLUSTERSTATE']._serialized_start=2601
-  _globals['_CLUSTERSTATE']._serialized_end=2688
+  _globals['_VNODECOMMAND']._serialized_end=722
+  _globals['_EXPIREMESSAGES']._serialized_start=724
+  _globals['_EXPIREMESSAGES']._serialized_end=775
+  _globals['_TRIMMESSAGES']._serialized_start=777
+  _globals['_TRIMMESSAGES']._serialized_end=847
+  _globals['_TRIMMEDSTREAM']._serialized_start=849
+  _globals['_TRIMMEDSTREAM']._serialized_end=920
+  _globals['_APPLYRETENTION']._serialized_start=923
+  _globals['_APPLYRETENTION']._serialized_end=1072
+  _globals['_DELETEMESSAGES']._serialized_start=1075
+  _globals['_DELETEMESSAGES']._serialized_end=1222
+  _globals['_STOREMESSAGES']._serialized_start=1224
+  _globals['_STOREMESSAGES']._serialized_end=1336
+  _globals['_VNODECOMMANDENCODED']._serialized_start=1338
+  _globals['_VNODECOMMANDENCODED']._serialized_end=1420
+  _globals['_STOREMESSAGESENCODED']._serialized_start=1422
+  _globals['_STOREMESSAGESENCODED']._serialized_end=1462
+  _globals['_ADDGENERATION']._serialized_start=1464
+  _globals['_ADDGENERATION']._serialized_end=1515
+  _globals['_DROPGENERATION']._serialized_start=1517
+  _globals['_DROPGENERATION']._serialized_end=1553
+  _globals['_SESSIONCOMMAND']._serialized_start=1556
+  _globals['_SESSIONCOMMAND']._serialized_end=2266
+  _globals['_DELIVER']._serialized_start=2268
+  _globals['_DELIVER']._serialized_end=2360
+  _globals['_EXPIRE']._serialized_start=2362
+  _globals['_EXPIRE']._serialized_end=2389
+  _globals['_METACOMMAND']._serialized_start=2392
+  _globals['_METACOMMAND']._serialized_end=2771
+  _globals['_SETRETENTION']._serialized_start=2773
+  _globals['_SETRETENTION']._serialized_end=2829
+  _globals['_SETNODEADDRESS']._serialized_start=2831
+  _globals['_SETNODEADDRESS']._serialized_end=2881
+  _globals['_ADDNODE']._serialized_start=2883
+  _globals['_ADDNODE']._serialized_end=2926
+  _globals['_SETNODESTATE']._serialized_start=2928
+  _globals['_SETNODESTATE']._serialized_end=2994
+  _globals['_REMOVENODE']._serialized_start=2996
+  _globals['_REMOVENODE']._serialized_end=3025
+  _globals['_SETREPLICAS']._serialized_start=3027
+  _globals['_SETREPLICAS']._serialized_end=3073
+  _globals['_CLUSTERSTATE']._serialized_start=3075
+  _globals['_CLUSTERSTATE']._serialized_end=3162
 # @@protoc_insertion_point(module_scope)

@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VnodeCommand(_message.Message):
-    __slots__ = ("store", "add_generation", "drop_generation", "session", "delete_messages", "apply_retention", "import_shard")
+    __slots__ = ("store", "add_generation", "drop_generation", "session", "delete_messages", "apply_retention", "import_shard", "trim_messages", "expire_messages")
     STORE_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_FIELD_NUMBER: _ClassVar[int]
     DROP_GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,8 @@ class VnodeCommand(_message.Message):
     DELETE_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     APPLY_RETENTION_FIELD_NUMBER: _ClassVar[int]
     IMPORT_SHARD_FIELD_NUMBER: _ClassVar[int]
+    TRIM_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     store: StoreMessages
     add_generation: AddGeneration
     drop_generation: DropGeneration
@@ -25,7 +27,33 @@ class VnodeCommand(_message.Message):
     delete_messages: DeleteMessages
     apply_retention: ApplyRetention
     import_shard: _storage_pb2.ImportShardRequest
-    def __init__(self, store: _Optional[_Union[StoreMessages, _Mapping]] = ..., add_generation: _Optional[_Union[AddGeneration, _Mapping]] = ..., drop_generation: _Optional[_Union[DropGeneration, _Mapping]] = ..., session: _Optional[_Union[SessionCommand, _Mapping]] = ..., delete_messages: _Optional[_Union[DeleteMessages, _Mapping]] = ..., apply_retention: _Optional[_Union[ApplyRetention, _Mapping]] = ..., import_shard: _Optional[_Union[_storage_pb2.ImportShardRequest, _Mapping]] = ...) -> None: ...
+    trim_messages: TrimMessages
+    expire_messages: ExpireMessages
+    def __init__(self, store: _Optional[_Union[StoreMessages, _Mapping]] = ..., add_generation: _Optional[_Union[AddGeneration, _Mapping]] = ..., drop_generation: _Optional[_Union[DropGeneration, _Mapping]] = ..., session: _Optional[_Union[SessionCommand, _Mapping]] = ..., delete_messages: _Optional[_Union[DeleteMessages, _Mapping]] = ..., apply_retention: _Optional[_Union[ApplyRetention, _Mapping]] = ..., import_shard: _Optional[_Union[_storage_pb2.ImportShardRequest, _Mapping]] = ..., trim_messages: _Optional[_Union[TrimMessages, _Mapping]] = ..., expire_messages: _Optional[_Union[ExpireMessages, _Mapping]] = ...) -> None: ...
+
+class ExpireMessages(_message.Message):
+    __slots__ = ("now_us", "max_count")
+    NOW_US_FIELD_NUMBER: _ClassVar[int]
+    MAX_COUNT_FIELD_NUMBER: _ClassVar[int]
+    now_us: int
+    max_count: int
+    def __init__(self, now_us: _Optional[int] = ..., max_count: _Optional[int] = ...) -> None: ...
+
+class TrimMessages(_message.Message):
+    __slots__ = ("streams",)
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    streams: _containers.RepeatedCompositeFieldContainer[TrimmedStream]
+    def __init__(self, streams: _Optional[_Iterable[_Union[TrimmedStream, _Mapping]]] = ...) -> None: ...
+
+class TrimmedStream(_message.Message):
+    __slots__ = ("generation", "stream", "timestamps")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMPS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    stream: int
+    timestamps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, generation: _Optional[int] = ..., stream: _Optional[int] = ..., timestamps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ApplyRetention(_message.Message):
     __slots__ = ("now_us", "policy", "after_us", "cursor", "max_keys")
@@ -96,7 +124,7 @@ class DropGeneration(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class SessionCommand(_message.Message):
-    __slots__ = ("now_us", "connected", "disconnected", "subscribe", "unsubscribe", "retain", "ack", "forget_position", "start_position", "forget_session", "expire", "share_join", "share_leave")
+    __slots__ = ("now_us", "connected", "disconnected", "subscribe", "unsubscribe", "retain", "ack", "forget_position", "start_position", "forget_session", "expire", "share_join", "share_leave", "deliver")
     NOW_US_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     DISCONNECTED_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +138,7 @@ class SessionCommand(_message.Message):
     EXPIRE_FIELD_NUMBER: _ClassVar[int]
     SHARE_JOIN_FIELD_NUMBER: _ClassVar[int]
     SHARE_LEAVE_FIELD_NUMBER: _ClassVar[int]
+    DELIVER_FIELD_NUMBER: _ClassVar[int]
     now_us: int
     connected: _sessions_pb2.ClientConnectedRequest
     disconnected: _sessions_pb2.ClientDisconnectedRequest
@@ -123,7 +152,18 @@ class SessionCommand(_message.Message):
     expire: Expire
     share_join: _sessions_pb2.ShareGroupRequest
     share_leave: _sessions_pb2.ShareGroupRequest
-    def __init__(self, now_us: _Optional[int] = ..., connected: _Optional[_Union[_sessions_pb2.ClientConnectedRequest, _Mapping]] = ..., disconnected: _Optional[_Union[_sessions_pb2.ClientDisconnectedRequest, _Mapping]] = ..., subscribe: _Optional[_Union[_sessions_pb2.SubscribeRequest, _Mapping]] = ..., unsubscribe: _Optional[_Union[_sessions_pb2.UnsubscribeRequest, _Mapping]] = ..., retain: _Optional[_Union[_storage_pb2.Message, _Mapping]] = ..., ack: _Optional[_Union[_sessions_pb2.AckRequest, _Mapping]] = ..., forget_position: _Optional[_Union[_sessions_pb2.ForgetReadPositionRequest, _Mapping]] = ..., start_position: _Optional[_Union[_sessions_pb2.StartReadPositionRequest, _Mapping]] = ..., forget_session: _Optional[_Union[_sessions_pb2.ForgetSessionRequest, _Mapping]] = ..., expire: _Optional[_Union[Expire, _Mapping]] = ..., share_join: _Optional[_Union[_sessions_pb2.ShareGroupRequest, _Mapping]] = ..., share_leave: _Optional[_Union[_sessions_pb2.ShareGroupRequest, _Mapping]] = ...) -> None: ...
+    deliver: Deliver
+    def __init__(self, now_us: _Optional[int] = ..., connected: _Optional[_Union[_sessions_pb2.ClientConnectedRequest, _Mapping]] = ..., disconnected: _Optional[_Union[_sessions_pb2.ClientDisconnectedRequest, _Mapping]] = ..., subscribe: _Optional[_Union[_sessions_pb2.SubscribeRequest, _Mapping]] = ..., unsubscribe: _Optional[_Union[_sessions_pb2.UnsubscribeRequest, _Mapping]] = ..., retain: _Optional[_Union[_storage_pb2.Message, _Mapping]] = ..., ack: _Optional[_Union[_sessions_pb2.AckRequest, _Mapping]] = ..., forget_position: _Optional[_Union[_sessions_pb2.ForgetReadPositionRequest, _Mapping]] = ..., start_position: _Optional[_Union[_sessions_pb2.StartReadPositionRequest, _Mapping]] = ..., forget_session: _Optional[_Union[_sessions_pb2.ForgetSessionRequest, _Mapping]] = ..., expire: _Optional[_Union[Expire, _Mapping]] = ..., share_join: _Optional[_Union[_sessions_pb2.ShareGroupRequest, _Mapping]] = ..., share_leave: _Optional[_Union[_sessions_pb2.ShareGroupRequest, _Mapping]] = ..., deliver: _Optional[_Union[Deliver, _Mapping]] = ...) -> None: ...
+
+class Deliver(_message.Message):
+    __slots__ = ("request", "max_bytes", "strict_bytes")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STRICT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request: _sessions_pb2.DeliverRequest
+    max_bytes: int
+    strict_bytes: bool
+    def __init__(self, request: _Optional[_Union[_sessions_pb2.DeliverRequest, _Mapping]] = ..., max_bytes: _Optional[int] = ..., strict_bytes: _Optional[bool] = ...) -> None: ...
 
 class Expire(_message.Message):
     __slots__ = ("max_count",)
