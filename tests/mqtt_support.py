@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +79,15 @@ class BrokerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[BrokerProcess]:
+        """Started, and killed at the end (a test module's broker)."""
+        try:
+            self.start()
+            yield self
+        finally:
+            self.kill()
 
 
 Received = tuple[str, bytes, int, bool]  # topic, payload, qos, retain

@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from mqds.broker.catalogue import Mode
 from mqds.client.model import Message
 
-__all__ = ["Delivery", "check_clientid", "check_qos", "real_filter"]
+__all__ = ["SHARED_PREFIXES", "Delivery", "check_clientid", "check_qos", "real_filter"]
+
+SHARED_PREFIXES = ("$share/", "$queue/")
+"""The prefixes of shared subscriptions' filters (``$share/<group>/<filter>``, EMQX's ``$queue/<filter>``)."""
 
 
 @dataclass(frozen=True)

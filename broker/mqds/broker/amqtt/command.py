@@ -20,6 +20,7 @@ from typing import Any
 
 from mqds.cli.console import EXIT_OK, EXIT_USAGE, CommandError, connection
 from mqds.client.connection import parse_endpoints
+from mqds.protocol.share_groups import MAX_LEASE_S
 
 PLUGIN = "mqds.broker.amqtt_plugin.MqdsPlugin"
 AUTH_PLUGIN = "amqtt.plugins.authentication.AnonymousAuthPlugin"
@@ -51,6 +52,13 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _lease(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_LEASE_S:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_LEASE_S}")
     return value
 
 
@@ -107,6 +115,8 @@ def broker_config(opts: argparse.Namespace) -> dict[str, Any]:
         "queue_backoff_ms": opts.queue_backoff_ms,
         "queue_max_unacked": opts.queue_max_unacked,
         "queue_dead_letter_topic": opts.queue_dead_letter_topic,
+        "shared_poll_ms": opts.shared_poll_ms,
+        "shared_lease_s": opts.shared_lease_s,
     }
     # The mqds plugin's own entry (if the file had one) is replaced by the command line's.
     config["plugins"] = {name: cfg for name, cfg in config["plugins"].items() if name != PLUGIN} | {PLUGIN: plugin}
@@ -303,6 +313,29 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], connectio
         metavar="TOPIC",
         help="where a message goes after its last delivery (a topic without wildcards, with the original topic, "
         "the delivery count and the reader as user properties); default: it is just not delivered again",
+    )
+    shared = broker.add_argument_group(
+        "shared subscriptions",
+        "$share/<group>/<filter> (and $queue/<filter>, the group $queue): each connection is a member of the "
+        "cluster's share group, and each stored message (QoS 1/2, under a rule that stores it) goes to one "
+        "member; with queue redelivery on, the --queue-* settings above govern it too (one the member does "
+        "not PUBACK goes to a member again after the ack wait, at once when its connection closed)",
+    )
+    shared.add_argument(
+        "--shared-poll-ms",
+        type=_positive,
+        default=500,
+        metavar="MS",
+        help="how often a member fetches when no publish this broker stored woke it: the latency of messages "
+        "stored through other brokers and of redeliveries that came due (default 500)",
+    )
+    shared.add_argument(
+        "--shared-lease-s",
+        type=_lease,
+        default=30,
+        metavar="S",
+        help="a member's lease in its group, renewed every half of it; the shards of a broker that stopped "
+        "without leaving go to the other members this long after (1 to 3600; default 30)",
     )
     broker.add_argument("-v", "--verbose", action="store_true", help="log amqtt's and the plugin's activity (INFO)")
     broker.set_defaults(run=run_broker)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from mqds.broker.amqtt.internals import NEW_IN_AMQTT
+from mqds.broker.subscriptions import SHARED_PREFIXES
 from mqds.client.model import Message
 from mqds.protocol.topics import matches
 
@@ -34,8 +35,6 @@ _SEEN_LIMIT = 65_536
 _ACK_CONCURRENCY = 16
 SLOW_ITEM_S = 5.0
 """A connection's item (connect, subscribe, close...) that takes longer is logged: what comes after it waits."""
-SHARED_PREFIXES = ("$share/", "$queue/")
-"""Shared subscriptions' filters: amqtt has none, so the plugin refuses them (SUBACK 0x80) and skips such proxies."""
 
 
 class _Window(Protocol):
@@ -270,7 +269,10 @@ class _Connection:
         for topic_filter, qos in proxies.items():
             if topic_filter.startswith(SHARED_PREFIXES):
                 log.warning(
-                    "client %s: shared subscription %r not applied (amqtt has none)", self.clientid, topic_filter
+                    "client %s: stored shared subscription %r not applied (shared subscriptions last as long as "
+                    "the broker keeps the session)",
+                    self.clientid,
+                    topic_filter,
                 )
                 continue
             await self.plugin.broker_context.add_subscription(self.clientid, topic_filter, qos)
@@ -280,6 +282,8 @@ class _Connection:
         for topic_filter, qos in self.plugin.amqtt_subscriptions(self.clientid).items():
             if not self.open:
                 return
+            if topic_filter.startswith(SHARED_PREFIXES):
+                continue  # a member of its share group again (the plugin's SharedMembers.resume)
             await self._subscribed(topic_filter, qos, send_retained=topic_filter not in had)
 
     async def _subscribed(self, topic_filter: str, qos: int, *, send_retained: bool) -> None:

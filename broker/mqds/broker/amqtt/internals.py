@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from mqds.broker.amqtt.puback import PublishAcks, StoreWaits
+from mqds.broker.subscriptions import SHARED_PREFIXES
 
 if TYPE_CHECKING:
     from amqtt.broker import Broker
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from amqtt.session import ApplicationMessage, Session
 
     from mqds.broker.actions import BrokerHooks
+    from mqds.broker.amqtt.shared import SharedMembers
 
 log = logging.getLogger("mqds.broker.amqtt")
 
@@ -63,6 +65,11 @@ class _Plugin(Protocol):
 
     @property
     def store_waits(self) -> StoreWaits: ...
+
+    @property
+    def shared(self) -> SharedMembers: ...
+
+    def amqtt_subscriptions(self, clientid: str) -> dict[str, int]: ...
 
     def await_store(self, message: ApplicationMessage) -> asyncio.Future[bool] | None: ...
 
@@ -136,8 +143,13 @@ class AmqttInternals:
         async def handle_subscription(
             client_session: Session, handler: BrokerProtocolHandler, subscribe_waiter: asyncio.Future[Any]
         ) -> None:
+            await self._begin_shared(client_session, handler, subscribe_waiter)
             await self._begin_subscriptions(client_session, subscribe_waiter)
             await subscription_handling(client_session, handler, subscribe_waiter)
+            if subscribe_waiter.exception() is None and client_session.client_id:
+                # The shared subscriptions amqtt granted are served from now on; the refused ones leave.
+                granted = set(self.plugin.amqtt_subscriptions(client_session.client_id))
+                await self.plugin.shared.confirm(client_session.client_id, granted)
 
         async def client_message_loop(client_session: Session, handler: BrokerProtocolHandler) -> None:
             left: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -162,6 +174,18 @@ class AmqttInternals:
             broker._handle_message_delivery = handle_message_delivery  # type: ignore[method-assign]
         broker._mqds_keeps_acknowledged = True  # type: ignore[attr-defined]
 
+    async def _begin_shared(
+        self, session: Session, handler: BrokerProtocolHandler, subscribe_waiter: asyncio.Future[Any]
+    ) -> None:
+        """Before amqtt sends SUBACK to any session: each new shared subscription's member joins its share group,
+        so what is published after SUBACK is the group's (``SharedMembers.begin``; started after SUBACK)."""
+        if not session.client_id or subscribe_waiter.exception() is not None:
+            return
+        topics = getattr(subscribe_waiter.result(), "topics", [])
+        shared = [(f, q) for f, q in topics if isinstance(f, str) and f.startswith(SHARED_PREFIXES)]
+        if shared:
+            await self.plugin.shared.begin(session, handler, shared)
+
     async def _begin_subscriptions(self, session: Session, subscribe_waiter: asyncio.Future[Any]) -> None:
         """Before amqtt sends SUBACK to a persistent session: its new subscriptions start now, in mqds and live.
 
@@ -175,7 +199,11 @@ class AmqttInternals:
         clientid = session.client_id
         if session.clean_session is not False or not clientid or subscribe_waiter.exception() is not None:
             return
-        topics = [(f, q) for f, q in getattr(subscribe_waiter.result(), "topics", []) if isinstance(f, str) and f]
+        topics = [
+            (f, q)
+            for f, q in getattr(subscribe_waiter.result(), "topics", [])
+            if isinstance(f, str) and f and not f.startswith(SHARED_PREFIXES)  # shared: _begin_shared
+        ]
         connection = self.plugin.connections.get(clientid)
         if connection is not None and connection.open:
             for topic_filter, qos in topics:

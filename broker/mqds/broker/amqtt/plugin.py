@@ -37,7 +37,6 @@ from amqtt.plugins.base import BaseTopicPlugin
 from mqds.broker.actions import BrokerHooks
 from mqds.broker.amqtt import protocol
 from mqds.broker.amqtt.delivery import (
-    SHARED_PREFIXES,
     SLOW_ITEM_S,
     _Connect,
     _Connection,
@@ -47,13 +46,16 @@ from mqds.broker.amqtt.delivery import (
 )
 from mqds.broker.amqtt.internals import AmqttInternals
 from mqds.broker.amqtt.puback import StoreWaits
+from mqds.broker.amqtt.shared import SharedMembers, shared_filter
 from mqds.broker.amqtt.writer import _Writers
 from mqds.broker.hooks import load_config, parse_config
+from mqds.broker.subscriptions import SHARED_PREFIXES
 from mqds.client import aio
 from mqds.client.connection import ConnectionSettings
 from mqds.client.model import Message
 from mqds.protocol.delivery import Policy
 from mqds.protocol.errors import MqdsError
+from mqds.protocol.share_groups import MAX_LEASE_S
 
 if TYPE_CHECKING:
     from amqtt.broker import Broker
@@ -129,6 +131,14 @@ def redelivery_policy(config: Any) -> Policy | None:
         raise ValueError(f"queue redelivery: {err.message}") from None
 
 
+def check_shared_settings(config: Any) -> None:
+    """Refuse (ValueError, saying what is wrong) shared-subscription settings out of bounds, at start."""
+    if int(config.shared_poll_ms) < 1:
+        raise ValueError(f"shared_poll_ms {config.shared_poll_ms}: at least 1 (milliseconds)")
+    if not 1 <= int(config.shared_lease_s) <= MAX_LEASE_S:
+        raise ValueError(f"shared_lease_s {config.shared_lease_s}: a member's lease is 1 to {MAX_LEASE_S} seconds")
+
+
 class MqdsPlugin(BaseTopicPlugin):
     """amqtt broker plugin: stores, replays and acknowledges through mqds (see ``mqds/broker/DESIGN.md``)."""
 
@@ -173,6 +183,12 @@ class MqdsPlugin(BaseTopicPlugin):
         """The most queue messages of one reader delivered and not acknowledged, per shard."""
         queue_dead_letter_topic: str = ""
         """Where a queue message goes after its last delivery (a topic); empty: it is just not delivered again."""
+        shared_poll_ms: int = 500
+        """How often a shared subscription's member fetches when nothing woke it (a publish this broker stored
+        wakes it at once): the latency of messages stored through other brokers and of redeliveries due."""
+        shared_lease_s: int = 30
+        """A shared subscription member's lease in its share group (renewed every half of it): a broker that
+        stops without leaving loses its members' shards to the others this long after."""
 
     def __init__(self, context: BaseContext) -> None:
         super().__init__(context)
@@ -183,7 +199,9 @@ class MqdsPlugin(BaseTopicPlugin):
         rules = load_config(self.config.hooks) if self.config.hooks else DEFAULT_RULES
         self.client: aio.Client = aio.Client(self.config.endpoints, settings=settings_from(self.config))
         self.node: str = self.config.node or rules.node or socket.gethostname()
-        self.hooks: BrokerHooks = BrokerHooks(self.client, rules, self.node, redelivery=redelivery_policy(self.config))
+        self.redelivery: Policy | None = redelivery_policy(self.config)
+        check_shared_settings(self.config)
+        self.hooks: BrokerHooks = BrokerHooks(self.client, rules, self.node, redelivery=self.redelivery)
         self.stats: collections.Counter[str] = collections.Counter()
         self.started_at: float = time.monotonic()
         # The clients' current connections (persistent sessions get their stored messages through them).
@@ -193,6 +211,8 @@ class MqdsPlugin(BaseTopicPlugin):
         # Incoming publishes whose PUBACK/PUBREC waits for their store (see mqds.broker.amqtt.puback).
         self.store_waits: StoreWaits = StoreWaits()
         self._internals: AmqttInternals = AmqttInternals(self)
+        # Shared subscriptions ($share/<group>/<filter>, $queue/<filter>): members of the cluster's share groups.
+        self.shared: SharedMembers = SharedMembers(self)
 
     # -- amqtt's broker ----------------------------------------------------------------
 
@@ -262,18 +282,20 @@ class MqdsPlugin(BaseTopicPlugin):
         self, *, session: Session | None = None, topic: str | None = None, action: Action | None = None
     ) -> bool:
         """Refuse amqtt's own delivery of stored topics to persistent sessions (the plugin sends those), and
-        shared subscriptions (SUBACK 0x80: amqtt has none, it would take the filter as a plain one)."""
+        malformed shared subscriptions (SUBACK 0x80); the plugin serves the others (``shared.py``)."""
         if action == Action.RECEIVE and session is not None and topic is not None:
             return not (session.clean_session is False and self.served_from_mqds(topic))
         if action == Action.SUBSCRIBE and topic is not None and topic.startswith(SHARED_PREFIXES):
-            self.count("shared_refused")
-            log.warning(
-                "client %s: shared subscription %r refused (SUBACK 0x80): mqds broker does not serve "
-                "$share/ or $queue/ filters yet; use a plain filter, or mqds.client.SharedSubscription",
-                session.client_id if session is not None else "?",
-                topic,
-            )
-            return False
+            try:
+                shared_filter(topic)
+            except ValueError as err:
+                self.count("shared_refused")
+                log.warning(
+                    "client %s: shared subscription refused (SUBACK 0x80): %s",
+                    session.client_id if session is not None else "?",
+                    err,
+                )
+                return False
         return True
 
     # -- broker life cycle ------------------------------------------------------------
@@ -299,6 +321,7 @@ class MqdsPlugin(BaseTopicPlugin):
 
     async def on_broker_pre_shutdown(self) -> None:
         """Finish every connection (acknowledgements, disconnect records) and the stores in progress."""
+        await self.shared.close()  # shared members give back what they sent unacknowledged and leave
         for connection in list(self.connections.values()):
             connection.close(record=True)
         pending = [c.task for c in self.connections.values()] + list(self._publishing)
@@ -324,6 +347,8 @@ class MqdsPlugin(BaseTopicPlugin):
         connection.put(_Connect())
         self.count("connections")
         connection.task.add_done_callback(lambda _: self._forget(client_id, connection))
+        if handler is not None:  # a persistent session's shared subscriptions amqtt kept: members again
+            await self.shared.resume(client_session, handler, self.amqtt_subscriptions(client_id))
 
     def _forget(self, clientid: str, connection: _Connection) -> None:
         if self.connections.get(clientid) is connection:
@@ -342,6 +367,7 @@ class MqdsPlugin(BaseTopicPlugin):
         # A late event of a connection a newer one replaced names a handler that is no longer the client's.
         if connection is not None and (connection.handler is handler or handler is None):
             connection.close(record=True)
+            await self.shared.disconnected(client_id)
         sent_disconnect = client_session.attributes.pop(_SENT_DISCONNECT, False)
         if client_session.will_flag and client_session.will_topic and not sent_disconnect:
             if connection is not None and connection.handler is handler:
@@ -359,6 +385,8 @@ class MqdsPlugin(BaseTopicPlugin):
             await self._route(will)
 
     async def on_broker_client_subscribed(self, *, client_id: str, topic: str, qos: int) -> None:
+        if topic.startswith(SHARED_PREFIXES):
+            return  # a member of its share group (begin_shared), not a subscription of the session's
         connection = self.connections.get(client_id)
         if connection is not None and connection.open:
             # Live from now: what is stored before the subscription's read position starts (when the
@@ -367,6 +395,9 @@ class MqdsPlugin(BaseTopicPlugin):
             connection.put(_Subscribe(topic, qos))
 
     async def on_broker_client_unsubscribed(self, *, client_id: str, topic: str) -> None:
+        if topic.startswith(SHARED_PREFIXES):
+            await self.shared.unsubscribed(client_id, topic)  # gives back what it sent unacknowledged, leaves
+            return
         connection = self.connections.get(client_id)
         if connection is not None and connection.open:
             connection.active.pop(topic, None)
@@ -439,7 +470,10 @@ class MqdsPlugin(BaseTopicPlugin):
         return stored
 
     def hand_on(self, message: Message, stored: bool) -> None:
-        """Queue a routed message for the persistent sessions subscribed to it (amqtt left them to us)."""
+        """Queue a routed message for the persistent sessions subscribed to it (amqtt left them to us), and wake
+        the shared subscriptions' members it is for."""
+        if stored:
+            self.shared.wake(message.topic)
         if not self.served_from_mqds(message.topic):
             return
         for connection in self.connections.values():
@@ -479,8 +513,11 @@ class MqdsPlugin(BaseTopicPlugin):
                 f"queue redelivery: {redelivery['redelivered']} redelivered, {redelivery['nacked']} given back, "
                 f"{redelivery['dead_lettered']} dead-lettered"
             )
-        if s["shared_refused"]:
-            parts.append(f"{s['shared_refused']} shared subscriptions refused (not served yet)")
+        if s["shared_members"] or s["shared_refused"]:
+            parts.append(
+                f"shared subscriptions: {s['shared_members']} members, {s['delivered_shared']} delivered, "
+                f"{s['shared_given_back']} given back unacknowledged, {s['shared_refused']} malformed refused"
+            )
         if s["errors"]:
             parts.append(f"{s['errors']} errors (see the log)")
         if s["slow_items"]:
