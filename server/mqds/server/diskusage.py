@@ -255,16 +255,12 @@ class DiskUsage:
         logged = self._logged()
         data = usage.data_bytes + GROWTH_FACTOR * (logged - self._logged_at_walk)
         free = usage.free_bytes - GROWTH_FACTOR * (logged - self._logged_at_free)
-        pending = usage.rocksdb_log_bytes
-        quota, floor = self.quota_bytes, self.min_free_bytes
-        if (not quota or data + pending < quota) and (not floor or free - pending >= floor):
+        why = self._over(data, free, usage.rocksdb_log_bytes, resume=False)
+        if why is None:
             return None
         with self._switch:
             if self.refusal is not None:
                 return self.refusal
-            why = self._over(dataclasses.replace(usage, data_bytes=data, free_bytes=free), resume=False)
-            if why is None:
-                return None
             self._begin_refusing(f"{why}, by the last measurement and what its Raft log took since")
         if self._refusing is not None:
             self._refusing()
@@ -275,7 +271,7 @@ class DiskUsage:
         with self._switch:
             self.usage = usage
             refusing = self.refusal is not None
-            why = self._over(usage, resume=refusing)
+            why = self._over(usage.data_bytes, usage.free_bytes, usage.rocksdb_log_bytes, resume=refusing)
             if why is not None and not refusing:
                 self._begin_refusing(why)
             else:
@@ -289,27 +285,28 @@ class DiskUsage:
         log.warning("refusing writes that add data: %s", why)
         self.refusal = why
 
-    def _over(self, usage: Usage, resume: bool) -> str | None:
-        """Why ``usage`` is past a limit (None: it is not); ``resume`` asks for the margin below the limits."""
+    def _over(self, data_bytes: int, free_bytes: int, pending: int, resume: bool) -> str | None:
+        """Why a data directory of ``data_bytes`` on a disk with ``free_bytes`` free, ``pending`` bytes of RocksDB
+        logs to flush, is past a limit (None: it is not); ``resume`` asks for the margin below the limits."""
         quota, floor = self.quota_bytes, self.min_free_bytes
         quota_line = quota * RESUME_FRACTION if resume else quota
         floor_line = floor / RESUME_FRACTION if resume else floor
         # A flush writes what a RocksDB log holds to a table file before the log goes: it counts as taken.
-        pending = usage.rocksdb_log_bytes
+        over_quota = bool(quota) and data_bytes + pending >= quota_line
+        if not over_quota and not (floor and free_bytes - pending < floor_line):
+            return None  # asked of every proposed command: nothing formatted
         flushing = f" (and {format_size(pending)} of RocksDB logs to flush)" if pending else ""
-        if quota and usage.data_bytes + pending >= quota_line:
+        if over_quota:
             return (
-                f"node {self.node_id}'s data directory holds {format_size(usage.data_bytes)}{flushing}, "
-                f"{'not yet below 95% of ' if resume and usage.data_bytes + pending < quota else ''}its quota of "
+                f"node {self.node_id}'s data directory holds {format_size(data_bytes)}{flushing}, "
+                f"{'not yet below 95% of ' if resume and data_bytes + pending < quota else ''}its quota of "
                 f"{format_size(quota)} (disk_quota_bytes)"
             )
-        if floor and usage.free_bytes - pending < floor_line:
-            return (
-                f"node {self.node_id}'s disk has {format_size(usage.free_bytes)} free{flushing}, "
-                f"{'not yet 5% above' if resume and usage.free_bytes - pending >= floor else 'below'} its floor of "
-                f"{format_size(floor)} (disk_min_free_bytes)"
-            )
-        return None
+        return (
+            f"node {self.node_id}'s disk has {format_size(free_bytes)} free{flushing}, "
+            f"{'not yet 5% above' if resume and free_bytes - pending >= floor else 'below'} its floor of "
+            f"{format_size(floor)} (disk_min_free_bytes)"
+        )
 
     def _describe(self, usage: Usage) -> str:
         return (
